@@ -1,0 +1,72 @@
+"""flextensor: one pinned copy of a model's weights per host, shared by every worker process.
+
+The public API (``import flextensor as ft``) is resolved lazily (PEP 562): ``import flextensor.shm`` and the
+``ftd`` daemon must not pay for importing torch and the engine, and multi-process tests start faster.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY: dict[str, str] = {
+    # configuration
+    "OffloadConfig": "flextensor.config",
+    "load_config": "flextensor.config_loading",
+    "load_config_from_env": "flextensor.config_loading",
+    "load_config_from_file": "flextensor.config_loading",
+    # simplified API
+    "DEFAULT_MANAGER_NAME": "flextensor.api",
+    "init": "flextensor.api",
+    "offload": "flextensor.api",
+    "get_offload_manager": "flextensor.api",
+    "set_config": "flextensor.api",
+    "offload_block": "flextensor.api",
+    "get_gpu_memory_usage": "flextensor.api",
+    "save_profile": "flextensor.api",
+    "load_profile": "flextensor.api",
+    "offload_from_profile": "flextensor.api",
+    "release": "flextensor.api",
+    "clear_profiling_durations": "flextensor.api",
+    "suspend_profiling": "flextensor.api",
+    "resume_profiling": "flextensor.api",
+    "pause_profiling": "flextensor.api",
+    "collect_offload_timing": "flextensor.api",
+    "reset_offload_timing": "flextensor.api",
+    "format_offload_timing_table": "flextensor.api",
+    # engine
+    "OffloadManager": "flextensor.manager",
+    "GPUMemoryUsage": "flextensor.manager",
+    "Phase": "flextensor.manager",
+    "KnapsackStrategy": "flextensor.strategies",
+    "GreedyStrategy": "flextensor.strategies",
+    "NthLayerStrategy": "flextensor.strategies",
+    "AdaptiveStrategy": "flextensor.strategies",
+    "BudgetFillStrategy": "flextensor.strategies",
+    "OffloadTimingReport": "flextensor.timing",
+    "OffloadTimingSnapshot": "flextensor.timing",
+    "TrapTimingRecord": "flextensor.timing",
+    "TrapTimingStats": "flextensor.timing",
+    # sharing
+    "SharedOffloadSession": "flextensor.session",
+    "ShmCreatorFailedError": "flextensor.shm.errors",
+    "ShmCreatorDiedError": "flextensor.shm.errors",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flextensor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,77 @@
+"""Isolation for every test: its own TMPDIR (hence its own lock directory) and namespace, and a hard check
+that nothing it created is left in /dev/shm or the lock directory afterwards."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def _remove_leftovers(names: set[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(SHM_DIR / name)
+        except OSError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def isolated_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Give the test a private TMPDIR and daemon socket path; fail it when it leaks shared resources."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    # No test talks to a daemon it did not start itself.
+    monkeypatch.setenv("FT_DAEMON_SOCKET", str(tmp_path / "no-daemon" / "ftd.sock"))
+    for key in [k for k in os.environ if k.startswith("FT_") and k != "FT_DAEMON_SOCKET"]:
+        monkeypatch.delenv(key)
+    before = _shm_entries()
+    yield tmpdir
+    leaked = _shm_entries() - before
+    lock_dir = tmpdir / f"flextensor-{os.getuid()}"
+    leaked_locks = sorted(p.name for p in lock_dir.iterdir()) if lock_dir.is_dir() else []
+    _remove_leftovers(leaked)
+    for name in leaked_locks:
+        try:
+            (lock_dir / name).unlink()
+        except OSError:
+            pass
+    assert not leaked, f"test left segments/semaphores in /dev/shm: {sorted(leaked)}"
+    assert not leaked_locks, f"test left files in the lock directory {lock_dir}: {leaked_locks}"
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A base namespace no other test uses."""
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: run on the GPU machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
