@@ -1,0 +1,408 @@
+"""`OffloadConfig`: every option of the configuration spec, validated when the object is built.
+
+Why validate at construction: a bad value found later (at the first forward pass, or inside a worker process
+of a shared session) is far from the line that set it. Every check here raises ``ValueError`` whose message
+names the option, the bad value and what is allowed, so loaders can prefix the source (env var, file) and the
+user can fix it without reading code.
+
+Scope decisions (where this engine is narrower than the upstream documentation):
+
+- ``transfer_mode``: the engine implements ``"allocation_block_transfer"`` and ``"strategy"``.
+  ``"raw_block_transfer"`` is documented upstream but not implemented here, so it is rejected at construction
+  rather than silently treated as another mode.
+- ``profile_mode``: ``"view"`` and ``"getter"`` are implemented. ``"torch_function"`` (upstream: only valid
+  with ``transfer_mode="strategy"``) is not implemented and is rejected with that explanation.
+- ``offload_timing``: ``"off"`` and ``"eager"`` are implemented; ``"cuda_graph"`` is rejected. ``"eager"``
+  needs a block transfer mode (not ``"strategy"``), as the spec says.
+
+The dataclass is mutable (sessions and managers derive variants with :func:`dataclasses.replace`, which
+re-runs validation). Assigning attributes directly skips validation; call :meth:`OffloadConfig.validate`
+afterwards if you do. List fields are always copied into fresh lists, so a config never shares a pattern list
+with its caller or with another config.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol
+
+__all__ = [
+    "OffloadConfig",
+    "StrategyLike",
+    "validate_option",
+    "PINNED_MEMORY_MODES",
+    "SUPPORTED_TRANSFER_MODES",
+    "DOCUMENTED_TRANSFER_MODES",
+    "SUPPORTED_PROFILE_MODES",
+    "DOCUMENTED_PROFILE_MODES",
+    "SUPPORTED_OFFLOAD_TIMING_MODES",
+    "DOCUMENTED_OFFLOAD_TIMING_MODES",
+    "PIECEWISE_PREFETCH_POLICIES",
+    "PATTERN_PREFIXES",
+]
+
+PinnedMemoryMode = Literal["torch", "host_register"]
+OffloadTiming = Literal["off", "eager", "cuda_graph"]
+PiecewisePrefetch = Literal["off", "warn", "error"]
+
+PINNED_MEMORY_MODES: tuple[str, ...] = ("torch", "host_register")
+SUPPORTED_TRANSFER_MODES: tuple[str, ...] = ("allocation_block_transfer", "strategy")
+DOCUMENTED_TRANSFER_MODES: tuple[str, ...] = ("strategy", "allocation_block_transfer", "raw_block_transfer")
+SUPPORTED_PROFILE_MODES: tuple[str, ...] = ("view", "getter")
+DOCUMENTED_PROFILE_MODES: tuple[str, ...] = ("view", "getter", "torch_function")
+SUPPORTED_OFFLOAD_TIMING_MODES: tuple[str, ...] = ("off", "eager")
+DOCUMENTED_OFFLOAD_TIMING_MODES: tuple[str, ...] = ("off", "eager", "cuda_graph")
+PIECEWISE_PREFETCH_POLICIES: tuple[str, ...] = ("off", "warn", "error")
+# A pattern entry is "<glob>", "name:<glob>" or "class:<glob>"; anything else before a ':' is a typo.
+PATTERN_PREFIXES: tuple[str, ...] = ("name", "class")
+
+
+class StrategyLike(Protocol):
+    """What ``load_strategy`` accepts: any object with a ``plan`` method (see ``flextensor.strategies``).
+
+    Duck-typed on purpose: the config must not import the strategy module (and through it the planner's
+    dependencies) just to check a type, and users may bring their own strategy objects.
+    """
+
+    def plan(self, plan_input: Any) -> Any: ...
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-option checks. Each takes (name, value) and returns the normalized value or raises ValueError.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _bad(name: str, value: Any, allowed: str) -> ValueError:
+    text = repr(value)
+    if len(text) > 120:
+        text = text[:117] + "..."
+    return ValueError(f"OffloadConfig option {name!r} got {text}; {allowed}")
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    # bool is final in Python, so `type(...) is bool` also excludes 0/1 and numpy bools: an int where a flag
+    # is expected usually means options were passed positionally or mixed up.
+    if type(value) is not bool:
+        raise _bad(name, value, "expected a bool (True or False)")
+    return value
+
+
+def _int_check(minimum: int, why: str = "") -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(name, value, f"expected an int >= {minimum}{why}")
+        if value < minimum:
+            raise _bad(name, value, f"expected an int >= {minimum}{why}")
+        return int(value)
+
+    return check
+
+
+def _as_real(name: str, value: Any, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, value, allowed)
+    return float(value)
+
+
+def _check_max_gpu_mem_fraction(name: str, value: Any) -> float | None:
+    allowed = "expected None (latency mode) or a float in (0.0, 1.0], e.g. 0.9 for 90% of device memory"
+    if value is None:
+        return None
+    number = _as_real(name, value, allowed)
+    if math.isnan(number) or not 0.0 < number <= 1.0:
+        raise _bad(name, value, allowed)
+    return number
+
+
+def _check_shm_wait_timeout(name: str, value: Any) -> float:
+    allowed = "expected a finite float >= 0.0 (seconds; 0.0 waits indefinitely)"
+    number = _as_real(name, value, allowed)
+    if not math.isfinite(number) or number < 0.0:
+        raise _bad(name, value, allowed)
+    return number
+
+
+def _check_transfer_budget_scale(name: str, value: Any) -> float:
+    allowed = "expected a finite float > 0.0 (multiplier on the transfer time budget; 1.0 is the default)"
+    number = _as_real(name, value, allowed)
+    if not math.isfinite(number) or number <= 0.0:
+        raise _bad(name, value, allowed)
+    return number
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def _choice_check(allowed_values: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(name: str, value: Any) -> str:
+        if not isinstance(value, str) or value not in allowed_values:
+            raise _bad(name, value, f"expected one of {_choices(allowed_values)}")
+        return value
+
+    return check
+
+
+def _check_transfer_mode(name: str, value: Any) -> str:
+    supported = f"supported modes: {_choices(SUPPORTED_TRANSFER_MODES)}"
+    if value == "raw_block_transfer":
+        raise _bad(
+            name,
+            value,
+            f"'raw_block_transfer' is documented upstream but not implemented by this engine; {supported}",
+        )
+    if not isinstance(value, str) or value not in SUPPORTED_TRANSFER_MODES:
+        raise _bad(name, value, supported)
+    return value
+
+
+def _check_profile_mode(name: str, value: Any) -> str:
+    supported = f"supported modes: {_choices(SUPPORTED_PROFILE_MODES)}"
+    if value == "torch_function":
+        raise _bad(
+            name,
+            value,
+            "'torch_function' is not implemented by this engine (upstream it is only valid with "
+            f"transfer_mode='strategy'); {supported}",
+        )
+    if not isinstance(value, str) or value not in SUPPORTED_PROFILE_MODES:
+        raise _bad(name, value, supported)
+    return value
+
+
+def _check_offload_timing(name: str, value: Any) -> str:
+    supported = f"supported values: {_choices(SUPPORTED_OFFLOAD_TIMING_MODES)}"
+    if value == "cuda_graph":
+        raise _bad(name, value, f"'cuda_graph' timing is not implemented by this engine; {supported}")
+    if not isinstance(value, str) or value not in SUPPORTED_OFFLOAD_TIMING_MODES:
+        raise _bad(name, value, supported)
+    return value
+
+
+def _check_patterns(name: str, value: Any) -> list[str]:
+    allowed = (
+        "expected a list of non-empty strings, each '<glob>', 'name:<glob>' or 'class:<glob>' "
+        '(a bare string is not accepted: wrap it in a list, e.g. ["layers.*"])'
+    )
+    if not isinstance(value, (list, tuple)):
+        raise _bad(name, value, allowed)
+    result: list[str] = []
+    for entry in value:
+        if not isinstance(entry, str) or not entry.strip():
+            raise _bad(name, value, f"entry {entry!r} is not a non-empty string; {allowed}")
+        prefix, sep, glob = entry.partition(":")
+        if sep:
+            if prefix not in PATTERN_PREFIXES:
+                raise _bad(
+                    name,
+                    value,
+                    f"entry {entry!r} has unknown prefix {prefix + ':'!r}; allowed prefixes are 'name:' and "
+                    "'class:' (or none: a bare glob matches module/parameter paths)",
+                )
+            if not glob.strip():
+                raise _bad(name, value, f"entry {entry!r} has an empty glob after {prefix + ':'!r}")
+        result.append(entry)
+    return result  # always a fresh list: the config never aliases the caller's list
+
+
+def _check_shm_namespace(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _bad(name, value, "expected None or a non-empty base namespace string")
+    # Lazy import: flextensor.shm is a lower layer and must stay cheap to import; the rules for names live
+    # there (one source of truth for what a namespace may contain).
+    from flextensor.shm.names import validate_base_namespace
+
+    try:
+        validate_base_namespace(value)
+    except ValueError as exc:
+        raise ValueError(f"OffloadConfig option {name!r} is not a valid base namespace: {exc}") from exc
+    return value
+
+
+def _check_optional_path(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    return _check_path(name, value)
+
+
+def _check_path(name: str, value: Any) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise _bad(name, value, "expected a non-empty directory path (str or os.PathLike)")
+    return value
+
+
+def _check_load_strategy(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, type):
+        raise _bad(
+            name,
+            value,
+            f"expected a strategy instance, not the class: write {value.__name__}() instead of {value.__name__}",
+        )
+    if not callable(getattr(value, "plan", None)):
+        raise _bad(
+            name,
+            value,
+            "expected None (automatic AdaptiveStrategy) or a strategy object with a plan() method, "
+            "e.g. flextensor.GreedyStrategy()",
+        )
+    return value
+
+
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "enabled": _check_bool,
+    "gpu_device": _int_check(0),
+    "include_patterns": _check_patterns,
+    "exclude_patterns": _check_patterns,
+    "pinned_memory": _check_bool,
+    "pinned_memory_mode": _choice_check(PINNED_MEMORY_MODES),
+    "shm_enabled": _check_bool,
+    "shm_namespace": _check_shm_namespace,
+    "shm_wait_timeout": _check_shm_wait_timeout,
+    "max_gpu_mem_fraction": _check_max_gpu_mem_fraction,
+    "skip_discovery": _check_bool,
+    "discovery_iters": _int_check(1),
+    "profiling_iters": _int_check(1),
+    "transfer_mode": _check_transfer_mode,
+    "num_blocks": _int_check(2, " (pipelined execution needs two blocks) and >= min_blocks"),
+    "min_blocks": _int_check(2, " (pipelined execution needs two blocks)"),
+    "transfer_budget_scale": _check_transfer_budget_scale,
+    "load_strategy": _check_load_strategy,
+    "profile_mode": _check_profile_mode,
+    "profile_storage_dir": _check_optional_path,
+    "profile_read_only": _check_bool,
+    "enable_instrumentation": _check_bool,
+    "instrumentation_output_dir": _check_path,
+    "enable_diagnostics": _check_bool,
+    "offload_timing": _check_offload_timing,
+    "piecewise_prefetch": _choice_check(PIECEWISE_PREFETCH_POLICIES),
+}
+
+
+def validate_option(name: str, value: Any) -> Any:
+    """Check one option on its own and return its normalized value (fresh list, float for a real, str path).
+
+    Loaders call this per option so a bad value can be reported together with where it came from; checks that
+    relate two options (``num_blocks >= min_blocks``, ``offload_timing`` vs ``transfer_mode``, SHM namespace
+    required when SHM is enabled) run when the whole ``OffloadConfig`` is built.
+    """
+    check = _CHECKS.get(name)
+    if check is None:
+        raise ValueError(f"unknown OffloadConfig option {name!r}; valid options: {', '.join(_CHECKS)}")
+    return check(name, value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The config object
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    """All knobs of the offload engine. Keyword-only; see the configuration spec for what each one does.
+
+    Groups (spec tables): core, memory, profiling, transfer, strategy, profile phase, profile storage,
+    debugging. Defaults are the spec's; construction validates every option and their combinations.
+    """
+
+    # core
+    enabled: bool = True
+    gpu_device: int = 0
+    include_patterns: list[str] = field(default_factory=lambda: ["*"])
+    exclude_patterns: list[str] = field(default_factory=list)
+    # memory
+    pinned_memory: bool = True
+    pinned_memory_mode: PinnedMemoryMode = "torch"
+    shm_enabled: bool = False
+    shm_namespace: str | None = None
+    shm_wait_timeout: float = 0.0
+    max_gpu_mem_fraction: float | None = None
+    # profiling
+    skip_discovery: bool = False
+    discovery_iters: int = 1
+    profiling_iters: int = 10
+    # transfer
+    transfer_mode: str = "allocation_block_transfer"
+    num_blocks: int = 4
+    min_blocks: int = 4
+    # strategy
+    transfer_budget_scale: float = 1.0
+    load_strategy: StrategyLike | None = None
+    # profile phase
+    profile_mode: str = "view"
+    # profile storage
+    profile_storage_dir: str | None = None
+    profile_read_only: bool = False
+    # debugging
+    enable_instrumentation: bool = False
+    instrumentation_output_dir: str = ".flextensor/instrumentation"
+    enable_diagnostics: bool = False
+    offload_timing: OffloadTiming = "off"
+    piecewise_prefetch: PiecewisePrefetch = "warn"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every option and every combination; normalize in place. Raises ``ValueError``."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _CHECKS[f.name](f.name, getattr(self, f.name)))
+        if self.num_blocks < self.min_blocks:
+            raise ValueError(
+                f"OffloadConfig option 'num_blocks' got {self.num_blocks}, which is below min_blocks="
+                f"{self.min_blocks}; required: num_blocks >= min_blocks >= 2 (raise num_blocks or lower "
+                "min_blocks)"
+            )
+        if self.offload_timing == "eager" and self.transfer_mode == "strategy":
+            raise ValueError(
+                "OffloadConfig option 'offload_timing' got 'eager', which requires a block transfer_mode "
+                f"({_choices(tuple(m for m in SUPPORTED_TRANSFER_MODES if m != 'strategy'))}), "
+                "but transfer_mode='strategy'; use offload_timing='off' or a block transfer mode"
+            )
+        if self.shm_enabled and not self.shm_namespace:
+            raise ValueError(
+                "OffloadConfig option 'shm_namespace' got None, but shm_enabled=True requires an explicit "
+                "non-empty base namespace (e.g. shm_namespace='my_run', or one from "
+                "flextensor.shm.compute_shm_namespace(...)); or use SharedOffloadSession, which supplies it"
+            )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of every option, in declaration order (what loaders accept, minus ``load_strategy``)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of every option; ``load_strategy`` becomes its class name (or ``None``).
+
+        Used by profiles, diagnostics and instrumentation output: a record of how the engine was configured,
+        not a way to rebuild a strategy object.
+        """
+        out: dict[str, Any] = {}
+        for name in self.field_names():
+            value = getattr(self, name)
+            if name == "load_strategy":
+                value = None if value is None else type(value).__name__
+            elif isinstance(value, list):
+                value = list(value)
+            out[name] = value
+        return out
+
+    def __copy__(self) -> "OffloadConfig":
+        # A shallow copy must not share pattern lists (mutating one config's list would change the other);
+        # dataclasses.replace re-runs __init__, which copies lists and re-validates.
+        return dataclasses.replace(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "OffloadConfig":
+        kwargs = {name: copy.deepcopy(getattr(self, name), memo) for name in self.field_names()}
+        result = type(self)(**kwargs)
+        memo[id(self)] = result
+        return result
