@@ -1,0 +1,75 @@
+"""Exceptions of :mod:`flextensor.shm`.
+
+The spec names two of them (``ShmCreatorFailedError`` and ``ShmCreatorDiedError``); the others exist so that
+callers can tell "the shared state is corrupt / of another protocol" and "/dev/shm is full" apart from the
+builtin errors without parsing messages.  Each one subclasses the builtin a caller would naturally catch
+(``RuntimeError``, ``ValueError``, ``OSError``), so ``except OSError`` still sees a full ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import errno
+
+__all__ = [
+    "ShmError",
+    "ShmCreatorFailedError",
+    "ShmCreatorDiedError",
+    "ShmProtocolError",
+    "ShmSpaceError",
+]
+
+
+class ShmError(RuntimeError):
+    """Base class of the runtime failures of shared-memory coordination."""
+
+
+class ShmCreatorFailedError(ShmError):
+    """The creator of a shared namespace called ``mark_failed``; followers receive its message.
+
+    ``creator_message`` is the (bounded) text the creator stored in the coordinator header, kept apart from
+    the exception text so that callers can show or log it verbatim.
+    """
+
+    def __init__(self, message: str, creator_message: str = "") -> None:
+        super().__init__(message)
+        self.creator_message = creator_message
+
+    def __reduce__(self):  # keep creator_message when the error crosses a process boundary
+        return (type(self), (str(self), self.creator_message))
+
+
+class ShmCreatorDiedError(ShmError):
+    """The creator's lease expired while the namespace was still INITIALIZING (it crashed or was killed)."""
+
+
+class ShmProtocolError(ValueError):
+    """Shared metadata that cannot be trusted: unknown protocol, bad magic, truncated or malformed content.
+
+    Raised instead of guessing: code that meets another protocol version or a corrupted header must stop
+    and tell the operator, never reinterpret the bytes.
+    """
+
+
+class ShmSpaceError(OSError):
+    """``/dev/shm`` has no room for a segment (ENOSPC while allocating it).
+
+    ``errno`` is ``ENOSPC``; ``segment`` is the POSIX name, ``wanted`` the size asked for in bytes and
+    ``free`` the bytes free in ``/dev/shm`` when the failure was seen (``None`` if that could not be read).
+    """
+
+    def __init__(self, message: str, *, segment: str, wanted: int, free: int | None) -> None:
+        super().__init__(errno.ENOSPC, message)
+        self.segment = segment
+        self.wanted = wanted
+        self.free = free
+
+    def __str__(self) -> str:
+        return f"[Errno {errno.ENOSPC}] {self.strerror}"
+
+    def __reduce__(self):  # OSError's default reduce would call __init__(errno, message) and fail
+        return (_rebuild_space_error, (type(self), self.strerror, self.segment, self.wanted, self.free))
+
+
+def _rebuild_space_error(cls: type[ShmSpaceError], message: str, segment: str, wanted: int,
+                         free: int | None) -> ShmSpaceError:
+    return cls(message, segment=segment, wanted=wanted, free=free)

@@ -1,0 +1,122 @@
+"""Who a participant is, and whether that process still runs.
+
+A pid alone is a poor identity: pids are recycled, so "pid 4242 exists" says nothing about whether it is
+*our* 4242.  A participant is therefore
+
+    pid + start_time (field 22 of /proc/<pid>/stat, clock ticks since boot) + boot_id + token
+
+The (pid, start_time, boot_id) triple names one process instance on one boot of one machine: a recycled pid
+has a later start time, and after a reboot the boot id differs (shared memory does not survive a reboot, but
+journals in a persistent TMPDIR may).  The random token distinguishes handles *inside* one process: two
+coordinators opened by the same process are two participants with two leases.
+
+Liveness from identity is a shortcut for cleanup tools; the authority is the lease heartbeat (see
+``leases.py``).  Caveat: pids are per pid-namespace, so a participant in another container has a pid that
+means nothing here; such participants are judged by their leases only.
+
+Clock: ``host_clock_ns()`` is CLOCK_BOOTTIME, which all processes of a host share, is monotonic, and keeps
+counting across suspend (so a suspended host does not make every lease look fresh on resume).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import time
+
+import msgspec
+
+__all__ = [
+    "ParticipantIdentity",
+    "process_start_time",
+    "is_same_process_alive",
+    "host_clock_ns",
+    "boot_id",
+]
+
+_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+_START_TIME_FIELD = 22  # 1-based field number in proc(5)
+_STATE_FIELD = 3
+
+
+class ParticipantIdentity(msgspec.Struct, frozen=True):
+    """One participant: a process instance plus a per-handle random token (crosses process boundaries)."""
+
+    pid: int
+    start_time: int  # clock ticks after boot, /proc/<pid>/stat field 22
+    boot_id: str
+    token: str  # 16 random bytes, hex
+
+    @classmethod
+    def current(cls) -> ParticipantIdentity:
+        """A new identity for this process with a fresh token (call once per handle)."""
+        pid = os.getpid()
+        start = process_start_time(pid)
+        if start is None:  # /proc is not mounted: refuse rather than invent an identity
+            raise RuntimeError(f"cannot read /proc/{pid}/stat to identify this process; flextensor needs /proc "
+                               "(mount procfs in the container)")
+        return cls(pid=pid, start_time=start, boot_id=boot_id(), token=secrets.token_hex(16))
+
+    def describe(self) -> str:
+        """Short text for logs and error messages."""
+        return f"pid {self.pid} (start {self.start_time}, token {self.token[:8]})"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/<pid>/stat, or None when the process is gone.
+
+    Field 2 (comm) is the executable name in parentheses and may itself contain spaces and ')' (a process
+    can name itself "a) b"), so split after the *last* ')'.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    _head, sep, tail = data.rpartition(b")")
+    if not sep:
+        return None
+    return tail.decode("ascii", "replace").split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks after boot, or ``None`` when it is gone.
+
+    A zombie (exited, not yet reaped) or dead task counts as gone: it will never heartbeat again.
+    """
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        raise ValueError(f"invalid pid {pid!r}: it must be an int > 0")
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    try:
+        state = fields[_STATE_FIELD - 3]
+        start = int(fields[_START_TIME_FIELD - 3])
+    except (IndexError, ValueError):
+        return None
+    if state in ("Z", "X", "x"):
+        return None
+    return start
+
+
+def is_same_process_alive(identity: ParticipantIdentity) -> bool:
+    """True when the process of ``identity`` still runs: same boot, pid present with the same start time."""
+    if identity.boot_id != boot_id():
+        return False
+    try:
+        return process_start_time(identity.pid) == identity.start_time
+    except ValueError:
+        return False
+
+
+def host_clock_ns() -> int:
+    """Host-wide monotonic clock (CLOCK_BOOTTIME) in nanoseconds, for lease heartbeats."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot's id (/proc/sys/kernel/random/boot_id); constant for the life of the process."""
+    with open(_BOOT_ID_PATH, encoding="ascii") as f:
+        return f.read().strip()

@@ -1,0 +1,104 @@
+"""Page-locking ("pinning") existing host memory for CUDA with ``cudaHostRegister``.
+
+Why register in place instead of ``tensor.pin_memory()``: ``pin_memory()`` *copies* into a fresh
+cudaHostAlloc buffer, which would give every process its own private copy and defeat shared memory.
+``cudaHostRegister`` page-locks the pages of our existing ``MAP_SHARED`` mapping, so DMA reads straight from
+the one shared copy.  Registration is per process (it is about this process's page tables and the driver's
+view of them): every process that copies from a segment to a GPU registers its own mapping, and must
+unregister it before unmapping (the driver keeps references to the pages otherwise).
+
+The flag is ``cudaHostRegisterPortable`` (1): the memory counts as pinned for every CUDA context of the
+process, not just the current device's, so one registration serves all GPUs a worker uses.
+
+Registration locks the pages in RAM and is charged against ``RLIMIT_MEMLOCK`` on many systems; a low
+``ulimit -l`` is the most common cause of failure, hence the hint in the error.
+
+torch is imported lazily: ``flextensor.shm`` must stay importable without paying for torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+
+__all__ = ["host_register", "host_unregister", "cudart_available", "memlock_limit"]
+
+logger = logging.getLogger(__name__)
+
+_CUDA_HOST_REGISTER_PORTABLE = 1
+_NO_CUDA_MESSAGE = "pinning needs CUDA; use pinned_memory=False on CPU hosts"
+
+
+def cudart_available() -> bool:
+    """True when torch has CUDA, a device is visible, and its runtime bindings can be loaded."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    try:
+        if not torch.cuda.is_available():
+            return False
+        torch.cuda.cudart()
+    except (AssertionError, RuntimeError, AttributeError, OSError):
+        return False
+    return True
+
+
+def memlock_limit() -> int | None:
+    """The soft ``RLIMIT_MEMLOCK`` in bytes, or ``None`` when unlimited."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _cudart():
+    if not cudart_available():
+        raise RuntimeError(_NO_CUDA_MESSAGE)
+    import torch
+
+    return torch.cuda.cudart()
+
+
+def _error_text(cudart, code: int) -> str:
+    """``cudaErrorName (code): description`` as far as the bindings allow."""
+    try:
+        err = cudart.cudaError(code)
+        name = getattr(err, "name", str(err))
+        try:
+            description = cudart.cudaGetErrorString(err)
+        except Exception:  # noqa: BLE001 - the code is what matters; the text is a bonus
+            description = ""
+        return f"{name} ({code}){': ' + description if description else ''}"
+    except Exception:  # noqa: BLE001 - unknown code: still report the number
+        return f"cudaError {code}"
+
+
+def _limit_text() -> str:
+    limit = memlock_limit()
+    return "unlimited" if limit is None else f"{limit} bytes"
+
+
+def host_register(ptr: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` at address ``ptr`` for CUDA (Portable).  ``RuntimeError`` on failure."""
+    if not isinstance(ptr, int) or ptr <= 0:
+        raise ValueError(f"invalid pointer {ptr!r} for cudaHostRegister: pass the mapping's address (int > 0)")
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"invalid size {nbytes!r} for cudaHostRegister: it must be an int > 0 (bytes)")
+    cudart = _cudart()
+    code = int(cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if code != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed: {_error_text(cudart, code)}. "
+            f"Page-locked memory is limited by RLIMIT_MEMLOCK (now {_limit_text()}): raise it with `ulimit -l "
+            "unlimited` (Docker: `--ulimit memlock=-1`), or run without pinning (pinned_memory=False)"
+        )
+    logger.debug("registered %d bytes at %#x with CUDA", nbytes, ptr)
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo :func:`host_register` for the region starting at ``ptr``.  ``RuntimeError`` on failure."""
+    cudart = _cudart()
+    code = int(cudart.cudaHostUnregister(ptr))
+    if code != 0:
+        raise RuntimeError(f"cudaHostUnregister at {ptr:#x} failed: {_error_text(cudart, code)}; the region was "
+                           "not registered by this process or was already unregistered")
+    logger.debug("unregistered %#x from CUDA", ptr)

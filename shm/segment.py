@@ -1,0 +1,369 @@
+"""One POSIX shared-memory segment, mapped into this process, with zero-copy torch views.
+
+Life of a segment
+-----------------
+``create`` makes the name exclusively (``O_CREAT|O_EXCL`` through posix_ipc), fixes the mode with ``fchmod``
+(``shm_open`` honours the umask, we want the mode asked for), sizes it with ``ftruncate`` and allocates its
+pages with ``posix_fallocate``.  On tmpfs the last step is what actually reserves memory: without it a full
+``/dev/shm`` would surface much later as a SIGBUS on first touch, in whichever process happened to write
+there.  With it, a full ``/dev/shm`` is an ``ENOSPC`` here, turned into :class:`ShmSpaceError` (which names
+the segment, the size, the free space and the fix) after the partial segment is unlinked.
+
+The fd is closed right after ``mmap``: the mapping keeps the memory alive, and not holding fds means no fd
+leaks across ``fork``/``exec`` and no limit on how many segments a process maps.  ``MAP_POPULATE`` (creator
+only, by default) pre-faults the page tables so the first publish does not pay a page fault per 4 KiB.
+
+Views and unmapping
+-------------------
+``tensor()`` builds each view from a *fresh* ``memoryview`` of the mapping.  torch keeps a reference to the
+object it was given, and a live memoryview holds a buffer export on the ``mmap``, so ``mmap.close()`` raises
+``BufferError`` while any view exists instead of unmapping memory under it (which would crash the process
+on the next access).  ``close()`` catches that and simply drops its own reference: the mapping is unmapped
+when the last view is garbage collected.
+
+Pinning (``pin``/``unpin``) registers the whole mapping with ``cudaHostRegister`` (see ``pinning.py``);
+``close`` always unregisters before it tries to unmap.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import mmap
+import os
+import stat
+from typing import TYPE_CHECKING, Any
+
+import posix_ipc
+
+from .errors import ShmSpaceError
+from .pinning import host_register, host_unregister
+
+if TYPE_CHECKING:  # torch is imported lazily: flextensor.shm must import in milliseconds
+    import torch
+
+__all__ = ["SharedSegment", "SHM_DIR", "format_bytes"]
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_NAME_MAX = 255
+
+
+def format_bytes(n: int | None) -> str:
+    """Human-readable size in binary units, e.g. ``1.5 GiB``."""
+    if n is None:
+        return "unknown"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _validate_name(name: object) -> str:
+    if (
+        not isinstance(name, str)
+        or len(name) < 2
+        or name[0] != "/"
+        or "/" in name[1:]
+        or "\x00" in name
+        or len(name) - 1 > _NAME_MAX
+        or name in ("/.", "/..")
+    ):
+        shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:37] + "..."
+        raise ValueError(f"invalid segment name {shown}: a POSIX shared-memory name is '/' followed by 1 to "
+                         f"{_NAME_MAX} characters without '/' or NUL (see flextensor.shm.names)")
+    return name
+
+
+def _shm_free_bytes() -> int | None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _space_error(name: str, size: int, err: int) -> ShmSpaceError:
+    free = _shm_free_bytes()
+    cause = {
+        errno.ENOSPC: f"no space in {SHM_DIR}",
+        errno.EFBIG: f"size too large for {SHM_DIR}",
+        errno.ENOMEM: f"out of memory (ENOMEM: e.g. the container's memory limit) while filling {SHM_DIR}",
+    }.get(err, f"no space in {SHM_DIR}")
+    message = (
+        f"{cause} for shared-memory segment {name!r}: it needs {size} bytes ({format_bytes(size)}) and "
+        f"{free if free is not None else 'an unknown number of'} bytes ({format_bytes(free)}) are free there. "
+        f"Enlarge {SHM_DIR}: `docker run --shm-size=<size>` for Docker, an emptyDir volume with "
+        "`medium: Memory` (and a sizeLimit) mounted at /dev/shm on Kubernetes, or "
+        f"`mount -o remount,size=<size> {SHM_DIR}` on a host; or free space by cleaning up stale namespaces "
+        "(`ftd cleanup`)"
+    )
+    return ShmSpaceError(message, segment=name, wanted=size, free=free)
+
+
+class SharedSegment:
+    """A mapped POSIX shared-memory segment (see the module docstring for the life cycle).
+
+    Attributes: ``name`` (POSIX name, with leading ``/``), ``size`` (bytes mapped), ``created`` (this handle
+    created the name), ``pinned``.  Closing does not unlink; :meth:`unlink_name` does.
+    """
+
+    name: str
+    size: int
+    created: bool
+
+    def __init__(self, name: str, size: int, created: bool, mapping: mmap.mmap) -> None:
+        """Internal: use :meth:`create` or :meth:`open`."""
+        self.name = name
+        self.size = size
+        self.created = created
+        self._mmap: mmap.mmap | None = mapping
+        self._buffer: memoryview | None = None
+        self._pinned_ptr: int | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def create(cls, name: str, size: int, *, mode: int = 0o600, populate: bool = True) -> SharedSegment:
+        """Create ``name`` exclusively with ``size`` bytes of allocated, zeroed memory and map it.
+
+        ``FileExistsError`` when the name exists; ``ShmSpaceError`` (an ``OSError`` with ``errno.ENOSPC``)
+        when ``/dev/shm`` is too small, with nothing left behind; ``ValueError`` for a bad name or size.
+        """
+        _validate_name(name)
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size < 1 << 62:
+            raise ValueError(f"invalid size {size!r} for segment {name!r}: it must be an int > 0 (bytes)")
+        if not isinstance(mode, int) or mode & ~0o777:
+            raise ValueError(f"invalid mode {mode!r} for segment {name!r}: use permission bits such as 0o600")
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)
+        except posix_ipc.ExistentialError:
+            raise FileExistsError(errno.EEXIST, f"shared-memory segment {name!r} already exists "
+                                  f"({SHM_DIR}{name}); another process created it, or a crashed run left it "
+                                  "(clean up with `ftd cleanup`)") from None
+        except posix_ipc.PermissionsError as exc:
+            raise PermissionError(errno.EACCES, f"cannot create shared-memory segment {name!r}: {exc}") from None
+        fd = shm.fd
+        try:
+            try:
+                os.fchmod(fd, mode)  # shm_open applied the umask; make the mode exactly what was asked
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    raise _space_error(name, size, exc.errno) from None
+                raise
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            shm.close_fd()
+            cls.unlink_name(name)
+            raise
+        shm.close_fd()
+        logger.debug("created shared-memory segment %s (%d bytes, mode %04o)", name, size, mode)
+        return cls(name, size, True, mapping)
+
+    @classmethod
+    def open(cls, name: str, min_size: int = 0, *, populate: bool = False) -> SharedSegment:
+        """Map an existing segment (its whole current size).
+
+        ``FileNotFoundError`` naming the segment when it does not exist; ``ValueError`` when it is smaller
+        than ``min_size`` bytes (or empty: its creator has not sized it yet).  ``populate=True`` pre-faults
+        the page tables (useful before a bulk read); by default pages fault in on first touch.
+        """
+        _validate_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(name, 0)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {name!r} does not exist "
+                                    f"({SHM_DIR}{name}): its creator has not made it yet, or it was already "
+                                    "removed") from None
+        except posix_ipc.PermissionsError as exc:
+            raise PermissionError(errno.EACCES, f"cannot open shared-memory segment {name!r}: {exc}; it belongs "
+                                  "to another user or has a restrictive mode") from None
+        try:
+            st = os.fstat(shm.fd)
+            size = st.st_size
+            if size == 0 or size < min_size:
+                raise ValueError(
+                    f"shared-memory segment {name!r} has {size} bytes, fewer than the {max(min_size, 1)} "
+                    "expected: it is truncated, still being created, or belongs to another protocol version"
+                )
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            mapping = mmap.mmap(shm.fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            shm.close_fd()
+        return cls(name, size, False, mapping)
+
+    @staticmethod
+    def unlink_name(name: str) -> bool:
+        """Remove the name ``name`` (mappings stay valid until unmapped).  True if it existed."""
+        _validate_name(name)
+        try:
+            posix_ipc.unlink_shared_memory(name)
+        except posix_ipc.ExistentialError:
+            return False
+        return True
+
+    @staticmethod
+    def mode_of(name: str) -> int:
+        """Permission bits of an existing segment (from ``/dev/shm``)."""
+        return stat.S_IMODE(os.stat(SHM_DIR + _validate_name(name)).st_mode)
+
+    # ------------------------------------------------------------------ access
+    def _mapping(self) -> mmap.mmap:
+        if self._mmap is None:
+            raise ValueError(f"shared-memory segment {self.name!r} is closed in this handle; open it again")
+        return self._mmap
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    @property
+    def buffer(self) -> memoryview:
+        """A writable memoryview of the whole mapping (the same object on every access)."""
+        if self._buffer is None:
+            self._buffer = memoryview(self._mapping())
+        return self._buffer
+
+    @property
+    def address(self) -> int:
+        """Virtual address of the mapping in this process (for pinning and diagnostics)."""
+        import ctypes
+
+        anchor = ctypes.c_char.from_buffer(self._mapping())
+        try:
+            return ctypes.addressof(anchor)
+        finally:
+            del anchor  # drop the buffer export at once, or close() could never unmap
+
+    def tensor(self, dtype: torch.dtype, shape: Any, stride: Any = None, offset: int = 0) -> torch.Tensor:
+        """A zero-copy tensor of ``dtype``/``shape``/``stride`` (in elements) starting ``offset`` bytes in.
+
+        ``ValueError`` when ``offset`` is not a multiple of the element size (the mapping is page aligned,
+        so this is pointer alignment), when a stride is negative, or when the highest addressed byte falls
+        outside the segment.  Writes through the tensor are seen by every process that maps the segment.
+        """
+        import torch
+
+        mapping = self._mapping()
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"invalid dtype {dtype!r} for a view of segment {self.name!r}: pass a torch.dtype")
+        shape_t = _int_tuple(shape, "shape", self.name)
+        if any(d < 0 for d in shape_t):
+            raise ValueError(f"invalid shape {shape_t} for a view of segment {self.name!r}: sizes must be >= 0")
+        if stride is None:
+            stride_t = _contiguous_stride(shape_t)
+        else:
+            stride_t = _int_tuple(stride, "stride", self.name)
+            if len(stride_t) != len(shape_t):
+                raise ValueError(f"stride {stride_t} and shape {shape_t} of a view of segment {self.name!r} have "
+                                 "different lengths")
+            if any(s < 0 for s in stride_t):
+                raise ValueError(f"invalid stride {stride_t} for a view of segment {self.name!r}: strides must "
+                                 "be >= 0")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"invalid offset {offset!r} for a view of segment {self.name!r}: it must be an "
+                             "int >= 0 (bytes)")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize:
+            raise ValueError(f"offset {offset} into segment {self.name!r} is not aligned for {dtype} (element "
+                             f"size {itemsize}): use a multiple of {itemsize}")
+        if math.prod(shape_t) == 0:
+            if offset > self.size:
+                raise ValueError(f"offset {offset} is past the end of segment {self.name!r} ({self.size} bytes)")
+            return torch.empty(0, dtype=dtype).as_strided(shape_t, stride_t)
+        span = 1 + sum((d - 1) * s for d, s in zip(shape_t, stride_t))  # elements from first to last addressed
+        end = offset + span * itemsize
+        if end > self.size:
+            raise ValueError(
+                f"view {dtype} shape={shape_t} stride={stride_t} offset={offset} of segment {self.name!r} needs "
+                f"bytes up to {end}, but the segment has {self.size}"
+            )
+        # A fresh memoryview per view: it pins the mmap (BufferError on close) for exactly the view's lifetime.
+        flat = torch.frombuffer(memoryview(mapping), dtype=dtype, offset=offset, count=span)
+        return flat.as_strided(shape_t, stride_t)
+
+    # ------------------------------------------------------------------ pinning
+    @property
+    def pinned(self) -> bool:
+        return self._pinned_ptr is not None
+
+    def pin(self) -> None:
+        """Page-lock the whole mapping for fast DMA (``cudaHostRegister``, Portable).  Idempotent.
+
+        Every process that maps the segment and copies from it to a GPU pins its own mapping.  Raises
+        ``RuntimeError`` without CUDA or when the driver refuses (often ``ulimit -l``).
+        """
+        if self._pinned_ptr is not None:
+            return
+        ptr = self.address
+        host_register(ptr, self.size)
+        self._pinned_ptr = ptr
+
+    def unpin(self) -> None:
+        """Undo :meth:`pin`.  Idempotent; a no-op on a segment that was never pinned."""
+        ptr = self._pinned_ptr
+        if ptr is None:
+            return
+        host_unregister(ptr)
+        self._pinned_ptr = None
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Unpin, then unmap.  Idempotent; never raises because views are alive.
+
+        If tensors (or memoryviews) still view the mapping, it cannot be unmapped now; this handle drops its
+        reference and the mapping is unmapped when the last view is collected.
+        """
+        if self._mmap is None:
+            return
+        try:
+            self.unpin()
+        except RuntimeError:
+            logger.warning("could not unregister pinned segment %s; unmapping anyway", self.name, exc_info=True)
+            self._pinned_ptr = None
+        self._buffer = None  # our memoryview: if nobody else holds it, this drops its export
+        mapping, self._mmap = self._mmap, None
+        try:
+            mapping.close()
+        except BufferError:
+            logger.debug("segment %s still has live views; it is unmapped when the last one dies", self.name)
+
+    def __enter__(self) -> SharedSegment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._mmap is None else ("pinned" if self.pinned else "mapped")
+        return f"SharedSegment({self.name!r}, size={self.size}, created={self.created}, {state})"
+
+
+def _int_tuple(value: Any, what: str, name: str) -> tuple[int, ...]:
+    """``value`` as a tuple of ints (an int, a sequence or a torch.Size); bools and floats are refused."""
+    import operator
+
+    items = (value,) if isinstance(value, int) else value
+    try:
+        items = tuple(items)
+        if any(isinstance(item, bool) for item in items):
+            raise TypeError
+        return tuple(operator.index(item) for item in items)
+    except TypeError:
+        raise ValueError(f"invalid {what} {value!r} for a view of segment {name!r}: pass a sequence of ints") \
+            from None
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    acc = 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
