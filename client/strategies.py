@@ -1,0 +1,625 @@
+"""Offload strategies: which tensors stay resident on the GPU and which stream through rotating device blocks.
+
+The engine measures per-trap compute seconds and a transfer curve during PROFILING, builds a ``PlanInput``
+(see ``flextensor.plan_model`` for the types and the pipeline model) and calls ``strategy.plan(inp)``.
+
+Transfer windows (shared by Greedy, Knapsack and BudgetFill's "hidden" part)
+---------------------------------------------------------------------------
+With two or more device blocks, the copy for offloaded trap ``i`` can run while traps ``p..i-1`` compute,
+where ``p`` is the previous *offloaded* trap (its own copy has finished by the time ``p`` starts, so the copy
+stream is free from then on); before the first offloaded trap the window reaches back to time 0. Gap traps
+(no offloadable tensors) and traps that keep everything resident therefore widen the next window. If every
+offloaded trap's copy fits its window (``scale * compute``), the simulator reports zero overhead: by
+induction each copy ends before its trap starts, and the block slot it reuses was released by an earlier
+trap (slots rotate over >= 2 blocks). Windows are conservative: the simulator also credits slack that
+accumulates when copies finish early and more blocks allow running further ahead.
+
+Modes: ``budget_bytes=None`` is latency mode (offload only what hides: no material overhead); otherwise
+memory mode (the peak device bytes must stay within the budget). ``resolve_budget`` turns
+``max_gpu_mem_fraction`` into that budget.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from abc import ABC, abstractmethod
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import replace
+
+from flextensor.plan_model import (
+    MIB,
+    CandidateSummary,
+    PipelineTrace,
+    Plan,
+    PlanInput,
+    TensorCost,
+    TransferModel,
+    TrapCost,
+    effective_blocks,
+    make_plan,
+    simulate_bytes,
+    simulate_overhead,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MIN_GPU_BUDGET_BYTES",
+    "AdaptiveStrategy",
+    "BudgetFillStrategy",
+    "CandidateSummary",
+    "GreedyStrategy",
+    "KnapsackStrategy",
+    "NthLayerStrategy",
+    "Plan",
+    "PlanInput",
+    "Strategy",
+    "TensorCost",
+    "TransferModel",
+    "TrapCost",
+    "make_plan",
+    "resolve_budget",
+    "simulate_overhead",
+]
+
+MIN_GPU_BUDGET_BYTES = 256 * MIB
+
+
+class Strategy(ABC):
+    """Base of every strategy: a ``name`` and ``plan(inp) -> Plan``. ``OffloadConfig.load_strategy`` takes one."""
+
+    name: str = "strategy"
+
+    @abstractmethod
+    def plan(self, inp: PlanInput) -> Plan: ...
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Subset sums of one trap's tensors (the knapsack table) and the hidden-offload chain
+# ------------------------------------------------------------------------------------------------------------
+
+
+class _SubsetSums:
+    """Reachable byte totals of subsets of one trap's tensors, each with one subset (a bitmask) reaching it.
+
+    Since a trap's offloaded tensors travel as one block, its copy time is affine in the block's bytes and the
+    per-trap 0/1 knapsack "most bytes whose transfer fits the window" is a subset-sum over bytes. Sizes in a
+    transformer layer repeat (q/o, gate/up/down...), so the exact table stays small; when a trap exceeds
+    ``max_states`` distinct totals, totals are merged into ``resolution`` buckets (the time discretisation),
+    keeping the smallest and largest exact total of each bucket. Totals stay exact, so an answer never
+    overshoots its window; merging can only lose at most a bucket's width of bytes per merge.
+    """
+
+    def __init__(self, sizes: Sequence[int], resolution: int, max_states: int) -> None:
+        self.exact = True
+        width = max(1, -(-sum(sizes) // resolution))
+        states: dict[int, int] = {0: 0}
+        for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+            if sizes[k] <= 0:
+                continue  # a zero-byte tensor gains nothing from offloading
+            bit, size = 1 << k, sizes[k]
+            grown = dict(states)
+            for total, mask in states.items():
+                grown.setdefault(total + size, mask | bit)
+            states = grown
+            if len(states) > max_states:
+                self.exact = False
+                keep: dict[int, tuple[int, int]] = {}
+                for total in states:
+                    lo, hi = keep.get(total // width, (total, total))
+                    keep[total // width] = (min(lo, total), max(hi, total))
+                states = {t: states[t] for pair in keep.values() for t in pair} | {0: 0}
+        self.sums = sorted(states)
+        self.masks = [states[s] for s in self.sums]
+
+    def best(self, cap: int) -> tuple[int, int]:
+        """(bytes, mask) of the largest reachable total <= cap."""
+        i = bisect_right(self.sums, cap) - 1
+        return self.sums[i], self.masks[i]
+
+
+def _tables(inp: PlanInput, resolution: int, max_states: int) -> list[_SubsetSums | None]:
+    return [
+        _SubsetSums([t.nbytes for t in trap.tensors], resolution, max_states) if trap.total_bytes > 0 else None
+        for trap in inp.traps
+    ]
+
+
+def _hidden_chain(inp: PlanInput, tables: list[_SubsetSums | None]) -> list[tuple[int, int]]:
+    """Per trap (bytes, mask) of the hidden selection that offloads the most bytes in total.
+
+    Dynamic programming over "which trap was offloaded last": ``value[i]`` is the most bytes a hidden plan can
+    offload when trap ``i`` is its last offloaded trap, maximised over the previous one ``p`` (whose choice
+    sets trap ``i``'s window ``p..i-1``) or none (window from time 0). Offloading a small slice of a trap can
+    shrink the next trap's window, which is why a trap-by-trap greedy walk is not optimal and this is.
+    """
+    n = len(inp.traps)
+    value = [0] * n
+    choice: list[tuple[int, int, int]] = [(0, 0, -1)] * n  # (bytes, mask, previous offloaded trap)
+    for i in range(n):
+        table = tables[i]
+        if table is None:
+            continue
+        full = table.sums[-1]
+        best_value, best = 0, None
+        s, m = table.best(inp.window_capacity(0, i))
+        if s > 0:
+            best_value, best = s, (s, m, -1)
+        for p in range(i):
+            if value[p] <= 0 or value[p] + full <= best_value:
+                continue
+            s, m = table.best(inp.window_capacity(p, i))
+            if s > 0 and value[p] + s > best_value:
+                best_value, best = value[p] + s, (s, m, p)
+        if best is not None:
+            value[i], choice[i] = best_value, best
+    out = [(0, 0)] * n
+    last = max(range(n), key=lambda k: value[k], default=-1)
+    while last >= 0 and value[last] > 0:
+        s, m, prev = choice[last]
+        out[last] = (s, m)
+        last = prev
+    return out
+
+
+def _selection(inp: PlanInput, masks: Sequence[int]) -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for trap, mask in zip(inp.traps, masks):
+        names = tuple(t.name for k, t in enumerate(trap.tensors) if mask >> k & 1)
+        if names:
+            out[trap.label] = names
+    return out
+
+
+def _per_trap(inp: PlanInput, masks: Sequence[int]) -> list[int]:
+    return [sum(t.nbytes for k, t in enumerate(trap.tensors) if mask >> k & 1) for trap, mask in zip(inp.traps, masks)]
+
+
+def _peak(inp: PlanInput, per_trap: Sequence[int], blocks: int) -> int:
+    n_off = sum(1 for b in per_trap if b > 0)
+    block = effective_blocks(blocks, inp.min_blocks, n_off) * max(per_trap, default=0) if n_off else 0
+    return inp.fixed_resident_bytes + inp.offloadable_bytes - sum(per_trap) + block
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Strategies
+# ------------------------------------------------------------------------------------------------------------
+
+
+class NthLayerStrategy(Strategy):
+    """Offload every tensor of traps 0, n, 2n, ... (n=1 offloads every trap). Predictable, ignores timing."""
+
+    def __init__(self, n: int = 1) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"NthLayerStrategy: n must be an int >= 1 (1 offloads every trap), got {n!r}")
+        self.n = n
+        self.name = f"nth_layer({n})"
+
+    def __repr__(self) -> str:
+        return f"NthLayerStrategy(n={self.n})"
+
+    def plan(self, inp: PlanInput) -> Plan:
+        selection = {
+            trap.label: tuple(t.name for t in trap.tensors)
+            for i, trap in enumerate(inp.traps)
+            if i % self.n == 0 and trap.total_bytes > 0
+        }
+        why = f"{self.name}: offload all tensors of every trap whose index is a multiple of {self.n}"
+        return make_plan(inp, self.name, selection, inp.num_blocks, [why])
+
+
+class GreedyStrategy(Strategy):
+    """Cumulative compute-budget heuristic: one pass in execution order, largest tensors first.
+
+    Trap ``i``'s window is ``scale *`` the compute of the traps since the previous offloaded trap (inclusive;
+    from time 0 before the first), so resident and gap traps accumulate budget. Tensors are taken largest
+    first, skipping any that would overflow the window (first-fit decreasing). Fast, not optimal: see
+    ``KnapsackStrategy``.
+    """
+
+    name = "greedy"
+
+    def plan(self, inp: PlanInput) -> Plan:
+        selection: dict[str, tuple[str, ...]] = {}
+        start = 0
+        for i, trap in enumerate(inp.traps):
+            cap = inp.window_capacity(start, i)
+            taken, used = [], 0
+            for tensor in sorted(trap.tensors, key=lambda t: -t.nbytes):
+                if 0 < tensor.nbytes <= cap - used:
+                    taken.append(tensor.name)
+                    used += tensor.nbytes
+            if taken:
+                selection[trap.label] = tuple(taken)
+                start = i
+        why = "greedy: per trap, largest tensors first while the copy fits the compute since the last offloaded trap"
+        return make_plan(inp, self.name, selection, inp.num_blocks, [why])
+
+
+class KnapsackStrategy(Strategy):
+    """Dynamic programming: the most offloaded bytes whose every copy hides behind compute.
+
+    Per trap a 0/1 knapsack over its tensors (most bytes whose block copy fits the trap's window, see
+    ``_SubsetSums`` for the ``resolution``-bucket discretisation used on traps with many distinct sizes), and
+    over traps a DP on the previous offloaded trap, which fixes each window (see ``_hidden_chain``). The
+    result is hidden by construction: estimated overhead 0 (latency mode's goal). In memory mode it does not
+    chase the budget; ``fits_budget`` just reports it (use BudgetFill / Adaptive for a hard budget).
+    """
+
+    name = "knapsack"
+
+    def __init__(self, resolution: int = 200, max_states: int = 4096) -> None:
+        if resolution < 1 or max_states < 2 * resolution + 1:
+            raise ValueError("KnapsackStrategy: need resolution >= 1 and max_states >= 2 * resolution + 1")
+        self.resolution = resolution
+        self.max_states = max_states
+
+    def plan(self, inp: PlanInput) -> Plan:
+        tables = _tables(inp, self.resolution, self.max_states)
+        chain = _hidden_chain(inp, tables)
+        why = [
+            "knapsack: per-trap 0/1 knapsack of tensor bytes under each transfer window (window = scale x compute "
+            "since the previous offloaded trap; gap and resident traps widen it), DP over traps for the windows"
+        ]
+        if any(t is not None and not t.exact for t in tables):
+            why.append(f"knapsack: some traps had > {self.max_states} subset totals; merged into "
+                       f"{self.resolution} buckets (still hidden, possibly a little less than optimal)")
+        return make_plan(inp, self.name, _selection(inp, [m for _, m in chain]), inp.num_blocks, why)
+
+
+class BudgetFillStrategy(Strategy):
+    """Hard GPU budget with minimal estimated overhead (and, among equal overheads, minimal offload).
+
+    Search over the number of device blocks ``B`` (``num_blocks`` down to ``min_blocks``, or exactly
+    ``n_blocks``) and over a cap ``L`` on per-trap offloaded bytes (which bounds the device blocks at
+    ``B * L``). For each (B, L): start from the hidden (free) Knapsack offloads clipped to ``L``, then add
+    tensors ranked by exposed seconds per byte saved (exposure: the part of a trap's copy beyond its gap-aware
+    window, i.e. the compute since the previous trap that has offloadable tensors) until the peak fits; if the
+    ranking runs dry, take each trap's largest subset <= L. Every fitting candidate is simulated; the best
+    ``polish_candidates`` are polished by a simulator-driven local search that gives back offloads the budget
+    does not need (``_polish``); the lowest overhead wins, ties go to fewer offloaded bytes, then the lower
+    peak. On random small cases checked against exhaustive search it finds the optimum in about 98% of them.
+
+    Feasibility is decided exactly (when per-trap subset sums are exact): the smallest reachable peak uses the
+    fewest blocks and, for some cap ``L`` among the per-trap subset totals, each trap's largest subset <= L.
+    Without a budget it plans like Knapsack.
+    """
+
+    name = "budget_fill"
+
+    def __init__(self, n_blocks: int | None = None, *, max_levels: int = 32, resolution: int = 200,
+                 max_states: int = 4096, polish_candidates: int = 3, polish_evaluations: int = 4000) -> None:
+        if n_blocks is not None and (not isinstance(n_blocks, int) or isinstance(n_blocks, bool) or n_blocks < 2):
+            raise ValueError(f"BudgetFillStrategy: n_blocks must be None (search) or an int >= 2, got {n_blocks!r}")
+        if max_levels < 1:
+            raise ValueError(f"BudgetFillStrategy: max_levels must be >= 1, got {max_levels!r}")
+        self.n_blocks = n_blocks
+        self.max_levels = max_levels
+        self.polish_candidates = max(1, polish_candidates)
+        self.polish_evaluations = polish_evaluations
+        self.knapsack = KnapsackStrategy(resolution, max_states)
+
+    def __repr__(self) -> str:
+        return f"BudgetFillStrategy(n_blocks={self.n_blocks!r})"
+
+    def plan(self, inp: PlanInput) -> Plan:
+        if inp.budget_bytes is None:
+            plan = self.knapsack.plan(inp)
+            plan.strategy = self.name
+            plan.explanation.insert(0, "budget_fill: no GPU budget (latency mode): planned like knapsack")
+            return plan
+        budget, fixed = inp.budget_bytes, inp.fixed_resident_bytes
+        blocks = [self.n_blocks] if self.n_blocks is not None else list(range(inp.num_blocks, inp.min_blocks - 1, -1))
+        if fixed + inp.offloadable_bytes <= budget:
+            return make_plan(inp, self.name, {}, blocks[0], [
+                f"budget_fill: every tensor fits the budget ({fixed + inp.offloadable_bytes} B <= {budget} B); "
+                "nothing offloaded"])
+        tables = _tables(inp, self.knapsack.resolution, self.knapsack.max_states)
+        hidden = _hidden_chain(inp, tables)
+        fewest = min(blocks)
+
+        def widest(level: int) -> list[int]:  # each trap's largest subset <= level (the max-offload masks)
+            return [0 if t is None else t.best(level)[1] for t in tables]
+
+        levels = sorted({s for t in tables if t is not None for s in t.sums if s > 0})
+        levels = _spread(levels, 2048)
+        peaks = {lv: _peak(inp, _per_trap(inp, widest(lv)), fewest) for lv in levels}
+        floor_level = min(levels, key=lambda lv: (peaks[lv], lv), default=0)
+        if not levels or peaks[floor_level] > budget:
+            if not levels or fixed + inp.offloadable_bytes <= peaks[floor_level]:  # offloading only adds blocks
+                return self._infeasible(inp, [0] * len(tables), fewest, fixed + inp.offloadable_bytes)
+            return self._infeasible(inp, widest(floor_level), fewest, peaks[floor_level])
+
+        feasible = [lv for lv in levels if peaks[lv] <= budget]
+        hidden_top = max((b for b, _ in hidden), default=0)
+        grid = set(_spread(feasible, self.max_levels)) | {floor_level} | ({hidden_top} if hidden_top else set())
+        windows = _gap_windows(inp)
+        found: list[tuple[tuple[float, int, int], int, int, list[int]]] = []
+        for count in blocks:
+            for level in sorted(grid):
+                masks = self._fill(inp, tables, hidden, windows, count, level)
+                if masks is not None:
+                    found.append((_key(inp, masks, count), count, level, masks))
+        assert found, "the floor level fits with the fewest blocks, so some candidate fits"
+        found.sort(key=lambda f: f[:3])
+        polished = []
+        for _, count, level, masks in found[: self.polish_candidates]:
+            masks = _polish(inp, list(masks), count, self.polish_evaluations)
+            polished.append((_key(inp, masks, count), count, level, masks))
+        key, count, level, masks = min(polished, key=lambda f: f[:3])
+        why = [
+            f"budget_fill: budget {budget} B; hidden (free) offloads {sum(b for b, _ in hidden)} B; searched "
+            f"{len(blocks)} block count(s) x {len(grid)} per-trap caps ({len(found)} fit); polished the best "
+            f"{len(polished)}; kept {count} blocks with cap {level} B, offloading {key[1]} B "
+            "(lowest estimated overhead, then fewest offloaded bytes, then lowest peak)"
+        ]
+        return make_plan(inp, self.name, _selection(inp, masks), count, why)
+
+    def _fill(self, inp: PlanInput, tables: list[_SubsetSums | None], hidden: list[tuple[int, int]],
+              windows: list[float], count: int, level: int) -> list[int] | None:
+        """Masks meeting the budget with per-trap bytes <= level, or None when this (count, level) cannot."""
+        budget = inp.budget_bytes
+        assert budget is not None
+        masks, cur = [], []
+        for table, (hb, hm) in zip(tables, hidden):
+            if table is None:
+                masks.append(0)
+                cur.append(0)
+            elif hb <= level:
+                masks.append(hm)
+                cur.append(hb)
+            else:  # a smaller subset of a hidden block is hidden too
+                s, m = table.best(min(level, hb))
+                masks.append(m)
+                cur.append(s)
+        if _peak(inp, cur, count) <= budget:
+            return masks
+        transfer, scale = inp.transfer, inp.scale
+
+        def exposed(i: int, nbytes: int) -> float:
+            return max(0.0, transfer.seconds(nbytes) / scale - windows[i])
+
+        def score(i: int, nbytes: int) -> float:  # exposed seconds per byte saved
+            return (exposed(i, cur[i] + nbytes) - exposed(i, cur[i])) / nbytes
+
+        version = [0] * len(cur)
+        heap = [
+            (score(i, t.nbytes), -t.nbytes, i, k, 0)
+            for i, trap in enumerate(inp.traps)
+            for k, t in enumerate(trap.tensors)
+            if t.nbytes > 0 and not masks[i] >> k & 1 and cur[i] + t.nbytes <= level
+        ]
+        heapq.heapify(heap)
+        off, n_off, blk = sum(cur), sum(1 for b in cur if b > 0), max(cur, default=0)
+        fixed_total = inp.fixed_resident_bytes + inp.offloadable_bytes
+        while heap:
+            _, neg, i, k, ver = heapq.heappop(heap)
+            nbytes = -neg
+            if masks[i] >> k & 1 or cur[i] + nbytes > level:
+                continue
+            if ver != version[i]:  # trap i changed since this entry was scored
+                heapq.heappush(heap, (score(i, nbytes), neg, i, k, version[i]))
+                continue
+            n_off += cur[i] == 0
+            masks[i] |= 1 << k
+            cur[i] += nbytes
+            version[i] += 1
+            off += nbytes
+            blk = max(blk, cur[i])
+            if fixed_total - off + effective_blocks(count, inp.min_blocks, n_off) * blk <= budget:
+                return masks
+        masks = [0 if t is None else t.best(level)[1] for t in tables]
+        return masks if _peak(inp, _per_trap(inp, masks), count) <= budget else None
+
+    def _infeasible(self, inp: PlanInput, masks: list[int], count: int, peak: int) -> Plan:
+        budget = inp.budget_bytes
+        assert budget is not None
+        missing = peak - budget
+        why = [
+            f"budget_fill: cannot meet the GPU budget of {budget} B ({budget / MIB:.2f} MiB): the smallest peak "
+            f"any selection reaches is {peak} B with {count} device blocks, {missing} B ({missing / MIB:.2f} MiB) "
+            "missing. Raise max_gpu_mem_fraction, free GPU memory, lower min_blocks, or use finer include "
+            "patterns so that device blocks get smaller"
+        ]
+        if inp.fixed_resident_bytes > budget:
+            why.append(f"budget_fill: the non-offloadable tensors alone take {inp.fixed_resident_bytes} B")
+        return make_plan(inp, self.name, _selection(inp, masks), count, why)
+
+
+def _key(inp: PlanInput, masks: Sequence[int], count: int) -> tuple[float, int, int]:
+    """BudgetFill's ranking: estimated overhead, then offloaded bytes, then peak."""
+    per_trap = _per_trap(inp, masks)
+    n_off = sum(1 for b in per_trap if b > 0)
+    overhead = simulate_bytes(inp, per_trap, effective_blocks(count, inp.min_blocks, n_off))
+    return overhead, sum(per_trap), _peak(inp, per_trap, count)
+
+
+def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> list[int]:
+    """Give back offloads the budget does not need, best first, judged by the simulator.
+
+    The fill ranks by a per-trap window estimate and stops at the first selection that fits, so it can
+    overshoot the budget or offload a big tensor where a smaller one of the same trap would do (the first
+    trap's copy, for one, is always exposed). Moves: drop an offloaded tensor, or swap it for a smaller
+    resident tensor of the same trap (one candidate per distinct size: equal sizes are interchangeable). Each
+    round applies the move that keeps the budget and lowers the simulated overhead most (ties: the move that
+    offloads fewer bytes). Every move offloads fewer bytes, and fewer bytes never lengthen the pipeline, so the
+    search only improves and ends; ``evaluations`` bounds the number of simulations.
+    """
+    budget = inp.budget_bytes
+    assert budget is not None
+    per = _per_trap(inp, masks)
+    base_total = inp.fixed_resident_bytes + inp.offloadable_bytes
+    while evaluations > 0:
+        n_off = sum(1 for b in per if b > 0)
+        blocks = effective_blocks(count, inp.min_blocks, n_off)
+        trace = PipelineTrace(inp, per, blocks)
+        current, off = trace.overhead, sum(per)
+        order = sorted(range(len(per)), key=lambda j: -per[j])
+        best: tuple[tuple[float, int], int, int, int] | None = None
+        for i, trap in enumerate(inp.traps):
+            if not masks[i]:
+                continue
+            others_max = per[order[0]] if order[0] != i else (per[order[1]] if len(order) > 1 else 0)
+            inside = {t.nbytes: k for k, t in enumerate(trap.tensors) if masks[i] >> k & 1}
+            outside = {t.nbytes: k for k, t in enumerate(trap.tensors) if not masks[i] >> k & 1 and t.nbytes > 0}
+            for size, k in inside.items():
+                for gain, other in [(size, -1)] + [(size - o, ko) for o, ko in outside.items() if o < size]:
+                    left = per[i] - gain
+                    n_now = n_off - (left == 0)
+                    now_blocks = effective_blocks(count, inp.min_blocks, n_now) if n_now else 0
+                    if base_total - off + gain + now_blocks * max(others_max, left) > budget or evaluations <= 0:
+                        continue
+                    evaluations -= 1
+                    if now_blocks == blocks:
+                        overhead = trace.with_change(i, left)
+                    else:
+                        per[i] = left
+                        overhead = simulate_bytes(inp, per, max(now_blocks, 1))
+                        per[i] += gain
+                    key = (overhead, -gain)
+                    if overhead <= current and (best is None or key < best[0]):
+                        best = (key, i, k, other)
+        if best is None:
+            break
+        (_, neg_gain), i, k, other = best
+        masks[i] &= ~(1 << k)
+        if other >= 0:
+            masks[i] |= 1 << other
+        per[i] += neg_gain
+    return masks
+
+
+def _spread(values: list[int], limit: int) -> list[int]:
+    """At most ``limit`` of the sorted ``values``, evenly spaced, always keeping the first and last."""
+    if len(values) <= limit:
+        return values
+    if limit == 1:
+        return [values[-1]]
+    step = (len(values) - 1) / (limit - 1)
+    return sorted({values[round(j * step)] for j in range(limit)})
+
+
+def _gap_windows(inp: PlanInput) -> list[float]:
+    """Per trap: compute seconds since the previous trap that has offloadable tensors (from 0 for the first).
+
+    The window trap ``i`` has when every offloadable trap is offloaded: a stable, conservative yardstick for
+    ranking extra offloads in memory mode, where most traps end up offloaded.
+    """
+    out, last = [], 0
+    prefix = inp.prefix_compute
+    for i, trap in enumerate(inp.traps):
+        out.append(prefix[i] - prefix[last])
+        if trap.total_bytes > 0:
+            last = i
+    return out
+
+
+class AdaptiveStrategy(Strategy):
+    """The default: run several strategies and keep the best plan.
+
+    Candidates: Knapsack, Greedy, NthLayer(1), plus BudgetFill when a budget is set (``extra_optimization``
+    adds NthLayer(2) and a BudgetFill with a 4x finer per-trap cap grid and a longer polish).
+    Memory mode: the lowest estimated overhead among the plans that fit (ties: fewer offloaded bytes, then lower
+    peak); when none fits, the plan with the lowest peak, marked ``fits_budget=False``.
+    Latency mode: among plans whose overhead is within 1% of the total compute of the best one, the plan that
+    offloads the most bytes (freeing device memory at no material cost; ties: lower overhead).
+    """
+
+    name = "adaptive"
+
+    def __init__(self, extra_optimization: bool = False) -> None:
+        self.extra_optimization = bool(extra_optimization)
+
+    def __repr__(self) -> str:
+        return f"AdaptiveStrategy(extra_optimization={self.extra_optimization})"
+
+    def candidates(self, inp: PlanInput) -> list[Strategy]:
+        out: list[Strategy] = [KnapsackStrategy(), GreedyStrategy(), NthLayerStrategy(1)]
+        if self.extra_optimization:
+            out.append(NthLayerStrategy(2))
+        if inp.budget_bytes is not None:
+            out.append(BudgetFillStrategy())
+            if self.extra_optimization:
+                fine = BudgetFillStrategy(max_levels=128, polish_candidates=8, polish_evaluations=20000)
+                fine.name = "budget_fill(fine)"
+                out.append(fine)
+        return out
+
+    def plan(self, inp: PlanInput) -> Plan:
+        plans = [strategy.plan(inp) for strategy in self.candidates(inp)]
+        if inp.budget_bytes is None:
+            slack = 0.01 * inp.total_compute_s
+            floor = min(p.estimated_overhead_s for p in plans)
+            pool = [p for p in plans if p.estimated_overhead_s <= floor + slack]
+            chosen = min(pool, key=lambda p: (-p.offloaded_bytes, p.estimated_overhead_s))
+            rule = (f"latency mode: most offloaded bytes among plans within {slack * 1e3:.3f} ms (1% of compute) of "
+                    f"the lowest overhead {floor * 1e3:.3f} ms")
+        else:
+            fitting = [p for p in plans if p.fits_budget]
+            if fitting:
+                chosen = min(fitting, key=lambda p: (p.estimated_overhead_s, p.offloaded_bytes, p.peak_device_bytes))
+                rule = f"memory mode: lowest estimated overhead among the {len(fitting)} plan(s) within the budget"
+            else:
+                chosen = min(plans, key=lambda p: (p.peak_device_bytes, p.estimated_overhead_s))
+                rule = (f"memory mode: NO candidate fits the budget of {inp.budget_bytes} B; kept the lowest peak, "
+                        f"{chosen.peak_device_bytes - inp.budget_bytes} B missing")
+        summaries = [
+            CandidateSummary(p.strategy, p.estimated_overhead_s, p.offloaded_bytes, p.peak_device_bytes,
+                             p.fits_budget, p is chosen)
+            for p in plans
+        ]
+        lines = [f"adaptive: chose {chosen.strategy} ({rule})"]
+        lines += [
+            f"adaptive: candidate {s.strategy}: overhead {s.estimated_overhead_s * 1e3:.3f} ms, offloaded "
+            f"{s.offloaded_bytes} B, peak {s.peak_device_bytes} B, fits budget: {'yes' if s.fits_budget else 'no'}"
+            for s in summaries
+        ]
+        result = replace(chosen, strategy=f"{self.name}:{chosen.strategy}", explanation=lines + chosen.explanation,
+                         candidates=summaries, offloaded=dict(chosen.offloaded))
+        if not result.fits_budget:
+            logger.warning("%s", lines[0])
+        return result
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Budget resolution (memory mode)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def resolve_budget(fraction: float, total_bytes: int, free_bytes: int) -> tuple[int, str | None]:
+    """``max_gpu_mem_fraction`` -> (budget bytes, warning or None): ``min(fraction * total, free)``.
+
+    The warning (returned, so the caller logs it once with its own context) says when free memory capped the
+    request. Raises RuntimeError when fewer than 256 MiB remain, naming the cause and the fix.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+        raise ValueError(f"resolve_budget: fraction (max_gpu_mem_fraction) must be a float in (0, 1], got {fraction!r}")
+    if total_bytes <= 0 or free_bytes < 0:
+        raise ValueError(f"resolve_budget: need total_bytes > 0 and free_bytes >= 0, got {total_bytes}, {free_bytes}")
+    requested = int(fraction * total_bytes)
+    budget = min(requested, free_bytes)
+    warning = None
+    if free_bytes < requested:
+        warning = (
+            f"max_gpu_mem_fraction={fraction} asks for {requested / MIB:.0f} MiB of the device's "
+            f"{total_bytes / MIB:.0f} MiB, but only {free_bytes / MIB:.0f} MiB are free (CUDA context, KV cache, "
+            f"other processes); the GPU budget is capped to {budget / MIB:.0f} MiB"
+        )
+    if budget < MIN_GPU_BUDGET_BYTES:
+        if free_bytes < MIN_GPU_BUDGET_BYTES:
+            fix = ("free GPU memory first: stop other processes on this device (see nvidia-smi), shrink what else "
+                   "this process keeps there (e.g. a smaller KV cache / vLLM gpu_memory_utilization, "
+                   "torch.cuda.empty_cache()), or use a device with more free memory")
+        else:
+            fix = ("raise max_gpu_mem_fraction, or set it to None for latency mode (no memory cap)")
+        raise RuntimeError(
+            f"only {budget / MIB:.0f} MiB of GPU memory are available to FlexTensor (max_gpu_mem_fraction="
+            f"{fraction} of {total_bytes / MIB:.0f} MiB total, {free_bytes / MIB:.0f} MiB free); at least "
+            f"{MIN_GPU_BUDGET_BYTES // MIB} MiB are needed: {fix}"
+        )
+    return budget, warning
