@@ -1,0 +1,428 @@
+"""``ShmCoordinator``: one participant of a per-manager namespace — election, readiness, failure, leaving.
+
+Election (constructor), all under the coordinator ``FileLock`` ``{lockdir}/{ns}.lock``, whose acquisition
+is bounded by ``timeout``:
+
+1. ``/{ns}.c`` absent -> this handle is the **creator** of a new generation: if a journal is left over (a
+   crash during creation or cleanup) its resources are reclaimed first and the new generation is its
+   generation + 1, else 1. The journal header is written, then ``/{ns}.c`` created (O_EXCL), the creator's
+   lease claimed and the header written with state INITIALIZING (magic last), then the heartbeat starts.
+2. ``/{ns}.c`` present and valid, with at least one live lease -> **follower**: claim a lease slot and start
+   the heartbeat. Joining needs a live lease: it is what keeps the generation's resources alive.
+3. ``/{ns}.c`` present but no live lease (everyone died or was ended by ``ftd``), or an aborted creation ->
+   reclaim that generation with the cleanup code (WARNING naming it) and become the creator of the next.
+
+Anything that cannot be trusted (bad magic, another protocol, a truncated segment, a malformed journal, a
+different flextensor version) raises ``ShmProtocolError`` and changes nothing.
+
+Readiness: the creator publishes through ``memory_owner`` and calls ``notify_ready()`` (state READY) or
+``mark_failed(error)`` (message, then FAILED). Followers poll the header in ``wait_for_ready`` every 10 ms:
+READY returns, FAILED raises ``ShmCreatorFailedError`` with the creator's message, and the creator's lease
+running out (or being ended) while INITIALIZING raises ``ShmCreatorDiedError``.
+
+Leaving (``close``): wait for local setup through the owner; a creator that never published marks the
+generation FAILED so followers learn it at once; then, under the lock, stop the heartbeat, free the slot,
+and if no live lease remains unlink everything the journal names, the coordinator segment, the journal and
+the lock file. A close that fails (lock timeout, unlink error) keeps what it needs and can be retried.
+
+Each ``ShmCoordinator`` is its own participant (own token, slot and heartbeat), even within one process. A
+handle that is never closed keeps its lease (and the generation) alive until its process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from flextensor.shm.cleanup import (
+    NamespaceState,
+    inspect_namespace_locked,
+    reclaim_stale_locked,
+    remove_generation_locked,
+    remove_lock_file_locked,
+)
+from flextensor.shm.errors import ShmCreatorDiedError, ShmCreatorFailedError, ShmProtocolError
+from flextensor.shm.header import (
+    DEFAULT_SLOT_COUNT,
+    LIBRARY_VERSION,
+    HeaderInfo,
+    State,
+    coordinator_segment_size,
+    read_failure,
+    read_state,
+    store_state,
+    validate_header,
+    write_failure,
+    write_header,
+)
+from flextensor.shm.identity import ParticipantIdentity
+from flextensor.shm.journal import create_journal, remove_journal
+from flextensor.shm.leases import Heartbeat, LeaseTable
+from flextensor.shm.locks import FileLock
+from flextensor.shm.names import coordinator_lock_path, coordinator_segment_name, validate_namespace
+from flextensor.shm.owner import ShmOwner
+from flextensor.shm.segment import SharedSegment
+
+__all__ = ["ShmCoordinator"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.01
+
+
+def _check_seconds(value: object, what: str, *, allow_none: bool, positive: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
+        bound = "> 0" if positive else ">= 0"
+        none = " or None (no limit)" if allow_none else ""
+        raise ValueError(f"invalid {what} {value!r}: pass a finite number of seconds {bound}{none}")
+    return float(value)
+
+
+def _describe_error(error: BaseException | str) -> str:
+    if isinstance(error, BaseException):
+        text = str(error)
+        return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return str(error)
+
+
+class ShmCoordinator:
+    """Join (or create) the sharing group of one per-manager namespace; see the module docstring.
+
+    ``lease_seconds``: how long this participant stays counted without a heartbeat (heartbeats every quarter
+    of it). ``timeout``: bound on acquiring the coordinator lock (None: wait as long as it takes).
+    """
+
+    def __init__(self, namespace: str, *, lease_seconds: float = 30.0, timeout: float | None = None) -> None:
+        self._namespace = validate_namespace(namespace)
+        lease = _check_seconds(lease_seconds, "lease_seconds", allow_none=False, positive=True)
+        self._timeout = _check_seconds(timeout, "timeout", allow_none=True)
+        self._lease_ns = int(lease * 1e9)  # type: ignore[operator]
+        self._identity = ParticipantIdentity.current()
+        self._segment_name = coordinator_segment_name(namespace)
+        self._thread_lock = threading.Lock()  # one thread at a time on the FileLock object below
+        self._lock = FileLock(coordinator_lock_path(namespace))
+        self._segment: SharedSegment | None = None
+        self._table: LeaseTable | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._slot = -1
+        self._left = False
+        self._closed = False
+        self._header: HeaderInfo | None = None
+        with self._locked(self._timeout):
+            self._elect()
+            assert self._header is not None and self._table is not None
+            self._heartbeat = Heartbeat(self._table, self._slot, self._identity, self._lease_ns)
+            self._heartbeat.start()
+        self._is_creator = self._header.creator.token == self._identity.token
+        self._generation = self._header.generation
+        self._owner = ShmOwner(namespace, self._generation, self._is_creator, self._registration)
+        logger.info(
+            "%s namespace %s generation %d as %s (lease slot %d, lease %.1f s)",
+            "created" if self._is_creator else "joined", namespace, self._generation,
+            "creator" if self._is_creator else "follower", self._slot, self._lease_ns / 1e9,
+        )
+
+    # ------------------------------------------------------------------ locking
+    @contextmanager
+    def _locked(self, timeout: float | None) -> Iterator[None]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._thread_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"another thread of this process holds the coordinator lock of {self._namespace!r}"
+                               f" for longer than {timeout:g} s")
+        try:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._lock.acquire(remaining)
+            try:
+                yield
+            finally:
+                if self._lock.held:
+                    self._lock.release()
+        finally:
+            self._thread_lock.release()
+
+    @contextmanager
+    def _registration(self) -> Iterator[None]:
+        """For the owner: hold the coordinator lock to journal a resource, while this handle participates."""
+        if self._left:
+            raise RuntimeError(f"coordinator of {self._namespace!r} has left its generation; no new resources")
+        with self._locked(self._timeout):
+            assert self._table is not None
+            if not self._table.is_live(self._slot, self._identity):
+                # Our lease ran out (a stall longer than the lease) or ftd ended it: the generation may have
+                # been reclaimed already, so registering more resources in it could leak them.
+                raise RuntimeError(
+                    f"the lease of this participant of {self._namespace!r} generation {self._generation} expired "
+                    "or was ended; it no longer keeps the generation alive. Close this coordinator and open a new "
+                    "one"
+                )
+            yield
+
+    # ------------------------------------------------------------------ election (lock held)
+    def _elect(self) -> None:
+        state = inspect_namespace_locked(self._namespace)
+        try:
+            if state.header is not None:
+                if state.live_slots():
+                    self._join(state)
+                    return
+                reason = (f"no participant of generation {state.header.generation} holds a live lease any more "
+                          f"(state {state.header.state.name}, creator {state.header.creator.describe()})")
+            elif state.coordinator_exists:
+                reason = "its coordinator segment was never completely created"
+            elif state.journal_exists:
+                reason = "its journal survived without a coordinator segment (interrupted creation or cleanup)"
+            else:
+                reason = ""
+            previous = reclaim_stale_locked(self._namespace, state, reason) if reason else None
+            self._create((previous or 0) + 1)
+        finally:
+            state.close()
+
+    def _join(self, state: NamespaceState) -> None:
+        header = state.header
+        assert header is not None and state.segment is not None
+        if header.library_version != LIBRARY_VERSION:
+            raise ShmProtocolError(
+                f"coordinator segment {header.segment} was created by flextensor {header.library_version}, this "
+                f"process runs {LIBRARY_VERSION}: all participants of a namespace must use the same flextensor "
+                "version; restart all workers with the same version"
+            )
+        table = LeaseTable(state.segment.buffer, header.slot_count, segment=header.segment)
+        self._slot = table.join(self._identity, self._lease_ns)
+        self._segment, state.segment = state.segment, None  # keep the mapping
+        self._table = table
+        self._header = header
+
+    def _create(self, generation: int) -> None:
+        create_journal(self._namespace, generation)
+        try:
+            segment = SharedSegment.create(self._segment_name, coordinator_segment_size(DEFAULT_SLOT_COUNT))
+        except BaseException:
+            remove_journal(self._namespace)
+            raise
+        try:
+            table = LeaseTable(segment.buffer, DEFAULT_SLOT_COUNT, segment=self._segment_name)
+            self._slot = table.join(self._identity, self._lease_ns)
+            write_header(
+                segment.buffer,
+                generation=generation,
+                lease_ns=self._lease_ns,
+                slot_count=DEFAULT_SLOT_COUNT,
+                creator=self._identity,
+                creator_slot=self._slot,
+                created_at_ns=time.time_ns(),
+            )
+            self._header = validate_header(segment.buffer, self._segment_name, segment.size)
+        except BaseException:
+            segment.close()
+            SharedSegment.unlink_name(self._segment_name)
+            remove_journal(self._namespace)
+            raise
+        self._segment = segment
+        self._table = table
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    @property
+    def is_creator(self) -> bool:
+        return self._is_creator
+
+    @property
+    def identity(self) -> ParticipantIdentity:
+        return self._identity
+
+    @property
+    def lease_slot(self) -> int:
+        return self._slot
+
+    @property
+    def memory_owner(self) -> ShmOwner:
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def state(self) -> State:
+        """The generation's current state, read from the header."""
+        return read_state(self._buffer(), self._segment_name)
+
+    @property
+    def creator(self) -> ParticipantIdentity:
+        assert self._header is not None
+        return self._header.creator
+
+    def _buffer(self) -> memoryview:
+        if self._segment is None:
+            raise RuntimeError(f"coordinator of {self._namespace!r} is closed")
+        return self._segment.buffer
+
+    # ------------------------------------------------------------------ creator
+    def _require_creator(self, what: str) -> None:
+        if not self._is_creator:
+            raise RuntimeError(f"{what}() is for the creator of {self._namespace!r} generation {self._generation}; "
+                               "this handle is a follower (use wait_for_ready())")
+
+    def notify_ready(self) -> None:
+        """Publish READY (after everything followers need was written through ``memory_owner``)."""
+        self._require_creator("notify_ready")
+        buf = self._buffer()
+        current = read_state(buf, self._segment_name)
+        if current == State.FAILED:
+            raise RuntimeError(f"namespace {self._namespace!r} generation {self._generation} is already FAILED; "
+                               "it cannot become READY")
+        store_state(buf, State.READY)
+        logger.info("namespace %s generation %d is READY", self._namespace, self._generation)
+
+    def mark_failed(self, error: BaseException | str) -> None:
+        """Publish FAILED with ``error``'s message (bounded to 2 KiB) so followers raise it.
+
+        A generation that already FAILED keeps its first message; one that is READY cannot fail
+        (followers may already use it): ``RuntimeError``.
+        """
+        self._require_creator("mark_failed")
+        buf = self._buffer()
+        current = read_state(buf, self._segment_name)
+        if current == State.FAILED:
+            logger.debug("namespace %s already FAILED; keeping the first message", self._namespace)
+            return
+        if current == State.READY:
+            raise RuntimeError(f"namespace {self._namespace!r} generation {self._generation} is already READY; "
+                               "followers may be using it, so it cannot be marked FAILED")
+        message = _describe_error(error)
+        write_failure(buf, message)
+        logger.warning("namespace %s generation %d marked FAILED: %s", self._namespace, self._generation, message)
+
+    # ------------------------------------------------------------------ followers
+    def wait_for_ready(self, timeout: float | None = None) -> None:
+        """Wait until the creator published (READY).
+
+        ``ShmCreatorFailedError`` when it marked the generation FAILED (``creator_message`` holds its text),
+        ``ShmCreatorDiedError`` when its lease ran out while INITIALIZING, ``TimeoutError`` after ``timeout``
+        seconds (None: no limit).
+        """
+        timeout = _check_seconds(timeout, "timeout", allow_none=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        buf = self._buffer()
+        assert self._table is not None and self._header is not None
+        creator = self._header.creator
+        creator_slot = self._header.creator_slot
+        while True:
+            state = read_state(buf, self._segment_name)
+            if state == State.READY:
+                return
+            if state == State.FAILED:
+                message = read_failure(buf)
+                raise ShmCreatorFailedError(
+                    f"the creator ({creator.describe()}) of namespace {self._namespace!r} generation "
+                    f"{self._generation} failed: {message}",
+                    message,
+                )
+            if self._is_creator:
+                raise RuntimeError(f"wait_for_ready() on the creator of {self._namespace!r}: the creator publishes "
+                                   "and calls notify_ready() or mark_failed() itself")
+            if not self._table.is_live(creator_slot, creator):
+                # Re-read: the creator may have published just before its lease ended.
+                if read_state(buf, self._segment_name) == State.INITIALIZING:
+                    raise ShmCreatorDiedError(
+                        f"the creator of namespace {self._namespace!r} generation {self._generation} (pid "
+                        f"{creator.pid}) stopped heartbeating while INITIALIZING: it died or was killed before "
+                        "publishing. Close this coordinator; the next one elects a new creator once every "
+                        "participant of this generation has left"
+                    )
+                continue
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"namespace {self._namespace!r} generation {self._generation} was not READY within "
+                        f"{timeout:g} s; its creator (pid {creator.pid}) is alive and still INITIALIZING: pass a "
+                        "longer timeout if loading the model takes longer"
+                    )
+                time.sleep(min(_POLL_S, remaining))
+            else:
+                time.sleep(_POLL_S)
+
+    # ------------------------------------------------------------------ leaving
+    def close(self, timeout: float | None = None) -> None:
+        """Leave the generation; the last participant removes all of it. Idempotent; retry if it raised.
+
+        ``timeout`` bounds the wait for local setup and for the coordinator lock (default: the constructor's).
+        """
+        if self._closed:
+            return
+        timeout = self._timeout if timeout is None else _check_seconds(timeout, "timeout", allow_none=True)
+        self._owner.close(timeout)
+        if self._is_creator and not self._left and self._segment is not None:
+            if read_state(self._segment.buffer, self._segment_name) == State.INITIALIZING:
+                write_failure(self._segment.buffer, "the creator closed its coordinator before calling "
+                                                    "notify_ready() (initialization did not complete)")
+        with self._locked(timeout):
+            if not self._left:
+                assert self._heartbeat is not None and self._table is not None
+                self._heartbeat.stop()
+                self._table.leave(self._slot, self._identity)
+                self._left = True
+            self._remove_if_last()
+        self._lock.close()
+        if self._segment is not None:
+            self._heartbeat = None  # both hold the mapping's memoryview: drop them so close() can unmap
+            self._table = None
+            self._segment.close()
+            self._segment = None
+        self._closed = True
+        logger.debug("left namespace %s generation %d", self._namespace, self._generation)
+
+    def _remove_if_last(self) -> None:
+        """With the lock held: if our generation has no live lease left, remove all of it."""
+        state = inspect_namespace_locked(self._namespace)
+        try:
+            if state.empty:  # removed meanwhile (offline cleanup): only the lock file we just made is left
+                remove_lock_file_locked(state, self._lock)
+                return
+            if state.generation != self._generation:
+                return  # a later generation lives here now: nothing of ours is left to remove
+            live = state.live_slots()
+            if live:
+                logger.debug("namespace %s generation %d stays: %d participant(s) remain", self._namespace,
+                             self._generation, len(live))
+                return
+            remove_generation_locked(state)
+            remove_lock_file_locked(state, self._lock)
+            logger.info("last participant of namespace %s generation %d removed %s", self._namespace,
+                        self._generation, ", ".join(state.removed))
+        finally:
+            state.close()
+
+    def __enter__(self) -> ShmCoordinator:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and self._is_creator and not self._closed and self.state == State.INITIALIZING:
+            self.mark_failed(exc)
+        self.close()
+
+    def __repr__(self) -> str:
+        role = "creator" if self._is_creator else "follower"
+        return (f"ShmCoordinator({self._namespace!r}, generation={self._generation}, {role}, "
+                f"slot={self._slot}, closed={self._closed})")

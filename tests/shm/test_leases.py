@@ -1,0 +1,138 @@
+"""Lease table layout and rules, the heartbeat thread, and leases of a SIGKILLed process."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+
+import pytest
+
+from flextensor.shm.coordinator import ShmCoordinator
+from flextensor.shm.header import HEADER_SIZE, SLOT_SIZE, coordinator_segment_size
+from flextensor.shm.identity import ParticipantIdentity, host_clock_ns
+from flextensor.shm.leases import Heartbeat, LeaseTable, SlotState
+from flextensor.shm.names import manager_namespace
+from tests.shm.procs import start_children
+
+SECOND = 1_000_000_000
+
+
+def make_table(slots: int = 4) -> tuple[bytearray, LeaseTable]:
+    buf = bytearray(coordinator_segment_size(slots))
+    return buf, LeaseTable(memoryview(buf), slots, segment="/test.c")
+
+
+def test_slot_layout_is_fixed():
+    buf, table = make_table()
+    ident = ParticipantIdentity.current()
+    before = host_clock_ns()
+    index = table.join(ident, 3 * SECOND)
+    assert index == 0
+    base = HEADER_SIZE + index * SLOT_SIZE
+    state, pid, heartbeat, lease, start = struct.unpack_from("=IIQQQ", buf, base)
+    assert (state, pid, lease, start) == (SlotState.ACTIVE, os.getpid(), 3 * SECOND, ident.start_time)
+    assert before <= heartbeat <= host_clock_ns()
+    import uuid
+
+    assert bytes(buf[base + 32:base + 48]) == uuid.UUID(ident.boot_id).bytes
+    assert bytes(buf[base + 48:base + 64]).hex() == ident.token
+    slot = table.slots()[0]
+    assert slot.identity == ident and slot.live and slot.state == SlotState.ACTIVE
+    assert table.slots()[1].identity is None and table.slots()[1].state == SlotState.FREE
+
+
+def test_liveness_follows_heartbeat_and_lease():
+    _, table = make_table()
+    index = table.join(ParticipantIdentity.current(), SECOND)
+    heartbeat = table.slot(index).heartbeat_ns
+    assert table.live_count(now=heartbeat + SECOND) == 1
+    assert table.live_count(now=heartbeat + SECOND + 1) == 0
+    assert table.live_count(now=heartbeat - 5) == 1  # a heartbeat newer than our clock read is live
+
+
+def test_slot_reuse_prefers_free_then_dead_then_expired_and_leave_checks_identity():
+    _, table = make_table(3)
+    a, b, c, d = (ParticipantIdentity.current() for _ in range(4))
+    assert [table.join(x, SECOND) for x in (a, b, c)] == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="all 3 lease slots"):
+        table.join(d, SECOND)
+    table.end_lease(1)
+    assert table.slot(1).state == SlotState.DEAD and not table.slot(1).live
+    assert not table.heartbeat(1, b)  # an ended lease is not revived by its old owner
+    assert table.join(d, SECOND) == 1
+    assert not table.leave(1, b)  # b lost slot 1 to d: leaving must not free d's slot
+    assert table.slot(1).identity == d
+    assert table.leave(1, d) and table.slot(1).state == SlotState.FREE
+    assert table.join(b, SECOND) == 1
+    # expired ACTIVE slots are reused last
+    _, small = make_table(1)
+    small.join(a, 1)  # 1 ns lease: expired at once
+    time.sleep(0.001)
+    assert small.live_count() == 0
+    assert small.join(b, SECOND) == 0 and small.slot(0).identity == b
+    assert not small.heartbeat(0, a)
+    with pytest.raises(IndexError):
+        small.slot(1)
+
+
+def test_heartbeat_thread_refreshes_and_stops():
+    _, table = make_table()
+    ident = ParticipantIdentity.current()
+    index = table.join(ident, 200_000_000)  # 0.2 s lease: beats every 50 ms
+    beat = Heartbeat(table, index, ident, 200_000_000)
+    beat.start()
+    first = table.slot(index).heartbeat_ns
+    time.sleep(0.35)  # well past the lease: only the thread keeps it live
+    assert table.slot(index).heartbeat_ns > first
+    assert table.slot(index).live
+    beat.stop()
+    assert not beat.running and not beat.lost
+    beat.stop()  # idempotent
+    time.sleep(0.25)
+    assert not table.slot(index).live
+
+
+def test_heartbeat_notices_an_ended_lease():
+    _, table = make_table()
+    ident = ParticipantIdentity.current()
+    index = table.join(ident, 100_000_000)
+    beat = Heartbeat(table, index, ident, 100_000_000)
+    beat.start()
+    table.end_lease(index)
+    deadline = time.monotonic() + 2
+    while beat.running:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert beat.lost
+    assert table.slot(index).state == SlotState.DEAD
+
+
+def test_sigkilled_participant_is_seen_gone_after_its_lease(namespace):
+    ns = manager_namespace(namespace, "leases")
+    (child,) = start_children(1)
+    try:
+        with ShmCoordinator(ns, lease_seconds=1.0) as me:
+            reply = child.ok("open", ns=ns, lease=1.0)
+            with LeaseTable.open(ns) as table:
+                assert table.header is not None and table.header.generation == me.generation
+                live = {s.identity.pid for s in table.live_slots()}
+                assert live == {os.getpid(), child.pid}
+                child.kill()
+                killed = time.monotonic()
+                while table.slot(reply["slot"]).live:
+                    assert time.monotonic() - killed < 2.5
+                    time.sleep(0.02)
+                assert time.monotonic() - killed >= 0.5  # it stays counted for about its lease
+                assert table.live_count() == 1
+                # ftd's path: ending a lease at once
+                table.end_lease(me.lease_slot)
+                assert table.live_count() == 0
+    finally:
+        child.kill()
+        child.stop()
+
+
+def test_open_missing_namespace(namespace):
+    with pytest.raises(FileNotFoundError):
+        LeaseTable.open(manager_namespace(namespace, "none"))
