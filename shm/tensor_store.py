@@ -1,0 +1,350 @@
+"""Publish a model's resident parameters and buffers once per host; attach and install them anywhere.
+
+The creator copies each selected tensor into one data segment (``/{ns}.g{gen}.sd``) and writes a msgpack
+manifest (``.sm``, see ``manifest.py``) through its ``ShmOwner``, *before* the coordinator turns READY, so a
+follower that sees READY finds complete bytes. Followers decode and validate the manifest against the real
+segment size, then ``materialize`` checks every record against their own (usually ``meta``) model before
+touching it: a mismatched name, kind, dtype, shape or buffer persistence is refused with the tensor's name and
+the model is left unchanged.
+
+Tied registrations (one tensor under several names) are stored once and restored as one object under every
+name, so ``lm_head.weight is embed.weight`` holds again in the follower. On a CPU target device the installed
+tensors are zero-copy views of the shared segment (read-only by convention: writing to them changes every
+worker's copy); on a GPU target they are copied to the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+from flextensor.shm.errors import ShmProtocolError
+from flextensor.shm.manifest import (
+    MANIFEST_PROTOCOL,
+    StoreManifest,
+    TensorRecord,
+    contiguous_stride,
+    decode_manifest,
+    encode_manifest,
+    span_bytes,
+    validate_manifest,
+    DTYPE_SIZES,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from flextensor.shm.coordinator import ShmCoordinator
+    from flextensor.shm.owner import ShmOwner
+    from flextensor.shm.segment import SharedSegment
+
+logger = logging.getLogger(__name__)
+
+DATA_KIND = "sd"
+MANIFEST_KIND = "sm"
+#: Alignment of every tensor span in the data segment: generous enough for vectorised copies and DMA.
+ALIGNMENT = 256
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """Where a name lives in a model: ``module._parameters[attr]`` or ``module._buffers[attr]``."""
+
+    module: Any
+    attr: str
+    kind: str
+    persistent: bool
+    tensor: Any
+
+
+def model_registrations(model: Any) -> dict[str, _Registration]:
+    """Every registered parameter and buffer of ``model`` by its full name, tied names included."""
+    found: dict[str, _Registration] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for attr, param in module._parameters.items():
+            if param is not None:
+                found[prefix + attr] = _Registration(module, attr, "parameter", True, param)
+        for attr, buf in module._buffers.items():
+            if buf is not None:
+                persistent = attr not in module._non_persistent_buffers_set
+                found[prefix + attr] = _Registration(module, attr, "buffer", persistent, buf)
+    return found
+
+
+def _dtype_name(dtype: "torch.dtype") -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"dtype {dtype} cannot be published to shared memory (supported: {sorted(DTYPE_SIZES)})")
+    return name
+
+
+def _torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return getattr(torch, name)
+
+
+def _align(value: int) -> int:
+    return (value + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def _plan_records(model: Any, names: Iterable[str] | None) -> tuple[list[TensorRecord], list[Any], int]:
+    """Group tied names, lay tensors out contiguously (aligned) and return records, sources and total size."""
+    registrations = model_registrations(model)
+    wanted = set(registrations) if names is None else set(names)
+    unknown = sorted(wanted - set(registrations))
+    if unknown:
+        raise ValueError(f"cannot publish {unknown[:5]}: no such parameter or buffer in the model")
+    groups: dict[int, list[str]] = {}
+    for name, reg in registrations.items():
+        if name in wanted:
+            groups.setdefault(id(reg.tensor), []).append(name)
+    records: list[TensorRecord] = []
+    sources: list[Any] = []
+    offset = 0
+    for group in groups.values():
+        first = registrations[group[0]]
+        tensor = first.tensor
+        if tensor.device.type == "meta":
+            raise ValueError(f"cannot publish {group[0]!r}: it is on the meta device (it holds no values)")
+        kinds = {registrations[n].kind for n in group}
+        if len(kinds) != 1:
+            raise ValueError(f"tensor registered as both parameter and buffer under {group}: cannot publish it")
+        dtype = _dtype_name(tensor.dtype)
+        shape = list(tensor.shape)
+        stride = contiguous_stride(shape)
+        nbytes = span_bytes(shape, stride, 0, DTYPE_SIZES[dtype])
+        records.append(
+            TensorRecord(
+                name=group[0],
+                kind=first.kind,  # type: ignore[arg-type]
+                persistent=first.persistent,
+                dtype=dtype,
+                shape=shape,
+                stride=stride,
+                storage_offset=0,
+                byte_offset=offset,
+                nbytes=nbytes,
+                requires_grad=bool(getattr(tensor, "requires_grad", False)),
+                aliases=group[1:],
+            )
+        )
+        sources.append(tensor)
+        offset = _align(offset + nbytes)
+    return records, sources, max(offset, ALIGNMENT)
+
+
+class SharedTensorStore:
+    """A published set of tensors in one shared data segment plus its manifest.
+
+    Construct with :meth:`create_from_model` (creator) or :meth:`attach` (followers). Pass the coordinator's
+    ``memory_owner`` as ``shm_owner`` so the store lives exactly as long as the sharing group; without one,
+    the store opens (and on :meth:`close` closes) a coordinator of its own for ``namespace``.
+    """
+
+    def __init__(
+        self,
+        manifest: StoreManifest,
+        segment: "SharedSegment",
+        owner: "ShmOwner",
+        own_coordinator: "ShmCoordinator | None" = None,
+    ) -> None:
+        self.manifest = manifest
+        self._segment = segment
+        self._owner = owner
+        self._own_coordinator = own_coordinator
+        self._closed = False
+
+    # ----------------------------------------------------------------------------------------- construction
+    @classmethod
+    def create_from_model(
+        cls,
+        namespace: str,
+        model: Any,
+        *,
+        names: Iterable[str] | None = None,
+        shm_owner: "ShmOwner | None" = None,
+        lease_seconds: float = 30.0,
+    ) -> "SharedTensorStore":
+        """Copy ``model``'s selected parameters and buffers (all when ``names`` is None) into shared memory."""
+        owner, coordinator = _resolve_owner(namespace, shm_owner, lease_seconds, creating=True)
+        try:
+            records, sources, total = _plan_records(model, names)
+            segment = owner.create_segment(DATA_KIND, total)
+            for record, source in zip(records, sources):
+                view = segment.tensor(_torch_dtype(record.dtype), record.shape, record.stride, record.byte_offset)
+                view.copy_(source.detach())
+            manifest = StoreManifest(
+                protocol=MANIFEST_PROTOCOL,
+                library_version=_library_version(),
+                generation=owner.generation,
+                data_size=total,
+                tensors=records,
+            )
+            owner.write_blob(MANIFEST_KIND, encode_manifest(manifest))
+            logger.info(
+                "published %d tensors (%.1f MiB) to %s generation %d",
+                len(records), total / 2**20, owner.namespace, owner.generation,
+            )
+            if coordinator is not None:
+                coordinator.notify_ready()
+        except BaseException as exc:
+            if coordinator is not None:
+                coordinator.mark_failed(exc)
+                coordinator.close()
+            raise
+        return cls(manifest, segment, owner, coordinator)
+
+    @classmethod
+    def attach(
+        cls,
+        namespace: str,
+        *,
+        shm_owner: "ShmOwner | None" = None,
+        timeout: float | None = None,
+        lease_seconds: float = 30.0,
+    ) -> "SharedTensorStore":
+        """Open a published store; validates the manifest against the segment before returning."""
+        owner, coordinator = _resolve_owner(namespace, shm_owner, lease_seconds, creating=False)
+        try:
+            if coordinator is not None:
+                coordinator.wait_for_ready(timeout)
+            manifest = decode_manifest(owner.read_blob(MANIFEST_KIND))
+            if manifest.generation != owner.generation:
+                raise ShmProtocolError(
+                    f"tensor store manifest of {namespace!r} is from generation {manifest.generation}, the "
+                    f"coordinator is at {owner.generation}: run cleanup for this namespace and restart workers"
+                )
+            segment = owner.open_segment(DATA_KIND)
+            validate_manifest(manifest, segment.size)
+        except BaseException:
+            if coordinator is not None:
+                coordinator.close()
+            raise
+        return cls(manifest, segment, owner, coordinator)
+
+    # ---------------------------------------------------------------------------------------------- reading
+    @property
+    def records(self) -> list[TensorRecord]:
+        return list(self.manifest.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.data_size
+
+    def tensor(self, record: TensorRecord) -> "torch.Tensor":
+        """Zero-copy view of one record in the shared segment."""
+        self._check_open()
+        return self._segment.tensor(
+            _torch_dtype(record.dtype), record.shape, record.stride,
+            record.byte_offset + record.storage_offset * DTYPE_SIZES[record.dtype],
+        )
+
+    def tensors(self) -> dict[str, "torch.Tensor"]:
+        """Every published name (aliases included) -> zero-copy view; tied names share one view."""
+        out: dict[str, Any] = {}
+        for record in self.manifest.tensors:
+            view = self.tensor(record)
+            for name in record.all_names:
+                out[name] = view
+        return out
+
+    def validate_against(self, model: Any) -> None:
+        """Check every record against ``model``'s registrations; raise ``ValueError`` naming the tensor."""
+        registrations = model_registrations(model)
+        for record in self.manifest.tensors:
+            for name in record.all_names:
+                reg = registrations.get(name)
+                where = f"published tensor {name!r}"
+                if reg is None:
+                    raise ValueError(f"{where} does not exist in this model: both factories must build the same topology")
+                if reg.kind != record.kind:
+                    raise ValueError(f"{where} is a {record.kind} in the store but a {reg.kind} in this model")
+                if reg.kind == "buffer" and reg.persistent != record.persistent:
+                    raise ValueError(
+                        f"{where}: buffer persistence differs (store {record.persistent}, model {reg.persistent})"
+                    )
+                model_dtype = str(reg.tensor.dtype).removeprefix("torch.")
+                if model_dtype != record.dtype:
+                    raise ValueError(f"{where} has dtype {record.dtype} in the store but {model_dtype} in this model")
+                if list(reg.tensor.shape) != record.shape:
+                    raise ValueError(
+                        f"{where} has shape {tuple(record.shape)} in the store but {tuple(reg.tensor.shape)} in this model"
+                    )
+
+    def materialize(self, model: Any, device: Any = "cpu") -> None:
+        """Install every published tensor into ``model`` on ``device`` (all checks happen before any change)."""
+        import torch
+
+        self.validate_against(model)
+        device = torch.device(device)
+        registrations = model_registrations(model)
+        for record in self.manifest.tensors:
+            view = self.tensor(record)
+            value = view if device.type == "cpu" else view.to(device, copy=True)
+            if record.kind == "parameter":
+                value = torch.nn.Parameter(value, requires_grad=record.requires_grad)
+            for name in record.all_names:
+                reg = registrations[name]
+                table = reg.module._parameters if record.kind == "parameter" else reg.module._buffers
+                table[reg.attr] = value
+
+    # ------------------------------------------------------------------------------------------- lifetime
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("SharedTensorStore is closed")
+
+    def close(self) -> None:
+        """Drop this handle's mapping (views handed out stay valid until they die) and its own coordinator."""
+        if self._closed:
+            return
+        self._closed = True
+        self._segment.close()
+        if self._own_coordinator is not None:
+            self._own_coordinator.close()
+
+    def __enter__(self) -> "SharedTensorStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _library_version() -> str:
+    from flextensor.shm.header import LIBRARY_VERSION
+
+    return LIBRARY_VERSION
+
+
+def _resolve_owner(
+    namespace: str, shm_owner: "ShmOwner | None", lease_seconds: float, *, creating: bool
+) -> tuple["ShmOwner", "ShmCoordinator | None"]:
+    """Use the caller's owner (checking it serves ``namespace``) or open a coordinator of our own."""
+    if shm_owner is not None:
+        if shm_owner.namespace != namespace:
+            raise ValueError(
+                f"shm_owner serves namespace {shm_owner.namespace!r}, not {namespace!r}: pass the memory_owner of "
+                "the coordinator for this namespace"
+            )
+        if creating and not shm_owner.is_creator:
+            raise RuntimeError(
+                f"only the creator of {namespace!r} may publish a tensor store; followers use SharedTensorStore.attach"
+            )
+        return shm_owner, None
+    from flextensor.shm.coordinator import ShmCoordinator
+
+    coordinator = ShmCoordinator(namespace, lease_seconds=lease_seconds)
+    if not creating and coordinator.is_creator:
+        coordinator.mark_failed("nothing was published")
+        coordinator.close()
+        raise FileNotFoundError(
+            f"no tensor store is published in namespace {namespace!r}: start the creator first"
+        )
+    if creating and not coordinator.is_creator:
+        coordinator.close()
+        raise RuntimeError(
+            f"namespace {namespace!r} already has a creator: use SharedTensorStore.attach to read its store"
+        )
+    return coordinator.memory_owner, coordinator

@@ -1,0 +1,190 @@
+"""SharedTensorStore and the engine's shared host blocks: exact round trips, tied names, and refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import msgspec
+import pytest
+import torch
+from torch import nn
+
+from flextensor.shm.blocks import SharedBlockAllocator
+from flextensor.shm.coordinator import ShmCoordinator
+from flextensor.shm.errors import ShmProtocolError
+from flextensor.shm.manifest import StoreManifest, TensorRecord, decode_manifest, validate_manifest
+from flextensor.shm.names import manager_namespace
+from flextensor.shm.tensor_store import MANIFEST_KIND, SharedTensorStore
+
+
+class TinyLM(nn.Module):
+    """Embedding tied to the head, a norm, persistent and non-persistent buffers, mixed dtypes."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim, bias=False).to(torch.bfloat16)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.arange(dim, dtype=torch.float64))
+        self.register_buffer("steps", torch.tensor([7], dtype=torch.int64), persistent=False)
+
+
+def _model(seed: int = 0, device: str = "cpu") -> TinyLM:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return TinyLM()
+
+
+@pytest.fixture
+def ns(namespace: str) -> str:
+    return manager_namespace(namespace, "model")
+
+
+def test_round_trip_preserves_values_ties_and_persistence(ns: str) -> None:
+    source = _model()
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        store = SharedTensorStore.create_from_model(ns, source, shm_owner=creator.memory_owner)
+        creator.notify_ready()
+        with ShmCoordinator(ns, lease_seconds=2.0) as follower:
+            assert not follower.is_creator
+            follower.wait_for_ready(timeout=5)
+            attached = SharedTensorStore.attach(ns, shm_owner=follower.memory_owner)
+            target = _model(device="meta")
+            attached.materialize(target, "cpu")
+            assert target.head.weight is target.embed.weight
+            assert set(target.state_dict()) == set(source.state_dict())
+            for name, value in source.state_dict().items():
+                assert torch.equal(target.state_dict()[name], value), name
+            assert torch.equal(target.steps, source.steps)
+            assert "steps" in target._non_persistent_buffers_set
+            assert target.proj.weight.dtype == torch.bfloat16
+            # zero-copy on CPU: the installed tensor views the shared segment
+            assert target.embed.weight.data_ptr() == attached.tensors()["embed.weight"].data_ptr()
+            # tied weights are stored once
+            assert [r.name for r in attached.records].count("embed.weight") == 1
+            assert sum(len(r.all_names) for r in attached.records) == len(dict(source.named_parameters(remove_duplicate=False))) + 2
+            del target
+            attached.close()
+        store.close()
+
+
+def test_attach_from_another_process_sees_identical_bytes(ns: str) -> None:
+    source = _model(seed=3)
+    expected = {k: v.double().sum().item() for k, v in source.state_dict().items()}
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        store = SharedTensorStore.create_from_model(ns, source, shm_owner=creator.memory_owner)
+        creator.notify_ready()
+        code = textwrap.dedent(
+            f"""
+            import json, sys
+            from flextensor.shm.tensor_store import SharedTensorStore
+            store = SharedTensorStore.attach({ns!r}, timeout=10, lease_seconds=2.0)
+            out = {{name: t.double().sum().item() for name, t in store.tensors().items()}}
+            store.close()
+            print(json.dumps(out))
+            """
+        )
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        got = msgspec.json.decode(result.stdout.strip().splitlines()[-1])
+        for name, value in expected.items():
+            assert got[name] == value, name
+        store.close()
+
+
+def test_mismatched_follower_model_is_refused_by_tensor_name_and_left_unchanged(ns: str) -> None:
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        store = SharedTensorStore.create_from_model(ns, _model(), shm_owner=creator.memory_owner)
+        creator.notify_ready()
+        other = TinyLM(vocab=64).to("meta")  # only the tied embedding/head differs
+        with pytest.raises(ValueError, match=r"embed\.weight.*shape"):
+            store.materialize(other)
+        assert other.embed.weight.is_meta  # nothing was installed
+        wrong_dtype = _model(device="meta").to(torch.float16)
+        with pytest.raises(ValueError, match="dtype"):
+            store.validate_against(wrong_dtype)
+        store.close()
+
+
+def test_store_only_publishes_selected_names(ns: str) -> None:
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        store = SharedTensorStore.create_from_model(
+            ns, _model(), names=["norm.weight", "norm.bias", "scale"], shm_owner=creator.memory_owner
+        )
+        assert sorted(n for r in store.records for n in r.all_names) == ["norm.bias", "norm.weight", "scale"]
+        with pytest.raises(ValueError, match="no such parameter"):
+            SharedTensorStore.create_from_model(ns, _model(), names=["nope"], shm_owner=creator.memory_owner)
+        store.close()
+
+
+def _record(**overrides) -> TensorRecord:
+    fields = dict(
+        name="layer.weight", kind="parameter", persistent=True, dtype="float32", shape=[4, 4], stride=[4, 1],
+        storage_offset=0, byte_offset=0, nbytes=64,
+    )
+    fields.update(overrides)
+    return TensorRecord(**fields)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(byte_offset=4096), "past the end"),
+        (dict(dtype="float33"), "unknown dtype"),
+        (dict(stride=[8, 1]), "bad stride"),
+        (dict(stride=[4]), "different ranks"),
+        (dict(byte_offset=2), "not aligned"),
+        (dict(shape=[-1, 4]), "negative dimension"),
+    ],
+)
+def test_corrupted_manifest_records_are_named(overrides: dict, message: str) -> None:
+    manifest = StoreManifest(protocol=1, library_version="x", generation=1, data_size=1024, tensors=[_record(**overrides)])
+    with pytest.raises(ShmProtocolError, match=rf"'layer\.weight'.*{message}"):
+        validate_manifest(manifest, 1024)
+
+
+def test_malformed_or_foreign_manifest_bytes_are_refused(ns: str) -> None:
+    with pytest.raises(ShmProtocolError, match="malformed"):
+        decode_manifest(b"\x93\x01\x02")
+    bad_protocol = StoreManifest(protocol=99, library_version="x", generation=1, data_size=0, tensors=[])
+    with pytest.raises(ShmProtocolError, match="protocol 99"):
+        validate_manifest(bad_protocol, 0)
+    # a creator that publishes an out-of-range record: followers refuse it at attach
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        owner = creator.memory_owner
+        owner.create_segment("sd", 256).close()
+        forged = StoreManifest(
+            protocol=1, library_version="x", generation=owner.generation, data_size=256,
+            tensors=[_record(byte_offset=512)],
+        )
+        owner.write_blob(MANIFEST_KIND, msgspec.msgpack.encode(forged))
+        creator.notify_ready()
+        with ShmCoordinator(ns, lease_seconds=2.0) as follower:
+            with pytest.raises(ShmProtocolError, match=r"'layer\.weight'.*past the end"):
+                SharedTensorStore.attach(ns, shm_owner=follower.memory_owner)
+
+
+def test_shared_host_blocks_allocate_attach_and_refuse_bad_use(ns: str) -> None:
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        blocks = SharedBlockAllocator(creator.memory_owner)
+        block = blocks.allocate(0, 4096)
+        block.tensor(torch.uint8, (4096,)).copy_(torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8))
+        creator.notify_ready()
+        with ShmCoordinator(ns, lease_seconds=2.0) as follower:
+            mine = SharedBlockAllocator(follower.memory_owner)
+            seen = mine.attach(0, 4096)
+            assert torch.equal(seen.tensor(torch.uint8, (4096,)), block.tensor(torch.uint8, (4096,)))
+            with pytest.raises(ValueError, match="needs 8192"):
+                mine.attach(0, 8192)
+            with pytest.raises(RuntimeError, match="only the creator"):
+                mine.allocate(1, 64)
+            with pytest.raises(FileNotFoundError):
+                mine.attach(5, 64)
+            seen.close()
+        with pytest.raises(ValueError):
+            blocks.allocate(-1, 64)
+        block.close()
