@@ -1,0 +1,234 @@
+"""``TensorManagerState`` <-> a live manager: exporting the INFERENCE allocation, and adopting a saved or
+published state (straight to INFERENCE without discovery/profiling).
+
+Everything that can be checked is checked *before* the model is touched, so a refused state leaves the model as
+it was: the schema (when decoding), the transfer mode, the model fingerprint (naming the first differing tensor),
+trap labels (module paths must exist), every offloaded tensor's placement (inside its block, size consistent with
+dtype and shape, strides that stay inside the extent), supplied host blocks (count, dtype, size), and that every
+meta tensor has a source (a supplied host block for offloaded tensors, else ``weights``).
+
+Host block sources, in order of preference:
+
+- ``host_blocks`` given (a shared session attaching SHM segments, or any caller holding prefilled blocks): used
+  as-is, never copied; offloaded parameters become views into them. The caller keeps them alive and pinned (the
+  engine neither pins nor frees them).
+- otherwise the configured provider allocates fresh blocks (an SHM follower's provider attaches the creator's,
+  which are already filled) and the engine copies each offloaded tensor in from the model, or from ``weights``
+  when the model tensor is on ``meta``.
+
+Resident tensors are moved to the compute device (from ``weights`` when on meta).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from flextensor.host_memory import BlockLayout, TensorPlacement
+from flextensor.plan_model import effective_blocks
+from flextensor.state import (
+    BlockState,
+    TensorManagerState,
+    TensorState,
+    TimingState,
+    TrapState,
+    describe_mismatch,
+    dtype_from_name,
+    dtype_name,
+    model_fingerprint,
+    model_tensors,
+)
+from flextensor.traps import Trap
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.manager import OffloadManager
+
+__all__ = ["adopt_state", "export_state", "layouts_from_state"]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def layouts_from_state(state: TensorManagerState) -> list[BlockLayout]:
+    """Block layouts of ``state``, validated (``ValueError`` naming the block or tensor at fault)."""
+    labels = {t.label for t in state.traps}
+    per_block: dict[int, list[TensorPlacement]] = {b.index: [] for b in state.blocks}
+    for position, block in enumerate(state.blocks):
+        if block.index != position:
+            raise ValueError(f"state block #{position} has index {block.index}; blocks must be numbered 0..n-1 in order")
+        if block.label not in labels:
+            raise ValueError(f"state block {block.index} belongs to trap {block.label!r}, which is not among the traps")
+        if block.nbytes <= 0:
+            raise ValueError(f"state block {block.index} has size {block.nbytes}; it must be positive")
+    for t in state.tensors:
+        if not t.offloaded:
+            continue
+        if t.block not in per_block:
+            raise ValueError(f"offloaded tensor {t.name!r} names block {t.block}, which the state does not have")
+        block = state.blocks[t.block]
+        dtype = dtype_from_name(t.dtype)
+        numel = 1
+        for size in t.shape:
+            numel *= size
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if t.nbytes != numel * itemsize:
+            raise ValueError(f"offloaded tensor {t.name!r}: nbytes {t.nbytes} != numel {numel} x itemsize {itemsize}")
+        if len(t.stride) != len(t.shape) or any(s < 0 for s in t.stride):
+            raise ValueError(f"offloaded tensor {t.name!r}: stride {t.stride} does not fit shape {t.shape}")
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) if numel else 0
+        if extent > numel:
+            raise ValueError(f"offloaded tensor {t.name!r}: stride {t.stride} reaches beyond its {numel} elements")
+        if t.byte_offset < 0 or t.byte_offset % itemsize or t.byte_offset + t.nbytes > block.nbytes:
+            raise ValueError(
+                f"offloaded tensor {t.name!r}: bytes [{t.byte_offset}, {t.byte_offset + t.nbytes}) do not fit "
+                f"(aligned) in block {block.index} of {block.nbytes} bytes"
+            )
+        if t.trap != block.label:
+            raise ValueError(f"offloaded tensor {t.name!r} belongs to trap {t.trap!r} but sits in the block of {block.label!r}")
+        per_block[t.block].append(TensorPlacement(t.name, dtype, tuple(t.shape), tuple(t.stride), t.byte_offset, t.nbytes))
+    layouts = []
+    for block in state.blocks:
+        placements = sorted(per_block[block.index], key=lambda p: p.byte_offset)
+        for a, b in zip(placements, placements[1:]):
+            if a.byte_offset + a.nbytes > b.byte_offset:
+                raise ValueError(f"offloaded tensors {a.name!r} and {b.name!r} overlap in block {block.index}")
+        if not placements:
+            raise ValueError(f"state block {block.index} (trap {block.label!r}) holds no tensor")
+        layouts.append(BlockLayout(block.index, block.label, block.nbytes, tuple(placements)))
+    missing = [b.label for b in state.blocks if b.label not in state.schedule]
+    if missing:
+        raise ValueError(f"offloaded trap(s) {missing} never appear in the state's schedule")
+    return layouts
+
+
+def _check_host_blocks(state: TensorManagerState, host_blocks: Sequence[torch.Tensor]) -> None:
+    if len(host_blocks) != len(state.blocks):
+        raise ValueError(f"{len(host_blocks)} host blocks supplied but the state has {len(state.blocks)} blocks")
+    for block, host in zip(state.blocks, host_blocks):
+        if not isinstance(host, torch.Tensor) or host.dtype != torch.uint8 or host.dim() != 1 \
+                or host.device.type != "cpu" or host.numel() < block.nbytes:
+            raise ValueError(
+                f"host block {block.index} (trap {block.label!r}) must be a 1-D uint8 CPU tensor of at least "
+                f"{block.nbytes} bytes, got {type(host).__name__} "
+                f"{getattr(host, 'dtype', None)} {tuple(getattr(host, 'shape', ()))} on {getattr(host, 'device', None)}"
+            )
+
+
+def adopt_state(
+    manager: "OffloadManager",
+    model: nn.Module,
+    state: TensorManagerState,
+    *,
+    host_blocks: Sequence[torch.Tensor] | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    compile_fn: Callable[[nn.Module], nn.Module] | None = None,
+    shm_owner: Any = None,
+) -> nn.Module:
+    """Validate ``state`` against ``model`` and enter INFERENCE on ``manager`` (see the module docstring)."""
+    cfg = manager._config()
+    if not isinstance(state, TensorManagerState):
+        raise TypeError(f"offload_from_state expects a TensorManagerState, got {type(state).__name__}")
+    if state.transfer_mode != cfg.transfer_mode:
+        raise ValueError(
+            f"the state was made with transfer_mode={state.transfer_mode!r} but the config selects "
+            f"{cfg.transfer_mode!r}; use the same transfer mode or re-profile"
+        )
+    tensors = model_tensors(model)
+    if model_fingerprint(tensors) != state.fingerprint:
+        raise ValueError(f"the profile/state was made for another model: {describe_mismatch(tensors, state)}")
+    modules: dict[str, nn.Module | None] = {}
+    for trap in state.traps:
+        if trap.kind == "module":
+            try:
+                modules[trap.label] = model.get_submodule(trap.label)
+            except AttributeError as exc:
+                raise ValueError(f"the state's trap {trap.label!r} is not a submodule of this model") from exc
+            if modules[trap.label] is model:
+                raise ValueError("the state names the root module as a trap; that is not supported")
+        elif trap.kind == "block":
+            modules[trap.label] = None
+        else:
+            raise ValueError(f"the state's trap {trap.label!r} has unknown kind {trap.kind!r}")
+    unknown = [label for label in state.schedule if label not in modules]
+    if unknown:
+        raise ValueError(f"the state's schedule names trap(s) {sorted(set(unknown))} that are not among its traps")
+    layouts = layouts_from_state(state)
+    if host_blocks is not None:
+        _check_host_blocks(state, host_blocks)
+    saved = state.tensor_map()
+    for name, entry in tensors.items():
+        if not entry.tensor.is_meta:
+            continue
+        if saved[name].offloaded and host_blocks is not None:
+            continue
+        if weights is None or not any(k in weights for k in (name, *entry.aliases)):
+            raise ValueError(
+                f"tensor {name!r} is on the meta device and neither a host block nor weights supply it; pass "
+                "weights={name: tensor} (e.g. safetensors.torch.load_file(path)) or host_blocks"
+            )
+
+    manager._begin(model, tensors, compile_fn, shm_owner)
+    try:
+        for trap in state.traps:
+            owned = [t.name for t in state.tensors if t.trap == trap.label]
+            manager._traps[trap.label] = Trap(trap.label, modules[trap.label], owned, kind=trap.kind)
+        manager._exclusive = {label: list(t.candidates) for label, t in manager._traps.items()}
+        manager._compute_s = dict(state.timings.compute_s)
+        manager._samples = [(int(b), float(s)) for b, s in state.timings.transfer_samples]
+        manager._strategy_name = state.strategy
+        manager._explanation = list(state.explanation)
+        manager._adopted = True
+        num_slots = effective_blocks(cfg.num_blocks, cfg.min_blocks, len(layouts))
+        manager._build_inference(layouts, list(state.schedule), num_slots, host_blocks=host_blocks, weights=weights,
+                                 block_names=[b.name for b in state.blocks])
+        for trap in manager._traps.values():
+            trap.install(manager, compile_fn)
+    except BaseException:
+        manager._teardown(preserve_model=True)
+        raise
+    return model
+
+
+def export_state(m: "OffloadManager") -> TensorManagerState:
+    """A snapshot of the live INFERENCE allocation (placements, block sizes and names, timings, plan)."""
+    if m._phase is None or m._phase.value != "inference":
+        raise RuntimeError(f"export_state: manager {m.name!r} is not in INFERENCE (phase {m._phase}); run "
+                           f"{m.iters_before_inference} forward passes first")
+    from flextensor import __version__
+
+    owner_of: dict[str, str] = {}
+    for label, names in m._exclusive.items():
+        for n in names:
+            owner_of.setdefault(n, label)
+    tensors = []
+    for name, entry in m._tensors.items():
+        t = entry.tensor
+        placed = m._placement.get(name)
+        common = dict(name=name, kind=entry.kind, dtype=dtype_name(t.dtype), shape=list(t.shape),
+                      nbytes=_nbytes(t), persistent=entry.persistent, aliases=list(entry.aliases),
+                      trap=owner_of.get(name, ""))
+        if placed is not None:
+            index, p = placed
+            tensors.append(TensorState(**common, stride=list(p.stride), storage_offset=0, offloaded=True,
+                                       block=index, byte_offset=p.byte_offset))
+        else:
+            tensors.append(TensorState(**common, stride=list(t.stride()), storage_offset=t.storage_offset()))
+    order = list(dict.fromkeys(m._sequence))
+    order += [label for label in m._traps if label not in order]
+    return TensorManagerState(
+        library_version=__version__,
+        fingerprint=model_fingerprint(m._tensors),
+        transfer_mode=m._config().transfer_mode,
+        num_blocks=m._loader.num_slots if m._loader is not None else m._config().num_blocks,
+        traps=[TrapState(label=label, kind=m._traps[label].kind) for label in order if label in m._traps],
+        schedule=list(m._sequence),
+        tensors=tensors,
+        blocks=[BlockState(index=l.index, label=l.label, nbytes=l.nbytes, name=b.name)
+                for l, b in zip(m._layouts, m._host_blocks)],
+        timings=TimingState(compute_s=dict(m._compute_s), transfer_samples=list(m._samples)),
+        strategy=m._strategy_name,
+        explanation=list(m._explanation),
+    )

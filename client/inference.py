@@ -1,0 +1,212 @@
+"""From PROFILING to INFERENCE: planning (transfer sweep, budget, strategy) and building the block loader.
+
+``plan_inference`` runs once, after the last counted PROFILING pass: per-trap compute seconds (median over
+passes) and each trap's exclusive tensors become the planner's ``TrapCost`` list (tensor sizes rounded up to the
+256-byte packing alignment, so the planner's block bytes equal the loader's); tensors no trap may offload are
+``fixed_resident_bytes``. The plan's ``offloaded`` map becomes packed block layouts, one per offloaded trap.
+
+``build_inference`` is shared with adoption (profiles, published states): it allocates or adopts host blocks,
+copies weights in (from the model, or ``weights`` for meta tensors) unless a block is prefilled, points each
+offloaded parameter at its host view (freeing the original storage), moves every other tensor to the compute
+device, and creates the :class:`~flextensor.loader.BlockLoader`. Traps that never ran during warm-up are not in
+the schedule, so their tensors stay resident.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from flextensor.host_memory import ALIGN, BlockLayout, HostBlock, block_view, make_provider, pack_block, packed_stride
+from flextensor.loader import BlockLoader
+from flextensor.traps import assign_data
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.manager import OffloadManager
+
+__all__ = ["plan_inference", "build_inference"]
+
+logger = logging.getLogger(__name__)
+NOTICE = 25  # the spec logs the block assignment table at "NOTICE" level
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_inference(m: "OffloadManager") -> None:
+    """End of PROFILING: measure transfers, plan with the strategy, then build the INFERENCE loader."""
+    from flextensor.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
+    from flextensor.profiling import transfer_sweep
+    from flextensor.strategies import AdaptiveStrategy
+
+    cfg = m._config()
+    order = list(dict.fromkeys(m._sequence))
+    m._compute_s = {label: statistics.median(m._durations.get(label) or [0.0]) for label in order}
+    costs = []
+    for label in order:
+        names = [n for n in m._exclusive.get(label, ()) if _nbytes(m._tensors[n].tensor) > 0]
+        costs.append(TrapCost(label, m._compute_s[label],
+                              tuple(TensorCost(n, _aligned(_nbytes(m._tensors[n].tensor))) for n in names)))
+    offloadable = {t.name for c in costs for t in c.tensors}
+    fixed = sum(_nbytes(e.tensor) for n, e in m._tensors.items() if n not in offloadable)
+    m._samples = transfer_sweep(m._device, [c.total_bytes for c in costs], pinned=cfg.pinned_memory)
+    transfer = TransferModel.fit(m._samples) if m._samples else TransferModel(1e9)
+    budget = _resolve_budget(m)
+    strategy = cfg.load_strategy if cfg.load_strategy is not None else AdaptiveStrategy()
+    if offloadable:
+        plan_input = PlanInput(traps=tuple(costs), transfer=transfer, budget_bytes=budget,
+                               num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
+                               scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed)
+        plan = strategy.plan(plan_input)
+        offloaded = {label: list(names) for label, names in plan.offloaded.items()}
+        num_slots = plan.num_blocks
+        m._strategy_name, m._explanation = plan.strategy, list(plan.explanation)
+        if budget is not None and not plan.fits_budget:
+            logger.warning("manager %r: the plan needs %d bytes on the device, over the budget of %d bytes",
+                           m.name, plan.peak_device_bytes, budget)
+        if cfg.enable_diagnostics:
+            _log_diagnostics(m, plan, costs, transfer)
+    else:
+        offloaded, num_slots = {}, cfg.min_blocks
+        m._strategy_name = getattr(strategy, "name", type(strategy).__name__)
+        m._explanation = ["no trap has offloadable tensors: everything stays resident"]
+    layouts = []
+    for label in order:
+        names = offloaded.get(label)
+        if names:
+            entries = [(n, m._tensors[n].tensor.dtype, tuple(m._tensors[n].tensor.shape),
+                        packed_stride(m._tensors[n].tensor)) for n in names]
+            layouts.append(pack_block(len(layouts), label, entries))
+    build_inference(m, layouts, list(m._sequence), num_slots)
+    for line in m._explanation:
+        logger.info("manager %r: %s", m.name, line)
+
+
+def _resolve_budget(m) -> int | None:
+    if m._budget_override is not None:
+        return m._budget_override
+    fraction = m._config().max_gpu_mem_fraction
+    if fraction is None:
+        return None
+    from flextensor.profiling import device_memory
+    from flextensor.strategies import resolve_budget
+
+    total, free = device_memory(m._device)
+    held = sum(_nbytes(e.tensor) for e in m._tensors.values() if e.tensor.device == m._device)
+    if m._device.type == "cpu":
+        held = 0  # host RAM is not "held" by moving tensors; the CPU device is only a stand-in
+    budget, warning = resolve_budget(fraction, total, min(total, free + held))
+    if warning:
+        logger.warning("manager %r: %s", m.name, warning)
+    return budget
+
+
+def _log_diagnostics(m, plan: Any, costs: Sequence[Any], transfer: Any) -> None:
+    from flextensor.diagnostics import format_block_assignment, format_candidates, format_transfer_stats, format_trap_durations
+
+    logger.info("%s", format_transfer_stats(m._samples, transfer))
+    logger.info("%s", format_trap_durations({label: m._durations.get(label, []) for label in m._traps}))
+    logger.log(NOTICE, "%s", format_block_assignment(plan, costs))
+    logger.info("%s", format_candidates(plan))
+
+
+def _lookup_weight(m, name: str, weights: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    entry = m._tensors[name]
+    if weights is not None:
+        for key in (name, *entry.aliases):
+            if key in weights:
+                value = weights[key]
+                if value.dtype != entry.tensor.dtype or tuple(value.shape) != tuple(entry.tensor.shape):
+                    raise ValueError(
+                        f"weight {key!r} has dtype {value.dtype} shape {tuple(value.shape)}, but the model "
+                        f"expects {entry.tensor.dtype} {tuple(entry.tensor.shape)}"
+                    )
+                return value
+    raise ValueError(
+        f"tensor {name!r} is on the meta device and no weight for it was supplied; pass weights={{name: tensor}} "
+        "(e.g. safetensors.torch.load_file(...)) or materialize the model first"
+    )
+
+
+def build_inference(
+    m: "OffloadManager",
+    layouts: list[BlockLayout],
+    schedule: list[str],
+    num_slots: int,
+    host_blocks: Sequence[torch.Tensor] | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    block_names: Sequence[str] | None = None,
+) -> None:
+    cfg = m._config()
+    m._warm.unload()
+    m._layouts = layouts
+    m._block_of = {layout.label: layout.index for layout in layouts}
+    if host_blocks is None and layouts:
+        m._provider = make_provider(cfg, m._device, shm_owner=_ensure_shm_owner(m))
+    blocks: list[HostBlock] = []
+    for layout in layouts:
+        if host_blocks is not None:
+            name = block_names[layout.index] if block_names else ""
+            block = HostBlock(host_blocks[layout.index], name=name, prefilled=True)
+        else:
+            assert m._provider is not None
+            block = m._provider.allocate(layout.index, layout.nbytes)
+        blocks.append(block)
+        for placement in layout.tensors:
+            tensor = m._tensors[placement.name].tensor
+            view = block_view(block.tensor, placement)
+            if not block.prefilled:
+                source = _lookup_weight(m, placement.name, weights) if tensor.is_meta else tensor.data
+                view.copy_(source)
+            assign_data(tensor, view)
+            m._placement[placement.name] = (layout.index, placement)
+    m._host_blocks = blocks
+    for name, entry in m._tensors.items():
+        if name in m._placement:
+            continue
+        if entry.tensor.is_meta:
+            assign_data(entry.tensor, _lookup_weight(m, name, weights).to(m._device))
+        else:
+            m._to_device(entry)
+    loader_schedule = [m._block_of[label] for label in schedule if label in m._block_of]
+    missing = [layout.label for layout in layouts if layout.index not in loader_schedule]
+    if missing:
+        raise ValueError(f"offloaded trap(s) {missing} never appear in the trap schedule {schedule}")
+    m._loader = BlockLoader(
+        device=m._device,
+        layouts=layouts,
+        host_blocks=[b.tensor for b in blocks],
+        params=[[m._tensors[p.name].tensor for p in layout.tensors] for layout in layouts],
+        schedule=loader_schedule,
+        num_slots=num_slots,
+        per_tensor=cfg.transfer_mode == "strategy",
+        timing=m._timing,
+    )
+    m._sequence = list(schedule)
+    from flextensor.manager import Phase
+
+    m._phase = Phase.INFERENCE
+
+
+def _ensure_shm_owner(m) -> Any:
+    cfg = m._config()
+    if not cfg.shm_enabled or m._shm_owner is not None:
+        return m._shm_owner
+    # Lower-level path (spec): shm_enabled + shm_namespace, the caller owns coordination. Join the manager's
+    # namespace so blocks are journaled and cleaned up by the last participant.
+    from flextensor.shm.coordinator import ShmCoordinator
+    from flextensor.shm.names import manager_namespace
+
+    timeout = cfg.shm_wait_timeout or None
+    assert cfg.shm_namespace is not None
+    m._shm_coordinator = ShmCoordinator(manager_namespace(cfg.shm_namespace, m.name), timeout=timeout)
+    m._shm_owner = m._shm_coordinator.memory_owner
+    return m._shm_owner

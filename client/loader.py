@@ -1,0 +1,220 @@
+"""The INFERENCE block loader: host blocks -> a few rotating device blocks, one trap ahead of compute.
+
+Schedule and slots
+------------------
+The *schedule* is the list of offloaded traps (as host block indices) in the order one forward pass invokes
+them (a trap invoked twice appears twice). The loader numbers invocations with an ever-growing *entry* index
+``e``; entry ``e`` runs host block ``schedule[e % L]`` from device slot ``e % num_slots``. Entering trap ``e``
+issues the copies of entries ``e+1 .. e+depth`` (``depth = min(num_slots - 1, L - 1)``), wrapping into the next
+pass, so the copy of trap N+1 overlaps the compute of trap N.
+
+Ordering (CUDA), without any device-wide synchronize:
+
+- ``copy_done[s]`` is recorded on the side stream after the copy into slot ``s``; before trap ``e`` runs, the
+  compute stream waits on ``copy_done[e % num_slots]`` (a trap never starts before its weights arrived);
+- ``reader_done[s]`` is recorded on the compute stream after the trap that read slot ``s``; the side stream
+  waits on it before copying into ``s`` again (a block is never overwritten before its last reader finished).
+  Entry ``e`` is issued only once entry ``e - num_slots`` (the previous occupant) has exited, because
+  ``depth < num_slots``.
+
+If a pass invokes traps in another order than the schedule (data-dependent control flow, an aborted pass), the
+loader resynchronises: it searches the schedule forward (cyclically) for the trap being entered, skips the
+entries in between, and issues the copy on demand. Results stay exact; only overlap is lost.
+
+On the CPU (no CUDA) the "device" slots are CPU tensors, copies are synchronous ``copy_`` calls done when the
+entry is issued, and no events exist; every other step (layout, slots, views, rotation, resync) is the same.
+
+Transfer modes
+--------------
+``allocation_block_transfer`` copies a trap's packed host block with ONE copy; ``strategy`` issues one copy per
+tensor (host view -> the tensor's place in the slot). Both use the same slots and events.
+
+After a trap, its parameters keep pointing at the slot (device views), so the model always looks as if it were
+on the device; their values are only valid inside the trap.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from flextensor.host_memory import BlockLayout, block_view
+from flextensor.timing import TimingCollector
+
+__all__ = ["BlockLoader"]
+
+logger = logging.getLogger(__name__)
+
+
+class BlockLoader:
+    """Streams packed host blocks through ``num_slots`` device blocks, ordered by events."""
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        layouts: Sequence[BlockLayout],
+        host_blocks: Sequence[torch.Tensor],
+        params: Sequence[Sequence[torch.Tensor]],
+        schedule: Sequence[int],
+        num_slots: int,
+        per_tensor: bool = False,
+        timing: TimingCollector | None = None,
+    ) -> None:
+        if not (len(layouts) == len(host_blocks) == len(params)):
+            raise ValueError("BlockLoader: layouts, host blocks and parameter lists must have the same length")
+        if any(b < 0 or b >= len(layouts) for b in schedule):
+            raise ValueError(f"BlockLoader: schedule {list(schedule)} names a block outside 0..{len(layouts) - 1}")
+        for layout, host in zip(layouts, host_blocks):
+            if host.dtype != torch.uint8 or host.dim() != 1 or host.numel() < layout.nbytes:
+                raise ValueError(
+                    f"host block {layout.index} (trap {layout.label!r}) must be a 1-D uint8 tensor of at least "
+                    f"{layout.nbytes} bytes, got dtype={host.dtype} shape={tuple(host.shape)}"
+                )
+        self.device = device
+        self.layouts = list(layouts)
+        self.host_blocks = list(host_blocks)
+        self.params = [list(p) for p in params]
+        self.schedule = list(schedule)
+        self.per_tensor = per_tensor
+        self.timing = timing
+        self.cuda = device.type == "cuda"
+        self.slot_bytes = max((layout.nbytes for layout in self.layouts), default=0)
+        self.num_slots = max(1, min(int(num_slots), max(len(self.schedule), 1))) if self.layouts else 0
+        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self._host_views = [[block_view(h, p) for p in layout.tensors] for layout, h in zip(self.layouts, self.host_blocks)]
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        L = len(self.schedule)
+        self._depth = max(0, min(self.num_slots - 1, L - 1))
+        self._cursor = 0  # the next entry expected
+        self._issued = -1  # highest entry whose copy was issued
+        self._active: tuple[int, int] | None = None  # (entry, slot) of the trap running now
+        self._pending_timing: dict[int, Any] = {}
+        if self.cuda:
+            self._side = torch.cuda.Stream(device=device)
+            self._copy_done = [torch.cuda.Event() for _ in range(self.num_slots)]
+            self._reader_done = [torch.cuda.Event() for _ in range(self.num_slots)]
+        self.copies_issued = 0
+        self.resyncs = 0
+
+    # -- views ---------------------------------------------------------------------------------------------------
+    def host_views(self, block: int) -> list[torch.Tensor]:
+        """Zero-copy host views of block ``block``'s tensors (layout order)."""
+        return self._host_views[block]
+
+    def _device_views(self, block: int, slot: int) -> list[torch.Tensor]:
+        key = (block, slot)
+        views = self._views.get(key)
+        if views is None:
+            views = [block_view(self.slots[slot], p) for p in self.layouts[block].tensors]
+            self._views[key] = views
+        return views
+
+    @property
+    def device_bytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    # -- hot path ------------------------------------------------------------------------------------------------
+    def _find_entry(self, block: int) -> int:
+        L = len(self.schedule)
+        for k in range(L):
+            if self.schedule[(self._cursor + k) % L] == block:
+                if k:
+                    self.resyncs += 1
+                return self._cursor + k
+        raise RuntimeError(
+            f"host block {block} (trap {self.layouts[block].label!r}) is not in the loader's schedule; traps that "
+            "never ran during discovery/profiling must stay resident"
+        )
+
+    def _issue(self, entry: int) -> None:
+        """Start the copy of entry ``entry`` into its slot (side stream on CUDA; synchronous on the CPU)."""
+        slot = entry % self.num_slots
+        block = self.schedule[entry % len(self.schedule)]
+        layout = self.layouts[block]
+        host = self.host_blocks[block]
+        timing = self.timing
+        if self.cuda:
+            side = self._side
+            side.wait_event(self._reader_done[slot])
+            with torch.cuda.stream(side):
+                span = timing.start_span(side) if timing is not None else None
+                if self.per_tensor:
+                    for dst, src in zip(self._device_views(block, slot), self._host_views[block]):
+                        dst.copy_(src, non_blocking=True)
+                else:
+                    self.slots[slot].narrow(0, 0, layout.nbytes).copy_(host.narrow(0, 0, layout.nbytes),
+                                                                       non_blocking=True)
+                if span is not None:
+                    timing.end_span(span, side)
+                self._copy_done[slot].record(side)
+        else:
+            span = timing.start_span() if timing is not None else None
+            if self.per_tensor:
+                for dst, src in zip(self._device_views(block, slot), self._host_views[block]):
+                    dst.copy_(src)
+            else:
+                self.slots[slot].narrow(0, 0, layout.nbytes).copy_(host.narrow(0, 0, layout.nbytes))
+            if span is not None:
+                timing.end_span(span)
+        if span is not None:
+            self._pending_timing[entry] = span
+        self._issued = entry
+        self.copies_issued += 1
+
+    def enter(self, block: int) -> None:
+        """Make block ``block``'s tensors usable on the device, then prefetch the next entries."""
+        if self._active is not None:
+            raise RuntimeError(
+                f"trap {self.layouts[block].label!r} entered while trap "
+                f"{self.layouts[self.schedule[self._active[0] % len(self.schedule)]].label!r} is running; traps "
+                "cannot nest"
+            )
+        entry = self._find_entry(block)
+        slot = entry % self.num_slots
+        if entry > self._issued:
+            for skipped in range(self._issued + 1, entry):
+                self._pending_timing.pop(skipped, None)
+            self._issue(entry)
+        timing = self.timing
+        wait_span = None
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            if timing is not None:
+                wait_span = timing.start_span(compute)
+            compute.wait_event(self._copy_done[slot])
+            if wait_span is not None:
+                timing.end_span(wait_span, compute)
+        if timing is not None:
+            timing.attach_transfer(self._pending_timing.pop(entry, None), wait_span)
+        for param, view in zip(self.params[block], self._device_views(block, slot)):
+            param.data = view
+        self._active = (entry, slot)
+        self._cursor = entry + 1
+        for ahead in range(max(self._issued + 1, entry + 1), entry + self._depth + 1):
+            self._issue(ahead)
+
+    def exit(self, block: int) -> None:
+        """Mark the running trap's slot free for reuse once the compute stream passes this point."""
+        if self._active is None:
+            return
+        _entry, slot = self._active
+        if self.cuda:
+            self._reader_done[slot].record(torch.cuda.current_stream(self.device))
+        self._active = None
+
+    def abort(self) -> None:
+        """Forget the running trap after an exception inside it (its slot is still released in order)."""
+        if self._active is not None:
+            self.exit(-1)
+
+    # -- teardown ------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for in-flight copies (teardown, not the hot path), then drop the device slots."""
+        if self.cuda:
+            self._side.synchronize()
+        self.slots = []
+        self._views.clear()
+        self._pending_timing.clear()

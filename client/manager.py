@@ -1,0 +1,727 @@
+"""``OffloadManager``: patches a model in place and drives DISCOVERY -> PROFILING -> INFERENCE.
+
+Lifecycle (see the configuration spec, "Profiling Configuration"):
+
+1. ``offload(model)`` selects traps from the patterns, patches each trap module's ``forward`` (instance
+   attribute) and the root module's ``forward`` (which counts passes and drives the phases), and moves every
+   tensor that no trap can offload (buffers, parameters outside traps or statically shared by several traps) to
+   the compute device. The model object is returned as the "proxy": identity, ``isinstance``, attributes and
+   ``state_dict`` keys are unchanged.
+2. DISCOVERY (``discovery_iters`` passes; skipped with ``skip_discovery``): a ``TorchFunctionMode`` records which
+   trap uses which parameter; a parameter used by several traps or outside traps stays resident.
+3. PROFILING (``profiling_iters`` passes): per-trap compute durations (CUDA events / perf_counter); each trap's
+   weights are put on the device before its timing window opens. Suspended passes record nothing and are not
+   counted. After the last pass: one transfer sweep, then the strategy (``config.load_strategy`` or
+   ``AdaptiveStrategy()``) plans which tensors stream through the rotating device blocks.
+4. INFERENCE: offloaded tensors are packed into host blocks (one per trap), the rest is resident on the device,
+   and the :class:`~flextensor.loader.BlockLoader` streams blocks ahead of compute.
+
+Adoption (``offload_from_state`` / profiles) skips 2-3: the state says what is offloaded, where, and in which
+order traps run; host blocks may be supplied by the caller (shared memory), in which case they are used as-is.
+
+Threading: a manager belongs to the thread that created it; any other thread gets ``RuntimeError``.
+
+``profile_mode``: "view" and "getter" run the same mechanism here: before a trap's timing window opens, its
+offloadable weights are copied to the device (``.data`` swap) and put back after it, so timings exclude copies
+and contain no attribute-getter indirection.
+
+``compile_fn`` (minimal support): applied once per trap to a parameterless shim around the trap's original
+forward (see :class:`~flextensor.traps.ForwardShim`); the engine's loading happens outside the compiled region.
+No strategy replan from compiled timings is implemented (``allow_strategy_replan`` is accepted and recorded).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import json
+import logging
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from flextensor.config import OffloadConfig
+from flextensor.host_memory import BlockLayout, HostBlock, HostBlockProvider, block_view
+from flextensor.loader import BlockLoader
+from flextensor.patterns import PatternSet
+from flextensor.state import ModelTensor, TensorManagerState, model_tensors
+from flextensor.timing import OffloadTimingReport, TimingCollector
+from flextensor.traps import OUTSIDE, Trap, UsageRecorder, WarmLoader, assign_data
+
+__all__ = ["OffloadManager", "Phase", "GPUMemoryUsage"]
+
+logger = logging.getLogger(__name__)
+MB = 1024 * 1024
+
+
+class Phase(enum.Enum):
+    DISCOVERY = "discovery"
+    PROFILING = "profiling"
+    INFERENCE = "inference"
+
+
+@dataclass(frozen=True)
+class GPUMemoryUsage:
+    """Device memory held by the engine: rotating blocks + resident tensors (bytes and MB)."""
+
+    block_bytes: int
+    resident_bytes: int
+    total_bytes: int
+    block_mb: float = field(init=False)
+    resident_mb: float = field(init=False)
+    total_mb: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_mb", self.block_bytes / MB)
+        object.__setattr__(self, "resident_mb", self.resident_bytes / MB)
+        object.__setattr__(self, "total_mb", self.total_bytes / MB)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class OffloadManager:
+    """One named offload engine instance (see the module docstring)."""
+
+    def __init__(self, name: str = "default", config: OffloadConfig | None = None) -> None:
+        self.name = name
+        self._thread = threading.get_ident()
+        self.config: OffloadConfig | None = None
+        self._pending_state: TensorManagerState | None = None
+        self._budget_override: int | None = None
+        self.allow_strategy_replan = True
+        self._reset()
+        if config is not None:
+            self.set_config(config)
+
+    # ------------------------------------------------------------------------------------------------ basics
+    def _reset(self) -> None:
+        self.model: nn.Module | None = None
+        self._phase: Phase | None = None
+        self._iteration = 0
+        self._suspend = 0
+        self._adopted = False
+        self._device = torch.device("cpu")
+        self._traps: dict[str, Trap] = {}
+        self._tensors: dict[str, ModelTensor] = {}
+        self._orig_device: dict[str, torch.device] = {}
+        self._shared: set[str] = set()
+        self._exclusive: dict[str, list[str]] = {}
+        self._recorder: UsageRecorder | None = None
+        self._warm = WarmLoader(self._device)
+        self._sequence: list[str] = []
+        self._pass_sequence: list[str] = []
+        self._pass_spans: list[tuple[str, Any]] = []
+        self._durations: dict[str, list[float]] = {}
+        self._compute_s: dict[str, float] = {}
+        self._samples: list[tuple[int, float]] = []
+        self._strategy_name = ""
+        self._explanation: list[str] = []
+        self._layouts: list[BlockLayout] = []
+        self._placement: dict[str, tuple[int, Any]] = {}
+        self._host_blocks: list[HostBlock] = []
+        self._provider: HostBlockProvider | None = None
+        self._loader: BlockLoader | None = None
+        self._block_of: dict[str, int] = {}
+        self._timing: TimingCollector | None = None
+        self._clock: TimingCollector | None = None
+        self._active: Trap | None = None
+        self._active_phase: Phase | None = None
+        self._open_span: Any = None
+        self._depth = 0
+        self._root_previous: Any = None
+        self._root_had_forward = False
+        self._compile_fn: Callable[[nn.Module], nn.Module] | None = None
+        self._shm_owner: Any = None
+        self._shm_coordinator: Any = None
+
+    def _check_thread(self) -> None:
+        current = threading.get_ident()
+        if current != self._thread:
+            raise RuntimeError(
+                f"OffloadManager {self.name!r} was created by thread {self._thread} and cannot be used from thread "
+                f"{current}: FlexTensor is single-threaded; create a separately named manager (and model) per thread"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.config is not None and self.config.enabled
+
+    @property
+    def phase(self) -> Phase | None:
+        """The current phase; ``None`` before ``offload()`` and when offloading is disabled."""
+        return self._phase
+
+    @property
+    def iters_before_inference(self) -> int:
+        """Forward passes from ``offload()`` to INFERENCE for this path (0 after adopting a profile/state)."""
+        if not self.enabled or self._adopted:
+            return 0
+        cfg = self.config
+        assert cfg is not None
+        return (0 if cfg.skip_discovery else cfg.discovery_iters) + cfg.profiling_iters
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def set_config(self, config: OffloadConfig) -> None:
+        """Apply a config (copied). Refused while a model is offloaded; ``pinned_memory`` needs CUDA."""
+        self._check_thread()
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(f"set_config expects an OffloadConfig, got {type(config).__name__}")
+        if self.model is not None:
+            raise RuntimeError(f"manager {self.name!r} is offloading a model; release() it before changing its config")
+        config = copy.copy(config)  # re-validates, never aliases the caller's lists
+        if config.enabled and config.pinned_memory and not torch.cuda.is_available():
+            raise RuntimeError(
+                "OffloadConfig(pinned_memory=True) needs CUDA, but torch.cuda.is_available() is False on this host; "
+                "set pinned_memory=False on CPU-only hosts (the CPU then serves as the compute device)"
+            )
+        if config.enabled and torch.cuda.is_available() and config.gpu_device >= torch.cuda.device_count():
+            raise ValueError(
+                f"OffloadConfig(gpu_device={config.gpu_device}) but only {torch.cuda.device_count()} CUDA device(s) "
+                "are visible; pick an index below that (CUDA_VISIBLE_DEVICES renumbers devices)"
+            )
+        self.config = config
+
+    def set_memory_budget(self, nbytes: int | None) -> None:
+        """Absolute device budget (bytes) for memory mode, used instead of ``max_gpu_mem_fraction``.
+
+        For applications that know their budget and for CPU-only runs (where the "device" is host RAM);
+        ``None`` restores the config's behaviour. Takes effect at the next planning.
+        """
+        self._check_thread()
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+            raise ValueError(f"set_memory_budget expects None or an int >= 0 (bytes), got {nbytes!r}")
+        self._budget_override = nbytes
+
+    def _config(self) -> OffloadConfig:
+        if self.config is None:
+            self.set_config(OffloadConfig())
+        assert self.config is not None
+        return self.config
+
+    def _compute_device(self) -> torch.device:
+        cfg = self._config()
+        if torch.cuda.is_available():
+            return torch.device("cuda", cfg.gpu_device)
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------------------------------------ offload
+    def offload(
+        self,
+        model: nn.Module,
+        config: OffloadConfig | None = None,
+        compile_fn: Callable[[nn.Module], nn.Module] | None = None,
+        *,
+        shm_owner: Any = None,
+    ) -> nn.Module:
+        """Patch ``model`` in place and return it. With a loaded profile pending, adopt it instead."""
+        self._check_thread()
+        if config is not None:
+            self.set_config(config)
+        cfg = self._config()
+        if not cfg.enabled:
+            return model
+        if self.model is not None:
+            if model is self.model:
+                return model
+            raise RuntimeError(f"manager {self.name!r} already offloads another model; release() it or use another name")
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            return self.offload_from_state(model, state, compile_fn=compile_fn, shm_owner=shm_owner)
+        tensors = model_tensors(model)
+        meta = [n for n, t in tensors.items() if t.tensor.is_meta]
+        if meta:
+            raise ValueError(
+                f"model tensor {meta[0]!r} (and {len(meta) - 1} more) is on the meta device: discovery and profiling "
+                "need real weights; load them first, or use offload_from_profile(..., weights=...) with a saved profile"
+            )
+        specs = PatternSet(cfg.include_patterns, cfg.exclude_patterns).select_traps(model)
+        if not specs:
+            logger.warning("manager %r: no module matched include_patterns=%r (exclude_patterns=%r); nothing will "
+                           "be offloaded", self.name, cfg.include_patterns, cfg.exclude_patterns)
+        self._begin(model, tensors, compile_fn, shm_owner)
+        try:
+            owners: dict[str, str] = {}
+            for spec in specs:
+                for name, _p in spec.params:
+                    if name in owners:
+                        self._shared.add(name)
+                    owners.setdefault(name, spec.label)
+                self._traps[spec.label] = Trap(spec.label, spec.module, spec.param_names)
+            candidates = set(owners) - self._shared
+            for name, entry in self._tensors.items():
+                if name not in candidates:
+                    self._to_device(entry)
+            if cfg.skip_discovery:
+                self._exclusive = {label: [n for n in t.candidates if n in candidates] for label, t in self._traps.items()}
+                self._phase = Phase.PROFILING
+            else:
+                names_by_id = {id(e.tensor): n for n, e in self._tensors.items() if e.kind == "parameter"}
+                self._recorder = UsageRecorder(names_by_id, self._device)
+                self._phase = Phase.DISCOVERY
+            for trap in self._traps.values():
+                trap.install(self, compile_fn)
+            self._write_instrumentation()
+        except BaseException:
+            self._teardown(preserve_model=True)
+            raise
+        logger.info("manager %r: %d traps on %s; %s for %d passes", self.name, len(self._traps), self._device,
+                    self._phase.value if self._phase else "-", self.iters_before_inference)
+        return model
+
+    def _begin(self, model: nn.Module, tensors: dict[str, ModelTensor], compile_fn: Any, shm_owner: Any) -> None:
+        cfg = self._config()
+        self.model = model
+        self._device = self._compute_device()
+        self._warm = WarmLoader(self._device)
+        self._tensors = tensors
+        self._orig_device = {n: e.tensor.device for n, e in tensors.items()}
+        self._compile_fn = compile_fn
+        self._shm_owner = shm_owner
+        use_cuda = self._device.type == "cuda"
+        self._clock = TimingCollector(use_cuda)
+        self._timing = TimingCollector(use_cuda) if cfg.offload_timing == "eager" else None
+        self._install_root(model)
+
+    def _to_device(self, entry: ModelTensor) -> None:
+        t = entry.tensor
+        if not t.is_meta and t.device != self._device:
+            t.data = t.data.to(self._device)
+
+    def _install_root(self, model: nn.Module) -> None:
+        self._root_had_forward = "forward" in model.__dict__
+        self._root_previous = model.__dict__.get("forward")
+        original = model.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return original(*args, **kwargs)
+            self._check_thread()
+            self._depth = 1
+            self._begin_pass()
+            ok = False
+            try:
+                out = original(*args, **kwargs)
+                ok = True
+                return out
+            finally:
+                self._depth = 0
+                self._end_pass(ok)
+
+        model.forward = forward
+
+    def _uninstall_root(self) -> None:
+        model = self.model
+        if model is None:
+            return
+        if self._root_had_forward:
+            model.forward = self._root_previous
+        else:
+            model.__dict__.pop("forward", None)
+
+    # ------------------------------------------------------------------------------------------------ passes
+    def _begin_pass(self) -> None:
+        self._pass_sequence = []
+        self._pass_spans = []
+        if self._phase is Phase.DISCOVERY and self._recorder is not None:
+            self._recorder.current = OUTSIDE
+            self._recorder.__enter__()
+        elif self._phase is Phase.INFERENCE and self._timing is not None:
+            self._timing.begin_pass()
+
+    def _end_pass(self, ok: bool) -> None:
+        phase = self._phase
+        if self._active is not None:  # an exception escaped a trap without its exit (should not happen)
+            self._active = None
+            self._warm.unload()
+        if phase is Phase.DISCOVERY:
+            if self._recorder is not None:
+                self._recorder.__exit__(None, None, None)
+                self._recorder.clear_copies()
+            if ok:
+                self._sequence = list(self._pass_sequence)
+                self._iteration += 1
+                if self._iteration >= self._config().discovery_iters:
+                    self._finish_discovery()
+        elif phase is Phase.PROFILING:
+            if not ok or self._suspend:
+                return
+            sums: dict[str, float] = {}
+            for label, span in self._pass_spans:
+                sums[label] = sums.get(label, 0.0) + span.ms() / 1e3
+            for label, seconds in sums.items():
+                self._durations.setdefault(label, []).append(seconds)
+            self._sequence = list(self._pass_sequence)
+            self._iteration += 1
+            if self._iteration >= self.iters_before_inference:
+                self._start_inference()
+        elif phase is Phase.INFERENCE and self._timing is not None:
+            self._timing.end_pass()
+
+    def _finish_discovery(self) -> None:
+        """Decide which candidates each trap may offload: used by that trap alone (and never outside traps)."""
+        assert self._recorder is not None
+        usage = self._recorder.usage
+        owned = {n for t in self._traps.values() for n in t.candidates}
+        exclusive: dict[str, list[str]] = {}
+        for label, trap in self._traps.items():
+            if trap.kind == "module":
+                names = [n for n in trap.candidates
+                         if n not in self._shared and usage.get(n, {label}) <= {label}]
+            else:
+                names = [n for n, users in usage.items()
+                         if users == {label} and n not in owned and self._tensors[n].kind == "parameter"]
+            exclusive[label] = names
+        keep = {n for names in exclusive.values() for n in names}
+        for name in owned - keep:
+            self._to_device(self._tensors[name])
+        self._exclusive = exclusive
+        self._recorder = None
+        self._phase = Phase.PROFILING
+        logger.debug("manager %r: discovery done, %d offloadable tensors in %d traps", self.name, len(keep),
+                     len(exclusive))
+
+    # ------------------------------------------------------------------------------------------------ traps
+    def _tensor_objs(self, names: Sequence[str]) -> list[torch.Tensor]:
+        return [self._tensors[n].tensor for n in names]
+
+    def _trap_enter(self, trap: Trap) -> None:
+        if self._active is not None:
+            raise RuntimeError(
+                f"trap {trap.label!r} entered while trap {self._active.label!r} is running: traps cannot nest (an "
+                "offload_block around a patched module, or a trap module called from inside another trap); change "
+                "include_patterns or where offload_block is used"
+            )
+        phase = self._phase
+        self._active, self._active_phase = trap, phase
+        try:
+            if phase is Phase.DISCOVERY:
+                rec = self._recorder
+                if rec is not None:
+                    rec.enabled = False
+                self._warm.load(self._tensor_objs(trap.candidates))
+                self._pass_sequence.append(trap.label)
+                if rec is not None:
+                    rec.current = trap.label
+                    rec.clear_copies()
+                    rec.enabled = True
+            elif phase is Phase.PROFILING:
+                self._warm.load(self._tensor_objs(self._exclusive.get(trap.label, ())))
+                if not self._suspend:
+                    self._pass_sequence.append(trap.label)
+                    assert self._clock is not None
+                    self._open_span = self._clock.start_span()
+            elif phase is Phase.INFERENCE:
+                timing = self._timing
+                if timing is not None:
+                    timing.begin_trap(trap.label)
+                block = self._block_of.get(trap.label)
+                if block is not None:
+                    assert self._loader is not None
+                    self._loader.enter(block)
+                if timing is not None:
+                    timing.start_compute()
+        except BaseException:
+            self._warm.unload()
+            self._active = None
+            raise
+
+    def _trap_exit(self, trap: Trap) -> None:
+        if self._active is not trap:
+            return
+        phase = self._active_phase
+        try:
+            if phase is Phase.DISCOVERY:
+                rec = self._recorder
+                if rec is not None:
+                    rec.enabled = False
+                self._warm.unload()
+                if rec is not None:
+                    rec.current = OUTSIDE
+                    rec.clear_copies()
+                    rec.enabled = True
+            elif phase is Phase.PROFILING:
+                if self._open_span is not None:
+                    assert self._clock is not None
+                    self._clock.end_span(self._open_span)
+                    self._pass_spans.append((trap.label, self._open_span))
+                    self._open_span = None
+                self._warm.unload()
+            elif phase is Phase.INFERENCE:
+                if self._timing is not None:
+                    self._timing.end_trap()
+                block = self._block_of.get(trap.label)
+                if block is not None and self._loader is not None:
+                    self._loader.exit(block)
+        finally:
+            self._active = None
+
+    @contextmanager
+    def offload_block(self, block_name: str) -> Iterator[None]:
+        """A manual trap around arbitrary code (its exclusive parameters are found during DISCOVERY)."""
+        self._check_thread()
+        if self.config is not None and not self.config.enabled:
+            yield
+            return
+        if self.config is not None and self.config.skip_discovery:
+            raise RuntimeError(
+                f"offload_block({block_name!r}) needs DISCOVERY to learn which tensors the block uses, but "
+                "skip_discovery=True; set skip_discovery=False"
+            )
+        if self.model is None:
+            # No model offloaded (yet): the block is plain code, so a model with offload_block markers still
+            # runs unmodified (reference runs, enabled=False deployments).
+            yield
+            return
+        if not isinstance(block_name, str) or not block_name:
+            raise ValueError(f"offload_block needs a non-empty block name, got {block_name!r}")
+        trap = self._traps.get(block_name)
+        if trap is None:
+            trap = Trap(block_name, None, [], kind="block")
+            self._traps[block_name] = trap
+        elif trap.kind != "block":
+            raise ValueError(f"offload_block({block_name!r}) clashes with the module trap of the same label; rename the block")
+        self._trap_enter(trap)
+        try:
+            yield
+        finally:
+            self._trap_exit(trap)
+
+    # ------------------------------------------------------------------------------------------------ planning
+    def _start_inference(self) -> None:
+        from flextensor.inference import plan_inference
+
+        plan_inference(self)
+
+    # ------------------------------------------------------------------------------------------------ inference
+    def _build_inference(self, layouts: list[BlockLayout], schedule: list[str], num_slots: int,
+                         host_blocks: Sequence[torch.Tensor] | None = None,
+                         weights: Mapping[str, torch.Tensor] | None = None,
+                         block_names: Sequence[str] | None = None) -> None:
+        from flextensor.inference import build_inference
+
+        build_inference(self, layouts, schedule, num_slots, host_blocks, weights, block_names)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def export_state(self) -> TensorManagerState:
+        """A snapshot of the live INFERENCE allocation (placements, block sizes and names, timings, plan)."""
+        from flextensor.adoption import export_state
+
+        self._check_thread()
+        return export_state(self)
+
+
+    def offload_from_state(
+        self,
+        model: nn.Module,
+        state: TensorManagerState,
+        config: OffloadConfig | None = None,
+        *,
+        allow_strategy_replan: bool = True,
+        host_blocks: Sequence[torch.Tensor] | None = None,
+        weights: Mapping[str, torch.Tensor] | None = None,
+        compile_fn: Callable[[nn.Module], nn.Module] | None = None,
+        shm_owner: Any = None,
+    ) -> nn.Module:
+        """Adopt ``state`` for ``model`` and enter INFERENCE directly (see ``flextensor.adoption``)."""
+        from flextensor.adoption import adopt_state
+
+        self._check_thread()
+        if config is not None:
+            self.set_config(config)
+        if not self._config().enabled:
+            return model
+        if self.model is not None:
+            raise RuntimeError(f"manager {self.name!r} already offloads a model; release() it first")
+        self.allow_strategy_replan = allow_strategy_replan
+        return adopt_state(self, model, state, host_blocks=host_blocks, weights=weights, compile_fn=compile_fn,
+                           shm_owner=shm_owner)
+
+    # ------------------------------------------------------------------------------------------------ profiling control
+    def suspend_profiling(self) -> None:
+        """Reference-counted: PROFILING passes record nothing and are not counted while suspended."""
+        self._check_thread()
+        if self.enabled:
+            self._suspend += 1
+
+    def resume_profiling(self) -> None:
+        self._check_thread()
+        if not self.enabled:
+            return
+        if self._suspend == 0:
+            raise RuntimeError(f"resume_profiling() on manager {self.name!r} without a matching suspend_profiling()")
+        self._suspend -= 1
+
+    @contextmanager
+    def pause_profiling(self) -> Iterator[None]:
+        self.suspend_profiling()
+        try:
+            yield
+        finally:
+            self.resume_profiling()
+
+    @property
+    def profiling_suspended(self) -> bool:
+        return self._suspend > 0
+
+    def clear_profiling_durations(self) -> None:
+        """Drop every duration sample so far (discovery mappings are kept)."""
+        self._check_thread()
+        self._durations.clear()
+
+    @property
+    def profiling_durations(self) -> dict[str, list[float]]:
+        """Per-trap compute seconds of each counted PROFILING pass (copy)."""
+        return {k: list(v) for k, v in self._durations.items()}
+
+    # ------------------------------------------------------------------------------------------------ reports
+    def get_gpu_memory_usage(self) -> GPUMemoryUsage:
+        self._check_thread()
+        if not self.enabled:
+            return GPUMemoryUsage(0, 0, 0)
+        if self._phase is not Phase.INFERENCE:
+            raise RuntimeError(
+                f"get_gpu_memory_usage: manager {self.name!r} is in phase "
+                f"{self._phase.value if self._phase else 'none'}; it reports after INFERENCE starts "
+                f"({self.iters_before_inference} forward passes after offload())"
+            )
+        blocks = self._loader.device_bytes if self._loader is not None else 0
+        resident = sum(_nbytes(e.tensor) for n, e in self._tensors.items()
+                       if n not in self._placement and e.tensor.device == self._device)
+        return GPUMemoryUsage(blocks, resident, blocks + resident)
+
+    @property
+    def offloaded_tensors(self) -> dict[str, list[str]]:
+        """Trap label -> names of the tensors it streams (INFERENCE)."""
+        return {l.label: [p.name for p in l.tensors] for l in self._layouts}
+
+    @property
+    def trap_labels(self) -> list[str]:
+        return list(self._traps)
+
+    @property
+    def loader(self) -> BlockLoader | None:
+        return self._loader
+
+    def collect_offload_timing(self) -> OffloadTimingReport | None:
+        self._check_thread()
+        return self._timing.collect() if self._timing is not None else None
+
+    def reset_offload_timing(self) -> None:
+        self._check_thread()
+        if self._timing is not None:
+            self._timing.reset()
+
+    # ------------------------------------------------------------------------------------------------ profiles
+    def save_profile(self, profile_directory: str | os.PathLike[str] | None = None) -> Path:
+        from flextensor.profiles import write_profile
+
+        self._check_thread()
+        cfg = self._config()
+        if cfg.profile_read_only:
+            raise PermissionError(f"manager {self.name!r} has profile_read_only=True: profiles are only loaded, never "
+                                  "saved; set profile_read_only=False to save")
+        directory = profile_directory if profile_directory is not None else cfg.profile_storage_dir
+        if directory is None:
+            raise ValueError("save_profile needs a directory: pass profile_directory or set profile_storage_dir")
+        return write_profile(directory, self.export_state())
+
+    def load_profile(self, profile_directory: str | os.PathLike[str] | None = None, model: nn.Module | None = None,
+                     *, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Read a profile; adopt it for ``model`` (or the model being offloaded) now, else at ``offload()``."""
+        from flextensor.profiles import read_profile
+
+        self._check_thread()
+        cfg = self._config()
+        directory = profile_directory if profile_directory is not None else cfg.profile_storage_dir
+        if directory is None:
+            raise ValueError("load_profile needs a directory: pass profile_directory or set profile_storage_dir")
+        state = read_profile(directory)
+        if not cfg.enabled:
+            return
+        target = model if model is not None else self.model
+        if target is None:
+            self._pending_state = state
+            return
+        if self.model is not None:
+            if target is not self.model:
+                raise RuntimeError(f"manager {self.name!r} already offloads another model; release() it first")
+            compile_fn = self._compile_fn
+            self.release(preserve_model=True)
+        else:
+            compile_fn = None
+        self.offload_from_state(target, state, weights=weights, compile_fn=compile_fn)
+
+    # ------------------------------------------------------------------------------------------------ release
+    def release(self, preserve_model: bool = True) -> None:
+        """Undo everything: weights back into the model (unless ``preserve_model=False``), forwards unpatched,
+        device and host blocks freed. The manager can offload again afterwards."""
+        self._check_thread()
+        self._pending_state = None
+        if self.model is None:
+            self._close_resources()
+            return
+        self._teardown(preserve_model)
+
+    def _teardown(self, preserve_model: bool) -> None:
+        if self._loader is not None:
+            self._loader.close()
+        self._warm.unload()
+        for name, entry in self._tensors.items():
+            t = entry.tensor
+            orig = self._orig_device.get(name, torch.device("cpu"))
+            target = torch.device("cpu") if orig.type == "meta" else orig
+            placed = self._placement.get(name)
+            if placed is not None:
+                index, p = placed
+                if preserve_model:
+                    host_view = block_view(self._host_blocks[index].tensor, p)
+                    t.data = host_view.clone() if target.type == "cpu" else host_view.to(target)
+                else:
+                    assign_data(t, torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device="meta"))
+            elif preserve_model and not t.is_meta and t.device != target:
+                t.data = t.data.to(target)
+        for trap in self._traps.values():
+            trap.uninstall()
+        self._uninstall_root()
+        self._close_resources()
+        self._reset()
+
+    def _close_resources(self) -> None:
+        self._loader = None
+        self._host_blocks = []
+        if self._provider is not None:
+            self._provider.close()
+            self._provider = None
+        if self._shm_coordinator is not None:
+            try:
+                self._shm_coordinator.close()
+            finally:
+                self._shm_coordinator = None
+
+    # ------------------------------------------------------------------------------------------------ misc
+    def _write_instrumentation(self) -> None:
+        cfg = self._config()
+        if not cfg.enable_instrumentation:
+            return
+        out = Path(cfg.instrumentation_output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"manager": self.name, "config": cfg.to_dict(), "device": str(self._device),
+                  "traps": {label: t.candidates for label, t in self._traps.items()}}
+        (out / f"{self.name}.offload_manager.json").write_text(json.dumps(record, indent=1, default=str))
+
+    def __repr__(self) -> str:
+        phase = self._phase.value if self._phase else "idle"
+        return f"OffloadManager(name={self.name!r}, phase={phase}, traps={len(self._traps)})"

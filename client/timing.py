@@ -1,0 +1,291 @@
+"""Inference-time offload timing (``offload_timing="eager"``): per trap transfer, compute and wait.
+
+What is measured, per forward pass and trap:
+
+- ``transfer_ms``: the host-to-device copy of the trap's offloaded block (events around the copy on the side
+  stream). The copy is issued while an *earlier* trap computes; it is attributed to the trap that consumes it.
+- ``compute_ms``: the trap's forward on the compute stream (events around the patched forward).
+- ``wait_ms``: the stall of the compute stream on the copy: events recorded just before and just after the
+  compute stream waits for the copy-done event. Zero means the copy was fully hidden.
+
+On CUDA the events are only read when a report is collected (reading forces a sync, which must never happen on
+the hot path). On the CPU the same places use ``time.perf_counter`` and the copy is synchronous, so
+``wait_ms`` is 0 by construction.
+
+The public dataclasses follow the simplified-API spec: records and snapshots hold the canonical data and all
+totals are derived properties, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+__all__ = [
+    "TrapTimingRecord",
+    "OffloadTimingSnapshot",
+    "TrapTimingStats",
+    "OffloadTimingReport",
+    "TimingCollector",
+    "format_offload_timing_table",
+]
+
+
+@dataclass
+class TrapTimingRecord:
+    """Per-trap timing of one forward pass, milliseconds. ``wait_ms == 0`` means the copy was hidden."""
+
+    label: str
+    transfer_ms: float = 0.0
+    compute_ms: float = 0.0
+    wait_ms: float = 0.0
+
+
+@dataclass
+class OffloadTimingSnapshot:
+    """Timing data of one forward pass; totals are derived from ``per_trap``."""
+
+    per_trap: Sequence[TrapTimingRecord] = ()
+
+    @property
+    def total_wait_ms(self) -> float:
+        return sum(r.wait_ms for r in self.per_trap)
+
+    @property
+    def total_transfer_ms(self) -> float:
+        return sum(r.transfer_ms for r in self.per_trap)
+
+    @property
+    def total_compute_ms(self) -> float:
+        return sum(r.compute_ms for r in self.per_trap)
+
+
+def _stats(values: Sequence[float]) -> tuple[float, float, float, float, float]:
+    if not values:
+        return 0.0, 0.0, 0.0, 0.0, 0.0
+    std = statistics.pstdev(values) if len(values) > 1 else 0.0
+    return min(values), max(values), statistics.fmean(values), statistics.median(values), std
+
+
+@dataclass
+class TrapTimingStats:
+    """Aggregate statistics of one trap across passes (milliseconds)."""
+
+    label: str
+    compute_min: float = 0.0
+    compute_max: float = 0.0
+    compute_avg: float = 0.0
+    compute_median: float = 0.0
+    compute_std: float = 0.0
+    transfer_min: float = 0.0
+    transfer_max: float = 0.0
+    transfer_avg: float = 0.0
+    transfer_median: float = 0.0
+    transfer_std: float = 0.0
+    wait_min: float = 0.0
+    wait_max: float = 0.0
+    wait_avg: float = 0.0
+    wait_median: float = 0.0
+    wait_std: float = 0.0
+
+    def compute_budget_ms(self, *, conservative: bool = False) -> float:
+        """Positive compute budget for re-planning: median, or the minimum when ``conservative``."""
+        value = self.compute_min if conservative else self.compute_median
+        return max(value, 1e-6)
+
+    @classmethod
+    def from_records(cls, label: str, records: Sequence[TrapTimingRecord]) -> "TrapTimingStats":
+        values: dict[str, Any] = {"label": label}
+        for column in ("compute", "transfer", "wait"):
+            lo, hi, avg, med, std = _stats([getattr(r, f"{column}_ms") for r in records])
+            values.update({f"{column}_min": lo, f"{column}_max": hi, f"{column}_avg": avg,
+                           f"{column}_median": med, f"{column}_std": std})
+        return cls(**values)
+
+
+@dataclass
+class OffloadTimingReport:
+    """Aggregate over several passes: ``passes`` is canonical, ``per_trap`` precomputed statistics."""
+
+    per_trap: Sequence[TrapTimingStats] = ()
+    passes: Sequence[OffloadTimingSnapshot] = ()
+
+    @classmethod
+    def from_passes(cls, passes: Sequence[OffloadTimingSnapshot]) -> "OffloadTimingReport":
+        by_label: dict[str, list[TrapTimingRecord]] = {}
+        for snap in passes:
+            for rec in snap.per_trap:
+                by_label.setdefault(rec.label, []).append(rec)
+        stats = [TrapTimingStats.from_records(label, recs) for label, recs in by_label.items()]
+        return cls(per_trap=tuple(stats), passes=tuple(passes))
+
+    @property
+    def num_passes(self) -> int:
+        return len(self.passes)
+
+    @property
+    def total_compute_sum(self) -> float:
+        return sum(p.total_compute_ms for p in self.passes)
+
+    @property
+    def total_transfer_sum(self) -> float:
+        return sum(p.total_transfer_ms for p in self.passes)
+
+    @property
+    def total_wait_sum(self) -> float:
+        return sum(p.total_wait_ms for p in self.passes)
+
+    @property
+    def total_compute_avg(self) -> float:
+        return self.total_compute_sum / self.num_passes if self.passes else 0.0
+
+    @property
+    def total_transfer_avg(self) -> float:
+        return self.total_transfer_sum / self.num_passes if self.passes else 0.0
+
+    @property
+    def total_wait_avg(self) -> float:
+        return self.total_wait_sum / self.num_passes if self.passes else 0.0
+
+    def compute_budgets_by_profile_label(
+        self, profile_labels: Sequence[str], *, conservative: bool = False
+    ) -> dict[str, float]:
+        """Pair timing row ``i`` with ``profile_labels[i]`` and return each row's compute budget (ms)."""
+        return {
+            label: stats.compute_budget_ms(conservative=conservative)
+            for label, stats in zip(profile_labels, self.per_trap)
+        }
+
+
+def format_offload_timing_table(data: OffloadTimingSnapshot | OffloadTimingReport) -> str:
+    """A fixed-width text table of a snapshot (one pass) or a report (averages over passes)."""
+    if isinstance(data, OffloadTimingSnapshot):
+        rows = [(r.label, r.transfer_ms, r.compute_ms, r.wait_ms) for r in data.per_trap]
+        title = "Offload timing (one pass, ms)"
+        totals = ("TOTAL", data.total_transfer_ms, data.total_compute_ms, data.total_wait_ms)
+    elif isinstance(data, OffloadTimingReport):
+        rows = [(s.label, s.transfer_avg, s.compute_avg, s.wait_avg) for s in data.per_trap]
+        title = f"Offload timing (average of {data.num_passes} passes, ms)"
+        totals = ("TOTAL/pass", data.total_transfer_avg, data.total_compute_avg, data.total_wait_avg)
+    else:
+        raise TypeError(f"format_offload_timing_table takes an OffloadTimingSnapshot or OffloadTimingReport, "
+                        f"got {type(data).__name__}")
+    width = max([len("trap"), len(totals[0])] + [len(r[0]) for r in rows])
+    header = f"{'trap':<{width}}  {'transfer':>10}  {'compute':>10}  {'wait':>10}"
+    lines = [title, header, "-" * len(header)]
+    for label, transfer, compute, wait in [*rows, totals]:
+        lines.append(f"{label:<{width}}  {transfer:>10.3f}  {compute:>10.3f}  {wait:>10.3f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Engine-side collector
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Span:
+    """A duration measured either with two CUDA events (read lazily) or as perf_counter seconds."""
+
+    __slots__ = ("start", "end", "seconds")
+
+    def __init__(self) -> None:
+        self.start: Any = None
+        self.end: Any = None
+        self.seconds = 0.0
+
+    def ms(self) -> float:
+        if self.start is not None:
+            self.end.synchronize()
+            return float(self.start.elapsed_time(self.end))
+        return self.seconds * 1e3
+
+
+@dataclass
+class _PendingRecord:
+    label: str
+    compute: _Span = field(default_factory=_Span)
+    transfer: _Span | None = None
+    wait: _Span | None = None
+
+    def resolve(self) -> TrapTimingRecord:
+        return TrapTimingRecord(
+            label=self.label,
+            transfer_ms=self.transfer.ms() if self.transfer is not None else 0.0,
+            compute_ms=self.compute.ms(),
+            wait_ms=self.wait.ms() if self.wait is not None else 0.0,
+        )
+
+
+class TimingCollector:
+    """Collects spans during INFERENCE passes; resolves them (possibly syncing) only in :meth:`collect`."""
+
+    def __init__(self, use_cuda: bool) -> None:
+        self.use_cuda = use_cuda
+        self._passes: list[list[_PendingRecord]] = []
+        self._current: list[_PendingRecord] | None = None
+        self._record: _PendingRecord | None = None
+
+    # spans -------------------------------------------------------------------------------------------------------
+    def start_span(self, stream: Any = None) -> _Span:
+        span = _Span()
+        if self.use_cuda:
+            import torch
+
+            span.start = torch.cuda.Event(enable_timing=True)
+            span.end = torch.cuda.Event(enable_timing=True)
+            span.start.record(stream)
+        else:
+            span.seconds = time.perf_counter()
+        return span
+
+    def end_span(self, span: _Span, stream: Any = None) -> None:
+        if self.use_cuda:
+            span.end.record(stream)
+        else:
+            span.seconds = time.perf_counter() - span.seconds
+
+    # pass / trap structure ---------------------------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        self._current = []
+
+    def end_pass(self) -> None:
+        if self._current:
+            self._passes.append(self._current)
+        self._current = None
+        self._record = None
+
+    def begin_trap(self, label: str) -> None:
+        if self._current is None:  # a trap outside a root pass (a manual block run on its own)
+            self._current = []
+        self._record = _PendingRecord(label)
+        self._current.append(self._record)
+
+    def start_compute(self) -> None:
+        """Open the compute span (after the loader made the trap's weights available)."""
+        if self._record is not None:
+            self._record.compute = self.start_span()
+
+    def end_trap(self) -> None:
+        if self._record is not None:
+            self.end_span(self._record.compute)
+            self._record = None
+
+    def attach_transfer(self, transfer: _Span | None, wait: _Span | None) -> None:
+        """Attribute a copy (and the stall on it) to the trap now starting."""
+        if self._record is not None:
+            self._record.transfer = transfer
+            self._record.wait = wait
+
+    # reports -----------------------------------------------------------------------------------------------------
+    def collect(self) -> OffloadTimingReport | None:
+        """Drain the completed passes into a report (``None`` when nothing was measured)."""
+        if not self._passes:
+            return None
+        snapshots = [OffloadTimingSnapshot(tuple(r.resolve() for r in records)) for records in self._passes]
+        self._passes = []
+        return OffloadTimingReport.from_passes(snapshots)
+
+    def reset(self) -> None:
+        self._passes = []

@@ -1,0 +1,222 @@
+"""Packed layout, the block loader's rotation/resync on the CPU, and host block providers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor as ft
+from flextensor.host_memory import (
+    ALIGN,
+    PageableProvider,
+    ShmProvider,
+    block_view,
+    make_provider,
+    pack_block,
+    packed_stride,
+)
+from flextensor.loader import BlockLoader
+from flextensor.timing import TimingCollector
+from tests.client.models import DEVICE, reference, same, cpu_config, mlp_stack, release_managers  # noqa: F401
+
+
+def test_packed_stride():
+    assert packed_stride(torch.empty(3, 4)) == (4, 1)
+    assert packed_stride(torch.empty(4, 3).t()) == (1, 3)  # dense transposed: kept
+    assert packed_stride(torch.empty(3, 8)[:, ::2]) == (4, 1)  # not dense: contiguous
+    assert packed_stride(torch.empty(2, 1, 3).permute(2, 1, 0)) == (1, 3, 3)  # size-1 dims do not matter
+
+
+def test_pack_block_alignment_and_views_roundtrip():
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randint(-5, 5, (7,), dtype=torch.int64),
+        "c": torch.randn(4, 6, dtype=torch.bfloat16).t(),
+        "d": torch.tensor([True, False, True]),
+        "e": torch.empty(0, 3),
+        "f": torch.tensor(2.5),
+    }
+    layout = pack_block(0, "trap", [(n, t.dtype, tuple(t.shape), packed_stride(t)) for n, t in tensors.items()])
+    offsets = [p.byte_offset for p in layout.tensors]
+    assert all(o % ALIGN == 0 for o in offsets) and offsets == sorted(offsets)
+    assert layout.nbytes % ALIGN == 0 and layout.nbytes >= layout.tensors[-1].byte_offset + layout.tensors[-1].nbytes
+    assert [p.nbytes for p in layout.tensors] == [60, 56, 48, 3, 0, 4]
+    block = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for p in layout.tensors:
+        block_view(block, p).copy_(tensors[p.name])
+    for p in layout.tensors:
+        view = block_view(block, p)
+        assert view.dtype == tensors[p.name].dtype and view.stride() == packed_stride(tensors[p.name])
+        assert torch.equal(view, tensors[p.name])
+        assert view.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+
+
+def _loader(n_blocks=3, num_slots=2, per_tensor=False, schedule=None):
+    torch.manual_seed(0)
+    params, layouts, hosts, values = [], [], [], []
+    for i in range(n_blocks):
+        ps = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+        layout = pack_block(i, f"t{i}", [(f"t{i}.{k}", p.dtype, tuple(p.shape), packed_stride(p)) for k, p in enumerate(ps)])
+        host = torch.empty(layout.nbytes, dtype=torch.uint8)
+        for p, pl in zip(ps, layout.tensors):
+            block_view(host, pl).copy_(p.data)
+        values.append([p.detach().clone() for p in ps])
+        params.append(ps)
+        layouts.append(layout)
+        hosts.append(host)
+    loader = BlockLoader(device=torch.device("cpu"), layouts=layouts, host_blocks=hosts, params=params,
+                         schedule=schedule if schedule is not None else list(range(n_blocks)), num_slots=num_slots,
+                         per_tensor=per_tensor)
+    return loader, params, values
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_loader_rotation_in_order(per_tensor):
+    loader, params, values = _loader(per_tensor=per_tensor)
+    assert loader.num_slots == 2 and loader.device_bytes == 2 * loader.slot_bytes
+    for _pass in range(3):
+        for b in range(3):
+            loader.enter(b)
+            for p, v in zip(params[b], values[b]):
+                assert torch.equal(p, v)
+                # the parameter is a view into the device slot of its entry
+                assert p.untyped_storage().data_ptr() == loader.slots[loader._active[1]].untyped_storage().data_ptr()
+            loader.exit(b)
+    assert loader.resyncs == 0
+    # every entry is copied once: 9 entries entered plus the 1 prefetched ahead into the next pass
+    assert loader.copies_issued == 10
+
+
+def test_loader_resync_out_of_order_and_repeats():
+    loader, params, values = _loader(n_blocks=3, num_slots=3)
+    for b in [0, 1, 2, 2, 0, 2, 1, 1, 0]:
+        loader.enter(b)
+        assert all(torch.equal(p, v) for p, v in zip(params[b], values[b]))
+        loader.exit(b)
+    assert loader.resyncs > 0
+
+
+def test_loader_repeated_trap_in_schedule():
+    loader, params, values = _loader(n_blocks=2, num_slots=2, schedule=[0, 1, 0])
+    for _ in range(2):
+        for b in [0, 1, 0]:
+            loader.enter(b)
+            assert all(torch.equal(p, v) for p, v in zip(params[b], values[b]))
+            loader.exit(b)
+    assert loader.resyncs == 0
+
+
+def test_loader_refuses_nesting_and_unknown_blocks():
+    loader, _params, _values = _loader(n_blocks=3, schedule=[0, 1])
+    loader.enter(0)
+    with pytest.raises(RuntimeError, match="cannot nest"):
+        loader.enter(1)
+    loader.exit(0)
+    with pytest.raises(RuntimeError, match="not in the loader's schedule"):
+        loader.enter(2)
+    with pytest.raises(ValueError, match="uint8"):
+        BlockLoader(device=torch.device("cpu"), layouts=loader.layouts[:1], host_blocks=[torch.empty(4)],
+                    params=[[]], schedule=[0], num_slots=2)
+
+
+def test_make_provider_cpu_is_pageable():
+    provider = make_provider(cpu_config(), torch.device("cpu"))
+    assert isinstance(provider, PageableProvider)
+    block = provider.allocate(0, 1024)
+    assert block.tensor.dtype == torch.uint8 and block.tensor.numel() == 1024 and not block.prefilled
+
+
+def test_shm_provider_creator_then_follower(namespace):
+    from flextensor.shm.coordinator import ShmCoordinator
+    from flextensor.shm.names import manager_namespace
+
+    ns = manager_namespace(namespace, "m")
+    creator = ShmCoordinator(ns, lease_seconds=1.0)
+    follower = None
+    try:
+        assert creator.is_creator
+        made = ShmProvider(creator.memory_owner, pin=False)
+        block = made.allocate(0, 4096)
+        assert not block.prefilled and block.name
+        block.tensor.copy_(torch.arange(4096) % 251)
+        follower = ShmCoordinator(ns, lease_seconds=1.0)
+        assert not follower.is_creator
+        attached = ShmProvider(follower.memory_owner, pin=False).allocate(0, 4096)
+        assert attached.prefilled and torch.equal(attached.tensor, block.tensor)
+        del attached, block
+    finally:
+        made.close()
+        if follower is not None:
+            follower.close()
+        creator.close()
+
+
+def test_engine_with_shm_host_blocks(namespace):
+    model = mlp_stack()
+    x = torch.randn(2, 16, device=DEVICE)
+    ref = reference(model, x)
+    cfg = cpu_config(shm_enabled=True, shm_namespace=namespace, load_strategy=ft.NthLayerStrategy(1))
+    ft.offload(model, cfg, name="shm")
+    om = ft.get_offload_manager("shm")
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + 2):
+            assert same(model(x), ref)
+    state = om.export_state()
+    assert all(b.name for b in state.blocks)  # shared blocks are named
+    ft.release("shm")  # closes the coordinator: the last participant unlinks every segment
+    assert same(reference(model, x), ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["torch", "host_register"])
+def test_pinned_providers(mode):
+    cfg = ft.OffloadConfig(pinned_memory=True, pinned_memory_mode=mode)
+    provider = make_provider(cfg, torch.device("cuda", 0))
+    assert provider.kind == mode
+    block = provider.allocate(0, 1 << 20)
+    assert block.tensor.is_pinned()
+    provider.close()
+
+
+@pytest.mark.cuda
+def test_cuda_loader_overlaps_without_syncs():
+    """The copy for trap N+1 runs on the side stream while trap N computes; values exact after rotation."""
+    torch.manual_seed(0)
+    n, d = 6, 1024
+    params = [[nn.Parameter(torch.randn(d, d))] for _ in range(n)]
+    layouts, hosts = [], []
+    for i, ps in enumerate(params):
+        layout = pack_block(i, f"t{i}", [(f"t{i}.w", torch.float32, (d, d), (d, 1))])
+        host = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+        block_view(host, layout.tensors[0]).copy_(ps[0].data)
+        layouts.append(layout)
+        hosts.append(host)
+    expected = [p[0].detach().clone().cuda() for p in params]
+    timing = TimingCollector(use_cuda=True)
+    loader = BlockLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
+                         schedule=list(range(n)), num_slots=2, timing=timing)
+    x = torch.randn(4096, d, device="cuda")
+    checks = []
+    for pass_index in range(4):
+        timing.begin_pass()
+        for i in range(n):
+            timing.begin_trap(f"t{i}")
+            loader.enter(i)
+            timing.start_compute()
+            y = x
+            for _ in range(10):  # enough compute to hide the next 4 MiB copy
+                y = torch.tanh(y @ params[i][0] / d)
+            if pass_index == 3:  # compare on the device, read back only at the end
+                checks.append(torch.equal(params[i][0], expected[i]))
+            timing.end_trap()
+            loader.exit(i)
+        timing.end_pass()
+    torch.cuda.synchronize()
+    assert all(bool(c) for c in checks) and len(checks) == n
+    report = timing.collect()
+    assert report is not None and report.num_passes == 4
+    steady = report.passes[2]
+    assert steady.total_transfer_ms > 0
+    assert steady.total_wait_ms < 0.25 * steady.total_transfer_ms, ft.format_offload_timing_table(steady)
+    loader.close()
