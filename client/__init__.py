@@ -29,6 +29,7 @@ _LAZY: dict[str, str] = {
     "save_profile": "flextensor.api",
     "load_profile": "flextensor.api",
     "offload_from_profile": "flextensor.api",
+    "offload_from_state": "flextensor.api",
     "release": "flextensor.api",
     "clear_profiling_durations": "flextensor.api",
     "suspend_profiling": "flextensor.api",

@@ -172,7 +172,8 @@ class SharedTensorStore:
         owner, coordinator = _resolve_owner(namespace, shm_owner, lease_seconds, creating=True)
         try:
             records, sources, total = _plan_records(model, names)
-            segment = owner.create_segment(DATA_KIND, total)
+            # Every byte is written right below: faulting pages in during the copy is cheaper than MAP_POPULATE first.
+            segment = owner.create_segment(DATA_KIND, total, populate=False)
             for record, source in zip(records, sources):
                 view = segment.tensor(_torch_dtype(record.dtype), record.shape, record.stride, record.byte_offset)
                 view.copy_(source.detach())
