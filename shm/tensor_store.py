@@ -97,9 +97,11 @@ def _plan_records(model: Any, names: Iterable[str] | None) -> tuple[list[TensorR
     unknown = sorted(wanted - set(registrations))
     if unknown:
         raise ValueError(f"cannot publish {unknown[:5]}: no such parameter or buffer in the model")
+    # A tie is one tensor: publishing any of its names publishes all of them, so followers re-tie it.
+    wanted_ids = {id(registrations[name].tensor) for name in wanted}
     groups: dict[int, list[str]] = {}
     for name, reg in registrations.items():
-        if name in wanted:
+        if id(reg.tensor) in wanted_ids:
             groups.setdefault(id(reg.tensor), []).append(name)
     records: list[TensorRecord] = []
     sources: list[Any] = []
@@ -291,6 +293,24 @@ class SharedTensorStore:
                 reg = registrations[name]
                 table = reg.module._parameters if record.kind == "parameter" else reg.module._buffers
                 table[reg.attr] = value
+
+    def rebind(self, model: Any) -> None:
+        """Point ``model``'s existing CPU tensors at their shared copies, keeping every object's identity.
+
+        Used by a creator on a CPU host after publishing: its private resident copies are dropped and it reads
+        the same pages as the followers. Tensors on other devices are left alone.
+        """
+        import torch
+
+        registrations = model_registrations(model)
+        with torch.no_grad():
+            for record in self.manifest.tensors:
+                view = self.tensor(record)
+                for name in record.all_names:
+                    reg = registrations.get(name)
+                    if reg is not None and reg.tensor.device.type == "cpu" and reg.tensor.dtype == view.dtype \
+                            and list(reg.tensor.shape) == record.shape:
+                        reg.tensor.data = view
 
     # ------------------------------------------------------------------------------------------- lifetime
     def _check_open(self) -> None:

@@ -1,0 +1,418 @@
+"""``SharedOffloadSession``: N workers on a host, one pinned host copy of the offloaded weights.
+
+Per manager name the session runs one sharing generation (see ``flextensor.shm.coordinator``):
+
+creator (elected: the first to create the manager's coordinator segment)
+    1. reads the disk profile and runs the preflight (``/dev/shm`` room, ``RLIMIT_MEMLOCK`` when pinning);
+    2. calls ``creator_model_factory()`` (the checkpoint load) and adopts the profile with host blocks allocated
+       in shared memory through the coordinator's ``memory_owner`` (pinned in place with CUDA);
+    3. publishes the resident parameters and buffers (``SharedTensorStore``) and then the plan: the state
+       rebuilt from the live allocation (``export_state()``, with the SHM block names), never the disk profile;
+    4. flips the coordinator to READY. Publishing is ordered: blocks, store, plan, then state.
+    Any failure before READY is published first (``mark_failed``), so followers raise
+    ``ShmCreatorFailedError`` with the creator's message, and only then cleaned up.
+
+follower
+    waits for READY (``ShmCreatorDiedError`` when the creator's lease ends first, ``TimeoutError`` after
+    ``wait_timeout``), decodes the plan, calls ``follower_model_factory()`` (normally a ``meta`` model), checks
+    the published metadata against it (naming the offending tensor), installs the resident tensors from the
+    store on its device and adopts the plan over the creator's host blocks, attached by name: no private copy.
+
+The session copies the caller's config and sets its SHM fields; strategy replanning is off because published
+blocks are fixed. A session is used from the thread that created it and reserves its manager names (process
+wide) until its ``close()`` succeeds; a failed close keeps what it still holds so ``close()`` can be retried.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from flextensor.config import OffloadConfig
+from flextensor.shm.blocks import SharedBlockAllocator
+from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
+from flextensor.shm.coordinator import ShmCoordinator
+from flextensor.shm.names import manager_namespace, validate_base_namespace, validate_manager_name
+from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
+from flextensor.shm.tensor_store import SharedTensorStore
+from flextensor.state import TensorManagerState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SharedOffloadSession", "ManagerShare", "PLAN_KIND"]
+
+#: Kind of the blob that carries the published plan (``/{ns}.g{gen}.p``).
+PLAN_KIND = "p"
+#: Heartbeat lease of every participant (the spec's 30 s); tests shorten it through the constructor.
+DEFAULT_LEASE_SECONDS = 30.0
+
+_reserved_lock = threading.Lock()
+_reserved: set[str] = set()
+
+
+def _check_timeout(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value) \
+            or value < 0:
+        raise ValueError(f"{what} must be a finite number of seconds >= 0 (0 = no limit), got {value!r}")
+    return float(value)
+
+
+class _Deadline:
+    """What is left of an overall ``wait_timeout``; ``None`` everywhere when there is no limit."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = None if seconds == 0 else time.monotonic() + seconds
+
+    def remaining(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
+
+
+@dataclass
+class ManagerShare:
+    """What one manager of the session holds, and how it got there (reported by ``session.report()``)."""
+
+    name: str
+    namespace: str
+    coordinator: ShmCoordinator
+    role: str = "follower"
+    generation: int = 0
+    model: nn.Module | None = None
+    store: SharedTensorStore | None = None
+    segments: list[Any] = field(default_factory=list)
+    released: bool = False
+    ready_s: float = 0.0
+    wait_s: float = 0.0
+    shared_bytes: int = 0
+    register_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "manager": self.name, "namespace": self.namespace, "role": self.role, "generation": self.generation,
+            "ready_s": self.ready_s, "wait_s": self.wait_s, "shared_bytes": self.shared_bytes,
+            "register_s": self.register_s,
+        }
+
+
+class SharedOffloadSession:
+    """Share one host copy of a profiled model's weights among the workers of one host (see module docs)."""
+
+    def __init__(self, namespace: str, *, wait_timeout: float = 300.0,
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS) -> None:
+        self.validate_options(namespace, wait_timeout=wait_timeout)
+        self.namespace = namespace
+        self.wait_timeout = float(wait_timeout)
+        self.lease_seconds = _check_timeout(lease_seconds, "lease_seconds")
+        if self.lease_seconds == 0:
+            raise ValueError("lease_seconds must be > 0")
+        self._thread = threading.get_ident()
+        self._shares: dict[str, ManagerShare] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ validation
+    @staticmethod
+    def validate_options(namespace: str, *, wait_timeout: float = 300.0) -> None:
+        """Check the namespace and timeout without opening anything (``ValueError`` naming the problem)."""
+        validate_base_namespace(namespace)
+        _check_timeout(wait_timeout, "wait_timeout")
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "SharedOffloadSession is used from another thread than the one that created it; create one "
+                "session per worker thread (flextensor is single-threaded per manager)"
+            )
+
+    # ------------------------------------------------------------------------------------------ main entry
+    def offload_from_profile(
+        self,
+        profile_dir: str,
+        *,
+        config: OffloadConfig | None = None,
+        name: str = "default",
+        creator_model_factory: Callable[[], nn.Module],
+        follower_model_factory: Callable[[], nn.Module],
+    ) -> nn.Module:
+        """Elect, then publish (creator) or attach (follower); return the offloaded model, ready for inference."""
+        self._check_thread()
+        if self._closed:
+            raise RuntimeError("this SharedOffloadSession is closed; create a new one")
+        validate_manager_name(name)
+        if not callable(creator_model_factory) or not callable(follower_model_factory):
+            raise TypeError("creator_model_factory and follower_model_factory must be callables returning nn.Module")
+        from flextensor.api import get_offload_manager
+
+        manager = get_offload_manager(name)
+        self._reserve(name)
+        if manager.model is not None:
+            self._unreserve(name)
+            raise RuntimeError(f"manager {name!r} already offloads a model in this process; release it first")
+        ns = manager_namespace(self.namespace, name)
+        cfg = self._session_config(config, ns)
+        deadline = _Deadline(self.wait_timeout)
+        start = time.monotonic()
+        try:
+            coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining())
+        except BaseException:
+            self._unreserve(name)
+            raise
+        share = ManagerShare(name=name, namespace=ns, coordinator=coordinator, generation=coordinator.generation)
+        self._shares[name] = share
+        _register_with_daemon(coordinator)
+        try:
+            if coordinator.is_creator:
+                share.role = "creator"
+                logger.info("session %s/%s: elected creator of generation %d", self.namespace, name, share.generation)
+                model = self._publish(share, manager, cfg, profile_dir, creator_model_factory)
+            else:
+                logger.info("session %s/%s: follower of generation %d; waiting for the creator",
+                            self.namespace, name, share.generation)
+                model = self._attach(share, manager, cfg, deadline, follower_model_factory)
+        except BaseException:
+            self._abandon(share, manager)
+            raise
+        share.model = model
+        share.ready_s = time.monotonic() - start
+        logger.info("session %s/%s: %s ready in %.3f s (%.1f MiB shared)", self.namespace, name, share.role,
+                    share.ready_s, share.shared_bytes / 2**20)
+        return model
+
+    def _session_config(self, config: OffloadConfig | None, ns: str) -> OffloadConfig:
+        """A copy of the caller's config with the SHM fields set (the caller's object is never changed)."""
+        cfg = copy.deepcopy(config) if config is not None else OffloadConfig()
+        cfg.shm_enabled = True
+        cfg.shm_namespace = ns
+        cfg.shm_wait_timeout = self.wait_timeout
+        cfg.validate()
+        return cfg
+
+    # ------------------------------------------------------------------------------------------ creator
+    def _publish(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, profile_dir: str,
+                 factory: Callable[[], nn.Module]) -> nn.Module:
+        from flextensor.profiles import read_profile
+
+        coordinator = share.coordinator
+        owner = coordinator.memory_owner
+        try:
+            state = read_profile(profile_dir)
+            block_bytes = sum(b.nbytes for b in state.blocks)
+            resident_bytes = sum(t.nbytes for t in state.tensors if not t.offloaded)
+            check_shm_capacity(share.namespace, block_bytes + resident_bytes)
+            pin = cfg.pinned_memory and torch.cuda.is_available()
+            if pin:
+                shortfall = memlock_shortfall(block_bytes)
+                if shortfall:
+                    raise RuntimeError(shortfall)
+            t0 = time.monotonic()
+            model = factory()
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"creator_model_factory returned {type(model).__name__}, not an nn.Module")
+            logger.info("session %s: checkpoint loaded in %.2f s", share.namespace, time.monotonic() - t0)
+            t1 = time.monotonic()
+            proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, shm_owner=owner)
+            published = manager.export_state()
+            resident = [t.name for t in published.tensors if not t.offloaded]
+            share.store = SharedTensorStore.create_from_model(share.namespace, model, names=resident,
+                                                              shm_owner=owner)
+            if manager.device.type == "cpu":
+                share.store.rebind(model)  # the creator's resident CPU tensors become the shared copies too
+            owner.write_blob(PLAN_KIND, published.to_json())
+            share.shared_bytes = block_bytes + share.store.nbytes
+            elapsed = max(time.monotonic() - t1, 1e-9)
+            logger.info("session %s: published %.1f MiB (%d blocks, %d resident tensors) in %.2f s (%.2f GB/s)",
+                        share.namespace, share.shared_bytes / 2**20, len(published.blocks), len(resident),
+                        elapsed, share.shared_bytes / elapsed / 1e9)
+            coordinator.notify_ready()
+        except BaseException as exc:
+            try:
+                coordinator.mark_failed(exc)
+            except Exception as publish_exc:  # noqa: BLE001 - the original error matters more
+                logger.warning("session %s: could not publish the failure: %s", share.namespace, publish_exc)
+            raise
+        return proxy
+
+    # ------------------------------------------------------------------------------------------ follower
+    def _attach(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, deadline: _Deadline,
+                factory: Callable[[], nn.Module]) -> nn.Module:
+        coordinator = share.coordinator
+        owner = coordinator.memory_owner
+        t0 = time.monotonic()
+        coordinator.wait_for_ready(deadline.remaining())
+        share.wait_s = time.monotonic() - t0
+        state = TensorManagerState.from_json(owner.read_blob(PLAN_KIND), source=f"published plan of {share.namespace}")
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"follower_model_factory returned {type(model).__name__}, not an nn.Module")
+        _check_offloaded_metadata(model, state)
+        share.store = SharedTensorStore.attach(share.namespace, shm_owner=owner)
+        share.store.materialize(model, manager.device)
+        allocator = SharedBlockAllocator(owner)
+        pin = cfg.pinned_memory and torch.cuda.is_available()
+        host_blocks = []
+        for block in state.blocks:
+            segment = allocator.attach(block.index, block.nbytes)
+            share.segments.append(segment)
+            if pin:
+                t = time.monotonic()
+                segment.pin()
+                share.register_s += time.monotonic() - t
+            host_blocks.append(segment.tensor(torch.uint8, (block.nbytes,)))
+        share.shared_bytes = sum(b.nbytes for b in state.blocks) + share.store.nbytes
+        return manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, host_blocks=host_blocks)
+
+    # ------------------------------------------------------------------------------------------ teardown
+    def _abandon(self, share: ManagerShare, manager: Any) -> None:
+        """Undo a failed ``offload_from_profile``; what cannot be undone stays for ``close()`` to retry."""
+        try:
+            self._release_share(share, manager, preserve=False)
+        except Exception as exc:  # noqa: BLE001 - the caller sees the original error; close() can retry
+            logger.warning("session %s/%s: cleanup after failure incomplete (%s); call close() to retry",
+                           self.namespace, share.name, exc)
+
+    def _release_share(self, share: ManagerShare, manager: Any, *, preserve: bool) -> None:
+        if not share.released:
+            if manager.model is not None:
+                model = manager.model
+                manager.release(preserve_model=preserve)
+                if preserve and share.store is not None:
+                    _privatize_shared_views(model, share.store)
+            share.released = True
+        while share.segments:
+            segment = share.segments[-1]
+            segment.close()  # unpins before unmapping
+            share.segments.pop()
+        if share.store is not None:
+            share.store.close()
+            share.store = None
+        share.coordinator.close()
+        self._shares.pop(share.name, None)
+        self._unreserve(share.name)
+
+    def close(self, *, preserve_models: bool = False) -> None:
+        """Release every manager and leave each generation (the last participant unlinks everything).
+
+        ``preserve_models=True`` first copies managed weights into private storage so the models stay usable.
+        Raises the first failure after trying every manager; what failed is kept so ``close()`` can be retried.
+        """
+        self._check_thread()
+        from flextensor.api import get_offload_manager
+
+        first_error: BaseException | None = None
+        for share in list(self._shares.values()):
+            try:
+                self._release_share(share, get_offload_manager(share.name), preserve=preserve_models)
+            except Exception as exc:  # noqa: BLE001 - try the other managers, then report
+                logger.warning("session %s/%s: close failed (%s); call close() again to retry",
+                               self.namespace, share.name, exc)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        self._closed = True
+
+    def __enter__(self) -> "SharedOffloadSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(preserve_models=False)
+
+    # ------------------------------------------------------------------------------------------ reporting
+    def report(self) -> list[dict[str, Any]]:
+        """Role, generation, timings and shared bytes of each manager this session holds."""
+        return [share.summary() for share in self._shares.values()]
+
+    def role(self, name: str = "default") -> str:
+        return self._shares[name].role
+
+    # ------------------------------------------------------------------------------------------ supervisors
+    @staticmethod
+    def cleanup_namespace(namespace: str, *, manager_names: Iterable[str], timeout: float = 60.0) -> list[CleanupReport]:
+        """Reclaim what killed workers left, from the journal and leases only (no coordinator, no model).
+
+        ``timeout`` bounds the wait for live leases across all managers (0: try once, now). Missing
+        generations are a no-op; unknown protocols or malformed metadata raise without deleting anything.
+        Earlier managers may already be removed when a later one fails; retrying is safe.
+        """
+        validate_base_namespace(namespace)
+        if isinstance(manager_names, str):
+            raise ValueError(f"manager_names must be a list of names, not the string {manager_names!r}")
+        names = [validate_manager_name(m) for m in manager_names]
+        if not names:
+            raise ValueError("manager_names is empty: pass the manager names used by the run, e.g. ['default']")
+        deadline = time.monotonic() + _check_timeout(timeout, "timeout")
+        reports = []
+        for name in names:
+            remaining = max(0.0, deadline - time.monotonic())
+            reports.append(cleanup_manager_namespace(manager_namespace(namespace, name), timeout=remaining))
+        return reports
+
+    # ------------------------------------------------------------------------------------------ reservations
+    @staticmethod
+    def _reserve(name: str) -> None:
+        with _reserved_lock:
+            if name in _reserved:
+                raise RuntimeError(
+                    f"manager {name!r} is reserved by another SharedOffloadSession in this process; close that "
+                    "session first or use another manager name"
+                )
+            _reserved.add(name)
+
+    @staticmethod
+    def _unreserve(name: str) -> None:
+        with _reserved_lock:
+            _reserved.discard(name)
+
+
+def _check_offloaded_metadata(model: nn.Module, state: TensorManagerState) -> None:
+    """Compare the plan's dtype/shape of every tensor with the follower's model, naming the first mismatch."""
+    from flextensor.state import model_tensors
+
+    tensors = model_tensors(model)
+    for t in state.tensors:
+        entry = tensors.get(t.name)
+        if entry is None:
+            raise ValueError(f"published tensor {t.name!r} does not exist in the follower's model: both factories "
+                             "must build the same topology")
+        dtype = str(entry.tensor.dtype).removeprefix("torch.")
+        if dtype != t.dtype or list(entry.tensor.shape) != list(t.shape):
+            raise ValueError(
+                f"published tensor {t.name!r} is {t.dtype}{tuple(t.shape)} but the follower's model has "
+                f"{dtype}{tuple(entry.tensor.shape)}: both factories must build the same model"
+            )
+    extra = sorted(set(tensors) - {t.name for t in state.tensors})
+    if extra:
+        raise ValueError(f"the follower's model has tensor {extra[0]!r} that the published plan does not know")
+
+
+def _privatize_shared_views(model: nn.Module, store: SharedTensorStore) -> None:
+    """Give the store's tensors that still view shared memory (CPU hosts) private storage of their own."""
+    shared = {name for record in store.records for name in record.all_names}
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            if name in shared and tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
+
+
+def _register_with_daemon(coordinator: ShmCoordinator) -> None:
+    """Tell a running ``ftd`` about this participant (fast death detection); a no-op without a daemon."""
+    try:
+        from flextensor.shm.ftd_client import register_participant
+    except ImportError:  # pragma: no cover - the client ships with flextensor.shm
+        return
+    try:
+        register_participant(coordinator.namespace, coordinator.lease_slot, coordinator.identity,
+                             str(_lock_dir()))
+    except Exception as exc:  # noqa: BLE001 - the daemon is optional; never fail a worker because of it
+        logger.debug("ftd registration skipped: %s", exc)
+
+
+def _lock_dir() -> Any:
+    from flextensor.shm.names import lock_directory
+
+    return lock_directory()

@@ -1,0 +1,80 @@
+"""Preflight checks a creator runs before publishing, so a doomed publish fails early with the exact remedy.
+
+Two things stop a shared publish half-way on real deployments:
+
+- ``/dev/shm`` too small. Docker gives containers 64 MiB by default; Kubernetes pods get the node's tmpfs only
+  with ``hostIPC`` or an ``emptyDir`` of ``medium: Memory`` mounted at ``/dev/shm``. Writing past the limit
+  would otherwise surface as ENOSPC (or SIGBUS on a sparse mapping) in the middle of a multi-GiB copy.
+- Pinning refused by ``RLIMIT_MEMLOCK``. Page-locking more than the limit needs the limit raised or
+  ``CAP_IPC_LOCK``; ``memlock_shortfall`` reports it so the caller can fail (or warn) before registering.
+
+The creator publishes any failure through the coordinator, so followers see the same message.
+"""
+
+from __future__ import annotations
+
+import os
+
+from flextensor.shm.errors import ShmSpaceError
+from flextensor.shm.pinning import memlock_limit
+from flextensor.shm.segment import SHM_DIR, format_bytes
+
+_CAP_IPC_LOCK = 14
+
+
+def shm_free_bytes() -> int:
+    """Bytes an unprivileged writer can still allocate in ``/dev/shm``."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _round_up_gib(nbytes: int) -> int:
+    return max(1, -(-nbytes // 2**30))
+
+
+def check_shm_capacity(namespace: str, nbytes: int, *, headroom: float = 0.02) -> None:
+    """Raise ``ShmSpaceError`` when ``/dev/shm`` cannot hold ``nbytes`` more (plus a small headroom)."""
+    if nbytes < 0:
+        raise ValueError(f"bytes to publish must be >= 0, got {nbytes}")
+    free = shm_free_bytes()
+    needed = int(nbytes * (1 + headroom))
+    if needed <= free:
+        return
+    st = os.statvfs(SHM_DIR)
+    total = st.f_blocks * st.f_frsize
+    size_gib = _round_up_gib(total - free + needed)
+    raise ShmSpaceError(
+        f"cannot publish {format_bytes(nbytes)} for namespace {namespace!r}: {SHM_DIR} has only "
+        f"{format_bytes(free)} free of {format_bytes(total)}. Give the workers a larger shared-memory mount: "
+        f"`docker run --shm-size={size_gib}g` (compose: `shm_size: {size_gib}gb` or `ipc: host`), on Kubernetes "
+        f"`hostIPC: true` or an `emptyDir: {{medium: Memory, sizeLimit: {size_gib}Gi}}` volume mounted at /dev/shm, "
+        f"or on a host `mount -o remount,size={size_gib}G /dev/shm`",
+        segment=namespace,
+        wanted=nbytes,
+        free=free,
+    )
+
+
+def has_cap_ipc_lock() -> bool:
+    """Whether this process may lock memory beyond ``RLIMIT_MEMLOCK`` (effective CAP_IPC_LOCK)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_IPC_LOCK & 1)
+    except OSError:
+        pass
+    return False
+
+
+def memlock_shortfall(nbytes: int) -> str | None:
+    """A message with the remedy when pinning ``nbytes`` exceeds ``RLIMIT_MEMLOCK``; ``None`` when it fits."""
+    limit = memlock_limit()
+    if limit is None or nbytes <= limit or has_cap_ipc_lock():
+        return None
+    return (
+        f"pinning {format_bytes(nbytes)} exceeds this process's locked-memory limit (RLIMIT_MEMLOCK = "
+        f"{format_bytes(limit)}): raise it with `ulimit -l unlimited` (docker: `--ulimit memlock=-1`, systemd: "
+        "`LimitMEMLOCK=infinity`, Kubernetes: a container runtime default or the IPC_LOCK capability), or set "
+        "pinned_memory=False to stream from pageable memory"
+    )

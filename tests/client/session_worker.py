@@ -1,0 +1,85 @@
+"""One worker process of a SharedOffloadSession, for the multi-process session tests.
+
+Run as ``python -m tests.client.session_worker --ns NS --profile DIR [--mode MODE] ...``. Prints one JSON line:
+``{"role": ..., "generation": ..., "out": <hex of the output bytes>}`` on success, or
+``{"error": <exception class>, "message": ...}`` (exit status 3) on failure. Modes shape the creator factory
+(``fail`` raises, ``hang`` blocks forever, ``slow`` takes a second) or the follower model (``mismatch``).
+With ``--hold`` the worker keeps its session open until a line arrives on stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import flextensor as ft
+from tests.client.models import TinyTransformer, tiny_transformer, token_ids
+
+
+def _touch(path: str | None) -> None:
+    if path:
+        Path(path).write_text("started")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ns", required=True)
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--name", default="model")
+    parser.add_argument("--mode", default="normal", choices=["normal", "fail", "hang", "slow", "mismatch"])
+    parser.add_argument("--lease", type=float, default=1.0)
+    parser.add_argument("--wait-timeout", type=float, default=60.0)
+    parser.add_argument("--marker")
+    parser.add_argument("--hold", action="store_true")
+    parser.add_argument("--go", help="mode fail: raise only once this file exists")
+    parser.add_argument("--log", action="store_true", help="log INFO lines to stderr (tests wait on them)")
+    args = parser.parse_args()
+    if args.log:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+    def creator_factory() -> torch.nn.Module:
+        _touch(args.marker)
+        if args.mode == "fail":
+            while args.go and not Path(args.go).exists():  # fail only once the followers are waiting
+                time.sleep(0.02)
+            raise RuntimeError("checkpoint exploded: shard 3 is truncated")
+        if args.mode == "hang":
+            time.sleep(3600)
+        if args.mode == "slow":
+            time.sleep(1.0)
+        return tiny_transformer(seed=0)
+
+    def follower_factory() -> torch.nn.Module:
+        with torch.device("meta"):
+            return TinyTransformer(d=48) if args.mode == "mismatch" else TinyTransformer()
+
+    config = ft.OffloadConfig(pinned_memory=torch.cuda.is_available(), num_blocks=2, min_blocks=2)
+    session = ft.SharedOffloadSession(args.ns, wait_timeout=args.wait_timeout, lease_seconds=args.lease)
+    try:
+        model = session.offload_from_profile(
+            args.profile, config=config, name=args.name,
+            creator_model_factory=creator_factory, follower_model_factory=follower_factory,
+        )
+        with torch.no_grad():
+            out = model(token_ids().to(ft.get_offload_manager(args.name).device)).cpu()
+        report = session.report()[0]
+        print(json.dumps({"role": report["role"], "generation": report["generation"],
+                          "out": out.numpy().tobytes().hex()}), flush=True)
+        if args.hold:
+            sys.stdin.readline()
+        session.close()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - the test reads the class and message
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+        session.close()
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""SharedOffloadSession: real worker processes, SIGKILL, and nothing left in /dev/shm or the lock directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import flextensor as ft
+from flextensor.shm.errors import ShmProtocolError
+from flextensor.shm.names import journal_path, manager_namespace
+from tests.client.models import (
+    DEVICE,
+    cpu_config,
+    reference,
+    release_managers,  # noqa: F401
+    tiny_transformer,
+    token_ids,
+    TinyTransformer,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+LEASE = 1.0
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def make_profile(directory: Path) -> str:
+    """Profile the tiny transformer once (every block streams) and save it: what a deployment ships."""
+    model = tiny_transformer(seed=0)
+    cfg = cpu_config(include_patterns=["blocks.*"], load_strategy=ft.NthLayerStrategy(1))
+    ft.offload(model, cfg, name="profiler")
+    manager = ft.get_offload_manager("profiler")
+    with torch.no_grad():
+        for _ in range(manager.iters_before_inference):
+            model(token_ids().to(DEVICE))
+    ft.save_profile(str(directory), name="profiler")
+    ft.release("profiler")
+    return str(directory)
+
+
+@pytest.fixture
+def profile(tmp_path: Path) -> str:
+    return make_profile(tmp_path / "profile")
+
+
+def expected_output() -> torch.Tensor:
+    return reference(tiny_transformer(seed=0), token_ids()).cpu()
+
+
+def spawn(ns: str, profile: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.client.session_worker", "--ns", ns, "--profile", profile,
+         "--lease", str(LEASE), *args],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def read_result(proc: subprocess.Popen, timeout: float = 90.0) -> dict:
+    """The worker's JSON line (it may still be running when --hold was given)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"worker {proc.pid} printed nothing within {timeout} s"
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=30)
+        raise AssertionError(f"worker {proc.pid} exited {proc.returncode} without a result:\n{proc.stderr.read()}")
+    return json.loads(line)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    if proc.poll() is None:
+        try:
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+    proc.wait(timeout=timeout)
+    proc.stdout.close()
+    proc.stderr.close()
+    proc.stdin.close()
+    return proc.returncode
+
+
+def wait_for_file(path: Path, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} did not appear within {timeout} s"
+        time.sleep(0.02)
+
+
+def wait_for_joined(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Block until the worker logged that it joined as a follower (read from its stderr)."""
+    end = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < end:
+        ready, _, _ = select.select([proc.stderr], [], [], 0.2)
+        if ready:
+            line = proc.stderr.readline()
+            seen += line
+            if "as follower" in line or "waiting for the creator" in line:
+                return
+            if not line and proc.poll() is not None:
+                break
+    raise AssertionError(f"worker {proc.pid} never reported joining as a follower:\n{seen}")
+
+
+def output_of(result: dict) -> torch.Tensor:
+    assert "error" not in result, result
+    return torch.frombuffer(bytearray.fromhex(result["out"]), dtype=torch.float32).reshape(expected_output().shape)
+
+
+def matches(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    return torch.equal(out, ref) if DEVICE.type == "cpu" else torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def shm_entries_for(ns: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if ns in n)
+
+
+# ------------------------------------------------------------------------------------------------ workers
+@pytest.mark.parametrize("workers", [4, 8])
+def test_workers_share_one_copy_with_exactly_one_creator_and_equal_outputs(namespace: str, profile: str,
+                                                                             workers: int) -> None:
+    procs = [spawn(namespace, profile, "--hold") for _ in range(workers)]
+    try:
+        results = [read_result(p) for p in procs]
+    finally:
+        codes = [finish(p) for p in procs]
+    assert codes == [0] * workers, results
+    roles = sorted(r["role"] for r in results)
+    assert roles == ["creator"] + ["follower"] * (workers - 1)
+    assert len({r["generation"] for r in results}) == 1
+    ref = expected_output()
+    for r in results:
+        assert matches(output_of(r), ref)
+
+
+def test_creator_factory_failure_reaches_every_follower(namespace: str, profile: str, tmp_path: Path) -> None:
+    marker = tmp_path / "creator-started"
+    go = tmp_path / "fail-now"
+    creator = spawn(namespace, profile, "--mode", "fail", "--marker", str(marker), "--go", str(go))
+    wait_for_file(marker)
+    followers = [spawn(namespace, profile, "--log") for _ in range(2)]
+    for follower in followers:
+        wait_for_joined(follower)
+    go.write_text("go")
+    results = [read_result(p) for p in [creator, *followers]]
+    for p in [creator, *followers]:
+        finish(p)
+    assert results[0]["error"] == "RuntimeError" and "shard 3 is truncated" in results[0]["message"]
+    for r in results[1:]:
+        assert r["error"] == "ShmCreatorFailedError", r
+        assert "shard 3 is truncated" in r["message"]
+
+
+def test_creator_killed_before_publishing_is_seen_as_dead_within_the_lease(namespace: str, profile: str,
+                                                                          tmp_path: Path) -> None:
+    marker = tmp_path / "creator-started"
+    creator = spawn(namespace, profile, "--mode", "hang", "--marker", str(marker))
+    wait_for_file(marker)
+    follower = spawn(namespace, profile, "--log")
+    wait_for_joined(follower)
+    creator.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    result = read_result(follower)
+    elapsed = time.monotonic() - killed
+    finish(follower)
+    finish(creator)
+    assert result["error"] == "ShmCreatorDiedError", result
+    assert elapsed < LEASE + 2.0, f"follower noticed the dead creator after {elapsed:.2f} s (lease {LEASE} s)"
+    # the dead creator's generation is still on the host until someone reclaims it
+    SharedOffloadSession = ft.SharedOffloadSession
+    SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+
+
+def test_late_follower_attaches_after_the_creator_closed(namespace: str, profile: str) -> None:
+    creator = spawn(namespace, profile, "--hold")
+    first = read_result(creator)
+    follower = spawn(namespace, profile, "--hold")
+    second = read_result(follower)
+    assert finish(creator) == 0
+    late = spawn(namespace, profile)
+    third = read_result(late)
+    assert finish(late) == 0
+    assert finish(follower) == 0
+    assert [first["role"], second["role"], third["role"]] == ["creator", "follower", "follower"]
+    assert first["generation"] == second["generation"] == third["generation"]
+    ref = expected_output()
+    assert all(matches(output_of(r), ref) for r in (first, second, third))
+
+
+def test_mismatched_follower_is_refused_by_tensor_name_and_others_are_unaffected(namespace: str,
+                                                                                 profile: str) -> None:
+    creator = spawn(namespace, profile, "--hold")
+    good = read_result(creator)
+    bad = spawn(namespace, profile, "--mode", "mismatch")
+    refused = read_result(bad)
+    finish(bad)
+    other = spawn(namespace, profile)
+    fine = read_result(other)
+    finish(other)
+    finish(creator)
+    assert refused["error"] == "ValueError"
+    assert "embed.weight" in refused["message"] and "follower" in refused["message"]
+    assert good["role"] == "creator" and fine["role"] == "follower"
+    assert matches(output_of(fine), expected_output())
+
+
+def test_wait_timeout_expiry_raises_timeout_error(namespace: str, profile: str, tmp_path: Path) -> None:
+    marker = tmp_path / "creator-started"
+    creator = spawn(namespace, profile, "--mode", "hang", "--marker", str(marker))
+    wait_for_file(marker)
+    follower = spawn(namespace, profile, "--wait-timeout", "1.0")
+    result = read_result(follower)
+    finish(follower)
+    creator.send_signal(signal.SIGKILL)
+    finish(creator)
+    assert result["error"] == "TimeoutError", result
+    ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+
+
+def test_cleanup_after_sigkill_of_every_worker_leaves_nothing_and_repeats_as_a_no_op(namespace: str,
+                                                                                     profile: str) -> None:
+    procs = [spawn(namespace, profile, "--hold") for _ in range(3)]
+    for p in procs:
+        read_result(p)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        finish(p)
+    ns = manager_namespace(namespace, "model")
+    assert shm_entries_for(ns), "the killed workers' segments should still be there"
+    with pytest.raises(TimeoutError):
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=0)
+    reports = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+    assert reports[0].removed and not shm_entries_for(ns)
+    assert not journal_path(ns).exists()
+    again = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=0)
+    assert again[0].removed == []
+
+
+def test_cleanup_refuses_malformed_journal_or_header_and_deletes_nothing(namespace: str, profile: str) -> None:
+    procs = [spawn(namespace, profile, "--hold") for _ in range(2)]
+    for p in procs:
+        read_result(p)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        finish(p)
+    ns = manager_namespace(namespace, "model")
+    before = shm_entries_for(ns)
+    journal = journal_path(ns)
+    original = journal.read_bytes()
+    journal.write_bytes(original + b"{not json\n")
+    with pytest.raises(ShmProtocolError):
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=5)
+    assert shm_entries_for(ns) == before
+    journal.write_bytes(original)
+    header = Path("/dev/shm") / f"{ns}.c"
+    good_header = header.read_bytes()[:8]
+    with open(header, "r+b") as f:
+        f.write(b"NOTMAGIC")
+    with pytest.raises(ShmProtocolError):
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=5)
+    assert shm_entries_for(ns) == before
+    with open(header, "r+b") as f:
+        f.write(good_header)
+    ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+    assert shm_entries_for(ns) == []
+
+
+# ------------------------------------------------------------------------------------------------ in process
+def _factories():
+    def creator():
+        return tiny_transformer(seed=0)
+
+    def follower():
+        with torch.device("meta"):
+            return TinyTransformer()
+
+    return creator, follower
+
+
+def test_in_process_creator_keeps_config_and_closes_clean(namespace: str, profile: str) -> None:
+    config = cpu_config()
+    before = config.to_dict()
+    creator, follower = _factories()
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(profile, config=config, name="model",
+                                             creator_model_factory=creator, follower_model_factory=follower)
+        with torch.no_grad():
+            out = model(token_ids().to(DEVICE)).cpu()
+        assert session.role("model") == "creator"
+        assert matches(out, expected_output())
+        with pytest.raises(RuntimeError, match="reserved"):
+            ft.SharedOffloadSession(namespace, lease_seconds=LEASE).offload_from_profile(
+                profile, config=config, name="model", creator_model_factory=creator, follower_model_factory=follower)
+    assert config.to_dict() == before and config.shm_enabled is False
+    assert shm_entries_for(manager_namespace(namespace, "model")) == []
+
+
+def test_close_with_preserve_models_keeps_the_model_usable(namespace: str, profile: str) -> None:
+    creator, follower = _factories()
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    model = session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                         creator_model_factory=creator, follower_model_factory=follower)
+    session.close(preserve_models=True)
+    assert shm_entries_for(manager_namespace(namespace, "model")) == []
+    with torch.no_grad():
+        out = model.to(DEVICE)(token_ids().to(DEVICE)).cpu()
+    assert matches(out, expected_output())
+
+
+def test_session_used_from_another_thread_raises(namespace: str, profile: str) -> None:
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    creator, follower = _factories()
+    errors: list[BaseException] = []
+
+    def use() -> None:
+        try:
+            session.offload_from_profile(profile, name="model", creator_model_factory=creator,
+                                         follower_model_factory=follower)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    thread = threading.Thread(target=use)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "thread" in str(errors[0])
+    session.close()
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "x\x00y", "..", "a" * 500])
+def test_validate_options_rejects_bad_namespaces(bad: str) -> None:
+    with pytest.raises(ValueError):
+        ft.SharedOffloadSession.validate_options(bad)
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), "10"])
+def test_validate_options_rejects_bad_timeouts(timeout) -> None:
+    with pytest.raises(ValueError, match="wait_timeout"):
+        ft.SharedOffloadSession.validate_options("run", wait_timeout=timeout)
+
+
+def test_cleanup_namespace_validates_its_input(namespace: str) -> None:
+    with pytest.raises(ValueError, match="list of names"):
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names="model")
+    with pytest.raises(ValueError, match="empty"):
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=[])
+    with pytest.raises(ValueError):
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["a/b"])
+    assert ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["never-ran"], timeout=0)[0].removed == []
