@@ -1,0 +1,324 @@
+"""``ftd``: the daemon's command line (console script ``ftd = flextensor.daemon.cli:main``).
+
+Commands (each takes ``--socket PATH`` and ``--json``)::
+
+    ftd serve   [--config FILE] [--metrics-port N] [--reap-interval S] [--lock-dir DIR ...] [--socket-group G]
+    ftd status                       daemon up?  version, uptime, counts       (exit 1 when no daemon answers)
+    ftd ls                           one row per generation
+    ftd cleanup NS --manager NAME [--manager NAME ...] [--timeout S] [--local]
+    ftd drain   NS [--manager NAME ...] [--undo]
+    ftd hold    NS --manager NAME
+    ftd release NS --manager NAME
+
+``NS`` is the *base* namespace given to the session; the per-manager namespace is
+``flextensor.shm.names.manager_namespace(NS, NAME)``.  ``cleanup`` goes through the daemon when one answers
+(it then also updates its view and metrics) and runs locally otherwise (or with ``--local``): it needs the
+workers' ``TMPDIR`` (lock directory) either way.  ``hold``/``release``/``drain``/``status``/``ls`` need the daemon.
+
+Exit status: 0 success, 1 error (message on stderr; with ``--json`` also ``{"error", "message"}`` on stdout),
+2 usage error.  ``ls --json`` prints a list of objects with exactly the keys ``namespace``, ``manager``,
+``generation``, ``state``, ``participants``, ``bytes``, ``age``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from flextensor.shm import ftd_protocol as proto
+from flextensor.shm.ftd_client import DaemonUnavailableError, daemon_available, daemon_socket_path, request
+
+__all__ = ["main", "build_parser", "COMMANDS"]
+
+COMMANDS = ("serve", "status", "ls", "cleanup", "drain", "hold", "release")
+_REQUEST_TIMEOUT_S = 10.0
+
+
+class CommandError(Exception):
+    """An error reported with exit status 1 (``code`` is the daemon's error code, if any)."""
+
+    def __init__(self, message: str, code: str = "error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--socket", metavar="PATH", default=None,
+                        help="daemon socket (default: $FT_DAEMON_SOCKET, else the per-user default path)")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    parser = argparse.ArgumentParser(prog="ftd", description="flextensor per-host namespace daemon and its control "
+                                     "commands")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser("serve", parents=[common], help="run the daemon in the foreground (logs to stderr)")
+    serve.add_argument("--config", metavar="FILE", help="YAML settings file (also $FT_DAEMON_CONFIG)")
+    serve.add_argument("--metrics-port", type=int, metavar="N", help="Prometheus port (0: any free port)")
+    serve.add_argument("--metrics-host", metavar="ADDR", help="address of the metrics server (default 127.0.0.1)")
+    serve.add_argument("--reap-interval", type=float, metavar="S", help="seconds between journal scans (default 1)")
+    serve.add_argument("--lock-dir", action="append", metavar="DIR",
+                       help="lock directory to watch (repeatable; default: this user's $TMPDIR/flextensor-<uid>)")
+    serve.add_argument("--socket-group", metavar="GROUP", help="group allowed to connect (socket 0660)")
+    serve.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+
+    sub.add_parser("status", parents=[common], help="is the daemon up; version, uptime, counts")
+    sub.add_parser("ls", parents=[common], help="one row per generation")
+
+    def namespaced(name: str, help_text: str, manager_required: bool, multiple: bool) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_text)
+        p.add_argument("namespace", metavar="NAMESPACE", help="base namespace (as given to the session)")
+        p.add_argument("--manager", action="append" if multiple else "store", required=manager_required,
+                       metavar="NAME", help="manager name" + (" (repeatable)" if multiple else ""))
+        return p
+
+    cleanup = namespaced("cleanup", "reclaim a namespace's managers after their workers are gone", True, True)
+    cleanup.add_argument("--timeout", type=float, default=0.0, metavar="S",
+                         help="wait up to S seconds in all for leases to expire (default 0: check once)")
+    cleanup.add_argument("--local", action="store_true", help="do not go through the daemon")
+    cleanup.add_argument("--lock-dir", metavar="DIR", help="the workers' lock directory (default: from $TMPDIR)")
+    drain = namespaced("drain", "refuse new registrations; reclaim when the last participant leaves", False, True)
+    drain.add_argument("--undo", action="store_true", help="stop draining")
+    drain.add_argument("--lock-dir", metavar="DIR", help=argparse.SUPPRESS)
+    hold = namespaced("hold", "keep a READY generation alive across worker restarts", True, False)
+    hold.add_argument("--lock-dir", metavar="DIR", help="the workers' lock directory (default: from $TMPDIR)")
+    namespaced("release", "drop a hold (reclaims the generation if nobody else is in it)", True, False)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _lock_dir(args: argparse.Namespace) -> str:
+    from flextensor.daemon.config import default_lock_dir
+
+    return getattr(args, "lock_dir", None) or default_lock_dir()
+
+
+def _ask(args: argparse.Namespace, message: msgspec.Struct, timeout: float = _REQUEST_TIMEOUT_S):
+    try:
+        reply = request(message, timeout, path=args.socket)
+    except DaemonUnavailableError as exc:
+        raise CommandError(str(exc), "unavailable") from None
+    except ValueError as exc:
+        raise CommandError(f"malformed reply from the daemon: {exc}", "protocol") from None
+    if isinstance(reply, proto.ErrorReply):
+        raise CommandError(reply.message, reply.code)
+    return reply
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=False))
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _namespaces(parser: argparse.ArgumentParser, base: str, managers: list[str]) -> list[str]:
+    from flextensor.shm.names import manager_namespace
+
+    try:
+        return [manager_namespace(base, m) for m in managers]
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # pragma: no cover
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from flextensor.daemon.config import load_settings
+    from flextensor.daemon.server import StartupError, run
+
+    flags = {
+        "socket": args.socket,
+        "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
+        "reap_interval": args.reap_interval,
+        "lock_dirs": args.lock_dir,
+        "socket_group": args.socket_group,
+        "log_level": args.log_level,
+    }
+    try:
+        settings = load_settings(flags, config_file=args.config)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CommandError(str(exc), "config") from None
+    logging.basicConfig(stream=sys.stderr, level=settings.log_level_number,
+                        format="%(asctime)s ftd[%(process)d] %(levelname)s %(name)s: %(message)s")
+    try:
+        return run(settings)
+    except StartupError as exc:
+        raise CommandError(str(exc), "startup") from None
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    path = args.socket or daemon_socket_path()
+    try:
+        reply = _ask(args, proto.StatusRequest(), timeout=5.0)
+    except CommandError as exc:
+        if args.json:
+            _print_json({"up": False, "socket": path, "error": exc.code, "message": str(exc)})
+            print(f"ftd: {exc}", file=sys.stderr)
+            return 1
+        raise
+    data = {"up": True, **msgspec.structs.asdict(reply)}
+    data.pop("v", None)
+    if args.json:
+        _print_json(data)
+    else:
+        print(f"ftd {reply.version} up {reply.uptime_s:.0f} s (pid {reply.pid}, protocol {reply.protocol}) on "
+              f"{reply.socket}")
+        print(f"namespaces {reply.namespaces}, generations {reply.generations}, live participants "
+              f"{reply.participants}, watched processes {reply.registered}")
+        print(f"held: {', '.join(reply.held) or '-'}; draining: {', '.join(reply.draining) or '-'}")
+        print(f"lock dirs: {', '.join(reply.lock_dirs) or '-'}; metrics port: {reply.metrics_port or '-'}")
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    reply = _ask(args, proto.ListRequest())
+    rows = [msgspec.structs.asdict(r) for r in reply.rows]
+    if args.json:
+        _print_json(rows)
+        return 0
+    print(_table(
+        ["NAMESPACE", "MANAGER", "GENERATION", "STATE", "PARTICIPANTS", "BYTES", "AGE"],
+        [[r["namespace"], r["manager"] or "-", str(r["generation"] or "-"), r["state"], str(r["participants"]),
+          _human_bytes(r["bytes"]), f"{r['age']:.0f}s"] for r in rows],
+    ))
+    return 0
+
+
+def _cmd_cleanup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if not (args.timeout >= 0):
+        parser.error(f"--timeout must be >= 0 seconds, got {args.timeout}")
+    namespaces = _namespaces(parser, args.namespace, args.manager)
+    lock_dir = _lock_dir(args)
+    if not args.local and daemon_available(args.socket):
+        message = proto.CleanupRequest(namespaces=namespaces, lock_dir=lock_dir, timeout=args.timeout,
+                                       base=args.namespace, managers=list(args.manager))
+        reply = _ask(args, message, timeout=args.timeout + _REQUEST_TIMEOUT_S)
+        reports = [msgspec.structs.asdict(r) for r in reply.reports]
+        where = "daemon"
+    else:
+        reports = _local_cleanup(namespaces, args.timeout, lock_dir)
+        where = "local"
+    if args.json:
+        _print_json(reports)
+        return 0
+    for manager, report in zip(args.manager, reports):
+        if report["generation"] is None:
+            print(f"{args.namespace} / {manager} ({report['namespace']}): nothing to clean up ({where})")
+        else:
+            print(f"{args.namespace} / {manager} ({report['namespace']}): generation {report['generation']} removed, "
+                  f"{len(report['removed'])} resources ({len(report['already_absent'])} already absent, waited "
+                  f"{report['waited_s']:.2f} s, {where})")
+    return 0
+
+
+def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str) -> list[dict]:
+    """Cleanup in this process (no daemon): the lock directory must be this user's, under the given TMPDIR."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from flextensor.shm.cleanup import cleanup_manager_namespace
+    from flextensor.shm.errors import ShmProtocolError
+
+    if Path(lock_dir).name != f"flextensor-{os.getuid()}":
+        raise CommandError(f"local cleanup can only use this user's lock directory (flextensor-{os.getuid()}), not "
+                           f"{lock_dir}; run it as the workers' user, or through the daemon")
+    tempfile.tempdir = str(Path(lock_dir).parent)
+    deadline = time.monotonic() + timeout
+    reports = []
+    for ns in namespaces:
+        try:
+            report = cleanup_manager_namespace(ns, timeout=max(0.0, deadline - time.monotonic()))
+        except (TimeoutError, ShmProtocolError, PermissionError) as exc:
+            done = ", ".join(r["namespace"] for r in reports)
+            raise CommandError(f"{exc}" + (f" (already cleaned: {done})" if done else ""),
+                               "timeout" if isinstance(exc, TimeoutError) else "conflict") from None
+        reports.append(msgspec.structs.asdict(report))
+    return reports
+
+
+def _cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    managers = args.manager or []
+    namespaces = _namespaces(parser, args.namespace, managers) if managers else []
+    if not managers:
+        from flextensor.shm.names import validate_base_namespace
+
+        try:
+            validate_base_namespace(args.namespace)
+        except ValueError as exc:
+            parser.error(str(exc))
+    reply = _ask(args, proto.DrainRequest(namespaces=namespaces, base=args.namespace, managers=list(managers),
+                                          lock_dir=_lock_dir(args), undo=args.undo))
+    return _ok(args, reply)
+
+
+def _cmd_hold(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    (ns,) = _namespaces(parser, args.namespace, [args.manager])
+    reply = _ask(args, proto.HoldRequest(namespace=ns, lock_dir=_lock_dir(args), base=args.namespace,
+                                         manager=args.manager))
+    return _ok(args, reply)
+
+
+def _cmd_release(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    (ns,) = _namespaces(parser, args.namespace, [args.manager])
+    return _ok(args, _ask(args, proto.ReleaseRequest(namespace=ns)))
+
+
+def _ok(args: argparse.Namespace, reply: proto.OkReply) -> int:
+    if args.json:
+        _print_json({"ok": True, "message": reply.message})
+    else:
+        print(reply.message)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on usage errors
+    try:
+        if args.command == "serve":
+            return _cmd_serve(args)
+        if args.command == "status":
+            return _cmd_status(args)
+        if args.command == "ls":
+            return _cmd_ls(args)
+        handler = {"cleanup": _cmd_cleanup, "drain": _cmd_drain, "hold": _cmd_hold, "release": _cmd_release}
+        return handler[args.command](args, parser)
+    except CommandError as exc:
+        if args.json:
+            _print_json({"error": exc.code, "message": str(exc)})
+        print(f"ftd {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,566 @@
+"""The daemon's view of the host: lock directories, namespaces, their generation, participants and holds.
+
+Source of truth
+---------------
+Nothing here is authoritative: the journals (lock directories) and the lease tables (``/dev/shm/{ns}.c``)
+are.  The registry is a cache rebuilt by :meth:`Registry.scan` every ``reap_interval`` and at start, so a
+daemon that was SIGKILLed and restarted knows everything it needs after its first scan.  What only the
+daemon knows, and what a restart therefore loses, is: which processes registered (re-adopted from the lease
+tables, see below), labels (base/manager), drains, and holds (a restarted daemon holds nothing until
+``ftd hold`` is run again; the old daemon's hold slots expire after one lease).
+
+Watching processes
+------------------
+A registered participant is watched through a pidfd (``os.pidfd_open``) that the server polls next to its
+ZeroMQ socket: it becomes readable the moment the process exits (after the kernel closed its files, so its
+``flock`` is already released).  The daemon then ends that participant's lease slot (``end_lease``: one
+aligned store of DEAD), so followers waiting on a dead creator raise ``ShmCreatorDiedError`` on their next
+poll, and a namespace left with no live lease is reclaimed at once.
+
+*Adoption*: at every scan, a live slot whose (pid, start time, boot id) names a process visible in the
+daemon's pid namespace is watched too, even if it never registered (and after a daemon restart).  A pid
+from another pid namespace (a container without ``hostPID``) does not match the start time and is judged
+by its lease alone.
+
+Acting for a user
+-----------------
+A root daemon serves several users.  Every operation that creates or removes files (cleanup, hold/release
+under the coordinator lock) runs with the real and effective uid/gid of the lock directory's owner
+(``setresuid`` keeping root as the *saved* uid to switch back): files it creates belong to that user, and
+``/dev/shm``'s sticky bit stops it from unlinking anybody else's segments even if a journal were forged.
+``flextensor.shm.names.lock_directory()`` derives the directory from ``TMPDIR`` and ``os.getuid()``, so the
+switch also points ``tempfile.tempdir`` at the lock directory's parent.  Lock directories must therefore be
+named ``flextensor-<uid of their owner>`` (as workers create them) and must not be writable by others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pwd
+import select
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from flextensor.shm.errors import ShmProtocolError
+from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordinator_segment, read_state
+from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns, process_start_time
+from flextensor.shm.journal import list_journals, read_journal
+from flextensor.shm.leases import LeaseTable, SlotState
+from flextensor.shm.names import coordinator_segment_name, validate_namespace
+from flextensor.shm.segment import SHM_DIR, SharedSegment
+
+__all__ = ["LockDir", "inspect_lock_dir", "acting_in", "Participant", "NamespaceView", "Registry"]
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ lock directories
+
+
+@dataclasses.dataclass(frozen=True)
+class LockDir:
+    """A validated lock directory and its owner."""
+
+    path: str
+    uid: int
+    gid: int  # primary group of the owner (falls back to the directory's group)
+
+
+def inspect_lock_dir(path: str | os.PathLike[str]) -> LockDir:
+    """Validate a lock directory the daemon may act in; ``PermissionError`` / ``FileNotFoundError`` if not.
+
+    It must be a real directory (not a symlink), named ``flextensor-<owner uid>``, not writable by group or
+    others, and — unless the daemon runs as root — owned by the daemon's user.
+    """
+    p = Path(os.path.abspath(os.fspath(path)))
+    st = os.lstat(p)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"lock directory {p} is not a directory (or is a symlink)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"lock directory {p} is writable by group or others (mode "
+                              f"{stat.S_IMODE(st.st_mode):04o}); refusing to act on journals anyone could forge")
+    if p.name != f"flextensor-{st.st_uid}":
+        raise PermissionError(f"{p} is not a flextensor lock directory: it must be named flextensor-{st.st_uid} "
+                              "(flextensor-<uid of its owner>, as workers create it under their TMPDIR)")
+    euid = os.geteuid()
+    if euid != 0 and st.st_uid != euid:
+        raise PermissionError(f"lock directory {p} belongs to uid {st.st_uid}; this daemon runs as uid {euid} and "
+                              "can only act for its own user (run ftd as root to serve several users)")
+    try:
+        gid = pwd.getpwuid(st.st_uid).pw_gid
+    except KeyError:
+        gid = st.st_gid
+    return LockDir(str(p), st.st_uid, gid)
+
+
+_acting_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def acting_in(lock_dir: LockDir) -> Iterator[None]:
+    """Run the body as the owner of ``lock_dir`` with ``lock_directory()`` resolving to it (see module doc).
+
+    Re-entrant and serialized (uids and ``tempfile.tempdir`` are process-wide).  If switching back to root
+    ever fails the daemon exits at once rather than keep running with the wrong privileges.
+    """
+    with _acting_lock:
+        old_tempdir = tempfile.tempdir
+        switch = os.geteuid() == 0 and lock_dir.uid != 0 and os.getuid() == 0
+        groups = os.getgroups() if switch else []
+        gids = os.getresgid() if switch else (0, 0, 0)
+        if switch:
+            os.setgroups([])
+            os.setresgid(lock_dir.gid, lock_dir.gid, 0)
+            os.setresuid(lock_dir.uid, lock_dir.uid, 0)
+        tempfile.tempdir = str(Path(lock_dir.path).parent)
+        try:
+            yield
+        finally:
+            tempfile.tempdir = old_tempdir
+            if switch:
+                try:
+                    os.setresuid(0, 0, 0)
+                    os.setresgid(*gids)
+                    os.setgroups(groups)
+                except OSError:  # pragma: no cover - would mean the kernel refused to give root back
+                    logger.critical("could not switch back to root after acting for uid %d; exiting", lock_dir.uid)
+                    os._exit(70)
+
+
+# ------------------------------------------------------------------------------------------------ the view
+
+
+@dataclasses.dataclass
+class Participant:
+    """A process the daemon watches (registered, or adopted from a lease table)."""
+
+    namespace: str
+    slot_index: int
+    identity: ParticipantIdentity
+    pid: int  # the pid as the daemon sees it (may differ from identity.pid across pid namespaces)
+    pidfd: int
+    uid: int | None
+    adopted: bool
+    since: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass
+class Hold:
+    """The daemon's own participation in a generation (``ftd hold``)."""
+
+    namespace: str
+    lock_dir: LockDir
+    generation: int
+    segment: SharedSegment
+    table: LeaseTable
+    slot: int
+    identity: ParticipantIdentity
+    heartbeat: object  # flextensor.shm.leases.Heartbeat
+    owner_uid: int
+    since: float = dataclasses.field(default_factory=time.time)
+
+
+@dataclasses.dataclass
+class NamespaceView:
+    """What the last scan saw of one namespace (a journal in a watched lock directory)."""
+
+    namespace: str
+    lock_dir: LockDir
+    base: str | None = None
+    manager: str | None = None
+    generation: int | None = None
+    state: str = "ORPHAN"  # INITIALIZING / READY / FAILED (header), ORPHAN (no coordinator), CORRUPT, CREATING
+    live: int = 0
+    bytes: int = 0
+    created_at: float | None = None  # wall clock seconds
+    error: str | None = None
+    owner_uid: int | None = None  # uid owning the coordinator segment (else the lock directory's)
+    reclaimable_since_ns: int | None = None  # host clock: when the last lease ended/expired
+    segment: SharedSegment | None = None  # cached mapping of /{ns}.c
+    segment_ino: int | None = None
+    table: LeaseTable | None = None
+    header: HeaderInfo | None = None
+    expired_seen: set[str] = dataclasses.field(default_factory=set)  # tokens counted as lease expiries
+    adoption_checked: set[str] = dataclasses.field(default_factory=set)
+    dead_at_ns: dict[str, int] = dataclasses.field(default_factory=dict)  # token -> host clock of death
+    logged_error: str | None = None
+
+    def close_mapping(self) -> None:
+        self.table = None
+        self.header = None
+        segment, self.segment, self.segment_ino = self.segment, None, None
+        if segment is not None:
+            segment.close()
+
+
+class Registry:
+    """The daemon's cache of the host (see the module docstring); used only from the server's thread."""
+
+    def __init__(self, lock_dirs: list[str], metrics) -> None:
+        self.configured_lock_dirs = [os.path.abspath(d) for d in lock_dirs]
+        self.learned_lock_dirs: dict[str, LockDir] = {}  # from registrations / requests of their owners
+        self.views: dict[str, NamespaceView] = {}
+        self.participants: dict[tuple[str, str], Participant] = {}  # (namespace, token) -> watched process
+        self.by_fd: dict[int, list[Participant]] = {}
+        self.holds: dict[str, Hold] = {}
+        self.draining: dict[str, int] = {}  # per-manager namespace -> uid that drained it
+        self.draining_bases: dict[str, int] = {}  # base namespace -> uid that drained it
+        self.labels: dict[str, tuple[str | None, str | None]] = {}  # namespace -> (base, manager)
+        self.metrics = metrics
+        self._logged_dir_errors: set[str] = set()
+        self._boot_id = boot_id()
+        self.on_watch_added = lambda fd: None  # set by the server: start polling a pidfd
+        self.on_watch_removed = lambda fd: None
+
+    # ------------------------------------------------------------------ lock directories
+    def lock_dirs(self) -> list[LockDir]:
+        """Every lock directory that exists and may be acted in (configured first, then learned)."""
+        out: dict[str, LockDir] = {}
+        for path in self.configured_lock_dirs:
+            try:
+                out[path] = inspect_lock_dir(path)
+                self._logged_dir_errors.discard(path)
+            except FileNotFoundError:
+                continue  # no worker of that user ran yet
+            except PermissionError as exc:
+                if path not in self._logged_dir_errors:
+                    self._logged_dir_errors.add(path)
+                    logger.error("not watching %s: %s", path, exc)
+        for path, lock_dir in list(self.learned_lock_dirs.items()):
+            if path not in out:
+                try:
+                    out[path] = inspect_lock_dir(path)
+                except (FileNotFoundError, PermissionError):
+                    del self.learned_lock_dirs[path]
+        return list(out.values())
+
+    def learn_lock_dir(self, lock_dir: LockDir) -> None:
+        if lock_dir.path not in self.configured_lock_dirs:
+            self.learned_lock_dirs[lock_dir.path] = lock_dir
+
+    # ------------------------------------------------------------------ scanning
+    def scan(self) -> list[NamespaceView]:
+        """Refresh every namespace of every lock directory; returns the current views."""
+        seen: set[str] = set()
+        for lock_dir in self.lock_dirs():
+            try:
+                with acting_in(lock_dir):
+                    names = list_journals(lock_dir.path)
+                    for ns in names:
+                        if ns in seen:
+                            continue  # the same namespace in two lock directories: first one wins
+                        seen.add(ns)
+                        view = self.views.get(ns)
+                        if view is None or view.lock_dir.path != lock_dir.path:
+                            if view is not None:
+                                view.close_mapping()
+                            view = self.views[ns] = NamespaceView(ns, lock_dir)
+                        self.refresh(view)
+            except OSError as exc:
+                logger.warning("cannot scan lock directory %s: %s", lock_dir.path, exc)
+        for ns in [ns for ns in self.views if ns not in seen]:
+            self.forget(ns)
+        self.update_gauges()
+        return list(self.views.values())
+
+    def view_for(self, namespace: str, lock_dir: LockDir) -> NamespaceView:
+        """The view of ``namespace`` (created and refreshed when new)."""
+        view = self.views.get(namespace)
+        if view is None:
+            view = self.views[namespace] = NamespaceView(namespace, lock_dir)
+            with acting_in(lock_dir):
+                self.refresh(view)
+        return view
+
+    def _map(self, view: NamespaceView) -> LeaseTable | None:
+        """Map (or keep mapped) ``/{ns}.c``; None when it does not exist.  Raises what the header raises."""
+        path = SHM_DIR + coordinator_segment_name(view.namespace)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            view.close_mapping()
+            return None
+        view.owner_uid = st.st_uid
+        if view.segment is not None and view.segment_ino == st.st_ino and view.table is not None:
+            return view.table
+        view.close_mapping()
+        segment, header = open_coordinator_segment(view.namespace)
+        try:
+            same = os.stat(path).st_ino == st.st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # replaced or removed while we mapped it: look again at the next scan
+            segment.close()
+            return None
+        view.segment, view.segment_ino, view.header = segment, st.st_ino, header
+        view.table = LeaseTable(segment.buffer, header.slot_count, segment=segment.name)
+        view.dead_at_ns.clear()
+        view.expired_seen.clear()
+        view.adoption_checked.clear()
+        return view.table
+
+    def refresh(self, view: NamespaceView) -> None:
+        """Re-read one namespace (caller is ``acting_in`` its lock directory)."""
+        ns = view.namespace
+        view.base, view.manager = self.labels.get(ns, (view.base, view.manager))
+        state: str | None = None
+        error: str | None = None
+        journal = None
+        journal_file = Path(view.lock_dir.path) / f"{ns}.journal"
+        try:
+            if journal_file.stat().st_size == 0:
+                state = "CREATING"  # header not written yet, or its creator died: the reaper checks under the lock
+            else:
+                journal = read_journal(journal_file)
+        except FileNotFoundError:
+            pass
+        except ShmProtocolError as exc:
+            error = str(exc)
+        except OSError as exc:
+            error = f"cannot read journal {journal_file}: {exc}"
+        try:
+            table = self._map(view)
+        except AbortedCreationError:
+            table = None
+            state = "CREATING"
+        except (ShmProtocolError, ValueError, PermissionError) as exc:
+            table = None
+            view.close_mapping()
+            error = error or str(exc)
+        if view.owner_uid is None:
+            view.owner_uid = view.lock_dir.uid
+        now = host_clock_ns()
+        if table is not None and view.header is not None:
+            try:
+                state = read_state(view.segment.buffer, view.header.segment).name  # type: ignore[union-attr]
+                slots = table.slots(now)
+            except ShmProtocolError as exc:
+                error, slots = str(exc), []
+            view.generation = view.header.generation
+            view.created_at = view.header.created_at_ns / 1e9
+            view.live = sum(1 for s in slots if s.live)
+            self._track_slots(view, slots, now)
+        else:
+            state = state or "ORPHAN"
+            view.live = 0
+            view.reclaimable_since_ns = view.reclaimable_since_ns or now
+            if journal is not None:
+                view.generation = journal.generation
+            try:
+                view.created_at = view.created_at or journal_file.stat().st_mtime
+            except OSError:
+                pass
+        if error is not None:
+            state = "CORRUPT"
+            if view.logged_error != error:
+                view.logged_error = error
+                logger.error("namespace %s cannot be trusted (nothing will be removed): %s", ns, error)
+        view.state, view.error = state, error
+        view.bytes = self._bytes(view, journal)
+
+    def _track_slots(self, view: NamespaceView, slots: list, now: int) -> None:
+        """Lease expiries (metric), reclaimable-since, and adoption of unregistered live processes."""
+        last_end = None
+        for slot in slots:
+            if slot.identity is None:
+                continue
+            token = slot.identity.token
+            if slot.state == SlotState.ACTIVE and not slot.live:
+                if token not in view.expired_seen:
+                    view.expired_seen.add(token)
+                    self.metrics.lease_expiries.inc()
+                    logger.info("lease of %s in %s expired", slot.identity.describe(), view.namespace)
+                end = slot.heartbeat_ns + slot.lease_ns
+            elif slot.state == SlotState.DEAD:
+                end = view.dead_at_ns.get(token, now)
+            else:
+                if slot.live and (view.namespace, token) not in self.participants:
+                    self._maybe_adopt(view, slot)
+                continue
+            last_end = end if last_end is None else max(last_end, end)
+        if view.live:
+            view.reclaimable_since_ns = None
+        elif view.reclaimable_since_ns is None:
+            view.reclaimable_since_ns = min(last_end or now, now)
+
+    def _maybe_adopt(self, view: NamespaceView, slot) -> None:
+        identity = slot.identity
+        if identity.token in view.adoption_checked:
+            return
+        view.adoption_checked.add(identity.token)
+        if identity.boot_id != self._boot_id or identity.pid == os.getpid() or identity.pid <= 0:
+            return
+        self._watch(view, slot.index, identity, identity.pid, uid=None, adopted=True)
+
+    def _bytes(self, view: NamespaceView, journal) -> int:
+        names = [coordinator_segment_name(view.namespace)]
+        if journal is not None:
+            names += [i.name for i in journal.resources() if i.kind == "segment"]
+        total = 0
+        for name in names:
+            try:
+                total += os.stat(SHM_DIR + name).st_size
+            except OSError:
+                pass
+        return total
+
+    # ------------------------------------------------------------------ watching processes
+    def _watch(self, view: NamespaceView, slot_index: int, identity: ParticipantIdentity, pid: int, *,
+               uid: int | None, adopted: bool) -> Participant | None:
+        """Open a pidfd on ``pid`` if it is ``identity``'s process; None when it is not (or already gone)."""
+        try:
+            if process_start_time(pid) != identity.start_time:
+                return None
+            fd = os.pidfd_open(pid)
+        except (ProcessLookupError, ValueError, OSError):
+            return None
+        if process_start_time(pid) != identity.start_time:  # the pid was recycled between the two reads
+            os.close(fd)
+            return None
+        key = (view.namespace, identity.token)
+        old = self.participants.pop(key, None)
+        if old is not None:
+            self._drop_fd(old)
+        participant = Participant(view.namespace, slot_index, identity, pid, fd, uid, adopted)
+        self.participants[key] = participant
+        self.by_fd.setdefault(fd, []).append(participant)
+        self.on_watch_added(fd)
+        logger.debug("watching %s of %s (pid %d here, %s)", identity.describe(), view.namespace, pid,
+                     "adopted" if adopted else "registered")
+        return participant
+
+    def _drop_fd(self, participant: Participant) -> None:
+        group = self.by_fd.get(participant.pidfd)
+        if group is not None and participant in group:
+            group.remove(participant)
+            if not group:
+                del self.by_fd[participant.pidfd]
+                self.on_watch_removed(participant.pidfd)
+                os.close(participant.pidfd)
+
+    def unwatch(self, namespace: str, token: str) -> bool:
+        participant = self.participants.pop((namespace, token), None)
+        if participant is None:
+            return False
+        self._drop_fd(participant)
+        return True
+
+    def register(self, view: NamespaceView, slot_index: int, identity: ParticipantIdentity,
+                 peer_pid: int | None, peer_uid: int | None) -> Participant:
+        """Watch a participant that says it holds ``slot_index``; ``LookupError``/``RuntimeError`` if not.
+
+        Caller is ``acting_in`` the view's lock directory and checked ownership and draining.
+        """
+        table = self._map(view)
+        if table is None:
+            raise LookupError(f"namespace {view.namespace} has no coordinator segment; register after joining")
+        slot = table.slot(slot_index)
+        if slot.state != SlotState.ACTIVE or slot.identity != identity:
+            raise RuntimeError(f"lease slot {slot_index} of {view.namespace} is not held by "
+                               f"{identity.describe()} (state {slot.state.name}); register right after joining")
+        candidates = []
+        if peer_pid:
+            candidates.append(peer_pid)  # the kernel translated it into our pid namespace
+        if identity.boot_id == self._boot_id and identity.pid not in candidates:
+            candidates.append(identity.pid)
+        for pid in candidates:
+            participant = self._watch(view, slot_index, identity, pid, uid=peer_uid, adopted=False)
+            if participant is not None:
+                view.adoption_checked.add(identity.token)
+                return participant
+        raise RuntimeError(
+            f"cannot observe {identity.describe()} from the daemon: no process with its start time is visible in "
+            "the daemon's pid namespace (run ftd with hostPID / in the workers' pid namespace); its lease still "
+            "protects it"
+        )
+
+    def process_exited(self, fd: int) -> list[NamespaceView]:
+        """A pidfd became readable: end the leases its process still held; returns the views to re-check."""
+        if not select.select([fd], [], [], 0)[0]:
+            return []  # a stale event for an fd number that was closed and reused meanwhile: not a death
+        group = self.by_fd.pop(fd, [])
+        self.on_watch_removed(fd)
+        os.close(fd)
+        touched: list[NamespaceView] = []
+        now = host_clock_ns()
+        for participant in group:
+            self.participants.pop((participant.namespace, participant.identity.token), None)
+            view = self.views.get(participant.namespace)
+            if view is None:
+                continue
+            try:
+                with acting_in(view.lock_dir):
+                    table = self._map(view)
+                    if table is None:
+                        continue
+                    slot = table.slot(participant.slot_index)
+                    if slot.state == SlotState.ACTIVE and slot.identity == participant.identity:
+                        table.end_lease(participant.slot_index)
+                        view.dead_at_ns[participant.identity.token] = now
+                        self.metrics.deaths.inc()
+                        logger.info("%s of %s exited holding lease slot %d: lease ended", 
+                                    participant.identity.describe(), view.namespace, participant.slot_index)
+                    self.refresh(view)
+            except (OSError, ShmProtocolError, IndexError) as exc:
+                logger.warning("could not end the lease of %s in %s: %s", participant.identity.describe(),
+                               participant.namespace, exc)
+                continue
+            if view not in touched:
+                touched.append(view)
+        return touched
+
+    # ------------------------------------------------------------------ forgetting
+    def forget(self, namespace: str) -> None:
+        """Drop everything cached about ``namespace`` (reclaimed, or its journal disappeared)."""
+        view = self.views.pop(namespace, None)
+        if view is not None:
+            view.close_mapping()
+        for key in [k for k in self.participants if k[0] == namespace]:
+            self._drop_fd(self.participants.pop(key))
+        self.update_gauges()
+
+    # ------------------------------------------------------------------ summaries
+    def is_draining(self, namespace: str, base: str | None) -> bool:
+        return namespace in self.draining or (base is not None and base in self.draining_bases)
+
+    def row_state(self, view: NamespaceView) -> str:
+        base = view.base or self.labels.get(view.namespace, (None, None))[0]
+        if self.is_draining(view.namespace, base):
+            return "DRAINING"
+        return view.state
+
+    def update_gauges(self) -> None:
+        m = self.metrics
+        views = list(self.views.values())
+        m.namespaces.set(len(views))
+        m.set_generation_states(self.row_state(v) for v in views)
+        m.bytes_shared.set(sum(v.bytes for v in views))
+        m.participants.set(sum(v.live for v in views))
+        m.registered.set(len(self.participants))
+        m.held.set(len(self.holds))
+        m.draining.set(len(self.draining) + len(self.draining_bases))
+
+    def close(self) -> None:
+        for ns in list(self.views):
+            self.forget(ns)
+        for participant in list(self.participants.values()):
+            self._drop_fd(participant)
+        self.participants.clear()
+
+
+def segment_owner_uid(namespace: str) -> int | None:
+    """uid owning ``/dev/shm/{ns}.c`` (None when it does not exist)."""
+    try:
+        return os.stat(SHM_DIR + coordinator_segment_name(validate_namespace(namespace))).st_uid
+    except FileNotFoundError:
+        return None
+
+
+__all__ += ["Hold", "segment_owner_uid"]

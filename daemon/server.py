@@ -1,0 +1,366 @@
+"""``ftd serve``: the socket, the event loop, start-up and shutdown.
+
+Event loop
+----------
+One thread does everything that touches the registry: a ``zmq.Poller`` waits at once on
+
+* the ROUTER socket bound at ``ipc://<socket>`` (requests; see ``flextensor.shm.ftd_protocol``),
+* one pidfd per watched process (readable when it exits -> end its lease, maybe reclaim),
+* the read end of a self-pipe that signal handlers write to (``signal.set_wakeup_fd``),
+
+with a timeout that brings the next scan (every ``reap_interval``: rescan the journals, count expiries,
+adopt processes, reclaim) or the next retry of a pending cleanup.  Nothing in the loop blocks for long:
+cleanup and hold use one-try / 1-second lock acquisitions, and cleanups that wait for leases are deferred.
+
+Single instance
+---------------
+``<socket>.lock`` is ``flock``ed for the daemon's whole life (the kernel releases it if the daemon is
+killed).  A second daemon for the same socket fails to take it and exits with an error naming the first
+one's pid; a socket file left by a killed daemon is then known to be stale and is replaced.  As a second
+guard, a socket that still accepts connections is never replaced.
+
+Permissions
+-----------
+The socket's directory is created 0700 (0750 with ``socket_group``) and the socket file is 0600 (0660 with
+the group): by default only the daemon's user can connect.  An existing directory writable by others
+without the sticky bit is refused.  On a clean exit (SIGTERM/SIGINT) the daemon releases its holds, closes
+its pidfds, and removes its socket file (if it is still the one it bound) and lock file.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import signal
+import socket as pysocket
+import stat
+import time
+from pathlib import Path
+
+import zmq
+
+from flextensor.shm import ftd_protocol as proto
+from flextensor.shm.locks import FileLock
+
+from flextensor.daemon.config import DaemonSettings
+from flextensor.daemon.handlers import RequestHandler, peer_of
+from flextensor.daemon.holds import drop_hold
+from flextensor.daemon.metrics import DaemonMetrics
+from flextensor.daemon.reaper import Reaper
+from flextensor.daemon.registry import Registry
+
+__all__ = ["Daemon", "StartupError", "run"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_MESSAGES_PER_TURN = 256
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start (another one runs, bad permissions...); the message says what to do."""
+
+
+def _library_version() -> str:
+    try:
+        from flextensor import __version__
+
+        return str(__version__)
+    except ImportError:  # pragma: no cover
+        return "unknown"
+
+
+def _resolve_group(group: str | int | None) -> int | None:
+    if group is None:
+        return None
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise StartupError(f"socket_group {group!r} does not exist on this host") from None
+
+
+def _prepare_directory(directory: Path, gid: int | None) -> None:
+    mode = 0o750 if gid is not None else 0o700
+    try:
+        os.mkdir(directory, mode)
+    except FileExistsError:
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode):
+            raise StartupError(f"socket directory {directory} is not a directory (or is a symlink)") from None
+        if st.st_uid not in (0, os.geteuid()):
+            raise StartupError(f"socket directory {directory} belongs to uid {st.st_uid}: someone else could replace "
+                               "the socket; use a directory of your own (--socket)") from None
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise StartupError(f"socket directory {directory} is writable by others without the sticky bit; "
+                               "use a private directory (e.g. /run/flextensor)") from None
+        return
+    except FileNotFoundError:
+        raise StartupError(f"the parent of the socket directory {directory} does not exist; create it or choose "
+                           "another --socket") from None
+    except PermissionError:
+        raise StartupError(f"cannot create the socket directory {directory} (permission denied); choose a "
+                           "--socket under a directory you own (e.g. $XDG_RUNTIME_DIR) or run as root") from None
+    os.chmod(directory, mode)
+    if gid is not None:
+        os.chown(directory, -1, gid)
+
+
+def _socket_alive(path: str) -> bool:
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.2)
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+class Daemon:
+    """One ``ftd`` instance; :meth:`start` then :meth:`serve_forever` (or :func:`run`)."""
+
+    def __init__(self, settings: DaemonSettings) -> None:
+        self.settings = settings
+        self.socket_path = os.path.abspath(settings.socket)
+        self.metrics = DaemonMetrics()
+        self.registry = Registry(settings.effective_lock_dirs, self.metrics)
+        self.reaper = Reaper(self.registry, self.metrics)
+        self.context: zmq.Context | None = None
+        self.router: zmq.Socket | None = None
+        self.poller = zmq.Poller()
+        self._instance_lock: FileLock | None = None
+        self._socket_ino: int | None = None
+        self._stop = False
+        self._wake_r: int | None = None
+        self._wake_w: int | None = None
+        self.started = time.monotonic()
+        self.handler = RequestHandler(self.registry, self.reaper, {
+            "version": _library_version(),
+            "socket": self.socket_path,
+            "started": self.started,
+            "metrics": self.metrics,
+            "send": self._send,
+        })
+        self.registry.on_watch_added = lambda fd: self.poller.register(fd, zmq.POLLIN)
+        self.registry.on_watch_removed = self._unregister_fd
+
+    def _unregister_fd(self, fd: int) -> None:
+        try:
+            self.poller.unregister(fd)
+        except KeyError:
+            pass
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> None:
+        """Take the instance lock, bind the socket, start metrics, install signal handlers, first scan."""
+        gid = _resolve_group(self.settings.socket_group)
+        path = Path(self.socket_path)
+        _prepare_directory(path.parent, gid)
+        lock = FileLock(str(path) + ".lock")
+        try:
+            lock.acquire(0)
+        except TimeoutError:
+            lock.close()
+            other = ""
+            try:
+                other = f" (pid {Path(str(path) + '.lock').read_text().strip()})"
+            except OSError:
+                pass
+            raise StartupError(f"another ftd{other} already serves {path}; stop it first, or choose another --socket")
+        self._instance_lock = lock
+        try:
+            with open(str(path) + ".lock", "w") as f:
+                f.write(f"{os.getpid()}\n")
+            if os.path.lexists(path):
+                if _socket_alive(str(path)):
+                    raise StartupError(f"something already listens on {path}; stop it first, or choose another --socket")
+                logger.warning("replacing the stale socket %s of a daemon that is gone", path)
+                os.unlink(path)
+            self.context = zmq.Context()
+            router = self.context.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.MAXMSGSIZE, proto.HARD_FRAME_LIMIT)
+            router.setsockopt(zmq.SNDHWM, 1000)
+            old_umask = os.umask(0o177)
+            try:
+                router.bind(f"ipc://{path}")
+            finally:
+                os.umask(old_umask)
+            self.router = router
+            os.chmod(path, 0o660 if gid is not None else 0o600)
+            if gid is not None:
+                os.chown(path, -1, gid)
+            self._socket_ino = os.stat(path).st_ino
+            self.poller.register(router, zmq.POLLIN)
+            if self.settings.metrics_port is not None:
+                self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            self.poller.register(self._wake_r, zmq.POLLIN)
+            signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.registry.scan()  # rebuild from journals + lease tables (adopts live processes)
+        logger.info("ftd %s serving on %s (lock dirs: %s; reap every %.2f s; pid %d)", _library_version(), path,
+                    ", ".join(self.settings.effective_lock_dirs), self.settings.reap_interval, os.getpid())
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self._stop = True
+
+    # ------------------------------------------------------------------ loop
+    def serve_forever(self) -> None:
+        next_scan = time.monotonic()
+        while not self._stop:
+            now = time.monotonic()
+            delay = max(0.0, next_scan - now)
+            pending = self.reaper.next_pending_delay()
+            if pending is not None:
+                delay = min(delay, pending)
+            events = dict(self.poller.poll(int(delay * 1000) + 1))
+            if self._wake_r is not None and self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            if self._stop:
+                break
+            if self.router in events:
+                self._serve_requests()
+            for fd in [fd for fd in events if isinstance(fd, int) and fd in self.registry.by_fd]:
+                self._on_process_exit(fd)
+            if self.reaper.pending:
+                for frames, reply in self.reaper.poll_pending():
+                    self._send(frames, reply)
+            if time.monotonic() >= next_scan:
+                self._scan_and_reap()
+                next_scan = time.monotonic() + self.settings.reap_interval
+
+    def _guard(self, what: str, func, *args):
+        try:
+            return func(*args)
+        except Exception:  # noqa: BLE001 - one bad namespace must never stop the daemon
+            logger.exception("%s failed", what)
+            return None
+
+    def _on_process_exit(self, fd: int) -> None:
+        views = self._guard("handling a process exit", self.registry.process_exited, fd) or []
+        for view in views:
+            if view.live == 0 and view.namespace not in self.registry.holds:
+                self._guard(f"reclaiming {view.namespace}", self.reaper.reclaim, view, "death")
+
+    def _scan_and_reap(self) -> None:
+        for ns, hold in list(self.registry.holds.items()):
+            if getattr(hold.heartbeat, "lost", False):
+                logger.warning("lost the hold on %s (its lease was ended or taken over)", ns)
+                del self.registry.holds[ns]
+                hold.table = None
+                hold.heartbeat = None
+                hold.segment.close()
+        self._guard("scanning", self.registry.scan)
+        self._guard("reaping", self.reaper.reap)
+
+    # ------------------------------------------------------------------ requests
+    def _send(self, frames: list[bytes], reply) -> None:
+        try:
+            data = proto.encode(reply)
+            self.router.send_multipart([*frames, data], zmq.NOBLOCK)  # type: ignore[union-attr]
+        except zmq.ZMQError as exc:  # requester gone or not reading: drop the reply
+            logger.debug("could not send a reply: %s", exc)
+
+    def _serve_requests(self) -> None:
+        assert self.router is not None
+        for _ in range(_MAX_MESSAGES_PER_TURN):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                logger.warning("receive failed: %s", exc)
+                return
+            routing = [frames[0].bytes]
+            middle = frames[1:-1]
+            payload = frames[-1] if len(frames) > 1 else None
+            if payload is None or len(middle) > 1 or (middle and middle[0].bytes != b""):
+                self.metrics.bad_frames.labels(code="bad_request").inc()
+                self._send(routing + [m.bytes for m in middle[:1]],
+                           proto.ErrorReply(code="bad_request", message="a request is exactly one frame"))
+                continue
+            reply_to = routing + [m.bytes for m in middle]
+            limit = self.settings.max_frame_bytes
+            if len(payload) > limit:
+                self.metrics.bad_frames.labels(code="too_large").inc()
+                self._send(reply_to, proto.ErrorReply(code="too_large", message=f"request of {len(payload)} bytes "
+                                                      f"exceeds the limit of {limit}"))
+                continue
+            try:
+                request = proto.decode_request(payload.bytes)
+            except proto.ProtocolDecodeError as exc:
+                self.metrics.bad_frames.labels(code=exc.code).inc()
+                self._send(reply_to, proto.ErrorReply(code=exc.code, message=str(exc)[:500]))
+                continue
+            try:
+                reply = self.handler.handle(request, peer_of(payload), reply_to)
+            except Exception as exc:  # noqa: BLE001
+                logger.exception("request %s failed", type(request).__name__)
+                reply = proto.ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}"[:500])
+            if reply is not None:
+                self._send(reply_to, reply)
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        """Release holds, stop watching, close and remove the socket and lock file. Idempotent."""
+        for ns, hold in list(self.registry.holds.items()):
+            del self.registry.holds[ns]
+            try:
+                if drop_hold(hold) == 0:
+                    view = self.registry.view_for(ns, hold.lock_dir)
+                    self.reaper.reclaim(view, "release")
+            except Exception:  # noqa: BLE001
+                logger.exception("releasing the hold on %s failed; it expires after its lease", ns)
+        for job in self.reaper.pending:
+            self._send(job.reply_to, proto.ErrorReply(code="internal", message="the daemon is shutting down"))
+        self.reaper.pending.clear()
+        self.registry.close()
+        if self.router is not None:
+            self.router.close(0)
+            self.router = None
+            try:
+                if os.stat(self.socket_path).st_ino == self._socket_ino:
+                    os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        if self.context is not None:
+            self.context.term()
+            self.context = None
+        self.metrics.close()
+        if self._wake_w is not None:
+            signal.set_wakeup_fd(-1)
+            os.close(self._wake_w)
+            os.close(self._wake_r)  # type: ignore[arg-type]
+            self._wake_r = self._wake_w = None
+        if self._instance_lock is not None:
+            lock, self._instance_lock = self._instance_lock, None
+            try:
+                lock.unlink_if_held()
+            except (RuntimeError, OSError):
+                pass
+            lock.close()
+
+
+def run(settings: DaemonSettings) -> int:
+    """Start, serve until SIGTERM/SIGINT, shut down; 0 on a clean exit (``StartupError`` propagates)."""
+    daemon = Daemon(settings)
+    daemon.start()
+    try:
+        daemon.serve_forever()
+    finally:
+        logger.info("ftd stopping")
+        daemon.shutdown()
+    return 0
+

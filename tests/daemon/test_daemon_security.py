@@ -1,0 +1,212 @@
+"""Hostile input and foreign users: garbage frames keep the daemon serving; another uid is refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flextensor.shm import ftd_protocol as proto
+from flextensor.shm.names import manager_namespace
+
+from tests.daemon.helpers import PY, REPO, Daemon, shm_names, wait_until
+
+NOBODY = 65534
+
+
+def _ask_raw(socket_path: Path, frames: list[bytes], timeout_ms: int = 2000) -> list[bytes] | None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(f"ipc://{socket_path}")
+        s.send_multipart(frames)
+        if not s.poll(timeout_ms):
+            return None
+        return s.recv_multipart()
+    finally:
+        s.close(0)
+
+
+def _error_code(reply: list[bytes]) -> str:
+    decoded = proto.decode_reply(reply[-1])
+    assert isinstance(decoded, proto.ErrorReply), decoded
+    return decoded.code
+
+
+def test_garbage_frames_get_error_replies_and_the_daemon_keeps_serving(daemon):
+    sock = daemon.socket
+    cases = [
+        ([b"\xff\x00garbage"], "bad_request"),
+        ([b""], "bad_request"),
+        ([msgspec.msgpack.encode([1, 2, 3])], "bad_request"),
+        ([msgspec.msgpack.encode({"type": "status", "v": 99})], "unsupported_version"),
+        ([msgspec.msgpack.encode({"type": "launch_missiles", "v": 1})], "bad_request"),
+        ([proto.encode(proto.ReleaseRequest(namespace="x"))[:-1]], "bad_request"),  # truncated
+        ([msgspec.msgpack.encode({"type": "release", "v": 1, "namespace": "../../etc"})], "bad_request"),
+        ([b"a", b"b", b"c"], "bad_request"),  # too many frames
+        ([b"x" * (proto.MAX_FRAME_BYTES + 1)], "too_large"),
+    ]
+    for frames, code in cases:
+        reply = _ask_raw(sock, frames)
+        assert reply is not None, frames[:1]
+        assert _error_code(reply) == code, frames[0][:40]
+    # A REQ-style envelope (empty delimiter) is answered in kind.
+    reply = _ask_raw(sock, [b"", proto.encode(proto.StatusRequest())])
+    assert reply[0] == b"" and isinstance(proto.decode_reply(reply[-1]), proto.StatusReply)
+    # Beyond the hard limit libzmq drops the connection: no reply, no memory blow-up, still serving.
+    assert _ask_raw(sock, [b"y" * (proto.HARD_FRAME_LIMIT + 1024)], timeout_ms=500) is None
+    assert daemon.answers()
+    assert daemon.proc.poll() is None
+
+
+_msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)
+_tags = st.sampled_from(["status", "ls", "register", "unregister", "drain", "hold", "release", "cleanup", "ok", "x"])
+
+
+@st.composite
+def _near_valid(draw):
+    """Maps that look like requests (right tag and version) with random field values."""
+    body = draw(st.dictionaries(st.sampled_from(["namespace", "namespaces", "slot_index", "identity", "lock_dir",
+                                                 "timeout", "base", "managers", "undo"]), _msgpack_values, max_size=5))
+    return msgspec.msgpack.encode({"type": draw(_tags), "v": draw(st.sampled_from([1, 1, 1, 0, 2])), **body})
+
+
+def test_fuzz_random_bytes_and_msgpack(daemon):
+    sock = daemon.socket
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"ipc://{sock}")
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(st.one_of(st.binary(max_size=300), _msgpack_values.map(msgspec.msgpack.encode), _near_valid()))
+    def hammer(frame: bytes) -> None:
+        s.send(frame)
+        assert s.poll(3000), f"no reply to {frame[:60]!r}"
+        reply = proto.decode_reply(s.recv())  # every reply is a valid protocol message
+        if not isinstance(reply, proto.ErrorReply):
+            assert isinstance(reply, (proto.StatusReply, proto.ListReply, proto.OkReply, proto.CleanupReply))
+
+    try:
+        hammer()
+    finally:
+        s.close(0)
+    assert daemon.answers() and daemon.proc.poll() is None
+    assert "Traceback" not in daemon.read_log()
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory nobody-uid can traverse (pytest's tmp_path is 0700), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="ftd-sec-", dir="/tmp"))
+    os.chmod(path, 0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _cli_as_nobody(socket_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run the ftd CLI with uid/gid 65534. The interpreter lives under a root-only directory here, so the child
+    starts as root, imports what it needs, then drops to nobody *before* it connects (SO_PEERCRED records the
+    credentials at connect time)."""
+    code = textwrap.dedent(f"""
+        import os, sys, json
+        import zmq, msgspec
+        import flextensor.daemon.cli as cli, flextensor.daemon.config, flextensor.shm.names
+        import flextensor.shm.ftd_client, flextensor.shm.ftd_protocol
+        cli.build_parser()  # argparse imports gettext/locale lazily: do it while the stdlib is readable
+        os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+        assert os.getuid() == {NOBODY}
+        sys.exit(cli.main({list(args) + ['--socket', str(socket_path), '--json']!r}))
+    """)
+    return subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, TMPDIR="/tmp"))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a child as another uid")
+def test_another_uid_is_refused(shared_dir, lock_dir, workers, namespace):
+    import json
+
+    sock = shared_dir / "run" / "ftd.sock"
+    daemon = Daemon(sock, lock_dir, extra=["--socket-group", str(NOBODY)]).start()
+    try:
+        w = workers(namespace, "m", "--lease", "5", socket=sock)
+        w.wait_event("published")
+        assert daemon.cli("hold", namespace, "--manager", "m")[1]["ok"] is True
+        # Read-only commands are open to whoever can connect (the socket group)...
+        ls = _cli_as_nobody(sock, "ls")
+        assert ls.returncode == 0, ls.stderr
+        assert len(json.loads(ls.stdout)) == 1
+        # ...but changing someone else's namespace is refused, whatever the client claims.
+        for args in (["drain", namespace, "--manager", "m"], ["hold", namespace, "--manager", "m", "--lock-dir",
+                                                              str(lock_dir)],
+                     ["release", namespace, "--manager", "m"],
+                     ["cleanup", namespace, "--manager", "m", "--lock-dir", str(lock_dir)]):
+            result = _cli_as_nobody(sock, *args)
+            assert result.returncode == 1, (args, result.stdout, result.stderr)
+            reply = json.loads(result.stdout)
+            assert reply["error"] == "forbidden", (args, reply)
+            assert "uid 0" in reply["message"] and f"uid {NOBODY}" in reply["message"], reply
+        assert daemon.cli("status")[1]["held"] and not daemon.cli("status")[1]["draining"]
+        # The owner can do it.
+        assert "reclaimed" not in daemon.cli("release", namespace, "--manager", "m")[1]["message"]
+        w.close()
+    finally:
+        daemon.stop()
+    # Without the socket group the other uid cannot even connect.
+    private = Daemon(shared_dir / "private" / "ftd.sock", lock_dir).start()
+    try:
+        result = _cli_as_nobody(private.socket, "status")
+        assert result.returncode == 1 and json.loads(result.stdout)["up"] is False
+        assert "Permission denied" in result.stderr or "cannot" in result.stderr
+    finally:
+        private.stop()
+    assert shm_names(namespace) == []
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a worker as another uid")
+def test_root_daemon_reclaims_for_another_user_as_that_user(shared_dir, lock_dir, workers, namespace):
+    """A worker of uid 65534 registers with a root daemon (socket group), then is SIGKILLed: the daemon ends its
+    lease and reclaims with that user's identity (its lock directory is learned from the registration)."""
+    sock = shared_dir / "run" / "ftd.sock"
+    tmp = shared_dir / "tmp"
+    tmp.mkdir()
+    os.chmod(tmp, 0o1777)
+    daemon = Daemon(sock, lock_dir, extra=["--socket-group", str(NOBODY)]).start()
+    try:
+        env = dict(os.environ, TMPDIR=str(tmp))
+        w = workers(namespace, "m", "--lease", "30", "--as-uid", str(NOBODY), socket=sock, env=env)
+        assert w.wait_event("joined")["registered"] is True, w.stderr()
+        w.wait_event("published")
+        names = shm_names(manager_namespace(namespace, "m"))
+        assert names and all(os.stat(f"/dev/shm/{n}").st_uid == NOBODY for n in names)
+        foreign_lock_dir = tmp / f"flextensor-{NOBODY}"
+        status = daemon.cli("status")[1]
+        assert str(foreign_lock_dir) in status["lock_dirs"] and status["registered"] == 1
+        t0 = time.monotonic()
+        w.signal(signal.SIGKILL)
+        assert wait_until(lambda: shm_names(manager_namespace(namespace, "m")) == [], 2.0)
+        assert time.monotonic() - t0 < 2.0
+        assert list(foreign_lock_dir.iterdir()) == []
+        assert os.getuid() == 0 and daemon.answers()  # it switched back
+        w.kill()
+        log = daemon.read_log()
+        assert "Traceback" not in log and "(death)" in log, log
+    finally:
+        daemon.stop()
