@@ -165,7 +165,7 @@ class SharedOffloadSession:
             raise
         share = ManagerShare(name=name, namespace=ns, coordinator=coordinator, generation=coordinator.generation)
         self._shares[name] = share
-        _register_with_daemon(coordinator)
+        _register_with_daemon(coordinator, self.namespace, name)
         try:
             if coordinator.is_creator:
                 share.role = "creator"
@@ -399,20 +399,11 @@ def _privatize_shared_views(model: nn.Module, store: SharedTensorStore) -> None:
                 tensor.data = tensor.data.clone()
 
 
-def _register_with_daemon(coordinator: ShmCoordinator) -> None:
-    """Tell a running ``ftd`` about this participant (fast death detection); a no-op without a daemon."""
-    try:
-        from flextensor.shm.ftd_client import register_participant
-    except ImportError:  # pragma: no cover - the client ships with flextensor.shm
-        return
-    try:
-        register_participant(coordinator.namespace, coordinator.lease_slot, coordinator.identity,
-                             str(_lock_dir()))
-    except Exception as exc:  # noqa: BLE001 - the daemon is optional; never fail a worker because of it
-        logger.debug("ftd registration skipped: %s", exc)
-
-
-def _lock_dir() -> Any:
+def _register_with_daemon(coordinator: ShmCoordinator, base: str, manager: str) -> None:
+    """Tell a running ``ftd`` about this participant (death seen at once, not after the lease); without a daemon
+    this costs a ``stat`` and returns."""
+    from flextensor.shm.ftd_client import register_participant
     from flextensor.shm.names import lock_directory
 
-    return lock_directory()
+    register_participant(coordinator.namespace, coordinator.lease_slot, coordinator.identity, lock_directory(),
+                         base=base, manager=manager)
