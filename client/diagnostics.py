@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
+from flextensor.shm.segment import format_bytes as _format_bytes
+
 from flextensor.plan_model import Plan, TransferModel, TrapCost
 
 __all__ = [
@@ -25,13 +27,8 @@ __all__ = [
 
 
 def format_bytes(nbytes: int) -> str:
-    """Human-readable binary size: ``512 B``, ``1.50 KiB``, ``3.00 GiB``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024.0 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024.0
-    raise AssertionError("unreachable")
+    """Human-readable binary size with two decimals: ``512 B``, ``1.50 KiB``, ``3.00 GiB``."""
+    return _format_bytes(nbytes, digits=2)
 
 
 def format_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]],

@@ -51,14 +51,14 @@ SHM_DIR = "/dev/shm"
 _NAME_MAX = 255
 
 
-def format_bytes(n: int | None) -> str:
-    """Human-readable size in binary units, e.g. ``1.5 GiB``."""
+def format_bytes(n: int | None, digits: int = 1) -> str:
+    """Human-readable size in binary units, e.g. ``1.5 GiB`` (``digits`` after the point)."""
     if n is None:
         return "unknown"
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+            return f"{int(value)} B" if unit == "B" else f"{value:.{digits}f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 
