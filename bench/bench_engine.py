@@ -1,0 +1,406 @@
+"""Benchmark of the offload engine (issue 3): what streaming layers from host memory costs a forward pass.
+
+Measured on one transformer-like model (``bench/models.py``, default ~4.5 GiB bf16 on GPU), in one run so every
+ratio compares numbers taken minutes apart on the same machine:
+
+1. Forward time, resident (all weights on the device) against offloaded through ``ft.offload`` with
+   ``include_patterns=["class:DecoderBlock"]``: with ``NthLayerStrategy(1)`` (every layer streams) and with the
+   default ``AdaptiveStrategy``; at a small batch (transfer-bound: a layer's copy takes longer than its compute)
+   and a large batch (compute-bound: long sequences, so layer compute > layer copy).
+   Goal: compute-bound offloaded pass <= 1.05x resident.
+2. Achieved host-to-device rate of the transfer-bound offloaded pass (bytes streamed per pass / pass time), and
+   the copy rate the engine reports itself (``offload_timing="eager"`` + ``ft.collect_offload_timing``), against
+   the peak of a plain ``pin_memory()`` copy of one layer's size measured in the same run.
+   Goal: >= 0.97x the pinned peak.
+3. accelerate's ``cpu_offload`` on the same model and small batch (imported lazily; accelerate is not a
+   dependency, the section is skipped with a note when it is missing). Goal: flextensor >= 3x faster.
+4. The profile phase: the ``iters_before_inference`` forwards after ``ft.offload`` against ``profiling_iters``
+   ordinary (resident) forwards plus one transfer sweep (every offloaded byte once at the pinned peak).
+   Goal: no more than that.
+
+Passes are timed whole, with ``torch.cuda.synchronize`` on both sides (a benchmark may sync; the engine must
+not), medians over ``--repeat`` passes after a warm-up pass. ``--quick`` runs a tiny model on the CPU (float32,
+``pinned_memory=False``): the numbers mean nothing there, the run proves every path works end to end.
+
+Run: ``.venv/bin/python bench/bench_engine.py`` (GPU, ~1-2 min) or ``... --quick`` (CPU, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import gib, median, report, table, timed  # noqa: E402
+from models import BLOCK_PATTERN, ModelSpec, build_model, default_device, default_dtype, make_tokens  # noqa: E402
+
+import flextensor as ft  # noqa: E402
+
+GOAL_H2D_RATIO = 0.97
+GOAL_COMPUTE_BOUND_RATIO = 1.05
+GOAL_VS_ACCELERATE = 3.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Timing primitives
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pass_times(fn: Callable[[], object], device: torch.device, repeat: int, warmup: int = 1) -> list[float]:
+    """Seconds per whole forward pass (synchronized before and after, so queued work is not mis-attributed)."""
+    sync(device)
+
+    def one() -> None:
+        with torch.no_grad():
+            fn()
+        sync(device)
+
+    return timed(one, repeat=repeat, warmup=warmup)
+
+
+def pinned_peak_gbps(nbytes: int, device: torch.device, repeat: int) -> float:
+    """H2D rate of a plain copy from a ``pin_memory()`` buffer of one layer's size: the ceiling to reach.
+
+    On a CPU host there is no H2D; the same copy between two host buffers is reported so the ratios still
+    print (they are meaningless there).
+    """
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    if device.type == "cuda":
+        src = src.pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    samples = []
+    for i in range(repeat + 1):
+        sync(device)
+        start = time.perf_counter()
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds = begin.elapsed_time(end) / 1e3
+        else:
+            dst.copy_(src)
+            seconds = time.perf_counter() - start
+        if i:  # the first copy is a warm-up
+            samples.append(seconds)
+    del src, dst
+    return nbytes / median(samples) / 1e9
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """The two input shapes of the benchmark and the resident reference output of the small one."""
+
+    small: torch.Tensor
+    large: torch.Tensor
+    reference: torch.Tensor | None = None
+
+
+def resident_run(model: torch.nn.Module, work: Workload, device: torch.device, repeat: int) -> dict:
+    with torch.no_grad():
+        work.reference = model(work.small).float().cpu()
+    return {
+        "small_s": median(pass_times(lambda: model(work.small), device, repeat)),
+        "large_s": median(pass_times(lambda: model(work.large), device, repeat)),
+    }
+
+
+def offload_config(args: argparse.Namespace, device: torch.device, strategy: object | None, **extra) -> object:
+    return ft.OffloadConfig(
+        include_patterns=[BLOCK_PATTERN],
+        pinned_memory=device.type == "cuda",
+        skip_discovery=not args.discovery,
+        profiling_iters=args.profiling_iters,
+        load_strategy=strategy,
+        **extra,
+    )
+
+
+def offload_run(
+    model: torch.nn.Module,
+    config: object,
+    name: str,
+    profile_input: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    work: Workload,
+    device: torch.device,
+    repeat: int,
+    collect_timing: bool = False,
+) -> dict:
+    """``ft.offload`` the model, time the profile phase pass by pass, then time inference passes on each input.
+
+    The last profile pass also carries the switch to INFERENCE (transfer sweep, plan, host blocks), so it is
+    reported on its own beside the total. The model is released with ``preserve_model=True`` afterwards (its
+    weights go back where they were), so the next run starts from the same model.
+    """
+    out: dict = {"name": name}
+    sync(device)
+    start = time.perf_counter()
+    proxy = ft.offload(model, config=config, name=name)
+    sync(device)
+    out["setup_s"] = time.perf_counter() - start
+    manager = ft.get_offload_manager(name)
+    out["iters_before_inference"] = iters = manager.iters_before_inference
+    profile = pass_times(lambda: proxy(profile_input), device, repeat=iters, warmup=0)
+    out["profile_s"], out["profile_last_s"] = sum(profile), profile[-1] if profile else 0.0
+    out["profile_pass_median_s"] = median(profile[:-1]) if len(profile) > 1 else None
+    out["first_inference_s"] = pass_times(lambda: proxy(profile_input), device, repeat=1, warmup=0)[0]
+    out["offloaded_bytes"] = offloaded_bytes(manager, model)
+    with torch.no_grad():
+        result = proxy(work.small).float().cpu()
+    out["max_abs_diff"] = float((result - work.reference).abs().max()) if work.reference is not None else None
+    if collect_timing:
+        ft.reset_offload_timing(name)
+    for label, tokens in inputs.items():
+        out[f"{label}_s"] = median(pass_times(lambda: proxy(tokens), device, repeat))
+    if collect_timing:
+        out["timing"] = timing_summary(ft.collect_offload_timing(name))
+    del proxy
+    ft.release(name)
+    gc.collect()
+    return out
+
+
+def offloaded_bytes(manager: object, model: torch.nn.Module) -> int:
+    """Bytes the strategy left on the host, streamed every pass (``OffloadManager.offloaded_tensors``)."""
+    sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict(keep_vars=True).items()}
+    return sum(sizes[n] for names in manager.offloaded_tensors.values() for n in names)
+
+
+def timing_summary(report_: object | None) -> dict | None:
+    """Per-pass averages of the engine's own transfer / compute / wait timing (milliseconds)."""
+    if report_ is None:
+        return None
+    return {
+        "passes": report_.num_passes,
+        "transfer_ms": report_.total_transfer_avg,
+        "compute_ms": report_.total_compute_avg,
+        "wait_ms": report_.total_wait_avg,
+    }
+
+
+def accelerate_run(model: torch.nn.Module, work: Workload, device: torch.device, repeat: int) -> dict:
+    """accelerate's ``cpu_offload`` on the same model (consumes it: its weights move to accelerate's CPU copy)."""
+    if device.type != "cuda":
+        return {"skipped": "no CUDA device: accelerate cpu_offload streams to a GPU"}
+    try:
+        from accelerate import cpu_offload
+        import accelerate
+    except ImportError:
+        return {"skipped": "accelerate is not installed (pip install accelerate; not a flextensor dependency)"}
+    start = time.perf_counter()
+    cpu_offload(model, execution_device=device)
+    setup_s = time.perf_counter() - start
+    with torch.no_grad():
+        diff = float((model(work.small).float().cpu() - work.reference).abs().max())
+    small = median(pass_times(lambda: model(work.small), device, max(2, repeat // 2)))
+    return {"version": accelerate.__version__, "setup_s": setup_s, "small_s": small, "max_abs_diff": diff}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.3f}x"
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "MISSED")
+
+
+def build_sections(r: dict) -> list[tuple[str, str]]:
+    res, nth, ada_s, ada_l, acc = r["resident"], r["nth"], r["adaptive_small"], r["adaptive_large"], r["accelerate"]
+    stream_bytes = r["stream_bytes"]
+    peak = r["pinned_peak_gbps"]
+    achieved = stream_bytes / nth["small_s"] / 1e9
+    eager = r["nth_eager"].get("timing")
+    eager_gbps = stream_bytes / (eager["transfer_ms"] / 1e3) / 1e9 if eager and eager["transfer_ms"] else None
+    model_rows = [[
+        f"hidden {r['spec']['hidden']}, {r['spec']['layers']} layers, vocab {r['spec']['vocab']}",
+        f"{r['dtype']} on {r['device']}", gib(r["model_bytes"]), gib(r["block_bytes"]),
+        f"{tuple(r['small_shape'])}", f"{tuple(r['large_shape'])}",
+    ]]
+    forward_rows = [
+        ["resident", ms(res["small_s"]), ms(res["large_s"]), "1.000x", "1.000x", "-"],
+        ["offloaded, NthLayerStrategy(1)", ms(nth["small_s"]), ms(nth["large_s"]),
+         ratio(nth["small_s"], res["small_s"]), ratio(nth["large_s"], res["large_s"]), _bytes(nth, stream_bytes)],
+        ["offloaded, AdaptiveStrategy (profiled per batch)", ms(ada_s["small_s"]), ms(ada_l["large_s"]),
+         ratio(ada_s["small_s"], res["small_s"]), ratio(ada_l["large_s"], res["large_s"]),
+         f"{_bytes(ada_s, None)} / {_bytes(ada_l, None)}"],
+    ]
+    if "skipped" not in acc:
+        forward_rows.append([f"accelerate {acc['version']} cpu_offload", ms(acc["small_s"]), "not run",
+                             ratio(acc["small_s"], res["small_s"]), "-", gib(r["model_bytes"])])
+    h2d_rows = [
+        ["pin_memory() copy of one layer (peak)", f"{peak:.2f} GB/s", "1.000x"],
+        ["offloaded pass, NthLayerStrategy(1): streamed bytes / pass time", f"{achieved:.2f} GB/s",
+         f"{achieved / peak:.3f}x"],
+        ["engine's own copy timing (offload_timing='eager')",
+         "n/a" if eager_gbps is None else f"{eager_gbps:.2f} GB/s",
+         "n/a" if eager_gbps is None else f"{eager_gbps / peak:.3f}x"],
+    ]
+    eager_text = "no timing report" if not eager else (
+        f"per pass over {eager['passes']} passes: transfer {eager['transfer_ms']:.1f} ms, compute "
+        f"{eager['compute_ms']:.1f} ms, wait {eager['wait_ms']:.1f} ms")
+    profiled = [("small", nth), ("small", r["nth_eager"]), ("small", ada_s), ("large", ada_l)]
+    profile_rows = [_profile_row(batch, run, res[f"{batch}_s"], r) for batch, run in profiled]
+    profile_ratios = [run["profile_s"] / _profile_goal_s(res[f"{batch}_s"], r) for batch, run in profiled]
+    goals = [
+        [f"transfer-bound H2D >= {GOAL_H2D_RATIO}x pinned peak", f"{achieved / peak:.3f}x",
+         verdict(achieved / peak >= GOAL_H2D_RATIO)],
+        [f"compute-bound offloaded (Nth 1) <= {GOAL_COMPUTE_BOUND_RATIO}x resident",
+         ratio(nth["large_s"], res["large_s"]), verdict(nth["large_s"] / res["large_s"] <= GOAL_COMPUTE_BOUND_RATIO)],
+        [f">= {GOAL_VS_ACCELERATE}x faster than accelerate cpu_offload (transfer-bound)",
+         "skipped" if "skipped" in acc else f"{acc['small_s'] / nth['small_s']:.2f}x",
+         verdict(None if "skipped" in acc else acc["small_s"] / nth["small_s"] >= GOAL_VS_ACCELERATE)],
+        ["profile phase <= profiling_iters forwards + one sweep (worst / best of the 4 runs)",
+         f"{max(profile_ratios):.3f}x / {min(profile_ratios):.3f}x", verdict(max(profile_ratios) <= 1.0)],
+        ["offloaded outputs equal resident (max |diff|, small batch)",
+         f"{max(v for v in (nth['max_abs_diff'], ada_s['max_abs_diff']) if v is not None):.3g}", "-"],
+    ]
+    sections = [
+        ("Model and inputs", table(["model", "dtype / device", "weights", "one layer", "small batch (B, S)",
+                                   "large batch (B, S)"], model_rows)),
+        ("Forward pass (median)", table(["run", "small batch (transfer-bound)", "large batch (compute-bound)",
+                                         "small / resident", "large / resident", "bytes streamed per pass"],
+                                        forward_rows)),
+        ("Host-to-device rate, transfer-bound", table(["measure", "rate", "x pinned peak"], h2d_rows)
+         + f"\n\nEngine timing, {eager_text}."),
+        ("Profile phase (in run order)", table(["batch", "run", "iters_before_inference", "median pass",
+                                 "last pass (+ switch to INFERENCE)", "profile phase total", "first inference pass",
+                                 "goal: profiling_iters x resident + one sweep", "phase / goal"], profile_rows)
+         + f"\n\nWeights handed to ft.offload from: {r['offload_from']} memory. The first run's last pass also "
+         "pays this process's first pinned host allocations (later runs reuse PyTorch's cached pinned blocks)."),
+        ("Goals", table(["goal", "measured", "status"], goals)),
+    ]
+    if "skipped" in acc:
+        sections.append(("accelerate", f"Skipped: {acc['skipped']}."))
+    return sections
+
+
+def _bytes(run: dict, fallback: int | None) -> str:
+    value = run.get("offloaded_bytes")
+    if value is None:
+        value = fallback
+    return "n/a" if value is None else gib(value)
+
+
+def _profile_goal_s(resident_s: float, r: dict) -> float:
+    """profiling_iters ordinary forwards + one sweep of every streamed byte at the measured pinned peak."""
+    return r["profiling_iters"] * resident_s + r["stream_bytes"] / (r["pinned_peak_gbps"] * 1e9)
+
+
+def _profile_row(label: str, run: dict, resident_s: float, r: dict) -> list[str]:
+    goal_s = _profile_goal_s(resident_s, r)
+    return [label, run["name"], str(run["iters_before_inference"]), ms(run["profile_pass_median_s"]),
+            ms(run["profile_last_s"]), ms(run["profile_s"]), ms(run["first_inference_s"]), ms(goal_s),
+            f"{run['profile_s'] / goal_s:.3f}x"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model on the CPU: checks the paths, not the speed")
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--mlp-ratio", type=int, default=2)
+    p.add_argument("--small", type=int, nargs=2, metavar=("B", "S"), help="transfer-bound input (batch, seq)")
+    p.add_argument("--large", type=int, nargs=2, metavar=("B", "S"), help="compute-bound input (batch, seq)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--profiling-iters", type=int, default=10)
+    p.add_argument("--discovery", action="store_true", help="keep the DISCOVERY phase (skip_discovery=False)")
+    p.add_argument("--adaptive-fraction", type=float, default=None,
+                   help="max_gpu_mem_fraction for the AdaptiveStrategy runs (default: latency mode)")
+    p.add_argument("--offload-from", choices=("cpu", "device"), default="cpu",
+                   help="where the weights are when ft.offload is called (default: host memory)")
+    p.add_argument("--no-accelerate", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    gpu = not args.quick and torch.cuda.is_available()
+    defaults = (4096, 16, 32000, (1, 128), (8, 4096)) if gpu else (256, 4, 1024, (1, 16), (4, 256))
+    for name, value in zip(("hidden", "layers", "vocab", "small", "large"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.quick:
+        args.repeat = min(args.repeat, 3)
+        args.profiling_iters = min(args.profiling_iters, 3)
+    args.device = default_device() if gpu else torch.device("cpu")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = args.device
+    dtype = default_dtype(device)
+    spec = ModelSpec(hidden=args.hidden, layers=args.layers, vocab=args.vocab, mlp_ratio=args.mlp_ratio)
+    model = build_model(spec, device, dtype, seed=args.seed)
+    work = Workload(small=make_tokens(spec, *args.small, device), large=make_tokens(spec, *args.large, device))
+    block_bytes = spec.block_bytes(dtype)
+    r: dict = {
+        "spec": spec.to_dict(), "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "model_bytes": spec.total_bytes(dtype), "block_bytes": block_bytes,
+        "stream_bytes": spec.layers * block_bytes,  # NthLayerStrategy(1) streams every block every pass
+        "small_shape": args.small, "large_shape": args.large, "profiling_iters": args.profiling_iters,
+    }
+    print(f"model {gib(r['model_bytes'])} {r['dtype']} on {device}; measuring resident passes", flush=True)
+    r["resident"] = resident_run(model, work, device, args.repeat)
+    r["pinned_peak_gbps"] = pinned_peak_gbps(block_bytes, device, args.repeat)
+    r["offload_from"] = args.offload_from
+    if args.offload_from == "cpu":  # as a user would hand it over: weights in (pageable) host memory
+        model.to("cpu")
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    both = {"small": work.small, "large": work.large}
+    nth = ft.NthLayerStrategy(1)
+    print("offloaded: NthLayerStrategy(1)", flush=True)
+    r["nth"] = offload_run(model, offload_config(args, device, nth), "nth", work.small, both, work, device,
+                           args.repeat)
+    print("offloaded: NthLayerStrategy(1) with offload_timing='eager'", flush=True)
+    r["nth_eager"] = offload_run(model, offload_config(args, device, nth, offload_timing="eager"), "nth_eager",
+                                 work.small, {"small": work.small}, work, device, args.repeat, collect_timing=True)
+    adaptive = dict(max_gpu_mem_fraction=args.adaptive_fraction)
+    print("offloaded: AdaptiveStrategy, profiled at each batch", flush=True)
+    r["adaptive_small"] = offload_run(model, offload_config(args, device, None, **adaptive), "adaptive_small",
+                                      work.small, {"small": work.small}, work, device, args.repeat)
+    r["adaptive_large"] = offload_run(model, offload_config(args, device, None, **adaptive), "adaptive_large",
+                                      work.large, {"large": work.large}, work, device, args.repeat)
+    if args.no_accelerate:
+        r["accelerate"] = {"skipped": "--no-accelerate"}
+    else:
+        print("accelerate cpu_offload", flush=True)
+        r["accelerate"] = accelerate_run(model, work, device, args.repeat)
+    report("bench_engine", "flextensor engine benchmark", build_sections(r), r)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Benchmark models: a transformer-like decoder built from plain torch, of any size, built in seconds.
+
+Why a home-made model: the benchmarks need a model whose size (GiB) and compute per layer (batch x sequence)
+can be dialled independently, that builds deterministically from a seed without a download, and whose layer
+class has a known name for ``include_patterns=["class:DecoderBlock"]``. The layout is the usual pre-norm
+decoder: token embedding, N ``DecoderBlock`` (RMSNorm -> causal self-attention through
+``scaled_dot_product_attention`` -> RMSNorm -> MLP), a final RMSNorm and an untied head. The head only sees the
+last position (what a prefill step needs), so a long sequence makes the *blocks* compute-bound without a
+vocabulary-sized activation.
+
+Building is fast: the module tree is made on ``meta`` (no allocation, no default init), moved with
+``to_empty`` to the target device and filled in place from a seeded generator on that device. Same seed, same
+spec, same device and dtype -> the same weights. ``bf16`` on GPU, ``float32`` on CPU (see :func:`default_dtype`).
+
+Only ``DecoderBlock`` ends in ``Block``, so ``class:*Block`` selects exactly the layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "ModelSpec",
+    "BenchTransformer",
+    "DecoderBlock",
+    "BLOCK_PATTERN",
+    "default_device",
+    "default_dtype",
+    "build_model",
+    "build_meta_model",
+    "init_weights_",
+    "make_tokens",
+]
+
+BLOCK_PATTERN = "class:DecoderBlock"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a :class:`BenchTransformer`. ``head_dim`` fixes the number of heads (hidden // head_dim)."""
+
+    hidden: int = 4096
+    layers: int = 16
+    vocab: int = 32000
+    mlp_ratio: int = 2
+    head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.head_dim:
+            raise ValueError(f"ModelSpec: hidden={self.hidden} is not a multiple of head_dim={self.head_dim}")
+
+    @property
+    def heads(self) -> int:
+        return self.hidden // self.head_dim
+
+    def block_params(self) -> int:
+        """Parameters of one decoder block: qkv + out projections, MLP up + down, two norm scales."""
+        h = self.hidden
+        return 4 * h * h + 2 * self.mlp_ratio * h * h + 2 * h
+
+    def total_params(self) -> int:
+        return self.layers * self.block_params() + 2 * self.vocab * self.hidden + self.hidden
+
+    def block_bytes(self, dtype: torch.dtype) -> int:
+        return self.block_params() * _itemsize(dtype)
+
+    def total_bytes(self, dtype: torch.dtype) -> int:
+        return self.total_params() * _itemsize(dtype)
+
+    def tensor_count(self) -> int:
+        """Parameters + buffers in the state dict (6 per block, embedding, final norm, head)."""
+        return 6 * self.layers + 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.heads, self.head_dim = spec.heads, spec.head_dim
+        self.qkv = nn.Linear(spec.hidden, 3 * spec.hidden, bias=False)
+        self.out = nn.Linear(spec.hidden, spec.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.up = nn.Linear(spec.hidden, spec.mlp_ratio * spec.hidden, bias=False)
+        self.down = nn.Linear(spec.mlp_ratio * spec.hidden, spec.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class DecoderBlock(nn.Module):
+    """One layer: the unit the engine traps and streams (``class:DecoderBlock``)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(spec.hidden)
+        self.attn = Attention(spec)
+        self.mlp_norm = RMSNorm(spec.hidden)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class BenchTransformer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleList(DecoderBlock(spec) for _ in range(spec.layers))
+        self.norm = RMSNorm(spec.hidden)
+        self.head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x[:, -1]))  # logits of the last position only
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where tensor cores make it the natural choice, float32 on CPU (bf16 matmuls are slow there)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build_meta_model(spec: ModelSpec, dtype: torch.dtype) -> BenchTransformer:
+    """The topology only, on ``meta``: what a follower builds (no memory, no init)."""
+    with torch.device("meta"):
+        model = BenchTransformer(spec)
+    return model.to(dtype=dtype).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def init_weights_(model: BenchTransformer, seed: int) -> BenchTransformer:
+    """Fill every parameter in place from a generator on the parameters' device.
+
+    Norm scales are 1; matrices are N(0, 1/fan_in), residual outputs scaled down by sqrt(2 * layers) so the
+    hidden state stays O(1) through deep stacks (finite bf16 outputs to compare).
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    depth_scale = 1.0 / math.sqrt(2 * max(1, model.spec.layers))
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        std = 1.0 if name == "embed.weight" else 1.0 / math.sqrt(param.shape[-1])
+        if name.endswith(("attn.out.weight", "mlp.down.weight")):
+            std *= depth_scale
+        param.normal_(0.0, std, generator=gen)
+    return model
+
+
+def build_model(
+    spec: ModelSpec, device: torch.device | str, dtype: torch.dtype | None = None, seed: int = 0
+) -> BenchTransformer:
+    """A deterministic, initialised model in eval mode with ``requires_grad=False`` on ``device``."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    model = build_meta_model(spec, dtype).to_empty(device=device)
+    return init_weights_(model, seed)
+
+
+def make_tokens(spec: ModelSpec, batch: int, seq: int, device: torch.device | str, seed: int = 1) -> torch.Tensor:
+    """Deterministic token ids (generated on CPU so every device and process gets the same input)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(spec.vocab, (batch, seq), generator=gen).to(device)
