@@ -235,7 +235,7 @@ def worker_session(p: Params) -> tuple[dict, object]:
     for share in session.report():  # the session's own account: role, wait, registration time, shared bytes
         if share["manager"] == MANAGER:
             info.update(role=share["role"], wait_s=share["wait_s"], register_s=share["register_s"],
-                        shared_bytes=share["shared_bytes"])
+                        shared_bytes=share["shared_bytes"], steps=share.get("steps", {}))
     info["device_block_bytes"] = ft.get_gpu_memory_usage(MANAGER).block_bytes
     tokens = _tokens(p, spec, device)
     with torch.no_grad():

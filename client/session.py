@@ -30,8 +30,9 @@ import logging
 import math
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -75,6 +76,16 @@ class _Deadline:
         return None if self.end is None else max(0.0, self.end - time.monotonic())
 
 
+@contextmanager
+def _step(steps: dict[str, float], name: str) -> Iterator[None]:
+    """Time one step of attaching (reported by ``session.report()`` so slow steps can be found)."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        steps[name] = time.monotonic() - start
+
+
 @dataclass
 class ManagerShare:
     """What one manager of the session holds, and how it got there (reported by ``session.report()``)."""
@@ -92,12 +103,13 @@ class ManagerShare:
     wait_s: float = 0.0
     shared_bytes: int = 0
     register_s: float = 0.0
+    steps: dict[str, float] = field(default_factory=dict)  # seconds per follower step (see _attach)
 
     def summary(self) -> dict[str, Any]:
         return {
             "manager": self.name, "namespace": self.namespace, "role": self.role, "generation": self.generation,
             "ready_s": self.ready_s, "wait_s": self.wait_s, "shared_bytes": self.shared_bytes,
-            "register_s": self.register_s,
+            "register_s": self.register_s, "steps": dict(self.steps),
         }
 
 
@@ -243,29 +255,37 @@ class SharedOffloadSession:
                 factory: Callable[[], nn.Module]) -> nn.Module:
         coordinator = share.coordinator
         owner = coordinator.memory_owner
-        t0 = time.monotonic()
-        coordinator.wait_for_ready(deadline.remaining())
-        share.wait_s = time.monotonic() - t0
-        state = TensorManagerState.from_json(owner.read_blob(PLAN_KIND), source=f"published plan of {share.namespace}")
-        model = factory()
+        steps = share.steps
+        with _step(steps, "wait"):
+            coordinator.wait_for_ready(deadline.remaining())
+        share.wait_s = steps["wait"]
+        with _step(steps, "plan"):
+            state = TensorManagerState.from_json(owner.read_blob(PLAN_KIND),
+                                                 source=f"published plan of {share.namespace}")
+        with _step(steps, "factory"):
+            model = factory()
         if not isinstance(model, nn.Module):
             raise TypeError(f"follower_model_factory returned {type(model).__name__}, not an nn.Module")
-        _check_offloaded_metadata(model, state)
-        share.store = SharedTensorStore.attach(share.namespace, shm_owner=owner)
-        share.store.materialize(model, manager.device)
+        with _step(steps, "validate"):
+            _check_offloaded_metadata(model, state)
+            share.store = SharedTensorStore.attach(share.namespace, shm_owner=owner)
+        with _step(steps, "resident"):  # copies to the GPU on a CUDA host; zero-copy views on a CPU host
+            share.store.materialize(model, manager.device)
         allocator = SharedBlockAllocator(owner)
         pin = cfg.pinned_memory and torch.cuda.is_available()
         host_blocks = []
-        for block in state.blocks:
-            segment = allocator.attach(block.index, block.nbytes)
-            share.segments.append(segment)
-            if pin:
-                t = time.monotonic()
-                segment.pin()
-                share.register_s += time.monotonic() - t
-            host_blocks.append(segment.tensor(torch.uint8, (block.nbytes,)))
+        with _step(steps, "blocks"):
+            for block in state.blocks:
+                segment = allocator.attach(block.index, block.nbytes)
+                share.segments.append(segment)
+                if pin:
+                    t = time.monotonic()
+                    segment.pin()
+                    share.register_s += time.monotonic() - t
+                host_blocks.append(segment.tensor(torch.uint8, (block.nbytes,)))
         share.shared_bytes = sum(b.nbytes for b in state.blocks) + share.store.nbytes
-        return manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, host_blocks=host_blocks)
+        with _step(steps, "adopt"):
+            return manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, host_blocks=host_blocks)
 
     # ------------------------------------------------------------------------------------------ teardown
     def _abandon(self, share: ManagerShare, manager: Any) -> None:
