@@ -357,3 +357,28 @@ def test_cleanup_namespace_validates_its_input(namespace: str) -> None:
     with pytest.raises(ValueError):
         ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["a/b"])
     assert ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["never-ran"], timeout=0)[0].removed == []
+
+
+def test_preflight_refuses_a_publish_that_does_not_fit_in_dev_shm(namespace: str, profile: str,
+                                                                  tmp_path: Path) -> None:
+    """The creator checks /dev/shm before loading anything and publishes the remedy to the followers."""
+    data = json.loads((Path(profile) / "profile.json").read_text())
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    data["blocks"][0]["nbytes"] = free + 2**30  # a profile whose first block alone exceeds /dev/shm
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    (forged / "profile.json").write_text(json.dumps(data))
+    loaded: list[bool] = []
+
+    def creator():
+        loaded.append(True)
+        return tiny_transformer(seed=0)
+
+    _, follower = _factories()
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    with pytest.raises(OSError, match=r"--shm-size=\d+g") as err:
+        session.offload_from_profile(str(forged), config=cpu_config(), name="model",
+                                     creator_model_factory=creator, follower_model_factory=follower)
+    assert "hostIPC" in str(err.value) and not loaded, "the checkpoint must not be loaded when it cannot fit"
+    session.close()
+    assert shm_entries_for(manager_namespace(namespace, "model")) == []
