@@ -239,23 +239,33 @@ def _cmd_cleanup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 
 def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str) -> list[dict]:
-    """Cleanup in this process (no daemon): the lock directory must be this user's, under the given TMPDIR."""
+    """Cleanup in this process (no daemon): the lock directory must be this user's (flextensor-<uid>)."""
     import os
-    import tempfile
     from pathlib import Path
 
+    from flextensor.daemon.registry import inspect_lock_dir, segment_owner_uid
     from flextensor.shm.cleanup import cleanup_manager_namespace
     from flextensor.shm.errors import ShmProtocolError
 
     if Path(lock_dir).name != f"flextensor-{os.getuid()}":
         raise CommandError(f"local cleanup can only use this user's lock directory (flextensor-{os.getuid()}), not "
                            f"{lock_dir}; run it as the workers' user, or through the daemon")
-    tempfile.tempdir = str(Path(lock_dir).parent)
+    try:
+        checked = inspect_lock_dir(lock_dir).path
+    except FileNotFoundError:  # no worker ever ran with this TMPDIR: nothing is journaled there
+        for ns in namespaces:
+            if segment_owner_uid(ns) is not None:
+                raise CommandError(f"coordinator segment of {ns} exists but the lock directory {lock_dir} (its "
+                                   "journal) does not: run cleanup with the workers' TMPDIR", "conflict") from None
+        return [{"namespace": ns, "generation": None, "removed": [], "already_absent": [], "waited_s": 0.0}
+                for ns in namespaces]
+    except PermissionError as exc:
+        raise CommandError(str(exc), "forbidden") from None
     deadline = time.monotonic() + timeout
     reports = []
     for ns in namespaces:
         try:
-            report = cleanup_manager_namespace(ns, timeout=max(0.0, deadline - time.monotonic()))
+            report = cleanup_manager_namespace(ns, timeout=max(0.0, deadline - time.monotonic()), lock_dir=checked)
         except (TimeoutError, ShmProtocolError, PermissionError) as exc:
             done = ", ".join(r["namespace"] for r in reports)
             raise CommandError(f"{exc}" + (f" (already cleaned: {done})" if done else ""),

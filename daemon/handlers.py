@@ -28,7 +28,7 @@ from flextensor.shm.names import manager_namespace, validate_namespace
 
 from flextensor.daemon.holds import HoldRefused, drop_hold, take_hold
 from flextensor.daemon.reaper import PendingCleanup, Reaper
-from flextensor.daemon.registry import LockDir, Registry, acting_in, inspect_lock_dir, segment_owner_uid
+from flextensor.daemon.registry import LockDir, Registry, inspect_lock_dir, segment_owner_uid
 
 __all__ = ["Peer", "peer_of", "RequestHandler"]
 
@@ -205,16 +205,15 @@ class RequestHandler:
             raise _Refused("conflict", f"namespace {ns} is journaled in {view.lock_dir.path}, not in {lock_dir.path}: "
                                        "workers of one namespace must share TMPDIR")
         self.registry.learn_lock_dir(lock_dir)
-        with acting_in(lock_dir):
-            view = self.registry.view_for(ns, lock_dir)
-            try:
-                self.registry.register(view, request.slot_index, request.identity, peer.pid, peer.uid)
-            except LookupError as exc:
-                raise _Refused("not_found", str(exc)) from None
-            except IndexError as exc:
-                raise _Refused("bad_request", str(exc)) from None
-            except RuntimeError as exc:
-                raise _Refused("conflict", str(exc)) from None
+        view = self.registry.view_for(ns, lock_dir)  # read-only: no need to act as the owner
+        try:
+            self.registry.register(view, request.slot_index, request.identity, peer.pid, peer.uid)
+        except LookupError as exc:
+            raise _Refused("not_found", str(exc)) from None
+        except IndexError as exc:
+            raise _Refused("bad_request", str(exc)) from None
+        except RuntimeError as exc:
+            raise _Refused("conflict", str(exc)) from None
         self.info["metrics"].registrations.inc()
         self.registry.update_gauges()
         return proto.OkReply(message=f"watching {request.identity.describe()} in {ns}")
@@ -282,8 +281,7 @@ class RequestHandler:
         view = self.registry.views.get(hold.namespace)
         if view is None:
             view = self.registry.view_for(hold.namespace, hold.lock_dir)
-        with acting_in(hold.lock_dir):
-            self.registry.refresh(view)
+        self.registry.refresh(view)
         report = self.reaper.reclaim(view, "release")
         if report is None:
             return f"released {hold.namespace}; it will be reclaimed at the next scan"
@@ -307,8 +305,7 @@ class RequestHandler:
         self.registry.holds[ns] = hold
         self.registry.learn_lock_dir(lock_dir)
         view = self.registry.view_for(ns, lock_dir)
-        with acting_in(lock_dir):
-            self.registry.refresh(view)
+        self.registry.refresh(view)
         return proto.OkReply(message=f"holding {ns} generation {hold.generation}")
 
     def _on_release(self, request: proto.ReleaseRequest, peer, reply_to):

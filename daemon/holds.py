@@ -46,15 +46,15 @@ class HoldRefused(Exception):
 
 def take_hold(namespace: str, lock_dir: LockDir, owner_uid: int) -> Hold:
     """Join ``namespace``'s current generation as the daemon (see the module docstring)."""
-    with acting_in(lock_dir):
-        lock = FileLock(coordinator_lock_path(namespace))
+    with acting_in(lock_dir):  # the lock file may be (re)created: it must belong to the namespace's owner
+        lock = FileLock(coordinator_lock_path(namespace, lock_dir.path))
         try:
             lock.acquire(LOCK_TIMEOUT_S)
         except TimeoutError as exc:
             lock.close()
             raise HoldRefused("busy", str(exc)) from None
         try:
-            state = inspect_namespace_locked(namespace)
+            state = inspect_namespace_locked(namespace, lock_dir.path)
             try:
                 header = state.header
                 if header is None or state.segment is None:
@@ -91,7 +91,7 @@ def drop_hold(hold: Hold) -> int:
     ``TimeoutError`` when the lock stays taken (the hold is then kept, still heartbeating: retry).
     """
     with acting_in(hold.lock_dir):
-        lock = FileLock(coordinator_lock_path(hold.namespace))
+        lock = FileLock(coordinator_lock_path(hold.namespace, hold.lock_dir.path))
         try:
             lock.acquire(LOCK_TIMEOUT_S)
             try:

@@ -1,9 +1,10 @@
 """Reclaiming generations nobody holds any more, with the same code as ``cleanup_namespace``.
 
-The reaper never decides on its own authority: it only *calls* ``cleanup_manager_namespace(ns, timeout=0)``
-(``flextensor.shm.cleanup``), which takes the coordinator lock, re-reads the journal and the lease table and
-removes nothing while any lease is live or the metadata cannot be trusted.  The registry's view (possibly a
-few hundred milliseconds old) only picks the candidates:
+The reaper never decides on its own authority: it only *calls* ``cleanup_manager_namespace(ns, timeout=0,
+lock_dir=...)`` (``flextensor.shm.cleanup``; inside ``acting_in``, as the namespace's owner), which takes the
+coordinator lock, re-reads the journal and the lease table and removes nothing while any lease is live or the
+metadata cannot be trusted.  The registry's view (possibly a few hundred milliseconds old) only picks the
+candidates:
 
 * ``death``   - the last live lease was ended by the daemon (a watched process exited);
 * ``expired`` - every lease ran out (processes that never registered, or from another pid namespace);
@@ -87,7 +88,7 @@ class Reaper:
         since = view.reclaimable_since_ns
         try:
             with acting_in(view.lock_dir):
-                report = cleanup_manager_namespace(ns, timeout=0)
+                report = cleanup_manager_namespace(ns, timeout=0, lock_dir=view.lock_dir.path)
         except TimeoutError as exc:
             logger.debug("not reclaiming %s now: %s", ns, exc)  # live lease or the lock is taken: next scan
             return None
@@ -117,7 +118,7 @@ class Reaper:
             ns = job.namespaces[0]
             try:
                 with acting_in(job.lock_dir):
-                    report = cleanup_manager_namespace(ns, timeout=0)
+                    report = cleanup_manager_namespace(ns, timeout=0, lock_dir=job.lock_dir.path)
             except TimeoutError as exc:
                 job.last_error = str(exc)
                 return False

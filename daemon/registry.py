@@ -13,8 +13,9 @@ Watching processes
 ------------------
 A registered participant is watched through a pidfd (``os.pidfd_open``) that the server polls next to its
 ZeroMQ socket: it becomes readable the moment the process exits (after the kernel closed its files, so its
-``flock`` is already released).  The daemon then ends that participant's lease slot (``end_lease``: one
-aligned store of DEAD), so followers waiting on a dead creator raise ``ShmCreatorDiedError`` on their next
+``flock`` is already released).  The daemon then ends that participant's lease slot with a compare-and-end
+(``end_lease(slot, identity)``: one aligned store of DEAD, only while the slot is ACTIVE, unexpired and still
+held by that identity), so followers waiting on a dead creator raise ``ShmCreatorDiedError`` on their next
 poll, and a namespace left with no live lease is reclaimed at once.
 
 *Adoption*: at every scan, a live slot whose (pid, start time, boot id) names a process visible in the
@@ -24,13 +25,21 @@ by its lease alone.
 
 Acting for a user
 -----------------
-A root daemon serves several users.  Every operation that creates or removes files (cleanup, hold/release
-under the coordinator lock) runs with the real and effective uid/gid of the lock directory's owner
-(``setresuid`` keeping root as the *saved* uid to switch back): files it creates belong to that user, and
-``/dev/shm``'s sticky bit stops it from unlinking anybody else's segments even if a journal were forged.
-``flextensor.shm.names.lock_directory()`` derives the directory from ``TMPDIR`` and ``os.getuid()``, so the
-switch also points ``tempfile.tempdir`` at the lock directory's parent.  Lock directories must therefore be
-named ``flextensor-<uid of their owner>`` (as workers create them) and must not be writable by others.
+A root daemon serves several users.  It never changes its *real* uid (a process whose real uid is the
+user's could be signalled or traced by that user), and it passes the lock directory explicitly to every
+``flextensor.shm`` call (``lock_dir=``), so nothing depends on its own ``TMPDIR`` or uid.
+
+* Reading and ending leases need no switch: scanning journals, mapping ``/dev/shm/{ns}.c`` and storing DEAD
+  in a lease slot create nothing, and root may do them directly.
+* Operations under the coordinator lock that may create or remove files (cleanup and reclaim, hold,
+  release) run inside :func:`acting_in`, which switches only the *effective* uid/gid (``seteuid``/``setegid``,
+  supplementary groups cleared) to the lock directory's owner and restores root in a ``finally``.  A lock
+  file the daemon (re)creates then belongs to that user, so the workers can still open it; and
+  ``/dev/shm``'s sticky bit stops the daemon from unlinking another user's segments even if a journal in
+  this user's directory were forged to name them.
+
+Lock directories must be named ``flextensor-<uid of their owner>`` (as workers create them) and must not be
+writable by group or others (:func:`inspect_lock_dir`).
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ import os
 import pwd
 import select
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -101,37 +109,45 @@ def inspect_lock_dir(path: str | os.PathLike[str]) -> LockDir:
 
 
 _acting_lock = threading.RLock()
+_acting_uid: int | None = None  # the effective uid acting_in switched to (None: not switched)
 
 
 @contextlib.contextmanager
 def acting_in(lock_dir: LockDir) -> Iterator[None]:
-    """Run the body as the owner of ``lock_dir`` with ``lock_directory()`` resolving to it (see module doc).
+    """Run the body with the effective uid/gid of ``lock_dir``'s owner (see the module docstring).
 
-    Re-entrant and serialized (uids and ``tempfile.tempdir`` are process-wide).  If switching back to root
-    ever fails the daemon exits at once rather than keep running with the wrong privileges.
+    Only a daemon whose effective uid is root switches, and only for a directory of another user; the real
+    and saved uids stay root.  Serialized (credentials are process-wide) and re-entrant for the same owner;
+    nesting for a different owner is a bug (``RuntimeError``).  If switching back to root ever fails the
+    daemon exits at once rather than keep running with the wrong privileges.
     """
+    global _acting_uid
     with _acting_lock:
-        old_tempdir = tempfile.tempdir
-        switch = os.geteuid() == 0 and lock_dir.uid != 0 and os.getuid() == 0
-        groups = os.getgroups() if switch else []
-        gids = os.getresgid() if switch else (0, 0, 0)
-        if switch:
-            os.setgroups([])
-            os.setresgid(lock_dir.gid, lock_dir.gid, 0)
-            os.setresuid(lock_dir.uid, lock_dir.uid, 0)
-        tempfile.tempdir = str(Path(lock_dir.path).parent)
+        if _acting_uid is not None:
+            if _acting_uid != lock_dir.uid:
+                raise RuntimeError(f"acting for uid {_acting_uid} already; cannot act for uid {lock_dir.uid} inside")
+            yield
+            return
+        if os.geteuid() != 0 or lock_dir.uid == 0:
+            yield  # a per-user daemon acts as itself (inspect_lock_dir checked the owner), root as root
+            return
+        groups = os.getgroups()
+        egid = os.getegid()
         try:
+            os.setgroups([])
+            os.setegid(lock_dir.gid)
+            os.seteuid(lock_dir.uid)  # last: it drops the capabilities the two calls above need
+            _acting_uid = lock_dir.uid
             yield
         finally:
-            tempfile.tempdir = old_tempdir
-            if switch:
-                try:
-                    os.setresuid(0, 0, 0)
-                    os.setresgid(*gids)
-                    os.setgroups(groups)
-                except OSError:  # pragma: no cover - would mean the kernel refused to give root back
-                    logger.critical("could not switch back to root after acting for uid %d; exiting", lock_dir.uid)
-                    os._exit(70)
+            _acting_uid = None
+            try:
+                os.seteuid(0)
+                os.setegid(egid)
+                os.setgroups(groups)
+            except OSError:  # pragma: no cover - would mean the kernel refused to give root back
+                logger.critical("could not switch back to root after acting for uid %d; exiting", lock_dir.uid)
+                os._exit(70)
 
 
 # ------------------------------------------------------------------------------------------------ the view
@@ -251,18 +267,16 @@ class Registry:
         seen: set[str] = set()
         for lock_dir in self.lock_dirs():
             try:
-                with acting_in(lock_dir):
-                    names = list_journals(lock_dir.path)
-                    for ns in names:
-                        if ns in seen:
-                            continue  # the same namespace in two lock directories: first one wins
-                        seen.add(ns)
-                        view = self.views.get(ns)
-                        if view is None or view.lock_dir.path != lock_dir.path:
-                            if view is not None:
-                                view.close_mapping()
-                            view = self.views[ns] = NamespaceView(ns, lock_dir)
-                        self.refresh(view)
+                for ns in list_journals(lock_dir.path):
+                    if ns in seen:
+                        continue  # the same namespace in two lock directories: first one wins
+                    seen.add(ns)
+                    view = self.views.get(ns)
+                    if view is None or view.lock_dir.path != lock_dir.path:
+                        if view is not None:
+                            view.close_mapping()
+                        view = self.views[ns] = NamespaceView(ns, lock_dir)
+                    self.refresh(view)
             except OSError as exc:
                 logger.warning("cannot scan lock directory %s: %s", lock_dir.path, exc)
         for ns in [ns for ns in self.views if ns not in seen]:
@@ -275,8 +289,7 @@ class Registry:
         view = self.views.get(namespace)
         if view is None:
             view = self.views[namespace] = NamespaceView(namespace, lock_dir)
-            with acting_in(lock_dir):
-                self.refresh(view)
+            self.refresh(view)
         return view
 
     def _map(self, view: NamespaceView) -> LeaseTable | None:
@@ -307,7 +320,7 @@ class Registry:
         return view.table
 
     def refresh(self, view: NamespaceView) -> None:
-        """Re-read one namespace (caller is ``acting_in`` its lock directory)."""
+        """Re-read one namespace from its journal and lease table (read-only: needs no ``acting_in``)."""
         ns = view.namespace
         view.base, view.manager = self.labels.get(ns, (view.base, view.manager))
         state: str | None = None
@@ -456,7 +469,7 @@ class Registry:
                  peer_pid: int | None, peer_uid: int | None) -> Participant:
         """Watch a participant that says it holds ``slot_index``; ``LookupError``/``RuntimeError`` if not.
 
-        Caller is ``acting_in`` the view's lock directory and checked ownership and draining.
+        The caller checked ownership and draining.
         """
         table = self._map(view)
         if table is None:
@@ -496,18 +509,16 @@ class Registry:
             if view is None:
                 continue
             try:
-                with acting_in(view.lock_dir):
-                    table = self._map(view)
-                    if table is None:
-                        continue
-                    slot = table.slot(participant.slot_index)
-                    if slot.state == SlotState.ACTIVE and slot.identity == participant.identity:
-                        table.end_lease(participant.slot_index)
-                        view.dead_at_ns[participant.identity.token] = now
-                        self.metrics.deaths.inc()
-                        logger.info("%s of %s exited holding lease slot %d: lease ended", 
-                                    participant.identity.describe(), view.namespace, participant.slot_index)
-                    self.refresh(view)
+                table = self._map(view)
+                if table is None:
+                    continue
+                # Compare-and-end: only the lease the dead process still holds, never a slot reused since.
+                if table.end_lease(participant.slot_index, participant.identity):
+                    view.dead_at_ns[participant.identity.token] = now
+                    self.metrics.deaths.inc()
+                    logger.info("%s of %s exited holding lease slot %d: lease ended",
+                                participant.identity.describe(), view.namespace, participant.slot_index)
+                self.refresh(view)
             except (OSError, ShmProtocolError, IndexError) as exc:
                 logger.warning("could not end the lease of %s in %s: %s", participant.identity.describe(),
                                participant.namespace, exc)

@@ -8,7 +8,7 @@ Three callers share this code so there is exactly one definition of "what a gene
   and ``ftd``. It creates no coordinator and loads no model: it reads the journal and the lease table only,
   never probes pids (they mean nothing across containers).
 
-Everything happens under the coordinator lock (``{lockdir}/{ns}.lock``), and everything is *validated
+Everything happens under the coordinator lock (``{lock_dir}/{ns}.lock``), and everything is *validated
 before anything is deleted*: an unknown protocol or malformed journal/header raises ``ShmProtocolError``
 with nothing removed. Removal order is intents (segments, semaphores, lock files), then ``/{ns}.c``, then the
 journal, then — only when the caller is done with the namespace — the lock file. Each step tolerates ENOENT
@@ -17,6 +17,12 @@ and the journal goes last but one, so a removal that fails half-way can simply b
 Aborted creations: the election writes the journal header, then creates ``/{ns}.c`` and its header (magic
 last), all under the lock. Holding the lock and finding an empty journal, or a coordinator segment that is
 empty / has a zero magic, therefore proves its creator died mid-creation; those are reclaimed too.
+
+Lock directory: every entry point takes ``lock_dir`` (default ``None``: ``lock_directory()`` of the calling
+process, i.e. derived from its ``TMPDIR`` and uid).  ``ftd`` passes the directory it learned from a
+registration or its configuration, because the namespaces it serves may belong to other users; it is
+resolved once, kept in :class:`NamespaceState` and used for the journal, the lock-file intents and the
+coordinator lock alike.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import posix_ipc
@@ -38,12 +45,12 @@ from flextensor.shm.names import (
     coordinator_lock_path,
     coordinator_segment_name,
     journal_path,
-    lock_directory,
+    resolve_lock_directory,
     validate_namespace,
 )
 from flextensor.shm.segment import SharedSegment
 
-__all__ = ["CleanupReport", "cleanup_manager_namespace"]
+__all__ = ["CleanupReport", "NamespaceState", "cleanup_manager_namespace", "inspect_namespace_locked"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +69,14 @@ class CleanupReport(msgspec.Struct):
 
 @dataclass
 class NamespaceState:
-    """A validated view of a namespace's shared state, taken under the coordinator lock."""
+    """A validated view of a namespace's shared state, taken under the coordinator lock.
+
+    ``lock_dir`` is the directory its journal and lock files live in.  ``close()`` it when done (it may hold a
+    mapping of the coordinator segment).
+    """
 
     namespace: str
+    lock_dir: Path
     journal: Journal | None = None
     journal_exists: bool = False  # also True for an empty (aborted) journal
     segment: SharedSegment | None = None
@@ -97,13 +109,15 @@ class NamespaceState:
             segment.close()
 
 
-def inspect_namespace_locked(namespace: str) -> NamespaceState:
-    """Read and validate the journal and coordinator header of ``namespace`` (caller holds the lock).
+def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | None = None) -> NamespaceState:
+    """Read and validate the journal and coordinator header of ``namespace`` (caller holds its coordinator
+    lock, ``coordinator_lock_path(namespace, lock_dir)``).
 
-    Raises ``ShmProtocolError`` (after unmapping) when anything cannot be trusted or the two disagree.
+    ``lock_dir`` defaults to ``lock_directory()``.  Raises ``ShmProtocolError`` (after unmapping) when anything
+    cannot be trusted or the two disagree.
     """
-    state = NamespaceState(namespace)
-    jpath = journal_path(namespace)
+    state = NamespaceState(namespace, resolve_lock_directory(lock_dir))
+    jpath = journal_path(namespace, state.lock_dir)
     try:
         if jpath.stat().st_size == 0:
             state.journal_exists = True  # aborted creation: nothing can have been created yet
@@ -141,7 +155,7 @@ def inspect_namespace_locked(namespace: str) -> NamespaceState:
     return state
 
 
-def _unlink_intent(intent: Intent) -> bool:
+def _unlink_intent(intent: Intent, lock_dir: Path) -> bool:
     if intent.kind == "segment":
         return SharedSegment.unlink_name(intent.name)
     if intent.kind == "semaphore":
@@ -151,7 +165,7 @@ def _unlink_intent(intent: Intent) -> bool:
             return False
         return True
     try:  # lockfile: a plain file name inside the lock directory (validated by read_journal)
-        os.unlink(lock_directory() / intent.name)
+        os.unlink(lock_dir / intent.name)
     except FileNotFoundError:
         return False
     return True
@@ -167,11 +181,11 @@ def remove_generation_locked(state: NamespaceState) -> None:
     state.close()
     if state.journal is not None:
         for intent in state.journal.resources():
-            what = intent.name if intent.kind != "lockfile" else str(lock_directory() / intent.name)
-            _record(state, what, _unlink_intent(intent))
+            what = intent.name if intent.kind != "lockfile" else str(state.lock_dir / intent.name)
+            _record(state, what, _unlink_intent(intent, state.lock_dir))
     cname = coordinator_segment_name(state.namespace)
     _record(state, cname, SharedSegment.unlink_name(cname))
-    jpath = journal_path(state.namespace)
+    jpath = journal_path(state.namespace, state.lock_dir)
     try:
         os.unlink(jpath)
         _record(state, str(jpath), True)
@@ -190,8 +204,11 @@ def _check_timeout(timeout: object) -> float:
     return float(timeout)
 
 
-def cleanup_manager_namespace(namespace: str, *, timeout: float) -> CleanupReport:
+def cleanup_manager_namespace(namespace: str, *, timeout: float,
+                              lock_dir: str | os.PathLike[str] | None = None) -> CleanupReport:
     """Remove everything one per-manager namespace owns, after its participants' leases ran out.
+
+    ``lock_dir`` is the workers' lock directory (default ``lock_directory()``, from this process's ``TMPDIR``).
 
     Waits up to ``timeout`` seconds (0: check once) for live leases to expire, then unlinks every resource
     the journal names, the coordinator segment, the journal and the lock file. A namespace with neither a
@@ -205,12 +222,13 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float) -> CleanupRepor
     timeout = _check_timeout(timeout)
     start = time.monotonic()
     deadline = start + timeout
-    lock = FileLock(coordinator_lock_path(namespace))
+    directory = resolve_lock_directory(lock_dir)
+    lock = FileLock(coordinator_lock_path(namespace, directory))
     try:
         while True:
             lock.acquire(max(0.0, deadline - time.monotonic()))
             try:
-                state = inspect_namespace_locked(namespace)
+                state = inspect_namespace_locked(namespace, directory)
                 try:
                     live = state.live_slots()
                     if not live:

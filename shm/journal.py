@@ -1,6 +1,6 @@
 """The ownership journal: what a generation created, readable by a process that never joined it.
 
-``{lock_directory()}/{ns}.journal`` (mode 0600) is a JSON-lines file; every line is one msgspec Struct
+``{lock_dir}/{ns}.journal`` (mode 0600) is a JSON-lines file; every line is one msgspec Struct
 tagged by its ``record`` field:
 
 line 1, ``JournalHeader``::
@@ -38,7 +38,7 @@ import msgspec
 
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.header import LIBRARY_VERSION, PROTOCOL_VERSION
-from flextensor.shm.names import journal_path, lock_directory, validate_namespace
+from flextensor.shm.names import journal_path, resolve_lock_directory, validate_namespace
 
 __all__ = [
     "JOURNAL_SUFFIX",
@@ -103,12 +103,14 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(JournalHeader | Intent)
 
 
-def resolve_journal_path(ns_or_path: str | os.PathLike[str]) -> Path:
-    """A namespace (no '/') means ``{lock_directory()}/{ns}.journal``; anything else is a path."""
+def resolve_journal_path(ns_or_path: str | os.PathLike[str],
+                         lock_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A namespace (no '/') means ``{lock_dir}/{ns}.journal`` (``lock_dir`` defaults to ``lock_directory()``);
+    anything else is a path (``lock_dir`` is then ignored)."""
     text = os.fspath(ns_or_path)
     if "/" in text or text.endswith(JOURNAL_SUFFIX):
         return Path(text)
-    return journal_path(text)
+    return journal_path(text, lock_dir)
 
 
 def _write_line(fd: int, record: JournalHeader | Intent) -> None:
@@ -127,13 +129,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def create_journal(namespace: str, generation: int) -> Path:
+def create_journal(namespace: str, generation: int, *, lock_dir: str | os.PathLike[str] | None = None) -> Path:
     """Create ``{ns}.journal`` holding only the header (exclusively; caller holds the coordinator lock).
 
-    ``FileExistsError`` when a journal is already there (reclaim it first).
+    ``lock_dir`` defaults to ``lock_directory()``. ``FileExistsError`` when a journal is already there
+    (reclaim it first).
     """
     validate_namespace(namespace)
-    path = journal_path(namespace)
+    path = journal_path(namespace, lock_dir)
     header = JournalHeader(protocol=PROTOCOL_VERSION, library_version=LIBRARY_VERSION, namespace=namespace,
                            generation=generation)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -148,7 +151,8 @@ def create_journal(namespace: str, generation: int) -> Path:
     return path
 
 
-def append_intent(namespace: str, kind: IntentKind, name: str, generation: int) -> None:
+def append_intent(namespace: str, kind: IntentKind, name: str, generation: int, *,
+                  lock_dir: str | os.PathLike[str] | None = None) -> None:
     """Record that ``name`` is about to be created (caller holds the coordinator lock); fsynced on return.
 
     The name is checked exactly as ``read_journal`` will check it, so we never write a journal we could not
@@ -156,7 +160,7 @@ def append_intent(namespace: str, kind: IntentKind, name: str, generation: int) 
     """
     intent = Intent(kind=kind, name=name, generation=generation)
     _check_intent(intent, namespace, generation, where=f"intent for {name!r}")
-    path = journal_path(namespace)
+    path = journal_path(namespace, lock_dir)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     try:
         _write_line(fd, intent)
@@ -190,9 +194,10 @@ def _fail(path: Path, lineno: int, problem: str) -> ShmProtocolError:
     )
 
 
-def read_journal(ns_or_path: str | os.PathLike[str]) -> Journal:
-    """Read and validate a journal (by namespace or path). ``FileNotFoundError`` when it does not exist."""
-    path = resolve_journal_path(ns_or_path)
+def read_journal(ns_or_path: str | os.PathLike[str], *, lock_dir: str | os.PathLike[str] | None = None) -> Journal:
+    """Read and validate a journal (by namespace, in ``lock_dir``, or by path). ``FileNotFoundError`` when it
+    does not exist."""
+    path = resolve_journal_path(ns_or_path, lock_dir)
     data = path.read_bytes()
     if not data:
         raise _fail(path, 1, "the file is empty (its creator died before writing the header?)")
@@ -242,10 +247,10 @@ def read_journal(ns_or_path: str | os.PathLike[str]) -> Journal:
     return Journal(path=str(path), header=header, intents=intents)
 
 
-def remove_journal(namespace: str) -> bool:
-    """Unlink the namespace's journal; True if it existed."""
+def remove_journal(namespace: str, *, lock_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Unlink the namespace's journal (in ``lock_dir``, default ``lock_directory()``); True if it existed."""
     try:
-        os.unlink(journal_path(namespace))
+        os.unlink(journal_path(namespace, lock_dir))
     except FileNotFoundError:
         return False
     return True
@@ -256,7 +261,7 @@ def list_journals(lock_dir: str | os.PathLike[str] | None = None) -> list[str]:
 
     File names that are not valid namespaces are skipped: they cannot be ours.
     """
-    directory = lock_directory() if lock_dir is None else Path(lock_dir)
+    directory = resolve_lock_directory(lock_dir)
     try:
         entries = os.listdir(directory)
     except FileNotFoundError:

@@ -28,7 +28,12 @@ Write ordering and locking:
   token, so a handle whose expired slot was reused never frees the new owner's slot.
 * Heartbeats are single aligned 8-byte stores from a daemon thread every ``lease / 4``; before each store
   the thread checks that the slot is still ACTIVE with its token, and stops (``lost``) otherwise.
-* ``end_lease`` is one aligned 4-byte store of DEAD and needs no lock (``ftd`` uses it).
+* ``end_lease`` is one aligned 4-byte store of DEAD and needs no lock (``ftd`` uses it). Given the identity
+  it believes holds the slot, it is a compare-and-end: it stores DEAD only if, right before the store, the
+  slot is ACTIVE, held by exactly that identity and *unexpired*. The last condition is what makes the
+  lock-free check sound: ``join`` takes over only FREE, DEAD or expired slots, so nobody can replace an
+  unexpired holder between the check and the store (its owner is dead and will not ``leave`` either). An
+  expired slot is left alone: it is not counted as live anyway, and a joiner may be claiming it right now.
 """
 
 from __future__ import annotations
@@ -251,11 +256,22 @@ class LeaseTable:
         self._buf[base + 4:base + SLOT_SIZE] = bytes(SLOT_SIZE - 4)
         return True
 
-    def end_lease(self, index: int) -> None:
-        """Mark slot ``index`` DEAD at once (its process is known to be gone); no lock needed."""
+    def end_lease(self, index: int, identity: ParticipantIdentity | None = None) -> bool:
+        """Mark slot ``index`` DEAD at once (its process is known to be gone); no lock needed. True if ended.
+
+        Without ``identity`` any ACTIVE slot is ended.  With it, only a slot that is still ACTIVE, unexpired and
+        held by exactly ``identity`` (pid, start time, boot id and token) is ended, checked right before the
+        store: a daemon reacting to a death can never end the lease of whoever reused the slot since (see the
+        module docstring for why no lock is needed).
+        """
         base = self._base(index)
-        if load_u32(self._buf, base + OFF_STATE) == SlotState.ACTIVE:
-            store_u32(self._buf, base + OFF_STATE, SlotState.DEAD)
+        if identity is not None:
+            if not self._live_at(base, host_clock_ns()) or self._identity(base) != identity:
+                return False
+        elif load_u32(self._buf, base + OFF_STATE) != SlotState.ACTIVE:
+            return False
+        store_u32(self._buf, base + OFF_STATE, SlotState.DEAD)
+        return True
 
     def heartbeat(self, index: int, identity: ParticipantIdentity) -> bool:
         """Refresh slot ``index`` if it is still ACTIVE and held by ``identity``; False when it was lost."""

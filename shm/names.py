@@ -19,6 +19,11 @@ below NAME_MAX (255) and below the 64 characters some tools (and old BSD-derived
 The lock directory lives under ``TMPDIR`` (read at call time, so tests and users can move it) and is private
 to the uid: it is created 0700 and refused when someone else owns it or can write into it, because a foreign
 writer there could plant lock files or journals that make us unlink the wrong resources.
+
+Every function that derives a path inside the lock directory takes an optional ``lock_dir``.  ``None`` (the
+default, what workers use) means :func:`lock_directory` of the calling process.  An explicit directory is used
+as given, neither created nor checked: it exists for ``ftd``, which serves namespaces of other users (their
+``TMPDIR`` and uid are not its own) and validates the directory itself before acting in it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ __all__ = [
     "coordinator_segment_name",
     "generation_resource_name",
     "lock_directory",
+    "resolve_lock_directory",
     "coordinator_lock_path",
     "journal_path",
 ]
@@ -249,11 +255,19 @@ def lock_directory() -> Path:
     return path
 
 
-def coordinator_lock_path(ns: str) -> Path:
-    """``{lock_directory()}/{ns}.lock`` (creates the lock directory)."""
-    return lock_directory() / f"{validate_namespace(ns)}.lock"
+def resolve_lock_directory(lock_dir: str | os.PathLike[str] | None = None) -> Path:
+    """``lock_dir`` as a ``Path`` when given (used as is: the caller vouches for it), else
+    :func:`lock_directory` (created and checked)."""
+    return lock_directory() if lock_dir is None else Path(lock_dir)
 
 
-def journal_path(ns: str) -> Path:
-    """``{lock_directory()}/{ns}.journal`` (creates the lock directory)."""
-    return lock_directory() / f"{validate_namespace(ns)}.journal"
+def coordinator_lock_path(ns: str, lock_dir: str | os.PathLike[str] | None = None) -> Path:
+    """``{lock_dir}/{ns}.lock``; ``lock_dir`` defaults to :func:`lock_directory` (which creates it)."""
+    validate_namespace(ns)
+    return resolve_lock_directory(lock_dir) / f"{ns}.lock"
+
+
+def journal_path(ns: str, lock_dir: str | os.PathLike[str] | None = None) -> Path:
+    """``{lock_dir}/{ns}.journal``; ``lock_dir`` defaults to :func:`lock_directory` (which creates it)."""
+    validate_namespace(ns)
+    return resolve_lock_directory(lock_dir) / f"{ns}.journal"

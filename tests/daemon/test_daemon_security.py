@@ -210,3 +210,71 @@ def test_root_daemon_reclaims_for_another_user_as_that_user(shared_dir, lock_dir
         assert "Traceback" not in log and "(death)" in log, log
     finally:
         daemon.stop()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="switching the effective uid needs root")
+def test_acting_in_switches_only_the_effective_ids(shared_dir):
+    """A root daemon acts for a user with its effective uid/gid only: the real and saved uids stay root (the
+    user can neither signal nor trace it), files it creates belong to the user, and root comes back."""
+    from flextensor.daemon.registry import LockDir, acting_in, inspect_lock_dir
+
+    directory = shared_dir / f"flextensor-{NOBODY}"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, NOBODY, NOBODY)
+    lock_dir = inspect_lock_dir(directory)
+    groups = os.getgroups()
+    with acting_in(lock_dir):
+        assert os.getresuid() == (0, NOBODY, 0)
+        assert os.getresgid()[1] == lock_dir.gid and os.getgroups() == []
+        os.close(os.open(directory / "made", os.O_CREAT | os.O_WRONLY, 0o600))
+        with pytest.raises(PermissionError):
+            os.open(shared_dir / "root-only", os.O_CREAT | os.O_WRONLY, 0o600)  # really acting as the user
+        with acting_in(lock_dir):  # re-entrant for the same owner
+            assert os.geteuid() == NOBODY
+        with pytest.raises(RuntimeError, match=f"acting for uid {NOBODY} already"):
+            with acting_in(LockDir(str(shared_dir), 0, 0)):
+                pass
+    assert os.getresuid() == (0, 0, 0) and os.getgroups() == groups and os.getegid() == 0
+    st = os.stat(directory / "made")
+    assert (st.st_uid, st.st_gid) == (NOBODY, lock_dir.gid)
+    with pytest.raises(ZeroDivisionError):
+        with acting_in(lock_dir):
+            1 / 0  # noqa: B018 - an error in the body still gives root back
+    assert os.getresuid() == (0, 0, 0)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a worker as another uid")
+def test_root_daemon_recreates_lock_files_as_the_namespace_owner(shared_dir, lock_dir, workers, namespace):
+    """`ftd hold` re-creates a missing coordinator lock file for a namespace of uid 65534: the file must belong
+    to that user, or its workers could no longer take the lock (their clean close would fail)."""
+    sock = shared_dir / "run" / "ftd.sock"
+    tmp = shared_dir / "tmp"
+    tmp.mkdir()
+    os.chmod(tmp, 0o1777)
+    daemon = Daemon(sock, lock_dir, extra=["--socket-group", str(NOBODY)]).start()
+    try:
+        ns = manager_namespace(namespace, "m")
+        w = workers(namespace, "m", "--lease", "30", "--as-uid", str(NOBODY), socket=sock,
+                    env=dict(os.environ, TMPDIR=str(tmp)))
+        assert w.wait_event("joined")["registered"] is True, w.stderr()
+        w.wait_event("published")
+        foreign_lock_dir = tmp / f"flextensor-{NOBODY}"
+        lock_file = foreign_lock_dir / f"{ns}.lock"
+        assert os.stat(lock_file).st_uid == NOBODY
+        lock_file.unlink()  # e.g. removed by a careless tmp cleaner while the job runs
+        _, reply, _ = daemon.cli("hold", namespace, "--manager", "m", "--lock-dir", str(foreign_lock_dir))
+        assert reply["ok"] is True
+        st = os.stat(lock_file)
+        assert (st.st_uid, st.st_gid) == (NOBODY, NOBODY), (st.st_uid, st.st_gid)
+        uids = [line for line in Path(f"/proc/{daemon.proc.pid}/status").read_text().splitlines()
+                if line.startswith("Uid:")]
+        assert uids == ["Uid:\t0\t0\t0\t0"]
+        assert w.close() == 0, w.stderr()  # the worker's close takes the lock file the daemon created
+        assert w.wait_event("closed")
+        assert shm_names(ns)  # the hold keeps the generation
+        _, released, _ = daemon.cli("release", namespace, "--manager", "m")
+        assert "generation 1 reclaimed" in released["message"], released
+        assert shm_names(ns) == [] and list(foreign_lock_dir.iterdir()) == []
+        assert "Traceback" not in daemon.read_log()
+    finally:
+        daemon.stop()

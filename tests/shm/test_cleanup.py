@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
 import pytest
 
-from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
+from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace, inspect_namespace_locked
+from flextensor.shm.errors import ShmProtocolError
+from flextensor.shm.leases import LeaseTable
+from flextensor.shm.locks import FileLock
 from flextensor.shm.coordinator import ShmCoordinator
-from flextensor.shm.names import coordinator_segment_name, journal_path, lock_directory, manager_namespace
+from flextensor.shm.names import (
+    coordinator_lock_path,
+    coordinator_segment_name,
+    journal_path,
+    lock_directory,
+    manager_namespace,
+)
 from flextensor.shm.segment import SharedSegment
 from tests.shm.procs import start_children
 
@@ -141,3 +151,37 @@ def test_new_coordinator_after_cleanup_starts_fresh(ns, children):
     with ShmCoordinator(ns, lease_seconds=LEASE) as c:
         assert c.is_creator and c.generation == 1
     assert shm_names(ns) == [] and lock_files() == []
+
+
+def test_cleanup_with_an_explicit_lock_dir_from_another_tmpdir(ns, tmp_path, monkeypatch):
+    """A process whose TMPDIR differs from the workers' (ftd serving another user) cleans up through lock_dir=."""
+    workers_dir = lock_directory()
+    c = ShmCoordinator(ns, lease_seconds=LEASE)
+    c.memory_owner.write_blob("p", b"weights")
+    c.notify_ready()
+    with LeaseTable.open(ns) as table:
+        assert table.end_lease(c.lease_slot, c.identity)  # as ftd does when it sees the process exit
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(elsewhere))
+    assert lock_directory() != workers_dir
+    with pytest.raises(ShmProtocolError, match="TMPDIR"):
+        cleanup_manager_namespace(ns, timeout=0)  # the default lock directory has no journal: nothing removed
+    assert shm_names(ns) == sorted([f"{ns}.c", f"{ns}.g1.p"])
+    lock = FileLock(coordinator_lock_path(ns, workers_dir))
+    with lock:
+        state = inspect_namespace_locked(ns, workers_dir)  # public: ftd reads namespaces this way
+        try:
+            assert state.lock_dir == workers_dir and state.generation == 1 and state.live_slots() == []
+        finally:
+            state.close()
+    lock.close()
+    report = cleanup_manager_namespace(ns, timeout=0, lock_dir=str(workers_dir))
+    assert report.generation == 1
+    assert sorted(report.removed) == sorted([f"/{ns}.g1.p", f"/{ns}.c", str(workers_dir / f"{ns}.journal"),
+                                             str(workers_dir / f"{ns}.lock")])
+    assert shm_names(ns) == [] and sorted(p.name for p in workers_dir.iterdir()) == []
+    assert list(elsewhere.iterdir()) == [elsewhere / f"flextensor-{os.getuid()}"]  # made by lock_directory() only
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    c.close()
+    assert lock_files() == []

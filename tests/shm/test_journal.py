@@ -139,3 +139,19 @@ def test_bad_journal_means_nothing_is_deleted(ns, damage):
     assert report.generation == 1 and f"/{ns}.g1.p" in report.removed and f"/{ns}.c" in report.removed
     c.close()  # everything is gone already: close only tidies the lock file it re-created
     assert [n for n in os.listdir("/dev/shm") if ns in n] == []
+
+
+def test_journal_in_an_explicit_lock_dir(ns, tmp_path):
+    """Every journal function reaches another lock directory through lock_dir= (what ftd does for its users)."""
+    other = tmp_path / "flextensor-other"
+    other.mkdir(mode=0o700)
+    path = create_journal(ns, 2, lock_dir=other)
+    assert path == other / f"{ns}.journal"
+    append_intent(ns, "segment", f"/{ns}.g2.sd", 2, lock_dir=other)
+    journal = read_journal(ns, lock_dir=other)
+    assert journal.path == str(path) and [i.name for i in journal.intents] == [f"/{ns}.g2.sd"]
+    assert list_journals(other) == [ns] and list_journals() == []
+    with pytest.raises(FileNotFoundError):
+        read_journal(ns)  # this process's own lock directory has no such journal
+    assert remove_journal(ns, lock_dir=other) and not path.exists()
+    assert not remove_journal(ns, lock_dir=other)

@@ -136,3 +136,27 @@ def test_sigkilled_participant_is_seen_gone_after_its_lease(namespace):
 def test_open_missing_namespace(namespace):
     with pytest.raises(FileNotFoundError):
         LeaseTable.open(manager_namespace(namespace, "none"))
+
+
+def test_end_lease_with_identity_only_ends_that_live_holder():
+    _, table = make_table(2)
+    a, b, c = (ParticipantIdentity.current() for _ in range(3))
+    index = table.join(a, SECOND)
+    assert not table.end_lease(1, a)  # a FREE slot
+    table.join(c, SECOND)  # no FREE slot left: a reused slot can only be a's
+    assert not table.end_lease(index, b)  # another token
+    twin = ParticipantIdentity(pid=a.pid, start_time=a.start_time + 1, boot_id=a.boot_id, token=a.token)
+    assert not table.end_lease(index, twin)  # same pid and token, another process start: not the holder
+    assert table.slot(index).state == SlotState.ACTIVE and table.slot(index).live
+    assert table.end_lease(index, a) and table.slot(index).state == SlotState.DEAD
+    assert not table.end_lease(index, a)  # already ended
+    # The slot is reused by b; a's death reported late must not end b's lease.
+    assert table.join(b, SECOND) == index
+    assert not table.end_lease(index, a) and table.slot(index).live
+    # Without an identity any ACTIVE slot is ended (and the result says whether it was).
+    assert table.end_lease(index) and not table.end_lease(index)
+    # An expired holder is left alone: a joiner may be taking its slot over right now.
+    _, small = make_table(1)
+    small.join(a, 1)  # 1 ns lease: expired at once
+    time.sleep(0.001)
+    assert not small.end_lease(0, a) and small.slot(0).state == SlotState.ACTIVE

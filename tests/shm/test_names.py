@@ -19,6 +19,7 @@ from flextensor.shm.names import (
     journal_path,
     lock_directory,
     manager_namespace,
+    resolve_lock_directory,
     segment_name,
     validate_base_namespace,
     validate_manager_name,
@@ -189,6 +190,19 @@ def test_lock_directory_is_private_and_under_tmpdir(isolated_host):
     assert lock_directory() == path  # idempotent
     assert coordinator_lock_path("ns1") == path / "ns1.lock"
     assert journal_path("ns1") == path / "ns1.journal"
+
+
+def test_explicit_lock_dir_is_used_as_given(isolated_host, tmp_path):
+    """ftd passes another user's lock directory: paths go there, and nothing is created or checked."""
+    other = tmp_path / "flextensor-12345"
+    assert resolve_lock_directory(other) == other and resolve_lock_directory(str(other)) == other
+    assert coordinator_lock_path("ns1", other) == other / "ns1.lock"
+    assert journal_path("ns1", str(other)) == other / "ns1.journal"
+    assert not other.exists()
+    assert not (isolated_host / f"flextensor-{os.getuid()}").exists()  # the default one was not touched
+    with pytest.raises(ValueError, match="namespace"):
+        journal_path("../x", other)
+    assert resolve_lock_directory() == lock_directory() == isolated_host / f"flextensor-{os.getuid()}"
 
 
 def test_lock_directory_follows_tmpdir_at_call_time(tmp_path, monkeypatch):
