@@ -29,6 +29,7 @@ _LAZY: dict[str, str] = {
     "validate_manager_name": "names",
     "validate_namespace": "names",
     "lock_directory": "names",
+    "resolve_lock_directory": "names",
     "SharedSegment": "segment",
     "FileLock": "locks",
     "SemaphoreLock": "locks",
