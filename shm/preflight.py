@@ -5,8 +5,11 @@ Two things stop a shared publish half-way on real deployments:
 - ``/dev/shm`` too small. Docker gives containers 64 MiB by default; Kubernetes pods get the node's tmpfs only
   with ``hostIPC`` or an ``emptyDir`` of ``medium: Memory`` mounted at ``/dev/shm``. Writing past the limit
   would otherwise surface as ENOSPC (or SIGBUS on a sparse mapping) in the middle of a multi-GiB copy.
-- Pinning refused by ``RLIMIT_MEMLOCK``. Page-locking more than the limit needs the limit raised or
-  ``CAP_IPC_LOCK``; ``memlock_shortfall`` reports it so the caller can fail (or warn) before registering.
+- Pinning and ``RLIMIT_MEMLOCK``. ``mlock`` beyond the limit needs it raised or ``CAP_IPC_LOCK``.
+  ``cudaHostRegister`` is not charged to it by the NVIDIA driver: on an H200 (driver 580, 2026-11-29) an
+  unprivileged process with a 64 KiB limit registered 256 MiB. ``memlock_shortfall`` therefore only reports
+  the gap, and the session logs it as a warning (other pinning mechanisms, or a future driver, may enforce
+  it); a registration that does fail raises with the CUDA error and is published to the followers.
 
 The creator publishes any failure through the coordinator, so followers see the same message.
 """
