@@ -10,6 +10,13 @@ copies weights in (from the model, or ``weights`` for meta tensors) unless a blo
 offloaded parameter at its host view (freeing the original storage), moves every other tensor to the compute
 device, and creates the :class:`~flextensor.loader.BlockLoader`. Traps that never ran during warm-up are not in
 the schedule, so their tensors stay resident.
+
+Host memory during the build: the provider is told every block size first (``reserve``), so the pinned
+providers carve blocks out of a few arenas instead of one pinned allocation per block (see
+``flextensor.host_memory``). Blocks are filled from the weights' current host storages, which are the pinned
+warm-up staging when there was one; a trap's staged storages are unregistered and dropped as soon as its block is
+filled (so the original copy is freed block by block, not after the whole build), the rest (tensors that stay
+resident) once they are on the device. No staging registration outlives the build.
 """
 
 from __future__ import annotations
@@ -151,6 +158,7 @@ def build_inference(
     m._block_of = {layout.label: layout.index for layout in layouts}
     if host_blocks is None and layouts:
         m._provider = make_provider(cfg, m._device, shm_owner=_ensure_shm_owner(m))
+        m._provider.reserve([layout.nbytes for layout in layouts])
     blocks: list[HostBlock] = []
     for layout in layouts:
         if host_blocks is not None:
@@ -168,7 +176,10 @@ def build_inference(
                 view.copy_(source)
             assign_data(tensor, view)
             m._placement[placement.name] = (layout.index, placement)
+        m._staging.release(p.name for p in layout.tensors)  # this block is filled: its sources may go
     m._host_blocks = blocks
+    if m._provider is not None:
+        m._provider.finish()  # e.g. host_register pins the filled (populated) arenas now
     for name, entry in m._tensors.items():
         if name in m._placement:
             continue
@@ -176,6 +187,7 @@ def build_inference(
             assign_data(entry.tensor, _lookup_weight(m, name, weights).to(m._device))
         else:
             m._to_device(entry)
+    m._staging.release_all()
     loader_schedule = [m._block_of[label] for label in schedule if label in m._block_of]
     missing = [layout.label for layout in layouts if layout.index not in loader_schedule]
     if missing:
@@ -191,7 +203,7 @@ def build_inference(
         timing=m._timing,
     )
     m._sequence = list(schedule)
-    from flextensor.manager import Phase
+    from flextensor.phases import Phase
 
     m._phase = Phase.INFERENCE
 

@@ -21,6 +21,15 @@ order traps run; host blocks may be supplied by the caller (shared memory), in w
 
 Threading: a manager belongs to the thread that created it; any other thread gets ``RuntimeError``.
 
+Pinned staging (``flextensor.staging``): with a CUDA compute device and ``pinned_memory=True``, ``offload()``
+registers the candidates' own CPU storages in place, so the warm-up copies of steps 2-3 are direct DMA
+(``non_blocking``) instead of bounced pageable copies; the registration ends when INFERENCE is built or at
+``release()``.
+
+Module map: this file holds setup (``offload``, adoption entry points, config) and reports;
+``flextensor.phases`` the per-pass phase machine, traps and profiling controls; ``flextensor.teardown``
+``release()``; ``flextensor.inference`` planning and the INFERENCE build; ``flextensor.adoption`` states.
+
 ``profile_mode``: "view" and "getter" run the same mechanism here: before a trap's timing window opens, its
 offloadable weights are copied to the device (``.data`` swap) and put back after it, so timings exclude copies
 and contain no attribute-getter indirection.
@@ -33,38 +42,32 @@ No strategy replan from compiled timings is implemented (``allow_strategy_replan
 from __future__ import annotations
 
 import copy
-import enum
-import functools
 import json
 import logging
 import os
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from flextensor.config import OffloadConfig
-from flextensor.host_memory import BlockLayout, HostBlock, HostBlockProvider, block_view
+from flextensor.host_memory import BlockLayout, HostBlock, HostBlockProvider
 from flextensor.loader import BlockLoader
 from flextensor.patterns import PatternSet
+from flextensor.phases import Phase, PhaseMixin
+from flextensor.staging import PinnedStaging
 from flextensor.state import ModelTensor, TensorManagerState, model_tensors
+from flextensor.teardown import ReleaseMixin
 from flextensor.timing import OffloadTimingReport, TimingCollector
-from flextensor.traps import OUTSIDE, Trap, UsageRecorder, WarmLoader, assign_data
+from flextensor.traps import Trap, UsageRecorder, WarmLoader
 
 __all__ = ["OffloadManager", "Phase", "GPUMemoryUsage"]
 
 logger = logging.getLogger(__name__)
 MB = 1024 * 1024
-
-
-class Phase(enum.Enum):
-    DISCOVERY = "discovery"
-    PROFILING = "profiling"
-    INFERENCE = "inference"
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class OffloadManager:
-    """One named offload engine instance (see the module docstring)."""
+class OffloadManager(PhaseMixin, ReleaseMixin):
+    """One named offload engine instance (see the module docstring).
+
+    The per-pass phase machine, ``offload_block`` and the profiling controls come from
+    :class:`~flextensor.phases.PhaseMixin`; ``release()`` from :class:`~flextensor.teardown.ReleaseMixin`.
+    """
 
     def __init__(self, name: str = "default", config: OffloadConfig | None = None) -> None:
         self.name = name
@@ -117,6 +124,7 @@ class OffloadManager:
         self._exclusive: dict[str, list[str]] = {}
         self._recorder: UsageRecorder | None = None
         self._warm = WarmLoader(self._device)
+        self._staging = PinnedStaging()
         self._sequence: list[str] = []
         self._pass_sequence: list[str] = []
         self._pass_spans: list[tuple[str, Any]] = []
@@ -263,12 +271,13 @@ class OffloadManager:
             for name, entry in self._tensors.items():
                 if name not in candidates:
                     self._to_device(entry)
+            self._stage(candidates)
             if cfg.skip_discovery:
                 self._exclusive = {label: [n for n in t.candidates if n in candidates] for label, t in self._traps.items()}
                 self._phase = Phase.PROFILING
             else:
                 names_by_id = {id(e.tensor): n for n, e in self._tensors.items() if e.kind == "parameter"}
-                self._recorder = UsageRecorder(names_by_id, self._device)
+                self._recorder = UsageRecorder(names_by_id, self._device, non_blocking=self._warm.non_blocking)
                 self._phase = Phase.DISCOVERY
             for trap in self._traps.values():
                 trap.install(self, compile_fn)
@@ -294,216 +303,18 @@ class OffloadManager:
         self._timing = TimingCollector(use_cuda) if cfg.offload_timing == "eager" else None
         self._install_root(model)
 
+    def _stage(self, candidates: set[str]) -> None:
+        """Pin the candidates' host storages in place for the warm-up copies (``flextensor.staging``)."""
+        if not candidates or not self._staging.wanted(self._config(), self._device):
+            return
+        self._staging.stage({n: self._tensors[n].tensor for n in sorted(candidates)}, self._device)
+        # Unless staging failed, every host candidate is now page-locked (by us, or already before).
+        self._warm.non_blocking = not self._staging.failed
+
     def _to_device(self, entry: ModelTensor) -> None:
         t = entry.tensor
         if not t.is_meta and t.device != self._device:
             t.data = t.data.to(self._device)
-
-    def _install_root(self, model: nn.Module) -> None:
-        self._root_had_forward = "forward" in model.__dict__
-        self._root_previous = model.__dict__.get("forward")
-        original = model.forward
-
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return original(*args, **kwargs)
-            self._check_thread()
-            self._depth = 1
-            self._begin_pass()
-            ok = False
-            try:
-                out = original(*args, **kwargs)
-                ok = True
-                return out
-            finally:
-                self._depth = 0
-                self._end_pass(ok)
-
-        model.forward = forward
-
-    def _uninstall_root(self) -> None:
-        model = self.model
-        if model is None:
-            return
-        if self._root_had_forward:
-            model.forward = self._root_previous
-        else:
-            model.__dict__.pop("forward", None)
-
-    # ------------------------------------------------------------------------------------------------ passes
-    def _begin_pass(self) -> None:
-        self._pass_sequence = []
-        self._pass_spans = []
-        if self._phase is Phase.DISCOVERY and self._recorder is not None:
-            self._recorder.current = OUTSIDE
-            self._recorder.__enter__()
-        elif self._phase is Phase.INFERENCE and self._timing is not None:
-            self._timing.begin_pass()
-
-    def _end_pass(self, ok: bool) -> None:
-        phase = self._phase
-        if self._active is not None:  # an exception escaped a trap without its exit (should not happen)
-            self._active = None
-            self._warm.unload()
-        if phase is Phase.DISCOVERY:
-            if self._recorder is not None:
-                self._recorder.__exit__(None, None, None)
-                self._recorder.clear_copies()
-            if ok:
-                self._sequence = list(self._pass_sequence)
-                self._iteration += 1
-                if self._iteration >= self._config().discovery_iters:
-                    self._finish_discovery()
-        elif phase is Phase.PROFILING:
-            if not ok or self._suspend:
-                return
-            sums: dict[str, float] = {}
-            for label, span in self._pass_spans:
-                sums[label] = sums.get(label, 0.0) + span.ms() / 1e3
-            for label, seconds in sums.items():
-                self._durations.setdefault(label, []).append(seconds)
-            self._sequence = list(self._pass_sequence)
-            self._iteration += 1
-            if self._iteration >= self.iters_before_inference:
-                self._start_inference()
-        elif phase is Phase.INFERENCE and self._timing is not None:
-            self._timing.end_pass()
-
-    def _finish_discovery(self) -> None:
-        """Decide which candidates each trap may offload: used by that trap alone (and never outside traps)."""
-        assert self._recorder is not None
-        usage = self._recorder.usage
-        owned = {n for t in self._traps.values() for n in t.candidates}
-        exclusive: dict[str, list[str]] = {}
-        for label, trap in self._traps.items():
-            if trap.kind == "module":
-                names = [n for n in trap.candidates
-                         if n not in self._shared and usage.get(n, {label}) <= {label}]
-            else:
-                names = [n for n, users in usage.items()
-                         if users == {label} and n not in owned and self._tensors[n].kind == "parameter"]
-            exclusive[label] = names
-        keep = {n for names in exclusive.values() for n in names}
-        for name in owned - keep:
-            self._to_device(self._tensors[name])
-        self._exclusive = exclusive
-        self._recorder = None
-        self._phase = Phase.PROFILING
-        logger.debug("manager %r: discovery done, %d offloadable tensors in %d traps", self.name, len(keep),
-                     len(exclusive))
-
-    # ------------------------------------------------------------------------------------------------ traps
-    def _tensor_objs(self, names: Sequence[str]) -> list[torch.Tensor]:
-        return [self._tensors[n].tensor for n in names]
-
-    def _trap_enter(self, trap: Trap) -> None:
-        if self._active is not None:
-            raise RuntimeError(
-                f"trap {trap.label!r} entered while trap {self._active.label!r} is running: traps cannot nest (an "
-                "offload_block around a patched module, or a trap module called from inside another trap); change "
-                "include_patterns or where offload_block is used"
-            )
-        phase = self._phase
-        self._active, self._active_phase = trap, phase
-        try:
-            if phase is Phase.DISCOVERY:
-                rec = self._recorder
-                if rec is not None:
-                    rec.enabled = False
-                self._warm.load(self._tensor_objs(trap.candidates))
-                self._pass_sequence.append(trap.label)
-                if rec is not None:
-                    rec.current = trap.label
-                    rec.clear_copies()
-                    rec.enabled = True
-            elif phase is Phase.PROFILING:
-                self._warm.load(self._tensor_objs(self._exclusive.get(trap.label, ())))
-                if not self._suspend:
-                    self._pass_sequence.append(trap.label)
-                    assert self._clock is not None
-                    self._open_span = self._clock.start_span()
-            elif phase is Phase.INFERENCE:
-                timing = self._timing
-                if timing is not None:
-                    timing.begin_trap(trap.label)
-                block = self._block_of.get(trap.label)
-                if block is not None:
-                    assert self._loader is not None
-                    self._loader.enter(block)
-                if timing is not None:
-                    timing.start_compute()
-        except BaseException:
-            self._warm.unload()
-            self._active = None
-            raise
-
-    def _trap_exit(self, trap: Trap) -> None:
-        if self._active is not trap:
-            return
-        phase = self._active_phase
-        try:
-            if phase is Phase.DISCOVERY:
-                rec = self._recorder
-                if rec is not None:
-                    rec.enabled = False
-                self._warm.unload()
-                if rec is not None:
-                    rec.current = OUTSIDE
-                    rec.clear_copies()
-                    rec.enabled = True
-            elif phase is Phase.PROFILING:
-                if self._open_span is not None:
-                    assert self._clock is not None
-                    self._clock.end_span(self._open_span)
-                    self._pass_spans.append((trap.label, self._open_span))
-                    self._open_span = None
-                self._warm.unload()
-            elif phase is Phase.INFERENCE:
-                if self._timing is not None:
-                    self._timing.end_trap()
-                block = self._block_of.get(trap.label)
-                if block is not None and self._loader is not None:
-                    self._loader.exit(block)
-        finally:
-            self._active = None
-
-    @contextmanager
-    def offload_block(self, block_name: str) -> Iterator[None]:
-        """A manual trap around arbitrary code (its exclusive parameters are found during DISCOVERY)."""
-        self._check_thread()
-        if self.config is not None and not self.config.enabled:
-            yield
-            return
-        if self.config is not None and self.config.skip_discovery:
-            raise RuntimeError(
-                f"offload_block({block_name!r}) needs DISCOVERY to learn which tensors the block uses, but "
-                "skip_discovery=True; set skip_discovery=False"
-            )
-        if self.model is None:
-            # No model offloaded (yet): the block is plain code, so a model with offload_block markers still
-            # runs unmodified (reference runs, enabled=False deployments).
-            yield
-            return
-        if not isinstance(block_name, str) or not block_name:
-            raise ValueError(f"offload_block needs a non-empty block name, got {block_name!r}")
-        trap = self._traps.get(block_name)
-        if trap is None:
-            trap = Trap(block_name, None, [], kind="block")
-            self._traps[block_name] = trap
-        elif trap.kind != "block":
-            raise ValueError(f"offload_block({block_name!r}) clashes with the module trap of the same label; rename the block")
-        self._trap_enter(trap)
-        try:
-            yield
-        finally:
-            self._trap_exit(trap)
-
-    # ------------------------------------------------------------------------------------------------ planning
-    def _start_inference(self) -> None:
-        from flextensor.inference import plan_inference
-
-        plan_inference(self)
 
     # ------------------------------------------------------------------------------------------------ inference
     def _build_inference(self, layouts: list[BlockLayout], schedule: list[str], num_slots: int,
@@ -521,7 +332,6 @@ class OffloadManager:
 
         self._check_thread()
         return export_state(self)
-
 
     def offload_from_state(
         self,
@@ -548,43 +358,6 @@ class OffloadManager:
         self.allow_strategy_replan = allow_strategy_replan
         return adopt_state(self, model, state, host_blocks=host_blocks, weights=weights, compile_fn=compile_fn,
                            shm_owner=shm_owner)
-
-    # ------------------------------------------------------------------------------------------------ profiling control
-    def suspend_profiling(self) -> None:
-        """Reference-counted: PROFILING passes record nothing and are not counted while suspended."""
-        self._check_thread()
-        if self.enabled:
-            self._suspend += 1
-
-    def resume_profiling(self) -> None:
-        self._check_thread()
-        if not self.enabled:
-            return
-        if self._suspend == 0:
-            raise RuntimeError(f"resume_profiling() on manager {self.name!r} without a matching suspend_profiling()")
-        self._suspend -= 1
-
-    @contextmanager
-    def pause_profiling(self) -> Iterator[None]:
-        self.suspend_profiling()
-        try:
-            yield
-        finally:
-            self.resume_profiling()
-
-    @property
-    def profiling_suspended(self) -> bool:
-        return self._suspend > 0
-
-    def clear_profiling_durations(self) -> None:
-        """Drop every duration sample so far (discovery mappings are kept)."""
-        self._check_thread()
-        self._durations.clear()
-
-    @property
-    def profiling_durations(self) -> dict[str, list[float]]:
-        """Per-trap compute seconds of each counted PROFILING pass (copy)."""
-        return {k: list(v) for k, v in self._durations.items()}
 
     # ------------------------------------------------------------------------------------------------ reports
     def get_gpu_memory_usage(self) -> GPUMemoryUsage:
@@ -663,53 +436,6 @@ class OffloadManager:
         else:
             compile_fn = None
         self.offload_from_state(target, state, weights=weights, compile_fn=compile_fn)
-
-    # ------------------------------------------------------------------------------------------------ release
-    def release(self, preserve_model: bool = True) -> None:
-        """Undo everything: weights back into the model (unless ``preserve_model=False``), forwards unpatched,
-        device and host blocks freed. The manager can offload again afterwards."""
-        self._check_thread()
-        self._pending_state = None
-        if self.model is None:
-            self._close_resources()
-            return
-        self._teardown(preserve_model)
-
-    def _teardown(self, preserve_model: bool) -> None:
-        if self._loader is not None:
-            self._loader.close()
-        self._warm.unload()
-        for name, entry in self._tensors.items():
-            t = entry.tensor
-            orig = self._orig_device.get(name, torch.device("cpu"))
-            target = torch.device("cpu") if orig.type == "meta" else orig
-            placed = self._placement.get(name)
-            if placed is not None:
-                index, p = placed
-                if preserve_model:
-                    host_view = block_view(self._host_blocks[index].tensor, p)
-                    t.data = host_view.clone() if target.type == "cpu" else host_view.to(target)
-                else:
-                    assign_data(t, torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device="meta"))
-            elif preserve_model and not t.is_meta and t.device != target:
-                t.data = t.data.to(target)
-        for trap in self._traps.values():
-            trap.uninstall()
-        self._uninstall_root()
-        self._close_resources()
-        self._reset()
-
-    def _close_resources(self) -> None:
-        self._loader = None
-        self._host_blocks = []
-        if self._provider is not None:
-            self._provider.close()
-            self._provider = None
-        if self._shm_coordinator is not None:
-            try:
-                self._shm_coordinator.close()
-            finally:
-                self._shm_coordinator = None
 
     # ------------------------------------------------------------------------------------------------ misc
     def _write_instrumentation(self) -> None:

@@ -8,6 +8,11 @@ about (each trap's offloadable bytes, thinned to a handful spread over the range
 latency is anchored). Each size is copied a few times and the fastest run kept (the first copy of a size pays
 one-off costs). On CUDA the copy is timed with events on a side stream from a pinned buffer when pinning is
 configured (what INFERENCE will do); on the CPU with ``perf_counter``.
+
+The sweep's pinned buffer is a plain allocation registered in place for the sweep only (exact size, ~37 ms/GiB),
+not a ``pin_memory=True`` allocation: PyTorch's pinned allocator would round it up to a power of two, page-lock
+it with ``cudaHostAlloc`` (much slower per byte) and keep it cached, idle, for the life of the process. Both kinds
+of page-locked memory are DMA'd alike. Without a usable cudart binding it falls back to ``pin_memory=True``.
 """
 
 from __future__ import annotations
@@ -46,9 +51,31 @@ def transfer_sweep(device: torch.device, trap_bytes: Sequence[int], *, pinned: b
     if not sizes:
         return []
     largest = sizes[-1]
-    host = torch.empty(largest, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
+    host, registered = _host_buffer(largest, pinned=pinned and device.type == "cuda")
+    try:
+        return _sweep(device, host, sizes, repeats)
+    finally:
+        if registered:
+            from flextensor.staging import unregister_in_place
+
+            unregister_in_place(host)  # after _sweep returned: every copy from it has completed
+
+
+def _host_buffer(nbytes: int, *, pinned: bool) -> tuple[torch.Tensor, bool]:
+    """``(buffer, registered_in_place)``: see the module docstring for why pinning is done in place."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
     host.fill_(1)
-    dev = torch.empty(largest, dtype=torch.uint8, device=device)
+    if not pinned:
+        return host, False
+    from flextensor.staging import register_in_place
+
+    if register_in_place(host):
+        return host, True
+    return host.pin_memory(), False
+
+
+def _sweep(device: torch.device, host: torch.Tensor, sizes: Sequence[int], repeats: int) -> list[tuple[int, float]]:
+    dev = torch.empty(sizes[-1], dtype=torch.uint8, device=device)
     samples: list[tuple[int, float]] = []
     if device.type == "cuda":
         stream = torch.cuda.Stream(device=device)

@@ -14,7 +14,10 @@ trap, or outside traps, stay resident.
 
 :class:`WarmLoader` gives a trap its weights on the compute device for DISCOVERY/PROFILING (a plain ``.to``
 before the trap; the host tensor is put back after it), so the warm-up passes compute exactly what the plain
-model computes. On the CPU compute device it does nothing: the weights already live there.
+model computes. On the CPU compute device it does nothing: the weights already live there. When the host copies
+are page-locked (``flextensor.staging``), ``non_blocking`` is set: the copy is queued on the current stream ahead
+of the trap's compute (stream order keeps it correct) and the host thread does not wait for it. The engine
+synchronizes before it unregisters those pages.
 """
 
 from __future__ import annotations
@@ -128,10 +131,11 @@ class UsageRecorder(TorchFunctionMode):
     neither recorded nor rewritten.
     """
 
-    def __init__(self, names_by_id: dict[int, str], device: torch.device) -> None:
+    def __init__(self, names_by_id: dict[int, str], device: torch.device, *, non_blocking: bool = False) -> None:
         super().__init__()
         self.names_by_id = names_by_id
         self.device = device
+        self.non_blocking = non_blocking
         self.current = OUTSIDE
         self.enabled = True
         self.usage: dict[str, set[str]] = {}
@@ -150,7 +154,7 @@ class UsageRecorder(TorchFunctionMode):
         if value.device != self.device and value.device.type != "meta":
             copy = self._copies.get(id(value))
             if copy is None:
-                copy = value.detach().to(self.device)
+                copy = value.detach().to(self.device, non_blocking=self.non_blocking)
                 self._copies[id(value)] = copy
             return copy
         return value
@@ -165,15 +169,16 @@ class UsageRecorder(TorchFunctionMode):
 class WarmLoader:
     """Puts a trap's offloadable tensors on the compute device for one warm-up trap call, then back."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, non_blocking: bool = False) -> None:
         self.device = device
+        self.non_blocking = non_blocking  # only when the host copies are pinned (see the module docstring)
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def load(self, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:
             if tensor.device != self.device:
                 host = tensor.data
-                tensor.data = host.to(self.device)
+                tensor.data = host.to(self.device, non_blocking=self.non_blocking)
                 self._saved.append((tensor, host))
 
     def unload(self) -> None:

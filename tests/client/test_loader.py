@@ -9,12 +9,14 @@ from torch import nn
 import flextensor as ft
 from flextensor.host_memory import (
     ALIGN,
+    ARENA_MAX_BYTES,
     PageableProvider,
     ShmProvider,
     block_view,
     make_provider,
     pack_block,
     packed_stride,
+    plan_arenas,
 )
 from flextensor.loader import BlockLoader
 from flextensor.timing import TimingCollector
@@ -168,15 +170,79 @@ def test_engine_with_shm_host_blocks(namespace):
     assert same(reference(model, x), ref)
 
 
+MiB, GiB = 1 << 20, 1 << 30
+LAYER = 268_451_840  # one bench layer (hidden 4096, mlp_ratio 2, bf16): just over 256 MiB
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _arena_cost(sizes, groups, rounded: bool) -> int:
+    page = lambda n: (n + 4095) // 4096 * 4096  # noqa: E731
+    per = [sum(page(sizes[i]) for i in g) for g in groups]
+    return sum(_pow2(b) if rounded else b for b in per)
+
+
+def test_plan_arenas_power_of_two_beats_one_allocation_per_block():
+    sizes = [LAYER] * 16
+    groups = plan_arenas(sizes, power_of_two=True)
+    assert [i for g in groups for i in g] == list(range(16))  # consecutive, in order, each block once
+    assert all(_arena_cost(sizes, [g], False) <= ARENA_MAX_BYTES for g in groups)
+    per_block = 16 * _pow2(LAYER)  # what one pin_memory allocation per block page-locks: 8 GiB
+    assert per_block == 8 * GiB
+    assert _arena_cost(sizes, groups, True) == 5 * GiB  # [7, 7, 2] layers: 2 + 2 + 1 GiB
+    # never worse than one allocation per block, whatever the sizes
+    for sizes in ([3 * MiB, 5 * MiB, 1 * MiB], [700 * MiB] * 3 + [10 * MiB], [3 * GiB, 1 * MiB], [4096] * 50):
+        groups = plan_arenas(sizes, power_of_two=True)
+        assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+        assert _arena_cost(sizes, groups, True) <= sum(_pow2((s + 4095) // 4096 * 4096) for s in sizes)
+
+
+def test_plan_arenas_exact_fills_up_to_the_cap():
+    sizes = [300 * MiB] * 10
+    groups = plan_arenas(sizes, power_of_two=False, max_arena_bytes=1 * GiB)
+    assert [len(g) for g in groups] == [3, 3, 3, 1]
+    assert plan_arenas([3 * GiB, 1 * MiB], power_of_two=False, max_arena_bytes=GiB) == [[0], [1]]  # larger block alone
+    assert plan_arenas([], power_of_two=True) == []
+
+
+def test_arena_provider_carves_disjoint_page_aligned_blocks():
+    provider = PageableProvider(max_arena_bytes=64 * 1024)
+    sizes = [5000, 256, 40000, 70000, 3000]
+    provider.reserve(sizes)
+    blocks = [provider.allocate(i, n) for i, n in enumerate(sizes)]
+    provider.finish()
+    spans = sorted((b.tensor.data_ptr(), b.tensor.data_ptr() + b.tensor.numel()) for b in blocks)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # disjoint
+    assert all(b.tensor.numel() == n and b.tensor.storage_offset() % 4096 == 0 for b, n in zip(blocks, sizes))
+    assert len(provider.arena_bytes) == 3  # [5000, 256, 40000] | [70000] (over the cap, alone) | [3000]
+    for i, b in enumerate(blocks):
+        b.tensor.fill_(i + 1)
+    assert all(bool((b.tensor == i + 1).all()) for i, b in enumerate(blocks))
+    extra = provider.allocate(7, 100)  # not reserved: an arena of its own
+    assert extra.tensor.numel() == 100 and len(provider.arena_bytes) == 4
+    provider.close()
+    assert all(bool((b.tensor == i + 1).all()) for i, b in enumerate(blocks))  # views keep their arena alive
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["torch", "host_register"])
 def test_pinned_providers(mode):
     cfg = ft.OffloadConfig(pinned_memory=True, pinned_memory_mode=mode)
     provider = make_provider(cfg, torch.device("cuda", 0))
     assert provider.kind == mode
-    block = provider.allocate(0, 1 << 20)
-    assert block.tensor.is_pinned()
+    sizes = [1 << 20, 3 << 20, 5000]
+    provider.reserve(sizes)
+    blocks = [provider.allocate(i, n) for i, n in enumerate(sizes)]
+    assert len(provider.arena_bytes) == 1  # one arena, one pinned allocation / registration
+    if mode == "host_register":
+        assert not any(b.tensor.is_pinned() for b in blocks)  # registered once filled, at finish()
+    provider.finish()
+    assert all(b.tensor.is_pinned() for b in blocks)
     provider.close()
+    if mode == "host_register":
+        assert not any(b.tensor.is_pinned() for b in blocks)  # unregistered, still alive through the views
 
 
 @pytest.mark.cuda

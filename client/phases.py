@@ -1,0 +1,334 @@
+"""The phase machine of :class:`~flextensor.manager.OffloadManager`: passes, traps, profiling control.
+
+Kept apart from the manager's setup code because this is what runs on every forward pass: the patched root
+``forward`` opens and closes a *pass*; each trap's patched ``forward`` enters and leaves it. What happens there
+depends on the phase:
+
+- DISCOVERY: the :class:`~flextensor.traps.UsageRecorder` is active for the whole pass; each trap gets its
+  candidate weights on the device (:class:`~flextensor.traps.WarmLoader`) and is recorded as the user of every
+  parameter passed to a torch function while it runs. After ``discovery_iters`` passes, tensors used by several
+  traps or outside traps become resident (and leave the pinned staging, ``flextensor.staging``).
+- PROFILING: a trap's exclusive weights are put on the device, then its timing window opens (CUDA events or
+  ``perf_counter``), so copies are never timed. Suspended passes (``suspend_profiling``) record nothing and are
+  not counted. After the last counted pass, ``flextensor.inference.plan_inference`` plans and builds INFERENCE.
+- INFERENCE: the :class:`~flextensor.loader.BlockLoader` makes the trap's block resident and prefetches the next.
+
+:class:`PhaseMixin` holds only behaviour; the state it works on is created by ``OffloadManager._reset``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from flextensor.traps import OUTSIDE, Trap
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.config import OffloadConfig
+    from flextensor.loader import BlockLoader
+    from flextensor.staging import PinnedStaging
+    from flextensor.state import ModelTensor
+    from flextensor.timing import TimingCollector
+    from flextensor.traps import UsageRecorder, WarmLoader
+
+__all__ = ["Phase", "PhaseMixin"]
+
+logger = logging.getLogger("flextensor.manager")
+
+
+class Phase(enum.Enum):
+    DISCOVERY = "discovery"
+    PROFILING = "profiling"
+    INFERENCE = "inference"
+
+
+class PhaseMixin:
+    """Pass and trap handling plus the profiling controls of ``OffloadManager`` (see the module docstring)."""
+
+    # State owned by OffloadManager._reset (declared for readers and type checkers).
+    name: str
+    model: nn.Module | None
+    config: "OffloadConfig | None"
+    _phase: Phase | None
+    _iteration: int
+    _suspend: int
+    _traps: dict[str, Trap]
+    _tensors: dict[str, "ModelTensor"]
+    _shared: set[str]
+    _exclusive: dict[str, list[str]]
+    _recorder: "UsageRecorder | None"
+    _warm: "WarmLoader"
+    _staging: "PinnedStaging"
+    _sequence: list[str]
+    _pass_sequence: list[str]
+    _pass_spans: list[tuple[str, Any]]
+    _durations: dict[str, list[float]]
+    _loader: "BlockLoader | None"
+    _block_of: dict[str, int]
+    _timing: "TimingCollector | None"
+    _clock: "TimingCollector | None"
+    _active: Trap | None
+    _active_phase: Phase | None
+    _open_span: Any
+    _depth: int
+    _root_previous: Any
+    _root_had_forward: bool
+
+    if TYPE_CHECKING:  # pragma: no cover - provided by OffloadManager
+        def _check_thread(self) -> None: ...
+        def _config(self) -> "OffloadConfig": ...
+        def _to_device(self, entry: "ModelTensor") -> None: ...
+        @property
+        def enabled(self) -> bool: ...
+        @property
+        def iters_before_inference(self) -> int: ...
+
+    # ------------------------------------------------------------------------------------------------ root forward
+    def _install_root(self, model: nn.Module) -> None:
+        self._root_had_forward = "forward" in model.__dict__
+        self._root_previous = model.__dict__.get("forward")
+        original = model.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return original(*args, **kwargs)
+            self._check_thread()
+            self._depth = 1
+            self._begin_pass()
+            ok = False
+            try:
+                out = original(*args, **kwargs)
+                ok = True
+                return out
+            finally:
+                self._depth = 0
+                self._end_pass(ok)
+
+        model.forward = forward
+
+    def _uninstall_root(self) -> None:
+        model = self.model
+        if model is None:
+            return
+        if self._root_had_forward:
+            model.forward = self._root_previous
+        else:
+            model.__dict__.pop("forward", None)
+
+    # ------------------------------------------------------------------------------------------------ passes
+    def _begin_pass(self) -> None:
+        self._pass_sequence = []
+        self._pass_spans = []
+        if self._phase is Phase.DISCOVERY and self._recorder is not None:
+            self._recorder.current = OUTSIDE
+            self._recorder.__enter__()
+        elif self._phase is Phase.INFERENCE and self._timing is not None:
+            self._timing.begin_pass()
+
+    def _end_pass(self, ok: bool) -> None:
+        phase = self._phase
+        if self._active is not None:  # an exception escaped a trap without its exit (should not happen)
+            self._active = None
+            self._warm.unload()
+        if phase is Phase.DISCOVERY:
+            if self._recorder is not None:
+                self._recorder.__exit__(None, None, None)
+                self._recorder.clear_copies()
+            if ok:
+                self._sequence = list(self._pass_sequence)
+                self._iteration += 1
+                if self._iteration >= self._config().discovery_iters:
+                    self._finish_discovery()
+        elif phase is Phase.PROFILING:
+            if not ok or self._suspend:
+                return
+            sums: dict[str, float] = {}
+            for label, span in self._pass_spans:
+                sums[label] = sums.get(label, 0.0) + span.ms() / 1e3
+            for label, seconds in sums.items():
+                self._durations.setdefault(label, []).append(seconds)
+            self._sequence = list(self._pass_sequence)
+            self._iteration += 1
+            if self._iteration >= self.iters_before_inference:
+                self._start_inference()
+        elif phase is Phase.INFERENCE and self._timing is not None:
+            self._timing.end_pass()
+
+    def _finish_discovery(self) -> None:
+        """Decide which candidates each trap may offload: used by that trap alone (and never outside traps)."""
+        assert self._recorder is not None
+        usage = self._recorder.usage
+        owned = {n for t in self._traps.values() for n in t.candidates}
+        exclusive: dict[str, list[str]] = {}
+        for label, trap in self._traps.items():
+            if trap.kind == "module":
+                names = [n for n in trap.candidates
+                         if n not in self._shared and usage.get(n, {label}) <= {label}]
+            else:
+                names = [n for n, users in usage.items()
+                         if users == {label} and n not in owned and self._tensors[n].kind == "parameter"]
+            exclusive[label] = names
+        keep = {n for names in exclusive.values() for n in names}
+        for name in owned - keep:
+            self._to_device(self._tensors[name])
+        self._staging.release(owned - keep)  # their host copies are no longer read by the warm-up
+        self._exclusive = exclusive
+        self._recorder = None
+        self._phase = Phase.PROFILING
+        logger.debug("manager %r: discovery done, %d offloadable tensors in %d traps", self.name, len(keep),
+                     len(exclusive))
+
+    def _start_inference(self) -> None:
+        from flextensor.inference import plan_inference
+
+        plan_inference(self)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------------------------------------ traps
+    def _tensor_objs(self, names: Sequence[str]) -> list[torch.Tensor]:
+        return [self._tensors[n].tensor for n in names]
+
+    def _trap_enter(self, trap: Trap) -> None:
+        if self._active is not None:
+            raise RuntimeError(
+                f"trap {trap.label!r} entered while trap {self._active.label!r} is running: traps cannot nest (an "
+                "offload_block around a patched module, or a trap module called from inside another trap); change "
+                "include_patterns or where offload_block is used"
+            )
+        phase = self._phase
+        self._active, self._active_phase = trap, phase
+        try:
+            if phase is Phase.DISCOVERY:
+                rec = self._recorder
+                if rec is not None:
+                    rec.enabled = False
+                self._warm.load(self._tensor_objs(trap.candidates))
+                self._pass_sequence.append(trap.label)
+                if rec is not None:
+                    rec.current = trap.label
+                    rec.clear_copies()
+                    rec.enabled = True
+            elif phase is Phase.PROFILING:
+                self._warm.load(self._tensor_objs(self._exclusive.get(trap.label, ())))
+                if not self._suspend:
+                    self._pass_sequence.append(trap.label)
+                    assert self._clock is not None
+                    self._open_span = self._clock.start_span()
+            elif phase is Phase.INFERENCE:
+                timing = self._timing
+                if timing is not None:
+                    timing.begin_trap(trap.label)
+                block = self._block_of.get(trap.label)
+                if block is not None:
+                    assert self._loader is not None
+                    self._loader.enter(block)
+                if timing is not None:
+                    timing.start_compute()
+        except BaseException:
+            self._warm.unload()
+            self._active = None
+            raise
+
+    def _trap_exit(self, trap: Trap) -> None:
+        if self._active is not trap:
+            return
+        phase = self._active_phase
+        try:
+            if phase is Phase.DISCOVERY:
+                rec = self._recorder
+                if rec is not None:
+                    rec.enabled = False
+                self._warm.unload()
+                if rec is not None:
+                    rec.current = OUTSIDE
+                    rec.clear_copies()
+                    rec.enabled = True
+            elif phase is Phase.PROFILING:
+                if self._open_span is not None:
+                    assert self._clock is not None
+                    self._clock.end_span(self._open_span)
+                    self._pass_spans.append((trap.label, self._open_span))
+                    self._open_span = None
+                self._warm.unload()
+            elif phase is Phase.INFERENCE:
+                if self._timing is not None:
+                    self._timing.end_trap()
+                block = self._block_of.get(trap.label)
+                if block is not None and self._loader is not None:
+                    self._loader.exit(block)
+        finally:
+            self._active = None
+
+    @contextmanager
+    def offload_block(self, block_name: str) -> Iterator[None]:
+        """A manual trap around arbitrary code (its exclusive parameters are found during DISCOVERY)."""
+        self._check_thread()
+        if self.config is not None and not self.config.enabled:
+            yield
+            return
+        if self.config is not None and self.config.skip_discovery:
+            raise RuntimeError(
+                f"offload_block({block_name!r}) needs DISCOVERY to learn which tensors the block uses, but "
+                "skip_discovery=True; set skip_discovery=False"
+            )
+        if self.model is None:
+            # No model offloaded (yet): the block is plain code, so a model with offload_block markers still
+            # runs unmodified (reference runs, enabled=False deployments).
+            yield
+            return
+        if not isinstance(block_name, str) or not block_name:
+            raise ValueError(f"offload_block needs a non-empty block name, got {block_name!r}")
+        trap = self._traps.get(block_name)
+        if trap is None:
+            trap = Trap(block_name, None, [], kind="block")
+            self._traps[block_name] = trap
+        elif trap.kind != "block":
+            raise ValueError(f"offload_block({block_name!r}) clashes with the module trap of the same label; rename the block")
+        self._trap_enter(trap)
+        try:
+            yield
+        finally:
+            self._trap_exit(trap)
+
+    # ------------------------------------------------------------------------------------------------ profiling control
+    def suspend_profiling(self) -> None:
+        """Reference-counted: PROFILING passes record nothing and are not counted while suspended."""
+        self._check_thread()
+        if self.enabled:
+            self._suspend += 1
+
+    def resume_profiling(self) -> None:
+        self._check_thread()
+        if not self.enabled:
+            return
+        if self._suspend == 0:
+            raise RuntimeError(f"resume_profiling() on manager {self.name!r} without a matching suspend_profiling()")
+        self._suspend -= 1
+
+    @contextmanager
+    def pause_profiling(self) -> Iterator[None]:
+        self.suspend_profiling()
+        try:
+            yield
+        finally:
+            self.resume_profiling()
+
+    @property
+    def profiling_suspended(self) -> bool:
+        return self._suspend > 0
+
+    def clear_profiling_durations(self) -> None:
+        """Drop every duration sample so far (discovery mappings are kept)."""
+        self._check_thread()
+        self._durations.clear()
+
+    @property
+    def profiling_durations(self) -> dict[str, list[float]]:
+        """Per-trap compute seconds of each counted PROFILING pass (copy)."""
+        return {k: list(v) for k, v in self._durations.items()}

@@ -1,0 +1,314 @@
+"""Pinned staging: the warm-up sources (the offload candidates' own CPU storages) page-locked in place.
+
+Why
+---
+During DISCOVERY and PROFILING every pass copies each trap's offloadable weights to the device
+(:class:`~flextensor.traps.WarmLoader`). From pageable memory the driver bounces each copy through a small
+pinned buffer of its own: ~7-9 GB/s on an H200 host, and the host thread waits for it. From page-locked memory
+the copy is a direct DMA (~55 GB/s there) and can be queued (``non_blocking=True``) behind the compute already
+in the stream. Registering the storages the weights already live in (``cudaHostRegister``, ~37 ms/GiB) costs
+less than one pageable pass and needs no second copy of the model in host RAM.
+
+Lifecycle (driven by the manager; see ``flextensor.manager``)
+-------------------------------------------------------------
+- ``offload()`` calls :meth:`PinnedStaging.stage` with the candidates still on the CPU. Every distinct storage is
+  registered once with its exact byte extent (``storage.nbytes()``). Storages that are already page-locked
+  (PyTorch's pinned allocator, a pinned SHM segment) are skipped: they are not ours to unregister. Storages that
+  overlap in memory (two storage objects over the same bytes, e.g. ``torch.frombuffer``) are merged into one
+  region, because the driver refuses to register a byte twice. If any registration fails, what was registered
+  is undone and the warm-up copies come from pageable memory, with ONE warning.
+- A region keeps a reference to its storages, so their memory can neither be freed nor handed to another
+  allocation while the driver still has the pages locked.
+- :meth:`PinnedStaging.release` drops tensor names the warm-up no longer copies (tensors made resident at the end
+  of DISCOVERY; each trap's tensors once its host block is filled at the switch to INFERENCE); a region is
+  unregistered when its last name is released. :meth:`release_all` unregisters the rest (end of the INFERENCE
+  build, ``release()``, teardown after an error). A region leaves the table *before* it is unregistered, so it
+  can never be unregistered twice, even when the call fails.
+- Before unregistering, the device is synchronized once per call: a queued ``non_blocking`` warm-up copy may
+  still be reading the region. This happens at phase switches and teardown only, never on the hot path.
+
+On a CPU compute device, or with ``pinned_memory=False``, nothing is staged (:meth:`wanted` is False) and the
+warm-up code path is exactly the pageable one.
+
+CUDA error state
+----------------
+A failed ``cudaHostRegister`` leaves its code in the CUDA runtime's per-thread "last error"; PyTorch reads (and
+raises) that slot after its next kernel launch, far from the cause. :func:`clear_cuda_error` resets it after
+every failure handled here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+__all__ = [
+    "PinnedStaging",
+    "StagedRegion",
+    "plan_regions",
+    "clear_cuda_error",
+    "register_in_place",
+    "unregister_in_place",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StagedRegion:
+    """One registered byte range: the storages it covers (kept alive) and the tensor names still using it."""
+
+    ptr: int
+    nbytes: int
+    storages: list[Any] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
+
+    @property
+    def end(self) -> int:
+        return self.ptr + self.nbytes
+
+
+def _storage_is_pinned(storage: Any) -> bool:
+    try:
+        return bool(storage.is_pinned())
+    except (RuntimeError, AssertionError):  # no usable CUDA: nothing can be pinned
+        return False
+
+
+def plan_regions(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    is_pinned: Callable[[Any], bool] = _storage_is_pinned,
+) -> list[StagedRegion]:
+    """The byte ranges to register for ``tensors`` (name -> tensor), sorted by address.
+
+    One region per distinct CPU storage (exact ``nbytes``); empty storages, non-CPU tensors and storages that are
+    already page-locked are left out; storages whose bytes overlap are merged into one region.
+    """
+    by_ptr: dict[int, StagedRegion] = {}
+    for name, tensor in tensors.items():
+        if tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        ptr, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+        if ptr == 0 or nbytes == 0:
+            continue
+        region = by_ptr.get(ptr)
+        if region is None:
+            region = by_ptr[ptr] = StagedRegion(ptr, nbytes)
+        region.nbytes = max(region.nbytes, nbytes)
+        region.storages.append(storage)
+        region.names.add(name)
+    candidates = sorted((r for r in by_ptr.values() if not is_pinned(r.storages[0])), key=lambda r: r.ptr)
+    merged: list[StagedRegion] = []
+    for region in candidates:
+        last = merged[-1] if merged else None
+        if last is not None and region.ptr < last.end:
+            last.nbytes = max(last.end, region.end) - last.ptr
+            last.storages.extend(region.storages)
+            last.names |= region.names
+        else:
+            merged.append(region)
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA glue
+_cudart_lib: Any = None
+
+
+def _loaded_cudart() -> Any:
+    """The CUDA runtime library this process already loaded (PyTorch's), through ctypes; None if not found."""
+    global _cudart_lib
+    if _cudart_lib is None:
+        _cudart_lib = False
+        try:
+            with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+                paths = {line.split()[-1] for line in fh if "libcudart" in line and "/" in line}
+            for path in sorted(paths):
+                try:
+                    lib = ctypes.CDLL(path)
+                    lib.cudaGetLastError.restype = ctypes.c_int
+                    _cudart_lib = lib
+                    break
+                except (OSError, AttributeError):
+                    continue
+        except OSError:
+            pass
+    return _cudart_lib or None
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's per-thread last error after a failure we handled (best effort, see above)."""
+    lib = _loaded_cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
+
+
+def _default_register(ptr: int, nbytes: int) -> None:
+    from flextensor.shm.pinning import host_register
+
+    host_register(ptr, nbytes)
+
+
+def _default_unregister(ptr: int) -> None:
+    from flextensor.shm.pinning import host_unregister
+
+    host_unregister(ptr)
+
+
+def register_in_place(tensor: torch.Tensor) -> bool:
+    """Page-lock a CPU tensor's storage in place; False (CUDA error state cleared) when that is not possible.
+
+    For short-lived buffers (the transfer sweep): exact size, none of the pinned allocator's power-of-two
+    rounding, and nothing left in PyTorch's pinned cache afterwards. Undo with :func:`unregister_in_place`.
+    """
+    from flextensor.shm.pinning import cudart_available
+
+    if not cudart_available() or tensor.numel() == 0:
+        return False
+    storage = tensor.untyped_storage()
+    try:
+        _default_register(int(storage.data_ptr()), int(storage.nbytes()))
+    except (RuntimeError, ValueError) as exc:
+        clear_cuda_error()
+        logger.debug("could not register %d bytes in place: %s", storage.nbytes(), exc)
+        return False
+    return True
+
+
+def unregister_in_place(tensor: torch.Tensor) -> None:
+    try:
+        _default_unregister(int(tensor.untyped_storage().data_ptr()))
+    except RuntimeError as exc:
+        clear_cuda_error()
+        logger.warning("could not unregister a temporary pinned buffer: %s", exc)
+
+
+# ---------------------------------------------------------------------------------------------------- staging
+class PinnedStaging:
+    """The registered warm-up regions of one manager (see the module docstring).
+
+    ``register``/``unregister``/``synchronize`` default to ``flextensor.shm.pinning`` and
+    ``torch.cuda.synchronize``, and ``policy`` (``(config, device) -> bool``, whether to stage at all) to
+    :meth:`default_policy`; they are parameters so the bookkeeping can be checked on hosts without CUDA.
+    """
+
+    def __init__(
+        self,
+        *,
+        register: Callable[[int, int], None] | None = None,
+        unregister: Callable[[int], None] | None = None,
+        synchronize: Callable[[], None] | None = None,
+        is_pinned: Callable[[Any], bool] = _storage_is_pinned,
+        policy: Callable[[Any, torch.device], bool] | None = None,
+    ) -> None:
+        self._policy = policy or self.default_policy
+        self._register = register or _default_register
+        self._unregister = unregister or _default_unregister
+        self._synchronize = synchronize
+        self._is_pinned = is_pinned
+        self._device: torch.device | None = None
+        self._regions: dict[int, StagedRegion] = {}  # by start address (unique once overlaps are merged)
+        self._region_of: dict[str, StagedRegion] = {}
+        self.failed = False
+
+    @staticmethod
+    def default_policy(config: Any, device: torch.device) -> bool:
+        """Staging applies when copies go to a CUDA device and the config asks for pinned memory."""
+        return device.type == "cuda" and bool(getattr(config, "pinned_memory", False))
+
+    def wanted(self, config: Any, device: torch.device) -> bool:
+        return bool(self._policy(config, device))
+
+    @property
+    def active(self) -> bool:
+        """True while at least one region is registered (warm-up copies may then be ``non_blocking``)."""
+        return bool(self._regions)
+
+    @property
+    def regions(self) -> list[tuple[int, int]]:
+        """``(ptr, nbytes)`` of every region registered now."""
+        return [(r.ptr, r.nbytes) for r in self._regions.values()]
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(r.nbytes for r in self._regions.values())
+
+    def stage(self, tensors: Mapping[str, torch.Tensor], device: torch.device) -> int:
+        """Register the storages of ``tensors`` (name -> tensor); returns the bytes registered (0 on fallback)."""
+        if self._regions:
+            raise RuntimeError("PinnedStaging.stage called twice; release_all() first")
+        self._device = device
+        self.failed = False
+        regions = plan_regions(tensors, is_pinned=self._is_pinned)
+        done: list[StagedRegion] = []
+        try:
+            for region in regions:
+                self._register(region.ptr, region.nbytes)
+                done.append(region)
+        except (RuntimeError, ValueError, OSError) as exc:
+            clear_cuda_error()
+            self.failed = True
+            for region in done:
+                self._unregister_one(region)
+            total = sum(r.nbytes for r in regions)
+            logger.warning(
+                "pinned staging of the warm-up weights failed (%s); DISCOVERY/PROFILING passes copy them from "
+                "pageable memory instead (%d bytes in %d regions, slower). Raise RLIMIT_MEMLOCK (`ulimit -l "
+                "unlimited`) or pass weights that are already pinned to avoid this", exc, total, len(regions))
+            return 0
+        self._regions = {region.ptr: region for region in done}
+        self._region_of = {name: region for region in done for name in region.names}
+        if done:
+            logger.debug("staged %d bytes of warm-up weights in %d pinned regions", self.registered_bytes, len(done))
+        return self.registered_bytes
+
+    def release(self, names: Iterable[str]) -> int:
+        """Drop ``names``; unregister every region left without names. Returns the number unregistered."""
+        freed: list[StagedRegion] = []
+        for name in names:
+            region = self._region_of.pop(name, None)
+            if region is None:
+                continue
+            region.names.discard(name)
+            if not region.names:
+                freed.append(region)
+        return self._unregister_regions(freed)
+
+    def release_all(self) -> int:
+        """Unregister every region still registered (idempotent). Returns the number unregistered."""
+        self._region_of.clear()
+        return self._unregister_regions(list(self._regions.values()))
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _unregister_regions(self, regions: list[StagedRegion]) -> int:
+        regions = [r for r in regions if self._regions.get(r.ptr) is r]
+        if not regions:
+            return 0
+        self._sync()
+        for region in regions:
+            del self._regions[region.ptr]  # out of the table first: never unregistered twice
+            self._unregister_one(region)
+        return len(regions)
+
+    def _unregister_one(self, region: StagedRegion) -> None:
+        try:
+            self._unregister(region.ptr)
+        except RuntimeError as exc:  # teardown must go on; the pages are unlocked at process exit at the latest
+            clear_cuda_error()
+            logger.warning("could not unregister staged warm-up region at %#x (%d bytes): %s", region.ptr,
+                           region.nbytes, exc)
+        region.storages.clear()  # only now may the memory be freed
+
+    def _sync(self) -> None:
+        if self._synchronize is not None:
+            self._synchronize()
+        elif self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def __repr__(self) -> str:
+        return f"PinnedStaging(regions={len(self._regions)}, bytes={self.registered_bytes}, failed={self.failed})"

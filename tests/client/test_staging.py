@@ -1,0 +1,328 @@
+"""Pinned staging of the warm-up weights (flextensor.staging) and its lifecycle inside the engine.
+
+On the CPU: region planning (distinct storages, views, overlaps, already-pinned, empty), the exactly-once
+bookkeeping with a recording stand-in for cudart, the engine's lifecycle hooks (staged at offload, released after
+DISCOVERY for tensors made resident, per block at the INFERENCE build, at release), and that the real policy stages
+nothing without CUDA while outputs stay exactly equal. On the GPU (@pytest.mark.cuda): real registrations seen
+through ``is_pinned()`` on views of the original storages, the pageable fallback on a registration failure, and
+weights that were already pinned.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor as ft
+from flextensor.phases import Phase
+from flextensor.staging import PinnedStaging, plan_regions
+from tests.client.models import (
+    DEVICE,
+    cpu_config,
+    mlp_stack,
+    reference,
+    release_managers,  # noqa: F401  (autouse fixture)
+    same,
+    snapshot,
+    tiny_transformer,
+    token_ids,
+)
+
+ALL = ft.NthLayerStrategy(1)
+
+
+class FakeCudart:
+    """Records register/unregister/synchronize calls in order; optionally fails the n-th call of a kind."""
+
+    def __init__(self, fail_register_at: int | None = None, fail_unregister: set[int] | None = None) -> None:
+        self.calls: list[tuple] = []
+        self.live: dict[int, int] = {}
+        self.fail_register_at = fail_register_at
+        self.fail_unregister = fail_unregister or set()
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        if self.fail_register_at is not None and len(self.registers) + 1 == self.fail_register_at:
+            raise RuntimeError("cudaHostRegister failed: cudaErrorMemoryAllocation (2)")
+        assert ptr not in self.live, "registered twice"
+        self.calls.append(("register", ptr, nbytes))
+        self.live[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        assert ptr in self.live, f"unregister of {ptr:#x}, which is not registered (twice?)"
+        del self.live[ptr]
+        self.calls.append(("unregister", ptr))
+        if ptr in self.fail_unregister:
+            raise RuntimeError("cudaHostUnregister failed")
+
+    def synchronize(self) -> None:
+        self.calls.append(("sync",))
+
+    @property
+    def registers(self) -> list[tuple]:
+        return [c for c in self.calls if c[0] == "register"]
+
+    @property
+    def unregisters(self) -> list[int]:
+        return [c[1] for c in self.calls if c[0] == "unregister"]
+
+    def staging(self, **kwargs) -> PinnedStaging:
+        return PinnedStaging(register=self.register, unregister=self.unregister, synchronize=self.synchronize,
+                             is_pinned=lambda s: False, **kwargs)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------------- planning
+def test_plan_regions_dedupes_views_merges_overlaps_and_skips():
+    a = torch.randn(10)
+    view = a[2:5]
+    pinned = torch.randn(3)
+    buf = bytearray(4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f1 = torch.frombuffer(buf, dtype=torch.uint8, count=1000, offset=0)
+        f2 = torch.frombuffer(buf, dtype=torch.uint8, count=1000, offset=500)  # another storage, same bytes
+    tensors = {"a": a, "view": view, "pinned": pinned, "f1": f1, "f2": f2, "empty": torch.empty(0),
+               "meta": torch.empty(3, device="meta")}
+    regions = plan_regions(tensors, is_pinned=lambda s: s.data_ptr() == _ptr(pinned))
+    by_names = {frozenset(r.names): r for r in regions}
+    assert set(by_names) == {frozenset({"a", "view"}), frozenset({"f1", "f2"})}
+    ra, rf = by_names[frozenset({"a", "view"})], by_names[frozenset({"f1", "f2"})]
+    assert (ra.ptr, ra.nbytes) == (_ptr(a), 40)  # the whole storage, exactly
+    assert (rf.ptr, rf.nbytes) == (_ptr(f1), 1500)  # [0, 1000) and [500, 1500) merged
+    assert [r.ptr for r in regions] == sorted(r.ptr for r in regions)
+
+
+# ---------------------------------------------------------------------------------------------------- bookkeeping
+def test_staging_release_by_name_then_all_exactly_once():
+    fake = FakeCudart()
+    staging = fake.staging()
+    x, y = torch.randn(8), torch.randn(4)
+    staged = staging.stage({"x": x, "x_view": x[1:3], "y": y}, torch.device("cpu"))
+    assert staged == 32 + 16 and staging.active and not staging.failed
+    assert sorted(p for _, p, _ in fake.registers) == sorted([_ptr(x), _ptr(y)])
+    assert staging.release(["x"]) == 0  # "x_view" still uses the region
+    assert staging.release(["x_view", "x_view", "unknown"]) == 1
+    assert fake.calls[-2:] == [("sync",), ("unregister", _ptr(x))]  # synchronized before unregistering
+    assert staging.regions == [(_ptr(y), 16)]
+    assert staging.release_all() == 1 and staging.release_all() == 0
+    assert staging.release(["y"]) == 0
+    assert sorted(fake.unregisters) == sorted([_ptr(x), _ptr(y)]) and not fake.live
+    assert not staging.active and staging.registered_bytes == 0
+    assert staging.stage({"x": x}, torch.device("cpu")) == 32  # usable again after release_all
+    with pytest.raises(RuntimeError, match="twice"):
+        staging.stage({"y": y}, torch.device("cpu"))
+    staging.release_all()
+    assert not fake.live
+
+
+def test_staging_registration_failure_undoes_and_warns_once(caplog):
+    fake = FakeCudart(fail_register_at=2)
+    staging = fake.staging()
+    tensors = {f"t{i}": torch.randn(4) for i in range(3)}
+    with caplog.at_level(logging.WARNING, logger="flextensor"):
+        assert staging.stage(tensors, torch.device("cpu")) == 0
+    warnings_ = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings_) == 1 and "pageable" in warnings_[0].getMessage()
+    assert staging.failed and not staging.active
+    assert len(fake.registers) == 1 and fake.unregisters == [fake.registers[0][1]] and not fake.live
+    assert staging.release_all() == 0 and len(fake.unregisters) == 1
+
+
+def test_staging_unregister_failure_is_not_retried(caplog):
+    x, y = torch.randn(4), torch.randn(4)
+    fake = FakeCudart(fail_unregister={_ptr(x)})
+    staging = fake.staging()
+    staging.stage({"x": x, "y": y}, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="flextensor"):
+        assert staging.release_all() == 2
+    assert "could not unregister" in caplog.text
+    assert sorted(fake.unregisters) == sorted([_ptr(x), _ptr(y)])
+    assert staging.release_all() == 0 and len(fake.unregisters) == 2
+
+
+def test_default_policy_needs_cuda_and_pinned_memory():
+    cfg = cpu_config()
+    assert not PinnedStaging.default_policy(cfg, torch.device("cpu"))
+    assert not PinnedStaging.default_policy(ft.OffloadConfig(enabled=False), torch.device("cpu"))
+    assert not PinnedStaging.default_policy(cfg, torch.device("cuda", 0))  # pinned_memory=False
+    assert PinnedStaging.default_policy(ft.OffloadConfig(enabled=False, pinned_memory=True), torch.device("cuda", 0))
+
+
+# ----------------------------------------------------------------------------------------------- in the engine (CPU)
+def _param_ptrs(model: nn.Module, prefix: str = "") -> dict[str, int]:
+    return {n: _ptr(p) for n, p in model.named_parameters() if n.startswith(prefix)}
+
+
+def test_engine_without_cuda_stages_nothing_and_is_exact():
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
+    om = ft.get_offload_manager()
+    if DEVICE.type == "cpu":
+        assert om._staging.regions == [] and not om._staging.failed and not om._warm.non_blocking
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + 2):
+            assert same(model(x), ref)
+    assert om.phase is Phase.INFERENCE and om._staging.regions == []
+
+
+def test_engine_staging_lifecycle_with_recorded_cudart():
+    """The manager's hooks: staged at offload, per block at the INFERENCE build, exactly once each."""
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    ptrs = _param_ptrs(model)
+    fake = FakeCudart()
+    om = ft.get_offload_manager()
+    om._staging = fake.staging(policy=lambda cfg, dev: True)
+    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
+    assert sorted(p for _, p, _ in fake.registers) == sorted(ptrs.values())
+    assert om._warm.non_blocking
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference - 1):
+            assert same(model(x), ref)
+        assert om.phase is Phase.PROFILING and len(fake.unregisters) == 0
+        assert same(model(x), ref)  # the last PROFILING pass builds INFERENCE
+    assert om.phase is Phase.INFERENCE
+    assert sorted(fake.unregisters) == sorted(ptrs.values()) and not fake.live
+    first_sync = fake.calls.index(("sync",))
+    assert all(c[0] != "unregister" for c in fake.calls[:first_sync])
+    with torch.no_grad():
+        assert same(model(x), ref)
+    ft.release()
+    assert len(fake.unregisters) == len(ptrs)  # nothing unregistered twice
+    assert same(reference(model, x), ref)
+
+
+def test_engine_staging_released_early_for_resident_tensors_and_at_release():
+    """Tensors made resident by DISCOVERY leave the staging then; an early release() unregisters the rest."""
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    before = snapshot(model)
+    blocks_list = _param_ptrs(model, "blocks.")  # "blocks" (ModuleList) is a trap but its tensors are used outside
+    fake = FakeCudart()
+    om = ft.get_offload_manager()
+    om._staging = fake.staging(policy=lambda cfg, dev: True)
+    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=3))
+    registered = {p for _, p, _ in fake.registers}
+    assert set(blocks_list.values()) <= registered
+    assert _ptr(model.embed.weight) not in registered  # tied: used by two traps, resident from the start
+    with torch.no_grad():
+        assert same(model(ids), ref)  # the DISCOVERY pass
+    assert om.phase is Phase.PROFILING
+    assert set(fake.unregisters) == set(blocks_list.values())
+    with torch.no_grad():
+        assert same(model(ids), ref)
+    ft.release()
+    assert sorted(fake.unregisters) == sorted(registered) and not fake.live
+    after = snapshot(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA
+def _cuda_model_and_ref(dtype=torch.bfloat16):
+    model = tiny_transformer().to(dtype)
+    ids = token_ids().cuda()
+    with torch.no_grad():
+        ref = model.cuda()(ids).float()
+    model.cpu()
+    return model, ids, ref
+
+
+def _cuda_cfg(**kwargs) -> ft.OffloadConfig:
+    kwargs.setdefault("include_patterns", ["class:DecoderBlock"])
+    kwargs.setdefault("profiling_iters", 2)
+    return ft.OffloadConfig(pinned_memory=True, load_strategy=ALL, num_blocks=2, min_blocks=2, **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["torch", "host_register"])
+def test_cuda_staged_during_warmup_unregistered_at_inference(mode):
+    model, ids, ref = _cuda_model_and_ref()
+    host = {n: p.data for n, p in model.named_parameters() if n.startswith("blocks.")}  # views of the originals
+    ft.offload(model, _cuda_cfg(pinned_memory_mode=mode))
+    om = ft.get_offload_manager()
+    assert om._staging.active and om._warm.non_blocking
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in host.values()}
+    assert om._staging.registered_bytes == sum(storages.values())  # exact bytes of each distinct storage
+    with torch.no_grad():
+        while om.phase is not Phase.INFERENCE:
+            assert all(t.is_pinned() for t in host.values()), "staged storages must stay pinned during warm-up"
+            torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
+        assert om._staging.regions == []
+        assert not any(t.is_pinned() for t in host.values()), "staging must be unregistered once INFERENCE runs"
+        assert all(b.tensor.is_pinned() for b in om._host_blocks)
+        for _ in range(2):
+            torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
+    ft.release()
+    assert not any(t.is_pinned() for t in host.values())
+    with torch.no_grad():
+        torch.testing.assert_close(model.cuda()(ids).float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_cuda_release_during_warmup_unregisters_and_keeps_weights():
+    model, ids, ref = _cuda_model_and_ref()
+    before = snapshot(model)
+    host = {n: p.data for n, p in model.named_parameters() if n.startswith("blocks.")}
+    ft.offload(model, _cuda_cfg(profiling_iters=3))
+    om = ft.get_offload_manager()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
+    assert om.phase is not Phase.INFERENCE and all(t.is_pinned() for t in host.values())
+    ft.release()
+    assert not any(t.is_pinned() for t in host.values())
+    after = snapshot(model)
+    assert all(after[k].device.type == "cpu" and torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.cuda
+def test_cuda_already_pinned_weights_are_not_registered_or_unregistered():
+    model, ids, ref = _cuda_model_and_ref()
+    for name, p in model.named_parameters():
+        if name.startswith("blocks."):
+            p.data = p.data.pin_memory()
+    host = {n: p.data for n, p in model.named_parameters() if n.startswith("blocks.")}
+    ft.offload(model, _cuda_cfg())
+    om = ft.get_offload_manager()
+    assert om._staging.regions == [] and not om._staging.failed and om._warm.non_blocking
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + 1):
+            torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
+    assert all(t.is_pinned() for t in host.values())  # torch's pinned memory: never ours to unregister
+
+
+@pytest.mark.cuda
+def test_cuda_registration_failure_falls_back_to_pageable(tmp_path, caplog):
+    """A read-only mapping cannot be registered without cudaHostRegisterReadOnly: staging must fall back."""
+    model, ids, ref = _cuda_model_and_ref(torch.float32)
+    weight = model.blocks[0].down.weight
+    path = tmp_path / "w.bin"
+    path.write_bytes(weight.detach().numpy().tobytes())
+    with open(path, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the given buffer is not writable"
+        readonly = torch.frombuffer(mapped, dtype=torch.float32).view(weight.shape)
+    weight.data = readonly
+    with caplog.at_level(logging.WARNING, logger="flextensor"):
+        ft.offload(model, _cuda_cfg())
+    om = ft.get_offload_manager()
+    assert om._staging.failed and om._staging.regions == [] and not om._warm.non_blocking
+    assert len([r for r in caplog.records if "pinned staging" in r.getMessage()]) == 1
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + 2):  # and no stale CUDA error surfaces in later kernels
+            torch.testing.assert_close(model(ids).float(), ref, atol=1e-4, rtol=1e-4)
+    assert om.phase is Phase.INFERENCE
+    ft.release()
+    del weight, readonly
