@@ -235,7 +235,12 @@ def test_pinned_providers(mode):
     sizes = [1 << 20, 3 << 20, 5000]
     provider.reserve(sizes)
     blocks = [provider.allocate(i, n) for i, n in enumerate(sizes)]
-    assert len(provider.arena_bytes) == 1  # one arena, one pinned allocation / registration
+    if mode == "host_register":
+        assert len(provider.arena_bytes) == 1  # one arena, one registration
+    else:
+        # PyTorch's pinned allocator rounds each allocation up to a power of two: one 4 MiB + 5000 B arena
+        # would cost 8 MiB, so the small block gets an arena of its own (4 MiB + 8 KiB in all)
+        assert len(provider.arena_bytes) == 2 and sum(provider.arena_bytes) < 8 << 20
     if mode == "host_register":
         assert not any(b.tensor.is_pinned() for b in blocks)  # registered once filled, at finish()
     provider.finish()
