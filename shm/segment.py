@@ -3,15 +3,18 @@
 Life of a segment
 -----------------
 ``create`` makes the name exclusively (``O_CREAT|O_EXCL`` through posix_ipc), fixes the mode with ``fchmod``
-(``shm_open`` honours the umask, we want the mode asked for), sizes it with ``ftruncate`` and allocates its
-pages with ``posix_fallocate``.  On tmpfs the last step is what actually reserves memory: without it a full
-``/dev/shm`` would surface much later as a SIGBUS on first touch, in whichever process happened to write
-there.  With it, a full ``/dev/shm`` is an ``ENOSPC`` here, turned into :class:`ShmSpaceError` (which names
-the segment, the size, the free space and the fix) after the partial segment is unlinked.
+(``shm_open`` honours the umask, we want the mode asked for), checks the free space, sizes it with
+``ftruncate``, maps it and allocates every page up front: ``MADV_POPULATE_WRITE`` over ranges in parallel
+threads (``prefault.py``; 4-5x faster than ``posix_fallocate``, which zeroes tmpfs pages in one thread under
+the inode lock), or ``posix_fallocate`` on kernels older than 5.14. On tmpfs that step is what actually
+reserves memory: without it a full ``/dev/shm`` would surface much later as a SIGBUS on first touch, in
+whichever process happened to write there. With it, a full ``/dev/shm`` is an error here, turned into
+:class:`ShmSpaceError` (which names the segment, the size, the free space and the fix) after the partial
+segment is unlinked.
 
 The fd is closed right after ``mmap``: the mapping keeps the memory alive, and not holding fds means no fd
-leaks across ``fork``/``exec`` and no limit on how many segments a process maps.  ``MAP_POPULATE`` (creator
-only, by default) pre-faults the page tables so the first publish does not pay a page fault per 4 KiB.
+leaks across ``fork``/``exec`` and no limit on how many segments a process maps. The creator's mapping comes
+back with its page tables already filled by the allocation, so the first publish pays no fault per 4 KiB.
 
 Views and unmapping
 -------------------
@@ -39,6 +42,7 @@ import posix_ipc
 
 from .errors import ShmSpaceError
 from .pinning import host_register, host_unregister
+from .prefault import populate_write
 
 if TYPE_CHECKING:  # torch is imported lazily: flextensor.shm must import in milliseconds
     import torch
@@ -148,16 +152,26 @@ class SharedSegment:
             raise PermissionError(errno.EACCES, f"cannot create shared-memory segment {name!r}: {exc}") from None
         fd = shm.fd
         try:
+            os.fchmod(fd, mode)  # shm_open applied the umask; make the mode exactly what was asked
+            free = _shm_free_bytes()
+            if free is not None and size > free:
+                raise _space_error(name, size, errno.ENOSPC)
+            mapping = None
             try:
-                os.fchmod(fd, mode)  # shm_open applied the umask; make the mode exactly what was asked
                 os.ftruncate(fd, size)
-                os.posix_fallocate(fd, 0, size)
+                mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                # Allocate every page now (parallel MADV_POPULATE_WRITE, see prefault.py), so a full /dev/shm
+                # fails here and not as SIGBUS in the middle of a copy; posix_fallocate on older kernels.
+                if not populate_write(mapping, size):
+                    os.posix_fallocate(fd, 0, size)
+                    if populate:
+                        mapping.madvise(mmap.MADV_WILLNEED)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                if mapping is not None:
+                    mapping.close()
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EFAULT):
                     raise _space_error(name, size, exc.errno) from None
                 raise
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             shm.close_fd()
             cls.unlink_name(name)

@@ -7,6 +7,7 @@ import errno
 import gc
 import os
 import stat
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -339,3 +340,35 @@ def test_close_with_live_views_unpins(seg_name):
     seg.close()
     assert not seg.pinned and not view.is_pinned()
     del view
+
+
+_RACE_SCRIPT = """
+import os
+import flextensor.shm.segment as seg
+from flextensor.shm.errors import ShmSpaceError
+first = seg.SharedSegment.create("/ftrace-a", 40 << 20)
+seg._shm_free_bytes = lambda: None  # as if /dev/shm filled up between the check and the allocation
+try:
+    seg.SharedSegment.create("/ftrace-b", 40 << 20)
+    print("created")
+except ShmSpaceError as exc:
+    print("ShmSpaceError", exc.errno, exc.wanted)
+print(sorted(os.listdir("/dev/shm")))
+first.close()
+seg.SharedSegment.unlink_name("/ftrace-a")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare for a private 64 MiB /dev/shm")
+def test_space_running_out_during_allocation_is_shmspaceerror_and_leaves_nothing() -> None:
+    """Past the free-space check, the parallel page allocation itself must report ENOSPC (never SIGBUS later)."""
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} -c '{_RACE_SCRIPT}'"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == f"ShmSpaceError {errno.ENOSPC} {40 << 20}"
+    assert lines[1] == "['ftrace-a']"  # the failed segment was unlinked

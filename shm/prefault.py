@@ -1,0 +1,60 @@
+"""Allocate a fresh segment's pages before use, in parallel.
+
+Why not only ``posix_fallocate``: on tmpfs it allocates and zeroes every 4 KiB page under the inode lock, in
+one thread. Measured on the H200 host (16 cores, 2026-11-29) that is ~190 ms/GiB, while a copy into fresh
+anonymous memory (transparent huge pages) runs at 13-18 GB/s, so publishing was 4x slower than a plain copy.
+``MADV_POPULATE_WRITE`` (Linux 5.14) write-faults a range in without touching its bytes; faults on separate
+ranges proceed in parallel, so a thread per core allocates the segment at memory bandwidth and leaves the pages
+mapped for the creator's copy. Like ``posix_fallocate`` it reports a full ``/dev/shm`` as an error (never as
+SIGBUS later). On kernels without it (``EINVAL``) the caller falls back to ``posix_fallocate``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+MADV_POPULATE_WRITE = 23
+#: Each thread populates ranges of this size; below it one call in the caller's thread is cheaper than a pool.
+CHUNK = 64 << 20
+MAX_THREADS = 16
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _populate(address: int, length: int) -> int:
+    """0 on success, else the errno of ``madvise`` (ctypes releases the GIL around the call)."""
+    if _libc.madvise(address, length, MADV_POPULATE_WRITE) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def populate_write(mapping: mmap.mmap, size: int) -> bool:
+    """Allocate and map every page of ``mapping``; False when the kernel lacks ``MADV_POPULATE_WRITE``.
+
+    Raises ``OSError`` with the kernel's errno otherwise (``EFAULT``/``ENOMEM``/``ENOSPC``: no room left).
+    """
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        address = ctypes.addressof(anchor)
+        ranges = [(address + offset, min(CHUNK, size - offset)) for offset in range(0, size, CHUNK)]
+        threads = min(MAX_THREADS, os.cpu_count() or 1, len(ranges))
+        if threads <= 1:
+            results = [_populate(a, n) for a, n in ranges]
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="ft-populate") as pool:
+                results = list(pool.map(lambda r: _populate(*r), ranges))
+    finally:
+        del anchor  # release the buffer export so the mapping can be closed later
+    failures = [code for code in results if code]
+    if not failures:
+        return True
+    if all(code == errno.EINVAL for code in failures):
+        return False
+    code = next(c for c in failures if c != errno.EINVAL)
+    raise OSError(code, os.strerror(code))
