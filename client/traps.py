@@ -54,7 +54,15 @@ def assign_data(tensor: torch.Tensor, value: torch.Tensor) -> None:
         replacement = value.detach()
         if type(tensor) is not torch.Tensor:
             replacement = replacement.as_subclass(type(tensor))
-    torch.utils.swap_tensors(tensor, replacement)
+    try:
+        torch.utils.swap_tensors(tensor, replacement)
+    except RuntimeError:
+        if not value.is_meta:
+            raise
+        # Something (torch.compile's guards, for one) holds a weakref to the tensor, so it cannot be swapped.
+        # Dropping to meta only serves to free memory of a model about to be discarded: an empty tensor on its
+        # current device frees the same memory.
+        tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 class ForwardShim(nn.Module):

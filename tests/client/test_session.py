@@ -382,3 +382,17 @@ def test_preflight_refuses_a_publish_that_does_not_fit_in_dev_shm(namespace: str
     assert "hostIPC" in str(err.value) and not loaded, "the checkpoint must not be loaded when it cannot fit"
     session.close()
     assert shm_entries_for(manager_namespace(namespace, "model")) == []
+
+
+def test_compiled_forward_of_a_shared_model_matches_and_closes_clean(namespace: str, profile: str) -> None:
+    """torch.compile over the shared model (dynamo tracing through the traps and the rotating block views)."""
+    creator, follower = _factories()
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                             creator_model_factory=creator, follower_model_factory=follower)
+        compiled = torch.compile(model, backend="eager")
+        with torch.no_grad():
+            outs = [compiled(token_ids().to(DEVICE)).cpu() for _ in range(3)]
+        assert all(matches(out, expected_output()) for out in outs)
+    # dynamo keeps weakrefs to the parameters; discarding the model must still release everything
+    assert shm_entries_for(manager_namespace(namespace, "model")) == []
