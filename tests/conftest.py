@@ -29,8 +29,15 @@ def _remove_leftovers(names: set[str]) -> None:
 
 
 @pytest.fixture(autouse=True)
-def isolated_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Give the test a private TMPDIR and daemon socket path; fail it when it leaks shared resources."""
+def isolated_host(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Give the test a private TMPDIR, daemon socket path and name token; fail it when it leaks resources.
+
+    Anything that appears in /dev/shm during the test fails it. Only entries carrying the test's own token
+    (every name derived from the ``namespace`` fixture does) are removed afterwards: entries of other
+    processes on the host, such as a colleague's run or a live deployment, are reported, never deleted.
+    """
+    token = uuid.uuid4().hex[:10]
+    request.node.ft_token = token
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))
@@ -44,20 +51,20 @@ def isolated_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     leaked = _shm_entries() - before
     lock_dir = tmpdir / f"flextensor-{os.getuid()}"
     leaked_locks = sorted(p.name for p in lock_dir.iterdir()) if lock_dir.is_dir() else []
-    _remove_leftovers(leaked)
-    for name in leaked_locks:
+    _remove_leftovers({name for name in leaked if token in name})
+    for name in leaked_locks:  # the lock directory is this test's own (its TMPDIR)
         try:
             (lock_dir / name).unlink()
         except OSError:
             pass
-    assert not leaked, f"test left segments/semaphores in /dev/shm: {sorted(leaked)}"
+    assert not leaked, f"/dev/shm gained entries during this test (ours carry {token!r}): {sorted(leaked)}"
     assert not leaked_locks, f"test left files in the lock directory {lock_dir}: {leaked_locks}"
 
 
 @pytest.fixture
-def namespace() -> str:
-    """A base namespace no other test uses."""
-    return f"t-{uuid.uuid4().hex[:12]}"
+def namespace(request: pytest.FixtureRequest, isolated_host: Path) -> str:
+    """A base namespace no other test uses; every POSIX name derived from it carries the test's token."""
+    return f"t-{request.node.ft_token}"
 
 
 def cuda_available() -> bool:
