@@ -2,12 +2,12 @@
 # flextensor's two commands, with their own set-up:
 #   ./dev.sh demo   - 4 workers share one model through POSIX shared memory (the main job)
 #   ./dev.sh test   - the test suite (what CI runs, through .ci/run)
-# Set-up: a venv in .venv (FT_VENV overrides), torch, then this project with its test extras.
+# Set-up: a venv in .venv (FLEXTENSOR_VENV overrides), torch, then this project with its test extras.
 # torch: an importable CUDA torch of the system Python is reused (the venv sees system site-packages);
 # otherwise the CPU build torch==2.13.0 is installed. Re-installs only when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-venv="${FT_VENV:-.venv}"
+venv="${FLEXTENSOR_VENV:-.venv}"
 python="${PYTHON:-python3}"
 
 setup() {

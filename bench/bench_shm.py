@@ -42,7 +42,7 @@ def bench_publish(nbytes: int, repeat: int) -> dict:
 
     def publish() -> None:
         name = f"/ftbench-{uuid.uuid4().hex[:12]}"
-        seg = SharedSegment.create(name, nbytes, populate=False)
+        seg = SharedSegment.create(name, nbytes)
         try:
             seg.tensor(torch.float32, (nbytes // 4,)).copy_(src)
         finally:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-RESULTS_DIR = Path(os.environ.get("FT_BENCH_OUT", Path(__file__).resolve().parent / "results"))
+RESULTS_DIR = Path(os.environ.get("FLEXTENSOR_BENCH_OUT", Path(__file__).resolve().parent / "results"))
 
 
 def machine_description() -> str:

@@ -16,9 +16,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 1
 fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export FT_BENCH_OUT="${OUT:-$PWD/bench/results}"
+export FLEXTENSOR_BENCH_OUT="${OUT:-$PWD/bench/results}"
 export PYTHONUNBUFFERED=1
-mkdir -p "$FT_BENCH_OUT"
+mkdir -p "$FLEXTENSOR_BENCH_OUT"
 what="${1:-tests}"
 shift || true
 case "$what" in
