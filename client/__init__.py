@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from flextensor.shm._version import __version__
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
@@ -38,6 +38,13 @@ _LAZY: dict[str, str] = {
     "collect_offload_timing": "flextensor.api",
     "reset_offload_timing": "flextensor.api",
     "format_offload_timing_table": "flextensor.api",
+    "update_offload_timing": "flextensor.api",
+    "request_strategy_replan": "flextensor.api",
+    "strategy_replan_status": "flextensor.api",
+    "StrategyReplanStatus": "flextensor.api",
+    "offload_units": "flextensor.api",
+    "resident_units": "flextensor.api",
+    "update_state": "flextensor.api",
     # engine
     "OffloadManager": "flextensor.manager",
     "GPUMemoryUsage": "flextensor.manager",

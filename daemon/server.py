@@ -62,12 +62,9 @@ class StartupError(RuntimeError):
 
 
 def _library_version() -> str:
-    try:
-        from flextensor import __version__
+    from flextensor.shm._version import __version__
 
-        return str(__version__)
-    except ImportError:  # pragma: no cover
-        return "unknown"
+    return __version__
 
 
 def _resolve_group(group: str | int | None) -> int | None:

@@ -147,15 +147,10 @@ class HeaderInfo(msgspec.Struct, frozen=True):
 
 
 def library_version() -> str:
-    """flextensor's version without importing torch (``flextensor/__init__`` resolves its API lazily)."""
-    try:
-        from flextensor import __version__
+    """flextensor's version, from ``shm/_version.py`` (the lowest layer: nothing here imports upwards)."""
+    from flextensor.shm._version import __version__
 
-        return str(__version__)
-    except ImportError:  # pragma: no cover - only when the package layout is broken
-        from importlib.metadata import version
-
-        return version("flextensor")
+    return __version__
 
 
 #: flextensor.__version__ of this process, as stored in headers, journals and manifests.
@@ -295,9 +290,12 @@ def read_failure(buf: memoryview) -> str:
 
 
 def _protocol_error(segment: str, problem: str, fix: str | None = None) -> ShmProtocolError:
+    # Not "run cleanup": cleanup refuses an untrustworthy header too (it never guesses what to delete).
+    ns = segment.lstrip("/").removesuffix(".c")
     fix = fix or (
-        "stop every worker of this namespace and run cleanup (ftd cleanup / "
-        "SharedOffloadSession.cleanup_namespace) before starting them again"
+        "nothing was removed. Stop every worker of this namespace, then remove its resources by hand: "
+        f"/dev/shm/{ns}.*, /dev/shm/sem.{ns}.* and $TMPDIR/flextensor-$UID/{ns}.* (or, if the segment was "
+        "written by another flextensor version, run cleanup with that version)"
     )
     return ShmProtocolError(f"coordinator segment {segment}: {problem}; {fix}")
 
