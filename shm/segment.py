@@ -136,6 +136,8 @@ class SharedSegment:
 
         ``FileExistsError`` when the name exists; ``ShmSpaceError`` (an ``OSError`` with ``errno.ENOSPC``)
         when ``/dev/shm`` is too small, with nothing left behind; ``ValueError`` for a bad name or size.
+        ``populate=True`` (the default, for a creator about to write) also maps every page into this process;
+        ``populate=False`` only reserves them, for a segment that this process will not touch soon.
         """
         _validate_name(name)
         if isinstance(size, bool) or not isinstance(size, int) or not 0 < size < 1 << 62:
@@ -160,12 +162,11 @@ class SharedSegment:
             try:
                 os.ftruncate(fd, size)
                 mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                # Allocate every page now (parallel MADV_POPULATE_WRITE, see prefault.py), so a full /dev/shm
-                # fails here and not as SIGBUS in the middle of a copy; posix_fallocate on older kernels.
-                if not populate_write(mapping, size):
+                # Allocate every page now, so a full /dev/shm fails here and not as SIGBUS in the middle of a
+                # copy: populate=True also maps them in this process (parallel MADV_POPULATE_WRITE, see
+                # prefault.py; the fast path), populate=False only reserves them (posix_fallocate, one thread).
+                if not (populate and populate_write(mapping, size)):
                     os.posix_fallocate(fd, 0, size)
-                    if populate:
-                        mapping.madvise(mmap.MADV_WILLNEED)
             except OSError as exc:
                 if mapping is not None:
                     mapping.close()

@@ -172,10 +172,10 @@ class SharedTensorStore:
     ) -> "SharedTensorStore":
         """Copy ``model``'s selected parameters and buffers (all when ``names`` is None) into shared memory."""
         owner, coordinator = _resolve_owner(namespace, shm_owner, lease_seconds, creating=True)
+        segment = None
         try:
             records, sources, total = _plan_records(model, names)
-            # Every byte is written right below: faulting pages in during the copy is cheaper than MAP_POPULATE first.
-            segment = owner.create_segment(DATA_KIND, total, populate=False)
+            segment = owner.create_segment(DATA_KIND, total)
             for record, source in zip(records, sources):
                 view = segment.tensor(_torch_dtype(record.dtype), record.shape, record.stride, record.byte_offset)
                 view.copy_(source.detach())
@@ -194,6 +194,8 @@ class SharedTensorStore:
             if coordinator is not None:
                 coordinator.notify_ready()
         except BaseException as exc:
+            if segment is not None:
+                segment.close()  # the owner unlinks the name with the generation; drop our mapping now
             if coordinator is not None:
                 coordinator.mark_failed(exc)
                 coordinator.close()
