@@ -161,6 +161,8 @@ class SharedOffloadSession:
             raise TypeError("creator_model_factory and follower_model_factory must be callables returning nn.Module")
         from flextensor.api import get_offload_manager
 
+        if name in self._shares:
+            raise RuntimeError(f"this session already offloads manager {name!r}; close() it before offloading again")
         manager = get_offload_manager(name)
         self._reserve(name)
         if manager.model is not None:
@@ -177,8 +179,8 @@ class SharedOffloadSession:
             raise
         share = ManagerShare(name=name, namespace=ns, coordinator=coordinator, generation=coordinator.generation)
         self._shares[name] = share
-        _register_with_daemon(coordinator, self.namespace, name)
         try:
+            _register_with_daemon(coordinator, self.namespace, name)
             if coordinator.is_creator:
                 share.role = "creator"
                 logger.info("session %s/%s: elected creator of generation %d", self.namespace, name, share.generation)
@@ -276,6 +278,12 @@ class SharedOffloadSession:
         host_blocks = []
         with _step(steps, "blocks"):
             for block in state.blocks:
+                expected = owner.resource_name(f"b{block.index}")
+                if block.name != expected:
+                    raise ValueError(
+                        f"published plan names host block {block.index} {block.name!r}, but this generation's block "
+                        f"is {expected!r}: the plan belongs to another namespace or generation; restart the workers"
+                    )
                 segment = allocator.attach(block.index, block.nbytes)
                 share.segments.append(segment)
                 if pin:
@@ -339,8 +347,15 @@ class SharedOffloadSession:
     def __enter__(self) -> "SharedOffloadSession":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close(preserve_models=False)
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close(preserve_models=False)
+            return
+        try:  # an error is already on its way out: a failing close must not replace it
+            self.close(preserve_models=False)
+        except Exception as close_exc:  # noqa: BLE001
+            logger.error("session %s: close() failed while handling %s: %s; call close() again to retry",
+                         self.namespace, exc_type.__name__, close_exc)
 
     # ------------------------------------------------------------------------------------------ reporting
     def report(self) -> list[dict[str, Any]]:
@@ -421,9 +436,10 @@ def _privatize_shared_views(model: nn.Module, store: SharedTensorStore) -> None:
 
 def _register_with_daemon(coordinator: ShmCoordinator, base: str, manager: str) -> None:
     """Tell a running ``ftd`` about this participant (death seen at once, not after the lease); without a daemon
-    this costs a ``stat`` and returns."""
+    this costs a ``stat`` and returns. A draining namespace refuses the join: ``NamespaceDrainingError``
+    (a ``RuntimeError``) propagates and the session leaves the generation."""
     from flextensor.shm.ftd_client import register_participant
     from flextensor.shm.names import lock_directory
 
     register_participant(coordinator.namespace, coordinator.lease_slot, coordinator.identity, lock_directory(),
-                         base=base, manager=manager)
+                         base=base, manager=manager, refuse_if_draining=True)

@@ -158,7 +158,11 @@ def _miss(reason: str) -> bool:
     return False
 
 
-def _best_effort(message: msgspec.Struct, what: str) -> bool:
+class NamespaceDrainingError(RuntimeError):
+    """``ftd`` refused a registration because the namespace is being drained (``ftd drain``)."""
+
+
+def _best_effort(message: msgspec.Struct, what: str, *, refuse_if_draining: bool = False) -> bool:
     try:
         reply = request(message, REGISTER_TIMEOUT_S)
     except DaemonUnavailableError as exc:
@@ -167,6 +171,11 @@ def _best_effort(message: msgspec.Struct, what: str) -> bool:
         return _miss(f"{what} failed: {type(exc).__name__}: {exc}")
     if isinstance(reply, proto.OkReply):
         return True
+    if isinstance(reply, proto.ErrorReply) and reply.code == "draining" and refuse_if_draining:
+        raise NamespaceDrainingError(
+            f"ftd refused to {what}: {reply.message}. The namespace is being drained; wait until it is gone, "
+            "or lift the drain with `ftd drain NAMESPACE --undo`"
+        )
     if isinstance(reply, proto.ErrorReply):
         level = logging.WARNING if reply.code in ("draining", "forbidden") else logging.DEBUG
         logger.log(level, "ftd refused to %s: %s (%s)", what, reply.message, reply.code)
@@ -182,17 +191,21 @@ def register_participant(
     *,
     base: str | None = None,
     manager: str | None = None,
+    refuse_if_draining: bool = False,
 ) -> bool:
     """Ask the host's ``ftd`` to watch this participant; True when it does.
 
     Call it from the participant's own process right after it joined the lease table of ``namespace`` (a
     per-manager namespace) at ``slot_index``.  ``lock_dir`` is the directory of the namespace's journal
     (``names.lock_directory()``).  ``base``/``manager`` are optional labels shown by ``ftd ls`` and used by
-    ``ftd drain BASE``.  Never raises; returns False fast when no daemon runs.
+    ``ftd drain BASE``.  Returns False fast when no daemon runs. Never raises, except
+    ``NamespaceDrainingError`` when ``refuse_if_draining`` and the daemon is draining the namespace (a session
+    then leaves at once: draining refuses new joins).
     """
     message = proto.RegisterRequest(namespace=namespace, slot_index=int(slot_index), identity=identity,
                                     lock_dir=os.fspath(lock_dir), base=base, manager=manager)
-    return _best_effort(message, f"register {identity.describe()} in {namespace}")
+    return _best_effort(message, f"register {identity.describe()} in {namespace}",
+                        refuse_if_draining=refuse_if_draining)
 
 
 def unregister_participant(namespace: str, slot_index: int, identity: ParticipantIdentity,
