@@ -7,10 +7,17 @@ down and removes it from the registry.
 
 With ``OffloadConfig(enabled=False)`` every call is a pass-through / no-op (``offload`` returns the model
 untouched, profiling controls do nothing and never freeze a counter, timing collection returns ``None``).
+
+Strategy replanning (the spec's ``request_strategy_replan`` / ``update_state`` / replan status) is NOT implemented
+in this project: the names exist so code written against the spec runs, and they say what they do honestly
+(``request_strategy_replan`` warns and arms nothing, the status is always idle and not requestable). Eager timing
+is stored at the end of every forward and there is no CUDA-graph replay path, so ``update_offload_timing`` has
+nothing to publish. ``offload_units`` / ``resident_units`` are real (see ``flextensor.replan``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from contextlib import AbstractContextManager
@@ -20,7 +27,9 @@ import torch
 from torch import nn
 
 from flextensor.config import OffloadConfig
+from flextensor import replan as _replan
 from flextensor.manager import GPUMemoryUsage, OffloadManager
+from flextensor.replan import StrategyReplanStatus
 from flextensor.state import TensorManagerState
 from flextensor.timing import OffloadTimingReport, format_offload_timing_table
 
@@ -45,8 +54,17 @@ __all__ = [
     "collect_offload_timing",
     "reset_offload_timing",
     "format_offload_timing_table",
+    "update_offload_timing",
+    "request_strategy_replan",
+    "strategy_replan_status",
+    "StrategyReplanStatus",
+    "offload_units",
+    "resident_units",
+    "update_state",
     "managers",
 ]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MANAGER_NAME: str = "default"
 
@@ -196,3 +214,71 @@ def collect_offload_timing(name: str = DEFAULT_MANAGER_NAME) -> OffloadTimingRep
 
 def reset_offload_timing(name: str = DEFAULT_MANAGER_NAME) -> None:
     get_offload_manager(name).reset_offload_timing()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Offload timing publication, units and strategy replan (replan itself is not implemented: flextensor.replan)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_generation(function: str, replay_generation: int) -> None:
+    if isinstance(replay_generation, bool) or not isinstance(replay_generation, int):
+        raise TypeError(f"{function}: replay_generation must be an int (-1 when unused), "
+                        f"got {type(replay_generation).__name__}")
+
+
+def update_offload_timing(name: str = DEFAULT_MANAGER_NAME, *, replay_generation: int = -1) -> bool:
+    """Publish the current offload-timing pass; always ``True`` here.
+
+    Eager timing (``offload_timing="eager"``) stores each pass when the root forward returns, and CUDA-graph
+    timing is not supported (``offload_timing="cuda_graph"`` is rejected by the config), so there is never a pass
+    waiting to be published: this only checks the manager (name, owning thread) and the argument.
+    """
+    _check_generation("update_offload_timing", replay_generation)
+    get_offload_manager(name)
+    return True
+
+
+def request_strategy_replan(name: str = DEFAULT_MANAGER_NAME, *, manual_update_state: bool = False) -> int:
+    """Not implemented: logs one WARNING and returns 0 ("no replan was armed"); the current plan stays in force."""
+    if not isinstance(manual_update_state, bool):
+        raise TypeError(f"request_strategy_replan: manual_update_state must be a bool, "
+                        f"got {type(manual_update_state).__name__}")
+    get_offload_manager(name)
+    logger.warning("request_strategy_replan(%r): %s", name, _replan.REPLAN_NOT_IMPLEMENTED_MESSAGE)
+    return 0
+
+
+def strategy_replan_status(name: str = DEFAULT_MANAGER_NAME) -> StrategyReplanStatus:
+    """The replan status of manager ``name``: always idle, not requestable, nothing applied (not implemented).
+
+    The spec reads this from ``OffloadManager.strategy_replan_status``; here it is a module-level function.
+    """
+    get_offload_manager(name)
+    return _replan.REPLAN_NOT_AVAILABLE
+
+
+def update_state(name: str = DEFAULT_MANAGER_NAME, *, replay_generation: int = -1) -> None:
+    """A no-op: phases advance in the root forward hook, and no replan is ever armed (nothing to step).
+
+    The spec needs this after ``graph.replay()`` (which runs no forward hooks) while a replan measures; neither
+    CUDA-graph timing nor replanning exists in this project.
+    """
+    _check_generation("update_state", replay_generation)
+    get_offload_manager(name)
+
+
+def offload_units(name: str = DEFAULT_MANAGER_NAME) -> tuple[tuple[str, nn.Module], ...]:
+    """Outermost modules whose tensors are (partly) offloaded, as ``(qualified_name, module)`` pairs.
+
+    ``RuntimeError`` before INFERENCE (or with no model offloaded); ``()`` with ``OffloadConfig(enabled=False)``.
+    """
+    return _replan.offload_units(get_offload_manager(name))
+
+
+def resident_units(name: str = DEFAULT_MANAGER_NAME) -> tuple[tuple[str, nn.Module], ...]:
+    """Outermost trap modules none of whose tensors is offloaded, as ``(qualified_name, module)`` pairs.
+
+    ``RuntimeError`` before INFERENCE (or with no model offloaded); ``()`` with ``OffloadConfig(enabled=False)``.
+    """
+    return _replan.resident_units(get_offload_manager(name))

@@ -12,6 +12,11 @@ On CUDA the events are only read when a report is collected (reading forces a sy
 the hot path). On the CPU the same places use ``time.perf_counter`` and the copy is synchronous, so
 ``wait_ms`` is 0 by construction.
 
+Publication: a pass is stored when the root forward returns (``TimingCollector.end_pass``), so a completed
+forward is always visible to ``collect_offload_timing``. There is no CUDA-graph replay path (the config rejects
+``offload_timing="cuda_graph"``), which is why ``ft.update_offload_timing`` has nothing to finalize and returns
+``True``.
+
 The public dataclasses follow the simplified-API spec: records and snapshots hold the canonical data and all
 totals are derived properties, so they cannot drift.
 """
