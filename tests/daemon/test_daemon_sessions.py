@@ -198,5 +198,7 @@ def test_session_workers_without_a_daemon_are_unchanged(namespace, profile, tmp_
     stale.close()  # the file stays, nothing listens: what a SIGKILLed daemon leaves behind
     monkeypatch.setenv("FT_DAEMON_SOCKET", str(stale_path))
     refused = _registration_times()
-    assert statistics.median(missing) < 0.005 and max(missing) < 0.05, missing
-    assert statistics.median(refused) < 0.005 and max(refused) < 0.05, refused
+    # A failed connect costs microseconds; the bounds leave room for a loaded 2-core CI host (one descheduled
+    # registration must not fail the test) while still catching a retry loop or a connect timeout.
+    assert statistics.median(missing) < 0.02 and max(missing) < 0.5, missing
+    assert statistics.median(refused) < 0.02 and max(refused) < 0.5, refused

@@ -72,10 +72,27 @@ def test_manifests_exist_and_parse():
     assert unit.get("Service", "Restart") == "on-failure"
     assert unit.get("Service", "PrivateTmp") == "no"  # must see the workers' lock directories
     assert "/dev/shm" in unit.get("Service", "ReadWritePaths").split()
+    entries = {}
     for line in (DEPLOY / "systemd" / "ftd-tmpfiles.conf").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             kind, path, mode, user, group, age = line.split()
-            assert kind == "d" and path.startswith("/") and len(mode) == 4 and int(mode, 8) >= 0
+            assert kind == "d" and age == "-", line
+            entries[path] = (int(mode, 8), user, group)
+    # The socket directory: root plus the socket group (ftd.yaml's socket_group), nothing for others, so only
+    # that group can reach the socket; the shared TMPDIR is /tmp-like (world-writable only with the sticky bit,
+    # so no user can remove another user's flextensor-<uid> lock directory); its parent is read-only to others.
+    settings = load_settings({}, config_file=str(DEPLOY / "ftd.yaml"), environ={})
+    assert entries == {
+        "/run/flextensor": (0o750, "root", str(settings.socket_group)),
+        "/var/lib/flextensor": (0o755, "root", "root"),
+        "/var/lib/flextensor/tmp": (0o1777, "root", "root"),
+    }
+    assert str(Path(settings.socket).parent) == "/run/flextensor"
+    for path, (mode, _user, _group) in entries.items():
+        world_writable = bool(mode & 0o002)
+        assert not world_writable or mode & 0o1000, f"{path} is world-writable without the sticky bit"
+    assert entries["/run/flextensor"][0] & 0o007 == 0  # not world-readable, -writable or -searchable
+    assert entries["/var/lib/flextensor"][0] & 0o022 == 0  # not group- or world-writable
 
 
 @pytest.mark.parametrize(("source", "argv"), _all_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))

@@ -120,7 +120,9 @@ def test_creator_sigkill_while_initializing_raises_died(ns, children):
         with pytest.raises(ShmCreatorDiedError, match=f"pid {creator.pid}"):
             follower.wait_for_ready(timeout=10)
         elapsed = time.monotonic() - killed_at
-        assert 0.5 <= elapsed <= LEASE + 1.5, elapsed
+        # Only the upper bound is a contract (detection within a lease plus slack): how soon the death is seen
+        # depends on when the follower next polls, and may be almost immediate.
+        assert elapsed <= LEASE + 1.5, elapsed
         assert follower.state == State.INITIALIZING
     assert_gone(ns)  # the follower was the last live participant: it removed the creator's segment too
 
