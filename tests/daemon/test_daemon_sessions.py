@@ -164,6 +164,25 @@ def test_hold_keeps_a_session_generation_warm_across_a_full_restart(ftd, namespa
     assert wait_until(lambda: ftd.cli("ls")[1] == [], 2.0)
 
 
+def test_drain_refuses_new_session_workers_and_the_generation_goes_with_its_last_participant(
+        ftd, namespace, profile):
+    ns = manager_namespace(namespace, MANAGER)
+    (running,) = _start(namespace, profile, 1, "--hold")
+    try:
+        assert read_result(running)["role"] == "creator"
+        ftd.cli("drain", namespace, "--manager", MANAGER)
+        (late,) = _start(namespace, profile, 1)
+        refused = read_result(late)
+        finish(late)
+        assert refused["error"] == "NamespaceDrainingError", refused
+        assert "ftd drain" in refused["message"] and "--undo" in refused["message"]
+    finally:
+        assert finish(running) == 0
+    # the refused worker left at once and the running one closed: nothing of the namespace remains
+    assert wait_until(lambda: shm_names(ns) == [], 2.0), shm_names(ns)
+    ftd.cli("drain", namespace, "--manager", MANAGER, "--undo")
+
+
 def _registration_times() -> list[float]:
     """Seconds taken by five registrations with the daemon socket of ``FT_DAEMON_SOCKET`` (none answers)."""
     identity = ParticipantIdentity.current()
