@@ -52,6 +52,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from flextensor.shm.manifest import contiguous_stride
+
 __all__ = [
     "ALIGN",
     "TensorPlacement",
@@ -82,24 +84,16 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 def packed_stride(tensor: torch.Tensor) -> tuple[int, ...]:
     """The stride a tensor keeps in a packed block: its own when non-overlapping and dense, else contiguous."""
     shape, stride = tuple(tensor.shape), tuple(tensor.stride())
     if tensor.is_contiguous():
-        return _contiguous_stride(shape)
+        return tuple(contiguous_stride(shape))
     dims = sorted((s, n) for s, n in zip(stride, shape) if n != 1)
     expected = 1
     for s, n in dims:
         if s != expected:
-            return _contiguous_stride(shape)
+            return tuple(contiguous_stride(shape))
         expected *= n
     return stride
 

@@ -25,7 +25,7 @@ import torch.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Sequence
 
 import msgspec
 
@@ -82,7 +82,8 @@ def span_bytes(shape: list[int], stride: list[int], storage_offset: int, element
     return (last + 1) * element_size
 
 
-def contiguous_stride(shape: list[int]) -> list[int]:
+def contiguous_stride(shape: Sequence[int]) -> list[int]:
+    """Row-major strides (in elements) of ``shape``; size-0 and size-1 dims count as 1."""
     stride: list[int] = []
     running = 1
     for dim in reversed(shape):

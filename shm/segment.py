@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import posix_ipc
 
 from .errors import ShmSpaceError
+from .manifest import contiguous_stride
 from .pinning import host_register, host_unregister
 from .prefault import populate_write
 
@@ -272,7 +273,7 @@ class SharedSegment:
         if any(d < 0 for d in shape_t):
             raise ValueError(f"invalid shape {shape_t} for a view of segment {self.name!r}: sizes must be >= 0")
         if stride is None:
-            stride_t = _contiguous_stride(shape_t)
+            stride_t = tuple(contiguous_stride(shape_t))
         else:
             stride_t = _int_tuple(stride, "stride", self.name)
             if len(stride_t) != len(shape_t):
@@ -375,10 +376,3 @@ def _int_tuple(value: Any, what: str, name: str) -> tuple[int, ...]:
             from None
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
