@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from flextensor.shm._version import __version__
+from flextensor.shm._version import __version__  # noqa: F401 - re-exported
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import threading
 import time
 from contextlib import contextmanager
@@ -39,6 +38,7 @@ from torch import nn
 
 from flextensor.config import OffloadConfig
 from flextensor.shm.blocks import SharedBlockAllocator
+from flextensor.shm.checks import check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.names import manager_namespace, validate_base_namespace, validate_manager_name
@@ -57,13 +57,6 @@ DEFAULT_LEASE_SECONDS = 30.0
 
 _reserved_lock = threading.Lock()
 _reserved: set[str] = set()
-
-
-def _check_timeout(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value) \
-            or value < 0:
-        raise ValueError(f"{what} must be a finite number of seconds >= 0 (0 = no limit), got {value!r}")
-    return float(value)
 
 
 class _Deadline:
@@ -121,9 +114,7 @@ class SharedOffloadSession:
         self.validate_options(namespace, wait_timeout=wait_timeout)
         self.namespace = namespace
         self.wait_timeout = float(wait_timeout)
-        self.lease_seconds = _check_timeout(lease_seconds, "lease_seconds")
-        if self.lease_seconds == 0:
-            raise ValueError("lease_seconds must be > 0")
+        self.lease_seconds = check_seconds(lease_seconds, "lease_seconds", allow_none=False, positive=True)
         self._thread = threading.get_ident()
         self._shares: dict[str, ManagerShare] = {}
         self._closed = False
@@ -133,7 +124,7 @@ class SharedOffloadSession:
     def validate_options(namespace: str, *, wait_timeout: float = 300.0) -> None:
         """Check the namespace and timeout without opening anything (``ValueError`` naming the problem)."""
         validate_base_namespace(namespace)
-        _check_timeout(wait_timeout, "wait_timeout")
+        check_seconds(wait_timeout, "wait_timeout", allow_none=False)
 
     def _check_thread(self) -> None:
         if threading.get_ident() != self._thread:
@@ -380,7 +371,7 @@ class SharedOffloadSession:
         names = [validate_manager_name(m) for m in manager_names]
         if not names:
             raise ValueError("manager_names is empty: pass the manager names used by the run, e.g. ['default']")
-        deadline = time.monotonic() + _check_timeout(timeout, "timeout")
+        deadline = time.monotonic() + check_seconds(timeout, "timeout", allow_none=False)
         reports = []
         for name in names:
             remaining = max(0.0, deadline - time.monotonic())

@@ -36,6 +36,7 @@ from pathlib import Path
 import msgspec
 import posix_ipc
 
+from flextensor.shm.checks import check_seconds
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordinator_segment
 from flextensor.shm.journal import Intent, Journal, read_journal
@@ -198,12 +199,6 @@ def remove_lock_file_locked(state: NamespaceState, lock: FileLock) -> None:
     _record(state, str(lock.path), lock.unlink_if_held())
 
 
-def _check_timeout(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
-        raise ValueError(f"invalid timeout {timeout!r}: pass a number of seconds >= 0 (0 checks once)")
-    return float(timeout)
-
-
 def cleanup_manager_namespace(namespace: str, *, timeout: float,
                               lock_dir: str | os.PathLike[str] | None = None) -> CleanupReport:
     """Remove everything one per-manager namespace owns, after its participants' leases ran out.
@@ -219,7 +214,7 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
     of an unknown protocol or malformed; ``ValueError`` for a bad namespace or timeout.
     """
     validate_namespace(namespace)
-    timeout = _check_timeout(timeout)
+    timeout = check_seconds(timeout, "timeout", allow_none=False)
     start = time.monotonic()
     deadline = start + timeout
     directory = resolve_lock_directory(lock_dir)

@@ -32,12 +32,12 @@ handle that is never closed keeps its lease (and the generation) alive until its
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from flextensor.shm.checks import check_seconds
 from flextensor.shm.cleanup import (
     NamespaceState,
     inspect_namespace_locked,
@@ -74,22 +74,6 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.01
 
 
-def _check_seconds(value: object, what: str, *, allow_none: bool, positive: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
-        bound = "> 0" if positive else ">= 0"
-        none = " or None (no limit)" if allow_none else ""
-        raise ValueError(f"invalid {what} {value!r}: pass a finite number of seconds {bound}{none}")
-    return float(value)
-
-
 def _describe_error(error: BaseException | str) -> str:
     if isinstance(error, BaseException):
         text = str(error)
@@ -106,8 +90,8 @@ class ShmCoordinator:
 
     def __init__(self, namespace: str, *, lease_seconds: float = 30.0, timeout: float | None = None) -> None:
         self._namespace = validate_namespace(namespace)
-        lease = _check_seconds(lease_seconds, "lease_seconds", allow_none=False, positive=True)
-        self._timeout = _check_seconds(timeout, "timeout", allow_none=True)
+        lease = check_seconds(lease_seconds, "lease_seconds", allow_none=False, positive=True)
+        self._timeout = check_seconds(timeout, "timeout", allow_none=True)
         self._lease_ns = int(lease * 1e9)  # type: ignore[operator]
         self._identity = ParticipantIdentity.current()
         self._segment_name = coordinator_segment_name(namespace)
@@ -321,7 +305,7 @@ class ShmCoordinator:
         ``ShmCreatorDiedError`` when its lease ran out while INITIALIZING, ``TimeoutError`` after ``timeout``
         seconds (None: no limit).
         """
-        timeout = _check_seconds(timeout, "timeout", allow_none=True)
+        timeout = check_seconds(timeout, "timeout", allow_none=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         buf = self._buffer()
         assert self._table is not None and self._header is not None
@@ -371,7 +355,7 @@ class ShmCoordinator:
         """
         if self._closed:
             return
-        timeout = self._timeout if timeout is None else _check_seconds(timeout, "timeout", allow_none=True)
+        timeout = self._timeout if timeout is None else check_seconds(timeout, "timeout", allow_none=True)
         self._owner.close(timeout)
         if self._is_creator and not self._left and self._segment is not None:
             if read_state(self._segment.buffer, self._segment_name) == State.INITIALIZING:

@@ -35,6 +35,8 @@ from typing import Literal
 
 import posix_ipc
 
+from flextensor.shm.checks import check_seconds
+
 __all__ = ["FileLock", "SemaphoreLock", "make_lock", "LockBackend"]
 
 logger = logging.getLogger(__name__)
@@ -45,14 +47,6 @@ _POLL_START_S = 0.001
 _POLL_MAX_S = 0.02
 
 
-def _check_timeout(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
-        raise ValueError(f"invalid timeout {timeout!r}: use None (wait forever) or a number of seconds >= 0")
-    return float(timeout)
-
-
 class FileLock:
     """An exclusive ``flock`` on ``path`` (created 0600 when missing; the directory must exist).
 
@@ -61,7 +55,7 @@ class FileLock:
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float | None = None) -> None:
         self.path = Path(path)
-        self.timeout = _check_timeout(timeout)
+        self.timeout = check_seconds(timeout, "timeout", allow_none=True)
         self._fd: int | None = None  # fd kept between polls (and while held)
         self._held = False
 
@@ -91,7 +85,7 @@ class FileLock:
         ``TimeoutError`` naming the path and the fix when it stays taken; ``RuntimeError`` if this object
         already holds it (not re-entrant).
         """
-        timeout = _check_timeout(timeout)
+        timeout = check_seconds(timeout, "timeout", allow_none=True)
         if self._held:
             raise RuntimeError(f"file lock {self.path} is already held by this object; locks are not re-entrant")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -199,7 +193,7 @@ class SemaphoreLock:
 
     def __init__(self, name: str, *, timeout: float | None = None) -> None:
         self.name = _validate_semaphore_name(name)
-        self.timeout = _check_timeout(timeout)
+        self.timeout = check_seconds(timeout, "timeout", allow_none=True)
         self._held = False
         try:
             self._sem: posix_ipc.Semaphore | None = posix_ipc.Semaphore(
@@ -220,7 +214,7 @@ class SemaphoreLock:
 
     def acquire(self, timeout: float | None = None) -> None:
         """Take the lock, waiting at most ``timeout`` seconds (``None``: forever, ``0``: one try)."""
-        timeout = _check_timeout(timeout)
+        timeout = check_seconds(timeout, "timeout", allow_none=True)
         sem = self._semaphore()
         if self._held:
             raise RuntimeError(f"semaphore lock {self.name!r} is already held by this object; locks are not "
