@@ -5,7 +5,9 @@ passes) and each trap's exclusive tensors become the planner's ``TrapCost`` list
 256-byte packing alignment, so the planner's block bytes equal the loader's); tensors no trap may offload are
 ``fixed_resident_bytes``. The plan's ``offloaded`` map becomes packed block layouts, one per offloaded trap.
 
-``build_inference`` is shared with adoption (profiles, published states): it allocates or adopts host blocks,
+``build_inference`` is shared with adoption (profiles, published states): it first ends a resident warm-up
+(``flextensor.warmup``: the device copies of the tensors about to be offloaded are freed before any device block
+exists, the tensors that stay resident keep their warm-up copy), then allocates or adopts host blocks,
 copies weights in (from the model, or ``weights`` for meta tensors) unless a block is prefilled, points each
 offloaded parameter at its host view (freeing the original storage), moves every other tensor to the compute
 device, and creates the :class:`~flextensor.loader.BlockLoader`. Traps that never ran during warm-up are not in
@@ -153,7 +155,7 @@ def build_inference(
     block_names: Sequence[str] | None = None,
 ) -> None:
     cfg = m._config()
-    m._warm.unload()
+    _settle_warmup(m, {p.name for layout in layouts for p in layout.tensors})
     m._layouts = layouts
     m._block_of = {layout.label: layout.index for layout in layouts}
     if host_blocks is None and layouts:
@@ -206,6 +208,25 @@ def build_inference(
     from flextensor.phases import Phase
 
     m._phase = Phase.INFERENCE
+
+
+def _settle_warmup(m: "OffloadManager", placed: set[str]) -> None:
+    """End of a resident warm-up, before any host or device block exists.
+
+    Tensors packed into host blocks get their host data back (their blocks are filled from it) and their
+    warm-up device copies are freed now, so device memory never holds both the warm-up copies and the rotating
+    device blocks; the other kept tensors stay resident and keep their warm-up copy (no second copy). The freed
+    copies are handed back to the driver (``empty_cache``) once: they can be GiBs that other processes, or this
+    device's free-memory readings, should see again.
+    """
+    m._warm.unload()
+    freed = m._warm.restore([m._tensors[n].tensor for n in sorted(placed)])
+    kept = m._warm.commit()
+    if freed and m._device.type == "cuda":
+        torch.cuda.empty_cache()
+    if freed or kept:
+        logger.debug("manager %r: warm-up copies freed: %d bytes (offloaded); kept as resident: %d bytes", m.name,
+                     freed, kept)
 
 
 def _ensure_shm_owner(m) -> Any:

@@ -26,6 +26,12 @@ registers the candidates' own CPU storages in place, so the warm-up copies of st
 (``non_blocking``) instead of bounced pageable copies; the registration ends when INFERENCE is built or at
 ``release()``.
 
+Warm-up residency (``flextensor.warmup``): ``offload()`` decides once whether the candidates fit on the device
+(budget or free memory less a margin). If they do, the first warm-up pass copies them all before any trap runs
+and they stay there until INFERENCE is built (one copy per tensor for the whole warm-up; no copy in any timed
+region, the first PROFILING pass included); if not, each trap's weights are copied per call as before. One INFO
+line says which mode and why.
+
 Module map: this file holds setup (``offload``, adoption entry points, config) and reports;
 ``flextensor.phases`` the per-pass phase machine, traps and profiling controls; ``flextensor.teardown``
 ``release()``; ``flextensor.inference`` planning and the INFERENCE build; ``flextensor.adoption`` states.
@@ -63,6 +69,7 @@ from flextensor.state import ModelTensor, TensorManagerState, model_tensors
 from flextensor.teardown import ReleaseMixin
 from flextensor.timing import OffloadTimingReport, TimingCollector
 from flextensor.traps import Trap, UsageRecorder, WarmLoader
+from flextensor.warmup import WarmupDecision, choose_warmup
 
 __all__ = ["OffloadManager", "Phase", "GPUMemoryUsage"]
 
@@ -104,6 +111,8 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self.config: OffloadConfig | None = None
         self._pending_state: TensorManagerState | None = None
         self._budget_override: int | None = None
+        # Internal (tests): force the warm-up mode, "resident" or "stream" (flextensor.warmup); survives release().
+        self._warmup_override: str | None = None
         self.allow_strategy_replan = True
         self._reset()
         if config is not None:
@@ -124,6 +133,8 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._exclusive: dict[str, list[str]] = {}
         self._recorder: UsageRecorder | None = None
         self._warm = WarmLoader(self._device)
+        self._warmup: WarmupDecision | None = None
+        self._warm_pending: list[str] = []  # resident warm-up: names to copy at the start of the first pass
         self._staging = PinnedStaging()
         self._sequence: list[str] = []
         self._pass_sequence: list[str] = []
@@ -272,6 +283,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
                 if name not in candidates:
                     self._to_device(entry)
             self._stage(candidates)
+            self._choose_warmup(candidates)
             if cfg.skip_discovery:
                 self._exclusive = {label: [n for n in t.candidates if n in candidates] for label, t in self._traps.items()}
                 self._phase = Phase.PROFILING
@@ -310,6 +322,25 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._staging.stage({n: self._tensors[n].tensor for n in sorted(candidates)}, self._device)
         # Unless staging failed, every host candidate is now page-locked (by us, or already before).
         self._warm.non_blocking = not self._staging.failed
+
+    def _choose_warmup(self, candidates: set[str]) -> None:
+        """Resident or streamed warm-up copies (``flextensor.warmup``); resident ones are copied at the first pass."""
+        decision = choose_warmup(self, candidates)
+        self._warmup = decision
+        self._warm.keep = decision.resident
+        forced_copies = self._warmup_override is not None and self._device.type != "cuda"
+        if forced_copies:  # tests: the CPU "copies" the candidates too, as a GPU would, so the bookkeeping runs
+            self._warm.same_device_copies = {id(self._tensors[n].tensor) for n in candidates}
+        if decision.resident:
+            self._warm_pending = sorted(n for n in candidates
+                                        if forced_copies or self._tensors[n].tensor.device != self._device)
+
+    def _preload_warmup(self) -> None:
+        """Start of a warm-up pass: copy the pending resident candidates (once), before any trap or timing."""
+        names, self._warm_pending = self._warm_pending, []
+        if names and self._warm.preload(self._tensor_objs(names)):
+            logger.debug("manager %r: %d warm-up tensors (%d bytes) copied to %s and kept", self.name, len(names),
+                         self._warm.kept_bytes, self._device)
 
     def _to_device(self, entry: ModelTensor) -> None:
         t = entry.tensor

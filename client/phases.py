@@ -4,13 +4,24 @@ Kept apart from the manager's setup code because this is what runs on every forw
 ``forward`` opens and closes a *pass*; each trap's patched ``forward`` enters and leaves it. What happens there
 depends on the phase:
 
+- Warm-up residency (``flextensor.warmup``): when ``offload()`` chose the *resident* mode, the first DISCOVERY or
+  PROFILING pass starts by copying every pending candidate to the device (before the recorder, any trap or any
+  timing window), and the copies stay there; every later trap entry finds its weights in place. The trap entry
+  still asks the :class:`~flextensor.traps.WarmLoader` for its weights: in resident mode a tensor not copied yet
+  is copied then, once, and kept (the general rule for a trap that first runs in a later pass; the preload only
+  moves all of those copies ahead of the first timed pass). In *stream* mode each trap entry copies and each
+  exit puts back.
 - DISCOVERY: the :class:`~flextensor.traps.UsageRecorder` is active for the whole pass; each trap gets its
   candidate weights on the device (:class:`~flextensor.traps.WarmLoader`) and is recorded as the user of every
   parameter passed to a torch function while it runs. After ``discovery_iters`` passes, tensors used by several
-  traps or outside traps become resident (and leave the pinned staging, ``flextensor.staging``).
+  traps or outside traps become resident (a kept warm-up copy becomes their device data) and leave the pinned
+  staging (``flextensor.staging``).
 - PROFILING: a trap's exclusive weights are put on the device, then its timing window opens (CUDA events or
-  ``perf_counter``), so copies are never timed. Suspended passes (``suspend_profiling``) record nothing and are
-  not counted. After the last counted pass, ``flextensor.inference.plan_inference`` plans and builds INFERENCE.
+  ``perf_counter``), so copies are never timed. With resident warm-up nothing is copied in any PROFILING pass,
+  so no pass is excluded from the medians (with ``skip_discovery`` the preload runs at the start of the first
+  PROFILING pass, before its first timing window). Suspended passes (``suspend_profiling``) record nothing and
+  are not counted. After the last counted pass, ``flextensor.inference.plan_inference`` plans and builds
+  INFERENCE.
 - INFERENCE: the :class:`~flextensor.loader.BlockLoader` makes the trap's block resident and prefetches the next.
 
 :class:`PhaseMixin` holds only behaviour; the state it works on is created by ``OffloadManager._reset``.
@@ -64,6 +75,7 @@ class PhaseMixin:
     _exclusive: dict[str, list[str]]
     _recorder: "UsageRecorder | None"
     _warm: "WarmLoader"
+    _warm_pending: list[str]
     _staging: "PinnedStaging"
     _sequence: list[str]
     _pass_sequence: list[str]
@@ -84,6 +96,7 @@ class PhaseMixin:
         def _check_thread(self) -> None: ...
         def _config(self) -> "OffloadConfig": ...
         def _to_device(self, entry: "ModelTensor") -> None: ...
+        def _preload_warmup(self) -> None: ...
         @property
         def enabled(self) -> bool: ...
         @property
@@ -101,7 +114,11 @@ class PhaseMixin:
                 return original(*args, **kwargs)
             self._check_thread()
             self._depth = 1
-            self._begin_pass()
+            try:
+                self._begin_pass()
+            except BaseException:
+                self._depth = 0
+                raise
             ok = False
             try:
                 out = original(*args, **kwargs)
@@ -124,6 +141,8 @@ class PhaseMixin:
 
     # ------------------------------------------------------------------------------------------------ passes
     def _begin_pass(self) -> None:
+        if self._warm_pending and self._phase in (Phase.DISCOVERY, Phase.PROFILING):
+            self._preload_warmup()  # resident warm-up: the one copy of each candidate, ahead of everything
         self._pass_sequence = []
         self._pass_spans = []
         if self._phase is Phase.DISCOVERY and self._recorder is not None:
@@ -176,7 +195,9 @@ class PhaseMixin:
                          if users == {label} and n not in owned and self._tensors[n].kind == "parameter"]
             exclusive[label] = names
         keep = {n for names in exclusive.values() for n in names}
-        for name in owned - keep:
+        made_resident = sorted(owned - keep)
+        self._warm.commit(self._tensor_objs(made_resident))  # a kept warm-up copy is their device data now
+        for name in made_resident:
             self._to_device(self._tensors[name])
         self._staging.release(owned - keep)  # their host copies are no longer read by the warm-up
         self._exclusive = exclusive

@@ -2,12 +2,15 @@
 
 Why
 ---
-During DISCOVERY and PROFILING every pass copies each trap's offloadable weights to the device
-(:class:`~flextensor.traps.WarmLoader`). From pageable memory the driver bounces each copy through a small
+During DISCOVERY and PROFILING the offloadable weights are copied to the device
+(:class:`~flextensor.traps.WarmLoader`): once each when they fit there (resident warm-up, ``flextensor.warmup``),
+else before every trap call of every pass. From pageable memory the driver bounces each copy through a small
 pinned buffer of its own: ~7-9 GB/s on an H200 host, and the host thread waits for it. From page-locked memory
 the copy is a direct DMA (~55 GB/s there) and can be queued (``non_blocking=True``) behind the compute already
 in the stream. Registering the storages the weights already live in (``cudaHostRegister``, ~37 ms/GiB) costs
-less than one pageable pass and needs no second copy of the model in host RAM.
+less than one pageable pass and needs no second copy of the model in host RAM, so it pays off even for the single
+sweep of a resident warm-up (and, in that mode, a kept copy's host storage stays registered until INFERENCE is
+built: the host blocks are filled from it).
 
 Lifecycle (driven by the manager; see ``flextensor.manager``)
 -------------------------------------------------------------

@@ -3,7 +3,9 @@
 Order matters, and is the same whether the manager reached INFERENCE or failed half-way through ``offload()``
 or an adoption:
 
-1. the block loader stops (in-flight side-stream copies finish) and any warm-up device copies are put back;
+1. the block loader stops (in-flight side-stream copies finish) and any warm-up device copies are dropped: a
+   streamed trap's and the kept ones of a resident warm-up (``flextensor.warmup``) get their original host data
+   back, exactly as it was, with no device-to-host copy;
 2. every tensor gets real data again: an offloaded tensor is copied out of its host block back to its original
    device (``preserve_model=True``) or becomes a ``meta`` tensor of the same shape (``preserve_model=False``);
    any other tensor returns to the device it came from;
@@ -70,6 +72,7 @@ class ReleaseMixin:
         if self._loader is not None:
             self._loader.close()
         self._warm.unload()
+        self._warm.restore()
         for name, entry in self._tensors.items():
             t = entry.tensor
             orig = self._orig_device.get(name, torch.device("cpu"))

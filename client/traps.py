@@ -12,18 +12,21 @@ warm-up robust on a GPU: a parameter still on the host when some code uses it (a
 used outside traps) is swapped for a cached device copy in the call's arguments. Tensors used by more than one
 trap, or outside traps, stay resident.
 
-:class:`WarmLoader` gives a trap its weights on the compute device for DISCOVERY/PROFILING (a plain ``.to``
-before the trap; the host tensor is put back after it), so the warm-up passes compute exactly what the plain
-model computes. On the CPU compute device it does nothing: the weights already live there. When the host copies
-are page-locked (``flextensor.staging``), ``non_blocking`` is set: the copy is queued on the current stream ahead
-of the trap's compute (stream order keeps it correct) and the host thread does not wait for it. The engine
-synchronizes before it unregisters those pages.
+:class:`WarmLoader` gives a trap its weights on the compute device for DISCOVERY/PROFILING, so the warm-up
+passes compute exactly what the plain model computes. Two modes, chosen once per offload by
+``flextensor.warmup``: *resident* (each weight copied once with a plain ``.to``, kept on the device across trap
+calls and passes, freed or kept for good when INFERENCE is built) when the candidates fit in device memory,
+else *stream* (copied before each trap call, the host tensor put back after it). On the CPU compute device it
+copies nothing: the weights already live there. When the host copies are page-locked (``flextensor.staging``),
+``non_blocking`` is set: the copy is queued on the current stream ahead of the trap's compute (stream order keeps
+it correct) and the host thread does not wait for it. The engine synchronizes before it unregisters those pages.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -34,6 +37,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.manager import OffloadManager
 
 __all__ = ["OUTSIDE", "Trap", "UsageRecorder", "WarmLoader", "ForwardShim", "assign_data"]
+
+logger = logging.getLogger(__name__)
 
 OUTSIDE = "<outside traps>"
 
@@ -175,25 +180,134 @@ class UsageRecorder(TorchFunctionMode):
 
 
 class WarmLoader:
-    """Puts a trap's offloadable tensors on the compute device for one warm-up trap call, then back."""
+    """Gives a trap its offloadable tensors on the compute device during DISCOVERY/PROFILING.
 
-    def __init__(self, device: torch.device, *, non_blocking: bool = False) -> None:
+    Two modes (chosen by ``flextensor.warmup``; see the module docstring of this file and of that one):
+
+    - stream (``keep=False``): :meth:`load` copies before the trap call, :meth:`unload` puts the host data back
+      after it, so every warm-up pass copies every trap's weights again;
+    - resident (``keep=True``): a copy is made once (:meth:`preload` before the first warm-up pass, or :meth:`load`
+      when a tensor is first needed) and stays the tensor's data across trap calls and passes; :meth:`unload`
+      leaves it. At the INFERENCE build the engine calls :meth:`restore` for the tensors it packs into host blocks
+      (their device copies are freed before any device block is allocated) and :meth:`commit` for the ones that
+      stay resident (their warm-up copy becomes their device data: no second copy).
+
+    A tensor already on the device is not copied, except those in ``same_device_copies`` (ids; an internal test
+    switch: on a CPU compute device the offload candidates are "copied" as clones, as they would be copied from
+    the host to a GPU, so the bookkeeping runs on hosts without CUDA). ``copies`` and
+    ``copied_bytes`` count every copy made, so tests can check that a resident warm-up copies each tensor once.
+
+    Out of device memory while keeping copies (``torch.OutOfMemoryError``): every kept copy is given back, the
+    loader switches to stream mode for the rest of the warm-up (``fell_back``) and says so in one warning.
+    """
+
+    def __init__(self, device: torch.device, *, non_blocking: bool = False, keep: bool = False,
+                 same_device_copies: Iterable[torch.Tensor] = ()) -> None:
         self.device = device
         self.non_blocking = non_blocking  # only when the host copies are pinned (see the module docstring)
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.keep = keep
+        self.same_device_copies: set[int] = {id(t) for t in same_device_copies}
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # stream mode: put back by unload()
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # resident: id -> (tensor, host data)
+        self.copies = 0
+        self.copied_bytes = 0
+        self.fell_back = False
 
-    def load(self, tensors: list[torch.Tensor]) -> None:
+    # ------------------------------------------------------------------------------------------------ copies
+    def _needs_copy(self, tensor: torch.Tensor) -> bool:
+        if id(tensor) in self._kept or tensor.is_meta:
+            return False
+        return tensor.device != self.device or id(tensor) in self.same_device_copies
+
+    def _copy(self, host: torch.Tensor) -> torch.Tensor:
+        """One warm-up copy of ``host`` on the compute device (a subclass may wrap it, e.g. to count or fail)."""
+        if host.device == self.device:  # same_device_copies: a clone keeps dtype, shape and strides
+            return host.clone()
+        return host.to(self.device, non_blocking=self.non_blocking)
+
+    def _load(self, tensors: Iterable[torch.Tensor], keep: bool) -> None:
         for tensor in tensors:
-            if tensor.device != self.device:
-                host = tensor.data
-                tensor.data = host.to(self.device, non_blocking=self.non_blocking)
+            if not self._needs_copy(tensor):
+                continue
+            host = tensor.data
+            tensor.data = self._copy(host)
+            self.copies += 1
+            self.copied_bytes += host.numel() * host.element_size()
+            if keep:
+                self._kept[id(tensor)] = (tensor, host)
+            else:
                 self._saved.append((tensor, host))
 
+    def load(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Before a trap call: make ``tensors`` hold device data (kept in resident mode)."""
+        tensors = list(tensors)
+        if self.keep:
+            try:
+                self._load(tensors, keep=True)
+                return
+            except torch.OutOfMemoryError as exc:
+                self._fall_back(exc)
+        self._load(tensors, keep=False)
+
+    def preload(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Resident mode: copy ``tensors`` now, ahead of any trap. False when not kept (stream mode, or OOM)."""
+        if not self.keep:
+            return False
+        try:
+            self._load(tensors, keep=True)
+        except torch.OutOfMemoryError as exc:
+            self._fall_back(exc)
+            return False
+        return True
+
     def unload(self) -> None:
+        """After a trap call: put back the host data of what :meth:`load` streamed (kept copies stay)."""
         while self._saved:
             tensor, host = self._saved.pop()
             tensor.data = host
 
+    # ------------------------------------------------------------------------------------------------ kept copies
+    def _take(self, tensors: Iterable[torch.Tensor] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if tensors is None:
+            taken = list(self._kept.values())
+            self._kept.clear()
+            return taken
+        return [pair for pair in (self._kept.pop(id(t), None) for t in tensors) if pair is not None]
+
+    def restore(self, tensors: Iterable[torch.Tensor] | None = None) -> int:
+        """Give kept tensors (all, or those given) their host data back, freeing their device copies; bytes freed."""
+        freed = 0
+        for tensor, host in self._take(tensors):
+            freed += tensor.data.numel() * tensor.data.element_size()
+            tensor.data = host
+        return freed
+
+    def commit(self, tensors: Iterable[torch.Tensor] | None = None) -> int:
+        """Kept tensors (all, or those given) keep their device copy for good; the host data is let go. Bytes."""
+        taken = self._take(tensors)
+        self.same_device_copies.difference_update(id(t) for t, _host in taken)  # on the device for good now
+        return sum(t.data.numel() * t.data.element_size() for t, _host in taken)
+
+    def _fall_back(self, exc: BaseException) -> None:
+        kept = self.restore()
+        self.keep = False
+        self.fell_back = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the copies just given back, so the streamed copies find room
+        logger.warning("warm-up ran out of device memory while keeping the offload candidates on %s (%s); %d bytes "
+                       "of kept copies given back, the remaining warm-up passes copy each trap's weights per call",
+                       self.device, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, kept)
+
+    # ------------------------------------------------------------------------------------------------ state
     @property
     def active(self) -> bool:
+        """True while a trap's streamed copies are in place (between :meth:`load` and :meth:`unload`)."""
         return bool(self._saved)
+
+    @property
+    def kept_count(self) -> int:
+        return len(self._kept)
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(t.data.numel() * t.data.element_size() for t, _host in self._kept.values())

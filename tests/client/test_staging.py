@@ -175,7 +175,8 @@ def test_engine_without_cuda_stages_nothing_and_is_exact():
     assert om.phase is Phase.INFERENCE and om._staging.regions == []
 
 
-def test_engine_staging_lifecycle_with_recorded_cudart():
+@pytest.mark.parametrize("warmup", [None, "resident"])  # resident: copies kept across passes (flextensor.warmup)
+def test_engine_staging_lifecycle_with_recorded_cudart(warmup):
     """The manager's hooks: staged at offload, per block at the INFERENCE build, exactly once each."""
     model = mlp_stack()
     x = torch.randn(3, 16, device=DEVICE)
@@ -184,6 +185,7 @@ def test_engine_staging_lifecycle_with_recorded_cudart():
     fake = FakeCudart()
     om = ft.get_offload_manager()
     om._staging = fake.staging(policy=lambda cfg, dev: True)
+    om._warmup_override = warmup
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
     assert sorted(p for _, p, _ in fake.registers) == sorted(ptrs.values())
     assert om._warm.non_blocking
@@ -203,7 +205,8 @@ def test_engine_staging_lifecycle_with_recorded_cudart():
     assert same(reference(model, x), ref)
 
 
-def test_engine_staging_released_early_for_resident_tensors_and_at_release():
+@pytest.mark.parametrize("warmup", [None, "resident"])
+def test_engine_staging_released_early_for_resident_tensors_and_at_release(warmup):
     """Tensors made resident by DISCOVERY leave the staging then; an early release() unregisters the rest."""
     model = tiny_transformer()
     ids = token_ids().to(DEVICE)
@@ -213,6 +216,7 @@ def test_engine_staging_released_early_for_resident_tensors_and_at_release():
     fake = FakeCudart()
     om = ft.get_offload_manager()
     om._staging = fake.staging(policy=lambda cfg, dev: True)
+    om._warmup_override = warmup
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=3))
     registered = {p for _, p, _ in fake.registers}
     assert set(blocks_list.values()) <= registered

@@ -1,0 +1,490 @@
+"""Warm-up residency (flextensor.warmup and the WarmLoader's two modes).
+
+On the CPU: the decision as a pure function (fits / does not fit / memory budget / latency margin / CPU / override),
+the WarmLoader's bookkeeping (kept copies, restore, commit, out-of-memory fallback), and the engine end to end in
+both modes, forced through the manager's internal override (which makes the CPU "copy" too): outputs exactly equal
+in every phase, one copy per tensor for a resident warm-up, none inside a timing window, the data-dependent model,
+copies freed before the INFERENCE blocks, reuse of kept copies for tensors that stay resident, release mid-warm-up.
+On the GPU (@pytest.mark.cuda): the mode chosen from real free memory, one H2D copy per tensor, device memory back
+to the pre-warm-up level plus the INFERENCE blocks, outputs close to the resident model; the stream mode and a
+budget that forces it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import flextensor as ft
+import flextensor.inference as inference_mod
+from flextensor.phases import Phase
+from flextensor.traps import WarmLoader
+from flextensor.warmup import WarmupMode, decide_warmup, warmup_margin
+from tests.client.models import (
+    DEVICE,
+    ManualBlockModel,
+    SkippingModel,
+    cpu_config,
+    mlp_stack,
+    reference,
+    release_managers,  # noqa: F401  (autouse fixture)
+    same,
+    snapshot,
+    tiny_transformer,
+    token_ids,
+)
+
+GIB = 1 << 30
+ALL = ft.NthLayerStrategy(1)
+MODES = ["resident", "stream"]
+
+
+# ---------------------------------------------------------------------------------------------------- decision
+def test_margin_is_ten_percent_or_one_gib():
+    assert warmup_margin(100 * GIB) == 10 * GIB
+    assert warmup_margin(5 * GIB) == GIB
+    assert warmup_margin(0) == GIB
+
+
+def test_latency_mode_fits_and_does_not_fit():
+    common = dict(device_type="cuda", free_bytes=50 * GIB, total_bytes=100 * GIB)  # margin 10 GiB -> 40 GiB
+    fits = decide_warmup(40 * GIB, **common)
+    assert fits.mode is WarmupMode.RESIDENT and fits.resident and fits.available_bytes == 40 * GIB
+    assert "latency mode" in fits.reason and "40.00 GiB" in fits.reason
+    over = decide_warmup(40 * GIB + 1, **common)
+    assert over.mode is WarmupMode.STREAM and not over.resident and over.available_bytes == 40 * GIB
+    assert "exceed" in over.reason
+
+
+def test_latency_margin_is_at_least_one_gib_on_a_small_device():
+    common = dict(device_type="cuda", free_bytes=3 * GIB, total_bytes=4 * GIB)  # 10% = 0.4 GiB < 1 GiB
+    assert decide_warmup(2 * GIB, **common).resident
+    assert decide_warmup(2 * GIB + 1, **common).mode is WarmupMode.STREAM
+    tiny = decide_warmup(1, device_type="cuda", free_bytes=GIB // 2, total_bytes=GIB)  # margin above free
+    assert tiny.mode is WarmupMode.STREAM and tiny.available_bytes < 0
+
+
+def test_memory_budget_minus_resident():
+    common = dict(device_type="cuda", budget_bytes=20 * GIB, resident_bytes=5 * GIB, free_bytes=80 * GIB,
+                  total_bytes=100 * GIB)
+    fits = decide_warmup(15 * GIB, **common)
+    assert fits.resident and fits.available_bytes == 15 * GIB and "memory budget" in fits.reason
+    assert "capped" not in fits.reason
+    assert decide_warmup(15 * GIB + 1, **common).mode is WarmupMode.STREAM
+    over_budget = decide_warmup(1, **{**common, "resident_bytes": 21 * GIB})  # resident alone exceeds it
+    assert over_budget.mode is WarmupMode.STREAM and over_budget.available_bytes == -GIB
+    nothing = decide_warmup(0, **{**common, "resident_bytes": 21 * GIB})  # weights handed over on the device
+    assert nothing.resident and "already" in nothing.reason
+
+
+def test_memory_budget_capped_by_free_memory_less_margin():
+    decision = decide_warmup(25 * GIB, device_type="cuda", budget_bytes=100 * GIB, free_bytes=30 * GIB,
+                             total_bytes=100 * GIB)  # set_memory_budget larger than what is free
+    assert decision.mode is WarmupMode.STREAM and decision.available_bytes == 20 * GIB and "capped" in decision.reason
+    assert decide_warmup(20 * GIB, device_type="cuda", budget_bytes=100 * GIB, free_bytes=30 * GIB,
+                         total_bytes=100 * GIB).resident
+
+
+def test_cpu_is_in_place_whatever_the_numbers():
+    for budget in (None, 0, 10 * GIB):
+        decision = decide_warmup(5 * GIB, device_type="cpu", budget_bytes=budget)
+        assert decision.mode is WarmupMode.IN_PLACE and not decision.resident and "no copies" in decision.reason
+
+
+def test_override_and_invalid_inputs():
+    forced = decide_warmup(10 * GIB, device_type="cpu", override="resident")
+    assert forced.resident and forced.forced and "override" in forced.reason
+    assert decide_warmup(0, device_type="cuda", total_bytes=GIB, free_bytes=GIB, override="stream").mode is WarmupMode.STREAM
+    for bad in ("in-place", "keep", ""):
+        with pytest.raises(ValueError, match="override"):
+            decide_warmup(1, device_type="cpu", override=bad)
+    for kwargs in ({"needed_bytes": -1}, {"needed_bytes": 1.5}, {"needed_bytes": True}):
+        with pytest.raises(ValueError, match="needed_bytes"):
+            decide_warmup(device_type="cpu", **kwargs)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        decide_warmup(1, device_type="cuda", budget_bytes=-5, total_bytes=GIB)
+    with pytest.raises(ValueError, match="total_bytes"):
+        decide_warmup(1, device_type="cuda", free_bytes=GIB)
+
+
+# ---------------------------------------------------------------------------------------------------- WarmLoader
+class LimitedLoader(WarmLoader):
+    """A loader whose device "holds" at most ``limit`` copies at once: the next one raises OutOfMemoryError."""
+
+    limit = 2
+
+    def _copy(self, host: torch.Tensor) -> torch.Tensor:
+        if self.keep and self.kept_count >= self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (test)")
+        return super()._copy(host)
+
+
+def _params(n: int = 4) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.randn(3, 5)) for _ in range(n)]
+
+
+def test_loader_keeps_copies_then_restores_or_commits():
+    ps = _params()
+    hosts = [p.data for p in ps]
+    loader = WarmLoader(torch.device("cpu"), keep=True, same_device_copies=ps)
+    loader.load(ps[:2])
+    copies = [p.data for p in ps[:2]]
+    copy_ptrs = [c.data_ptr() for c in copies]
+    assert loader.copies == 2 and loader.copied_bytes == 2 * 60 and loader.kept_count == 2
+    assert all(c.data_ptr() != h.data_ptr() and torch.equal(c, h) for c, h in zip(copies, hosts))
+    loader.unload()  # kept copies survive the trap exit
+    loader.load(ps[:3])  # only the new one is copied
+    assert loader.copies == 3 and [p.data_ptr() for p in ps[:2]] == copy_ptrs and not loader.active
+    assert loader.preload(ps) and loader.copies == 4 and loader.kept_bytes == 4 * 60
+    assert loader.restore([ps[0], ps[0]]) == 60 and ps[0].data_ptr() == hosts[0].data_ptr()
+    kept_ptr = ps[1].data.data_ptr()
+    assert loader.commit([ps[1]]) == 60 and ps[1].data.data_ptr() == kept_ptr and loader.kept_count == 2
+    assert loader.restore() == 120 and [p.data_ptr() for p in ps[2:]] == [h.data_ptr() for h in hosts[2:]]
+    assert loader.kept_count == 0 and loader.restore() == 0 and loader.commit() == 0
+
+
+def test_loader_stream_mode_puts_back_after_each_trap():
+    ps = _params(2)
+    hosts = [p.data for p in ps]
+    loader = WarmLoader(torch.device("cpu"), same_device_copies=ps)
+    assert not loader.preload(ps) and loader.copies == 0  # preloading is a resident-mode thing
+    for _ in range(3):
+        loader.load(ps)
+        assert loader.active and all(p.data_ptr() != h.data_ptr() and torch.equal(p.data, h) for p, h in zip(ps, hosts))
+        loader.unload()
+        assert all(p.data_ptr() == h.data_ptr() for p, h in zip(ps, hosts))
+    assert loader.copies == 6 and loader.kept_count == 0
+
+
+def test_loader_without_override_copies_nothing_on_its_own_device():
+    ps = _params(2)
+    loader = WarmLoader(torch.device("cpu"), keep=True)
+    loader.load(ps)
+    assert loader.copies == 0 and loader.kept_count == 0
+
+
+def test_loader_out_of_memory_falls_back_to_streaming(caplog):
+    ps = _params(4)
+    hosts = [p.data for p in ps]
+    loader = LimitedLoader(torch.device("cpu"), keep=True, same_device_copies=ps)
+    with caplog.at_level(logging.WARNING, logger="flextensor"):
+        assert not loader.preload(ps)
+    assert loader.fell_back and not loader.keep and loader.kept_count == 0
+    assert all(p.data_ptr() == h.data_ptr() for p, h in zip(ps, hosts)), "kept copies must be given back"
+    assert len([r for r in caplog.records if "out of device memory" in r.getMessage()]) == 1
+    loader.load(ps[:3])  # streaming from now on
+    assert loader.active and all(torch.equal(p.data, h) and p.data_ptr() != h.data_ptr() for p, h in zip(ps[:3], hosts))
+    loader.unload()
+    assert all(p.data_ptr() == h.data_ptr() for p, h in zip(ps, hosts))
+
+
+def test_loader_out_of_memory_inside_a_trap_loads_the_whole_trap_streamed():
+    ps = _params(4)
+    hosts = [p.data for p in ps]
+    loader = LimitedLoader(torch.device("cpu"), keep=True, same_device_copies=ps)
+    loader.load(ps[:1])
+    loader.load(ps)  # the 3rd kept copy fails: every tensor of this trap must still be on the "device"
+    assert loader.fell_back and loader.kept_count == 0 and len(loader._saved) == 4
+    assert all(p.data_ptr() != h.data_ptr() and torch.equal(p.data, h) for p, h in zip(ps, hosts))
+    loader.unload()
+    assert all(p.data_ptr() == h.data_ptr() for p, h in zip(ps, hosts))
+
+
+# ---------------------------------------------------------------------------------------------------- engine (CPU)
+def _offload(model, cfg, mode: str | None, name: str = "default"):
+    om = ft.get_offload_manager(name)
+    om._warmup_override = mode
+    ft.offload(model, cfg, name=name)
+    return om
+
+
+def _run(model, x, ref, om, extra: int = 2) -> list[Phase]:
+    seen = []
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + extra):
+            seen.append(om.phase)
+            assert same(model(x), ref), f"output differs in phase {seen[-1]}"
+    assert om.phase is Phase.INFERENCE
+    return seen
+
+
+def _candidates(om) -> set[str]:
+    return {n for t in om._traps.values() for n in t.candidates} - om._shared
+
+
+def _stream_copies(om) -> int:
+    """Copies of a streamed warm-up: each trap call of a pass copies its candidates (DISCOVERY) or its exclusive
+    tensors (PROFILING) that are not resident anyway."""
+    cands, cfg = _candidates(om), om.config
+    per_pass = {
+        "discovery": sum(len(set(om._traps[label].candidates) & cands) for label in om._sequence),
+        "profiling": sum(len(set(om._exclusive.get(label, ())) & cands) for label in om._sequence),
+    }
+    discovery = 0 if cfg.skip_discovery else cfg.discovery_iters
+    return discovery * per_pass["discovery"] + cfg.profiling_iters * per_pass["profiling"]
+
+
+CASES = {
+    "mlp": lambda: (mlp_stack(), torch.randn(3, 16), cpu_config(load_strategy=ALL, profiling_iters=3)),
+    "mlp-skip-discovery": lambda: (mlp_stack(), torch.randn(3, 16),
+                                   cpu_config(load_strategy=ALL, skip_discovery=True)),
+    "transformer-blocks": lambda: (tiny_transformer(), token_ids(),
+                                   cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL)),
+    "transformer-star": lambda: (tiny_transformer(), token_ids(), cpu_config(load_strategy=ALL)),  # tied, ModuleList
+    "manual-block": lambda: (_manual(), torch.randn(3, 16), cpu_config(load_strategy=ALL)),
+}
+
+
+def _manual() -> ManualBlockModel:
+    torch.manual_seed(0)
+    return ManualBlockModel().eval()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_exact_in_both_modes(case, mode):
+    model, x, cfg = CASES[case]()
+    x = x.to(DEVICE)
+    ref = reference(model, x)
+    before = snapshot(model)
+    om = _offload(model, cfg, mode)
+    assert om._warmup.mode.value == mode and om._warmup.forced
+    pending = len(om._warm_pending)
+    assert (pending == len(_candidates(om))) if mode == "resident" else pending == 0
+    seen = _run(model, x, ref, om)
+    assert seen[0] is (Phase.PROFILING if cfg.skip_discovery else Phase.DISCOVERY)
+    warm = om._warm
+    if mode == "resident":
+        assert warm.copies == len(_candidates(om)) > 0, "a resident warm-up copies each tensor once"
+    else:
+        assert warm.copies == _stream_copies(om) > 0
+    assert warm.kept_count == 0 and not warm.active and not warm.fell_back
+    ft.release()
+    after = snapshot(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert same(reference(model, x), ref)
+
+
+def test_resident_copies_happen_before_every_timing_window():
+    """skip_discovery: the first PROFILING pass is timed too, so the one sweep must precede its first trap."""
+    model = mlp_stack()
+    x = torch.randn(2, 16, device=DEVICE)
+    ref = reference(model, x)
+    om = _offload(model, cpu_config(load_strategy=ALL, skip_discovery=True, profiling_iters=3), "resident")
+    counts: list[int] = []
+    start_span = om._clock.start_span
+    om._clock.start_span = lambda: (counts.append(om._warm.copies), start_span())[1]
+    _run(model, x, ref, om)
+    assert len(counts) == 3 * 4 and set(counts) == {16}
+    assert all(len(v) == 3 for v in om.profiling_durations.values())  # no pass excluded
+
+
+def test_resident_kept_across_passes_freed_before_blocks_and_reused_when_resident(monkeypatch):
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = _offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ft.NthLayerStrategy(2),
+                                    profiling_iters=3), "resident")
+    names = sorted(_candidates(om))
+    originals = {n: om._tensors[n].tensor.data for n in names}
+    seen_at_build: list[int] = []
+    real_loader = inference_mod.BlockLoader
+
+    def loader_probe(**kwargs):
+        seen_at_build.append(om._warm.kept_count)  # device blocks are allocated here: no warm-up copy left
+        return real_loader(**kwargs)
+
+    monkeypatch.setattr(inference_mod, "BlockLoader", loader_probe)
+    kept_ptrs: dict[str, int] = {}
+    with torch.no_grad():
+        for i in range(om.iters_before_inference - 1):
+            assert same(model(ids), ref)
+            ptrs = {n: om._tensors[n].tensor.data_ptr() for n in names}
+            assert all(ptrs[n] != originals[n].data_ptr() for n in names)  # the kept copies, not the host data
+            if i:
+                assert ptrs == kept_ptrs, "kept copies must not be replaced between passes"
+            kept_ptrs = ptrs
+        assert same(model(ids), ref)  # the last PROFILING pass builds INFERENCE
+    assert seen_at_build == [0] and om._warm.copies == len(names)
+    offloaded = {n for ns in om.offloaded_tensors.values() for n in ns}
+    stayed = set(names) - offloaded
+    assert offloaded and stayed, "NthLayerStrategy(2) offloads some blocks and keeps others"
+    assert all(om._tensors[n].tensor.data_ptr() == kept_ptrs[n] for n in stayed), "resident: warm-up copy reused"
+    _run(model, ids, ref, om, extra=2)
+
+
+def test_release_during_resident_warmup_restores_the_original_storages():
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    before = snapshot(model)
+    om = _offload(model, cpu_config(load_strategy=ALL, profiling_iters=3), "resident")  # "*": tied, ModuleList
+    tensors = {n: om._tensors[n].tensor for n in _candidates(om)}
+    ptrs = {n: t.data_ptr() for n, t in tensors.items()}
+    with torch.no_grad():
+        for _ in range(2):
+            assert same(model(ids), ref)
+    assert om.phase is Phase.PROFILING and om._warm.kept_count > 0
+    kept = {n for n, t in tensors.items() if id(t) in om._warm._kept}
+    made_resident = set(tensors) - kept  # used outside their trap: committed to the device after DISCOVERY
+    assert kept and made_resident
+    ft.release()
+    assert {n: tensors[n].data_ptr() for n in kept} == {n: ptrs[n] for n in kept}, "no copy back: the originals"
+    after = snapshot(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("preload", [True, False])
+def test_data_dependent_trap_loads_when_first_needed(preload):
+    """Layer 1 runs only for positive inputs: it gets its weights when it first runs, and only once."""
+    torch.manual_seed(0)
+    model = SkippingModel().eval()
+    pos, neg = torch.ones(2, 16, device=DEVICE), -torch.ones(2, 16, device=DEVICE)
+    ref_pos, ref_neg = reference(model, pos), reference(model, neg)
+    om = _offload(model, cpu_config(include_patterns=["layers.*"], load_strategy=ALL, num_blocks=3,
+                                    profiling_iters=3), "resident")
+    if not preload:
+        om._warm_pending = []  # the lazy path: each trap copies its weights when it first needs them
+    layer1 = {id(p) for p in model.layers[1].parameters()}
+    with torch.no_grad():
+        assert same(model(neg), ref_neg)  # DISCOVERY without layer 1
+        assert om._warm.copies == (8 if preload else 6)
+        assert (id(model.layers[1].weight) in om._warm._kept) == preload
+        assert same(model(pos), ref_pos)  # layer 1 runs: its weights are copied now (lazy) and kept
+        assert om._warm.copies == 8 and layer1 <= set(om._warm._kept)
+        assert same(model(neg), ref_neg) and same(model(pos), ref_pos)
+        assert om.phase is Phase.INFERENCE and om._warm.copies == 8
+        for x, ref in [(neg, ref_neg), (pos, ref_pos), (pos, ref_pos)]:
+            assert same(model(x), ref)
+
+
+def test_out_of_memory_during_resident_warmup_falls_back(caplog):
+    model = mlp_stack()
+    x = torch.randn(2, 16, device=DEVICE)
+    ref = reference(model, x)
+    om = _offload(model, cpu_config(load_strategy=ALL, profiling_iters=2), "resident")
+    om._warm.__class__ = LimitedLoader  # the device "fits" two kept copies: the preload runs out of memory
+    with caplog.at_level(logging.WARNING, logger="flextensor"):
+        _run(model, x, ref, om)
+    assert om._warm.fell_back and om._warm.copies == 2 + om.iters_before_inference * 16
+    assert len([r for r in caplog.records if "out of device memory" in r.getMessage()]) == 1
+
+
+def test_one_info_line_says_the_mode_and_why(caplog):
+    with caplog.at_level(logging.INFO, logger="flextensor"):
+        ft.offload(mlp_stack(), cpu_config(), name="cpu-run")
+        _offload(mlp_stack(seed=1), cpu_config(), "stream", name="forced")
+    lines = [r.getMessage() for r in caplog.records if "warm-up on" in r.getMessage()]
+    assert len(lines) == 2
+    if DEVICE.type == "cpu":
+        assert lines[0].startswith("manager 'cpu-run': in-place warm-up on cpu: ") and "no copies" in lines[0]
+    else:
+        assert lines[0].startswith("manager 'cpu-run': resident warm-up on cuda:0: ") and "fit in" in lines[0]
+    assert lines[1].startswith(f"manager 'forced': stream warm-up on {DEVICE}: forced")
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA
+def _round512(n: int) -> int:  # the CUDA caching allocator's granularity (memory_allocated counts rounded blocks)
+    return (n + 511) // 512 * 512
+
+
+def _cuda_setup(strategy=ALL, **kwargs):
+    model = tiny_transformer(d=256, heads=4).to(torch.bfloat16)  # ~1 MiB per block: far above rounding slack
+    ids = token_ids().cuda()
+    with torch.no_grad():
+        model.cuda()
+        ref = model(ids).float()
+        ref = model(ids).float()  # twice: cuBLAS workspaces exist before any measurement
+    model.cpu()
+    kwargs.setdefault("profiling_iters", 3)
+    cfg = ft.OffloadConfig(include_patterns=["class:DecoderBlock"], pinned_memory=True, load_strategy=strategy,
+                           num_blocks=2, min_blocks=2, **kwargs)
+    return model, ids, ref, cfg
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _allocated() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+@pytest.mark.cuda
+def test_cuda_resident_warmup_copies_once_and_frees_at_inference():
+    model, ids, ref, cfg = _cuda_setup()
+    ft.offload(model, cfg)
+    om = ft.get_offload_manager()
+    assert om._warmup.mode is WarmupMode.RESIDENT and not om._warmup.forced, om._warmup.reason
+    names = sorted(_candidates(om))
+    nbytes = {n: om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size() for n in names}
+    slack = 512 * (len(names) + 8)
+    base = _allocated()  # pre-warm-up: what offload() made resident
+    with torch.no_grad():
+        _close(model(ids), ref)  # DISCOVERY: the one sweep
+        assert om._warm.copies == len(names) and om._warm.copied_bytes == sum(nbytes.values())
+        held = _allocated() - base
+        assert abs(held - sum(_round512(b) for b in nbytes.values())) <= slack, (held, nbytes)
+        while om.phase is not Phase.INFERENCE:
+            _close(model(ids), ref)
+        assert om._warm.copies == len(names), "no warm-up pass after the first copies anything"
+        assert om._warm.kept_count == 0
+        blocks = om.loader.device_bytes
+        after = _allocated() - base
+        assert abs(after - _round512(om.loader.slot_bytes) * om.loader.num_slots) <= slack, (after, blocks)
+        for _ in range(2):
+            _close(model(ids), ref)
+    assert all(b.tensor.is_pinned() for b in om._host_blocks) and om._staging.regions == []
+    ft.release()
+
+
+@pytest.mark.cuda
+def test_cuda_resident_reuses_kept_copies_for_tensors_that_stay():
+    model, ids, ref, cfg = _cuda_setup(strategy=ft.NthLayerStrategy(2))
+    ft.offload(model, cfg)
+    om = ft.get_offload_manager()
+    assert om._warmup.resident
+    names = sorted(_candidates(om))
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference - 1):
+            _close(model(ids), ref)
+        kept = {n: om._tensors[n].tensor.data_ptr() for n in names}
+        assert all(om._tensors[n].tensor.is_cuda for n in names)
+        _close(model(ids), ref)
+        assert om.phase is Phase.INFERENCE
+        stayed = set(names) - {n for ns in om.offloaded_tensors.values() for n in ns}
+        assert stayed and all(om._tensors[n].tensor.data_ptr() == kept[n] for n in stayed)
+        for _ in range(2):
+            _close(model(ids), ref)
+    assert om._warm.copies == len(names)
+
+
+@pytest.mark.cuda
+def test_cuda_stream_warmup_copies_per_trap_call_and_holds_nothing():
+    model, ids, ref, cfg = _cuda_setup()
+    om = _offload(model, cfg, "stream")
+    base = _allocated()
+    with torch.no_grad():
+        _close(model(ids), ref)
+        assert _allocated() == base, "stream mode puts every copy back after its trap"
+        while om.phase is not Phase.INFERENCE:
+            _close(model(ids), ref)
+    assert om._warm.copies == _stream_copies(om) == om.iters_before_inference * len(_candidates(om))
+
+
+@pytest.mark.cuda
+def test_cuda_small_budget_streams():
+    model, ids, ref, cfg = _cuda_setup()
+    needed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("blocks."))
+    om = ft.get_offload_manager()
+    om.set_memory_budget(needed - 1)  # less than the candidates alone (and the rest is resident too)
+    ft.offload(model, cfg)
+    assert om._warmup.mode is WarmupMode.STREAM and "memory budget" in om._warmup.reason
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + 1):
+            _close(model(ids), ref)
+    assert om._warm.copies > len(_candidates(om))
