@@ -36,6 +36,7 @@ from typing import Literal
 import posix_ipc
 
 from flextensor.shm.checks import check_seconds
+from flextensor.shm.names import validate_posix_name
 
 __all__ = ["FileLock", "SemaphoreLock", "make_lock", "LockBackend"]
 
@@ -169,21 +170,6 @@ class FileLock:
         return f"FileLock({str(self.path)!r}, held={self._held})"
 
 
-def _validate_semaphore_name(name: object) -> str:
-    if (
-        not isinstance(name, str)
-        or len(name) < 2
-        or name[0] != "/"
-        or "/" in name[1:]
-        or "\x00" in name
-        or len(name) - 1 > 251
-    ):
-        shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:37] + "..."
-        raise ValueError(f"invalid semaphore name {shown}: it must be '/' followed by 1 to 251 characters without "
-                         "'/' or NUL (see flextensor.shm.names)")
-    return name
-
-
 class SemaphoreLock:
     """A POSIX named semaphore (initial value 1, mode 0600) used as a mutex.
 
@@ -192,7 +178,7 @@ class SemaphoreLock:
     """
 
     def __init__(self, name: str, *, timeout: float | None = None) -> None:
-        self.name = _validate_semaphore_name(name)
+        self.name = validate_posix_name(name, "semaphore", 251)
         self.timeout = check_seconds(timeout, "timeout", allow_none=True)
         self._held = False
         try:

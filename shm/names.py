@@ -271,3 +271,23 @@ def journal_path(ns: str, lock_dir: str | os.PathLike[str] | None = None) -> Pat
     """``{lock_dir}/{ns}.journal``; ``lock_dir`` defaults to :func:`lock_directory` (which creates it)."""
     validate_namespace(ns)
     return resolve_lock_directory(lock_dir) / f"{ns}.journal"
+
+
+def validate_posix_name(name: object, what: str, max_chars: int) -> str:
+    """A POSIX IPC name: ``/`` then 1 to ``max_chars`` characters without ``/`` or NUL (and not ``.``/``..``).
+
+    Segments allow 255 characters after the slash (NAME_MAX); semaphores 251 (glibc prefixes ``sem.``).
+    """
+    if (
+        not isinstance(name, str)
+        or len(name) < 2
+        or name[0] != "/"
+        or "/" in name[1:]
+        or "\x00" in name
+        or len(name) - 1 > max_chars
+        or name in ("/.", "/..")
+    ):
+        shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:37] + "..."
+        raise ValueError(f"invalid {what} name {shown}: it must be '/' followed by 1 to {max_chars} characters "
+                         "without '/' or NUL (see flextensor.shm.names)")
+    return name

@@ -42,6 +42,7 @@ import posix_ipc
 
 from .errors import ShmSpaceError
 from .manifest import contiguous_stride
+from .names import validate_posix_name
 from .pinning import host_register, host_unregister
 from .prefault import populate_write
 
@@ -69,19 +70,7 @@ def format_bytes(n: int | None, digits: int = 1) -> str:
 
 
 def _validate_name(name: object) -> str:
-    if (
-        not isinstance(name, str)
-        or len(name) < 2
-        or name[0] != "/"
-        or "/" in name[1:]
-        or "\x00" in name
-        or len(name) - 1 > _NAME_MAX
-        or name in ("/.", "/..")
-    ):
-        shown = repr(name) if len(repr(name)) <= 40 else repr(name)[:37] + "..."
-        raise ValueError(f"invalid segment name {shown}: a POSIX shared-memory name is '/' followed by 1 to "
-                         f"{_NAME_MAX} characters without '/' or NUL (see flextensor.shm.names)")
-    return name
+    return validate_posix_name(name, "segment", _NAME_MAX)
 
 
 def _shm_free_bytes() -> int | None:
