@@ -27,6 +27,18 @@ def _touch(path: str | None) -> None:
         Path(path).write_text("started")
 
 
+def _views_shared_memory(model: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer still points into a /dev/shm mapping of this process."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "/dev/shm/" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                ranges.append((start, end))
+    tensors = [*model.parameters(), *model.buffers()]
+    return any(start <= t.data_ptr() < end for t in tensors if t.device.type == "cpu" for start, end in ranges)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ns", required=True)
@@ -38,6 +50,8 @@ def main() -> int:
     parser.add_argument("--marker")
     parser.add_argument("--hold", action="store_true")
     parser.add_argument("--go", help="mode fail: raise only once this file exists")
+    parser.add_argument("--preserve", action="store_true",
+                        help="close(preserve_models=True), then run the model again and report whether it still views SHM")
     parser.add_argument("--log", action="store_true", help="log INFO lines to stderr (tests wait on them)")
     args = parser.parse_args()
     if args.log:
@@ -73,6 +87,15 @@ def main() -> int:
                           "out": out.numpy().tobytes().hex()}), flush=True)
         if args.hold:
             sys.stdin.readline()
+        if args.preserve:
+            session.close(preserve_models=True)
+            device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+            model.to(device)
+            with torch.no_grad():
+                again = model(token_ids().to(device)).cpu()
+            print(json.dumps({"out_after_close": again.numpy().tobytes().hex(),
+                              "views_shared_memory": _views_shared_memory(model)}), flush=True)
+            return 0
         session.close()
         return 0
     except Exception as exc:  # noqa: BLE001 - the test reads the class and message

@@ -396,3 +396,17 @@ def test_compiled_forward_of_a_shared_model_matches_and_closes_clean(namespace: 
         assert all(matches(out, expected_output()) for out in outs)
     # dynamo keeps weakrefs to the parameters; discarding the model must still release everything
     assert shm_entries_for(manager_namespace(namespace, "model")) == []
+
+
+def test_follower_close_with_preserve_models_keeps_a_private_working_model(namespace: str, profile: str) -> None:
+    creator = spawn(namespace, profile, "--hold")
+    assert read_result(creator)["role"] == "creator"
+    follower = spawn(namespace, profile, "--preserve")
+    first = read_result(follower)
+    after = read_result(follower)
+    assert finish(follower) == 0
+    assert finish(creator) == 0
+    assert first["role"] == "follower"
+    assert after["views_shared_memory"] is False  # every weight was copied into private storage
+    out = torch.frombuffer(bytearray.fromhex(after["out_after_close"]), dtype=torch.float32)
+    assert matches(out.reshape(expected_output().shape), expected_output())
