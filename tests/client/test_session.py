@@ -126,21 +126,24 @@ def shm_entries_for(ns: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ workers
-@pytest.mark.parametrize("workers", [4, 8])
+@pytest.mark.parametrize("workers, rounds", [(4, 1), (8, 2)])
 def test_workers_share_one_copy_with_exactly_one_creator_and_equal_outputs(namespace: str, profile: str,
-                                                                             workers: int) -> None:
-    procs = [spawn(namespace, profile, "--hold") for _ in range(workers)]
-    try:
-        results = [read_result(p) for p in procs]
-    finally:
-        codes = [finish(p) for p in procs]
-    assert codes == [0] * workers, results
-    roles = sorted(r["role"] for r in results)
-    assert roles == ["creator"] + ["follower"] * (workers - 1)
-    assert len({r["generation"] for r in results}) == 1
+                                                                             workers: int, rounds: int) -> None:
+    """All start at once; each round ends with every worker closed, so the next round reuses the namespace."""
     ref = expected_output()
-    for r in results:
-        assert matches(output_of(r), ref)
+    for _ in range(rounds):
+        procs = [spawn(namespace, profile, "--hold") for _ in range(workers)]
+        try:
+            results = [read_result(p) for p in procs]
+        finally:
+            codes = [finish(p) for p in procs]
+        assert codes == [0] * workers, results
+        roles = sorted(r["role"] for r in results)
+        assert roles == ["creator"] + ["follower"] * (workers - 1)
+        assert len({r["generation"] for r in results}) == 1
+        for r in results:
+            assert matches(output_of(r), ref)
+        assert shm_entries_for(manager_namespace(namespace, "model")) == []  # the last one out removed it all
 
 
 def test_creator_factory_failure_reaches_every_follower(namespace: str, profile: str, tmp_path: Path) -> None:
