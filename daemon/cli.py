@@ -3,6 +3,7 @@
 Commands (each takes ``--socket PATH`` and ``--json``)::
 
     ftd serve   [--config FILE] [--metrics-port N] [--reap-interval S] [--lock-dir DIR ...] [--socket-group G]
+                [--keep-holds]
     ftd status                       daemon up?  version, uptime, counts       (exit 1 when no daemon answers)
     ftd ls                           one row per generation
     ftd cleanup NS --manager NAME [--manager NAME ...] [--timeout S] [--local]
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="lock directory to watch (repeatable; default: this user's $TMPDIR/flextensor-<uid>)")
     serve.add_argument("--socket-group", metavar="GROUP", help="group allowed to connect (socket 0660)")
     serve.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    serve.add_argument("--keep-holds", action="store_true", default=None,
+                       help="on SIGTERM/SIGINT keep holds for the next daemon on this socket instead of releasing "
+                            "them (setting keep_holds_on_exit; a killed daemon always leaves them to the next one)")
 
     sub.add_parser("status", parents=[common], help="is the daemon up; version, uptime, counts")
     sub.add_parser("ls", parents=[common], help="one row per generation")
@@ -160,6 +164,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "lock_dirs": args.lock_dir,
         "socket_group": args.socket_group,
         "log_level": args.log_level,
+        "keep_holds_on_exit": args.keep_holds,
     }
     try:
         settings = load_settings(flags, config_file=args.config)

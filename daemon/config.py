@@ -10,10 +10,12 @@ YAML file (``--config FILE`` or ``$FT_DAEMON_CONFIG``), every key optional::
     lock_dirs: []                      # lock directories to scan; empty: this user's default lock directory
     log_level: INFO                    # DEBUG, INFO, WARNING, ERROR
     max_frame_bytes: 65536             # largest request answered (<= the protocol's MAX_FRAME_BYTES)
+    keep_holds_on_exit: false          # true: SIGTERM/SIGINT leave holds to the next daemon instead of releasing
 
 Environment: ``FT_DAEMON_SOCKET``, ``FT_DAEMON_SOCKET_GROUP``, ``FT_DAEMON_METRICS_PORT``,
 ``FT_DAEMON_METRICS_HOST``, ``FT_DAEMON_REAP_INTERVAL``, ``FT_DAEMON_LOCK_DIRS`` (``os.pathsep``-separated),
-``FT_DAEMON_LOG_LEVEL``, ``FT_DAEMON_MAX_FRAME_BYTES``, ``FT_DAEMON_CONFIG``.  ``FT_DAEMON_SOCKET`` is also what
+``FT_DAEMON_LOG_LEVEL``, ``FT_DAEMON_MAX_FRAME_BYTES``, ``FT_DAEMON_KEEP_HOLDS_ON_EXIT`` (``1``/``true``/``yes``/``on``
+or ``0``/``false``/``no``/``off``), ``FT_DAEMON_CONFIG``.  ``FT_DAEMON_SOCKET`` is also what
 workers read, so one variable points both sides at the same socket.
 
 Unknown YAML keys and malformed values raise ``ValueError`` naming the key and where it came from: a typo in
@@ -39,6 +41,8 @@ __all__ = ["DaemonSettings", "load_settings", "default_lock_dir", "ENV_PREFIX"]
 
 ENV_PREFIX = "FT_DAEMON_"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def default_lock_dir() -> str:
@@ -56,6 +60,7 @@ class DaemonSettings:
     lock_dirs: list[str] = dataclasses.field(default_factory=list)
     log_level: str = "INFO"
     max_frame_bytes: int = MAX_FRAME_BYTES
+    keep_holds_on_exit: bool = False
 
     def __post_init__(self) -> None:
         self.validate("settings")
@@ -87,6 +92,8 @@ class DaemonSettings:
                              f"{self.max_frame_bytes!r}")
         if self.socket_group is not None and (not isinstance(self.socket_group, (str, int)) or self.socket_group == ""):
             raise ValueError(f"{source}: socket_group must be a group name or gid, got {self.socket_group!r}")
+        if not isinstance(self.keep_holds_on_exit, bool):
+            raise ValueError(f"{source}: keep_holds_on_exit must be true or false, got {self.keep_holds_on_exit!r}")
 
     @property
     def effective_lock_dirs(self) -> list[str]:
@@ -112,6 +119,12 @@ def _from_text(name: str, text: str, source: str) -> Any:
             return [part for part in text.split(os.pathsep) if part]
         if name == "socket_group":
             return text or None
+        if name == "keep_holds_on_exit":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError(text)
     except ValueError:
         raise ValueError(f"{source}: {text!r} is not a valid value for {name}") from None
     return text

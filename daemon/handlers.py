@@ -76,7 +76,7 @@ class RequestHandler:
     def __init__(self, registry: Registry, reaper: Reaper, info: dict) -> None:
         self.registry = registry
         self.reaper = reaper
-        self.info = info  # version, socket, started (monotonic), metrics (DaemonMetrics)
+        self.info = info  # version, socket, started (monotonic), metrics (DaemonMetrics), send, save_state
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -264,8 +264,12 @@ class RequestHandler:
             reg.draining[ns] = peer.uid
             hold = reg.holds.pop(ns, None)
             if hold is not None:
+                try:
+                    self._release(hold)
+                except TimeoutError:
+                    reg.holds[ns] = hold  # still held and heartbeating: keep it known (and releasable)
+                    raise
                 released.append(ns)
-                self._release(hold)
         if not namespaces:
             reg.draining_bases[request.base] = peer.uid
         what = ", ".join(targets) if targets else "no known namespace yet"
@@ -275,6 +279,9 @@ class RequestHandler:
                                      "participant leaves")
 
     def _release(self, hold) -> str:
+        # The caller removed the hold from the registry: record that first, so a daemon killed right after
+        # leaving the slot never finds the hold in <socket>.state and re-takes what the user released.
+        self.info.get("save_state", lambda: None)()
         remaining = drop_hold(hold)
         if remaining:
             return f"released {hold.namespace}; {remaining} participant(s) remain"

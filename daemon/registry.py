@@ -5,9 +5,10 @@ Source of truth
 Nothing here is authoritative: the journals (lock directories) and the lease tables (``/dev/shm/{ns}.c``)
 are.  The registry is a cache rebuilt by :meth:`Registry.scan` every ``reap_interval`` and at start, so a
 daemon that was SIGKILLed and restarted knows everything it needs after its first scan.  What only the
-daemon knows, and what a restart therefore loses, is: which processes registered (re-adopted from the lease
-tables, see below), labels (base/manager), drains, and holds (a restarted daemon holds nothing until
-``ftd hold`` is run again; the old daemon's hold slots expire after one lease).
+daemon knows is which processes registered, labels (base/manager), drains, and holds.  Holds and watched
+processes (with their lock directories) are kept in ``<socket>.state`` (``state_file.py``) and restored at
+start (``holds.restore_hold``, :meth:`Registry.rewatch`); live processes are also re-adopted from the lease
+tables (see below).  Drains, and labels of namespaces that are not held, are lost with the daemon.
 
 Watching processes
 ------------------
@@ -181,6 +182,9 @@ class Hold:
     heartbeat: object  # flextensor.shm.leases.Heartbeat
     owner_uid: int
     since: float = dataclasses.field(default_factory=time.time)
+    created_at_ns: int = 0  # the header's creation time: with ``generation``, names the generation exactly
+    lease_ns: int = 0  # the slot's lease (the heartbeat runs every lease / 4)
+    adopted: bool = False  # the slot was taken over from a previous daemon (see holds.restore_hold)
 
 
 @dataclasses.dataclass
@@ -410,6 +414,9 @@ class Registry:
         view.adoption_checked.add(identity.token)
         if identity.boot_id != self._boot_id or identity.pid == os.getpid() or identity.pid <= 0:
             return
+        hold = self.holds.get(view.namespace)
+        if hold is not None and hold.identity.token == identity.token:
+            return  # our own hold, maybe in a slot taken over from a previous daemon that still names its pid
         self._watch(view, slot.index, identity, identity.pid, uid=None, adopted=True)
 
     def _bytes(self, view: NamespaceView, journal) -> int:
@@ -493,6 +500,42 @@ class Registry:
             "the daemon's pid namespace (run ftd with hostPID / in the workers' pid namespace); its lease still "
             "protects it"
         )
+
+    def rewatch(self, namespace: str, slot_index: int, identity: ParticipantIdentity, pid: int, uid: int | None,
+                adopted: bool) -> str:
+        """Carry on watching a participant the previous daemon watched (from ``<socket>.state``).
+
+        The caller checked that the previous daemon ran on this boot in this pid namespace, so ``pid`` (the pid
+        that daemon saw, translated by the kernel at registration) still names the same processes here.  If
+        the slot still holds ``identity`` with a live lease: a process with that pid and start time is watched
+        again; without one, the participant died while no daemon ran and its lease is ended now (the dead
+        process cannot refresh it, and ``end_lease`` re-checks identity and expiry right before the store).
+        Returns ``"watching"``, ``"ended"`` or ``"gone"`` (it left, expired, or its slot was reused: nothing to do).
+        """
+        view = self.views.get(namespace)
+        if view is None or pid <= 0 or identity.boot_id != self._boot_id:
+            return "gone"
+        try:
+            table = self._map(view)
+            slot = None if table is None else table.slot(slot_index)
+        except (ShmProtocolError, AbortedCreationError, ValueError, PermissionError, IndexError, OSError):
+            return "gone"
+        if slot is None or slot.state != SlotState.ACTIVE or slot.identity != identity or not slot.live:
+            return "gone"
+        if (namespace, identity.token) in self.participants:
+            return "watching"  # adopted by the first scan already
+        if process_start_time(pid) == identity.start_time:
+            view.adoption_checked.add(identity.token)
+            self._watch(view, slot_index, identity, pid, uid=uid, adopted=adopted)
+            return "watching"
+        if not table.end_lease(slot_index, identity):
+            return "gone"
+        view.dead_at_ns[identity.token] = host_clock_ns()
+        self.metrics.deaths.inc()
+        logger.info("%s of %s exited while no daemon ran (lease slot %d): lease ended", identity.describe(),
+                    namespace, slot_index)
+        self.refresh(view)
+        return "ended"
 
     def process_exited(self, fd: int) -> list[NamespaceView]:
         """A pidfd became readable: end the leases its process still held; returns the views to re-check."""

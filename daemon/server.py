@@ -23,8 +23,18 @@ Permissions
 -----------
 The socket's directory is created 0700 (0750 with ``socket_group``) and the socket file is 0600 (0660 with
 the group): by default only the daemon's user can connect.  An existing directory writable by others
-without the sticky bit is refused.  On a clean exit (SIGTERM/SIGINT) the daemon releases its holds, closes
-its pidfds, and removes its socket file (if it is still the one it bound) and lock file.
+without the sticky bit is refused.  On a clean exit (SIGTERM/SIGINT) the daemon releases its holds (or, with
+``keep_holds_on_exit``, stops refreshing them and leaves them to the next daemon), closes its pidfds, and
+removes its socket file (if it is still the one it bound) and lock file.
+
+State across restarts
+---------------------
+``<socket>.state`` (``state_file.py``) records the daemon's holds and the processes it watches.  It is read
+once at start, right after the instance lock is taken and the first scan rebuilt the view: watched processes
+that died meanwhile have their leases ended, live ones are watched again, and every hold is re-taken
+(``holds.restore_hold``) before the first reap.  From then on the file is rewritten whenever the set of holds
+or of watched processes changes, before the reply to the request that changed it.  A daemon that fails to
+start never touches it.
 """
 
 from __future__ import annotations
@@ -41,14 +51,25 @@ from pathlib import Path
 import zmq
 
 from flextensor.shm import ftd_protocol as proto
+from flextensor.shm.errors import ShmProtocolError
+from flextensor.shm.identity import boot_id
 from flextensor.shm.locks import FileLock
+from flextensor.shm.names import manager_namespace, validate_namespace
 
 from flextensor.daemon.config import DaemonSettings
 from flextensor.daemon.handlers import RequestHandler, peer_of
-from flextensor.daemon.holds import drop_hold
+from flextensor.daemon.holds import HoldGone, drop_hold, restore_hold
 from flextensor.daemon.metrics import DaemonMetrics
 from flextensor.daemon.reaper import Reaper
-from flextensor.daemon.registry import Registry
+from flextensor.daemon.registry import Registry, inspect_lock_dir, segment_owner_uid
+from flextensor.daemon.state_file import (
+    PersistedHold,
+    PersistedParticipant,
+    StateFile,
+    StateStore,
+    pid_namespace,
+    state_path,
+)
 
 __all__ = ["Daemon", "StartupError", "run"]
 
@@ -134,12 +155,17 @@ class Daemon:
         self._wake_r: int | None = None
         self._wake_w: int | None = None
         self.started = time.monotonic()
+        self.state = StateStore(state_path(self.socket_path))
+        self._state_loaded = False  # only a daemon that read the previous state may overwrite it
+        self._state_key: object = None  # what the state file describes now (see _save_state)
+        self._state_error = False
         self.handler = RequestHandler(self.registry, self.reaper, {
             "version": _library_version(),
             "socket": self.socket_path,
             "started": self.started,
             "metrics": self.metrics,
             "send": self._send,
+            "save_state": self._save_state,
         })
         self.registry.on_watch_added = lambda fd: self.poller.register(fd, zmq.POLLIN)
         self.registry.on_watch_removed = self._unregister_fd
@@ -203,8 +229,104 @@ class Daemon:
             self.shutdown()
             raise
         self.registry.scan()  # rebuild from journals + lease tables (adopts live processes)
+        self._restore_state()  # before the first reap: restored holds keep their generations
         logger.info("ftd %s serving on %s (lock dirs: %s; reap every %.2f s; pid %d)", _library_version(), path,
                     ", ".join(self.settings.effective_lock_dirs), self.settings.reap_interval, os.getpid())
+
+    # ------------------------------------------------------------------ state across restarts
+    def _restore_state(self) -> None:
+        """Carry on from the previous daemon's ``<socket>.state``, then rewrite it as this daemon's."""
+        previous = self.state.load()
+        if previous is not None:
+            self._restore_from(previous)
+            self.registry.scan()
+        self._state_loaded = True
+        self._save_state(force=True)
+
+    def _restore_from(self, previous: StateFile) -> None:
+        stamp = previous.daemon
+        learned = {p.lock_dir for p in previous.watched if p.lock_dir is not None}
+        for path in sorted(learned - set(self.registry.configured_lock_dirs)):
+            try:  # lock directories learned from registrations: keep scanning them
+                self.registry.learn_lock_dir(inspect_lock_dir(path))
+            except OSError as exc:
+                logger.info("not scanning %s any more: %s", path, exc)
+        if learned:
+            self.registry.scan()
+        if previous.watched:
+            if stamp.boot_id == boot_id() and stamp.pid_ns is not None and stamp.pid_ns == pid_namespace():
+                outcomes = [self._guard("re-watching a participant", self.registry.rewatch, p.namespace, p.slot,
+                                        p.identity, p.pid, p.uid, p.adopted) for p in previous.watched]
+                logger.info("the previous daemon watched %d process(es): %d still run, %d exited while no daemon ran",
+                            len(outcomes), outcomes.count("watching"), outcomes.count("ended"))
+            else:
+                logger.info("not re-watching the %d process(es) of the previous daemon (pid %d): it ran in another "
+                            "pid namespace or boot, where their pids meant other processes", len(previous.watched),
+                            stamp.pid)
+        may_adopt = previous.heartbeats_stopped or not stamp.alive()
+        if previous.holds and not may_adopt:
+            logger.warning("the daemon that wrote %s (pid %d) still runs: its hold slots are left to it, fresh ones "
+                           "are joined", self.state.path, stamp.pid)
+        for record in previous.holds:
+            self._guard(f"restoring the hold on {record.namespace}", self._restore_hold, record, may_adopt)
+
+    def _restore_hold(self, record: PersistedHold, may_adopt: bool) -> None:
+        ns = record.namespace
+        what = f"{ns} (base {record.base!r}, manager {record.manager!r}) generation {record.generation}"
+        try:
+            validate_namespace(ns)
+            lock_dir = inspect_lock_dir(record.lock_dir)
+            owner = segment_owner_uid(ns)
+            if owner is not None and owner != lock_dir.uid:
+                raise HoldGone(f"its coordinator segment belongs to uid {owner}, not to the owner of {lock_dir.path}")
+            hold = restore_hold(record, lock_dir, lock_dir.uid, may_adopt=may_adopt)
+        except (HoldGone, ValueError, OSError, RuntimeError) as exc:  # OSError covers TimeoutError
+            kind = "" if isinstance(exc, (HoldGone, ShmProtocolError)) else f"{type(exc).__name__}: "
+            logger.warning("dropped the hold on %s kept by the previous daemon: %s%s (run `ftd hold` again to keep "
+                           "a generation warm)", what, kind, exc)
+            return
+        reg = self.registry
+        reg.holds[ns] = hold
+        reg.unwatch(ns, hold.identity.token)  # the first scan may have adopted a previous daemon still exiting
+        reg.learn_lock_dir(lock_dir)
+        if record.base is not None and record.manager is not None:
+            try:
+                if manager_namespace(record.base, record.manager) == ns:
+                    reg.labels[ns] = (record.base, record.manager)
+            except ValueError:
+                pass
+        reg.refresh(reg.view_for(ns, lock_dir))
+        how = "took over the previous daemon's" if hold.adopted else "joined a fresh"
+        logger.info("restored the hold on %s: %s lease slot %d (lease %.1f s)", what, how, hold.slot,
+                    hold.lease_ns / 1e9)
+
+    def _save_state(self, *, force: bool = False, heartbeats_stopped: bool = False) -> None:
+        """Rewrite ``<socket>.state`` when the holds or the watched processes changed (or ``force``)."""
+        if not self._state_loaded:
+            return
+        reg = self.registry
+        key = (tuple((ns, h.generation, h.slot, h.identity.token) for ns, h in sorted(reg.holds.items())),
+               frozenset(reg.participants))
+        if key == self._state_key and not force:
+            return
+        holds = [PersistedHold(namespace=ns, base=reg.labels.get(ns, (None, None))[0],
+                               manager=reg.labels.get(ns, (None, None))[1], generation=h.generation,
+                               created_at_ns=h.created_at_ns, lock_dir=h.lock_dir.path, owner_uid=h.owner_uid,
+                               slot=h.slot, identity=h.identity, lease_ns=h.lease_ns, since=h.since)
+                 for ns, h in sorted(reg.holds.items())]
+        watched = [PersistedParticipant(namespace=p.namespace, slot=p.slot_index, identity=p.identity, pid=p.pid,
+                                        uid=p.uid, adopted=p.adopted, lock_dir=_lock_dir_of(reg, p.namespace))
+                   for p in reg.participants.values()]
+        try:
+            self.state.save(holds, watched, heartbeats_stopped=heartbeats_stopped)
+        except OSError as exc:
+            if not self._state_error:  # once per failure streak, not at every change
+                self._state_error = True
+                logger.error("cannot write the daemon state file %s: %s; holds and watched processes will not "
+                             "survive a restart of the daemon until it can", self.state.path, exc)
+            return
+        self._state_error = False
+        self._state_key = key
 
     def _on_signal(self, signum: int, frame) -> None:
         self._stop = True
@@ -237,6 +359,7 @@ class Daemon:
             if time.monotonic() >= next_scan:
                 self._scan_and_reap()
                 next_scan = time.monotonic() + self.settings.reap_interval
+            self._save_state()
 
     def _guard(self, what: str, func, *args):
         try:
@@ -306,20 +429,30 @@ class Daemon:
             except Exception as exc:  # noqa: BLE001
                 logger.exception("request %s failed", type(request).__name__)
                 reply = proto.ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}"[:500])
+            self._save_state()  # a hold, release or registration is on disk before its reply goes out
             if reply is not None:
                 self._send(reply_to, reply)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
-        """Release holds, stop watching, close and remove the socket and lock file. Idempotent."""
-        for ns, hold in list(self.registry.holds.items()):
-            del self.registry.holds[ns]
+        """Release (or keep) holds, save the state, stop watching, close and remove the socket and lock file.
+
+        Idempotent."""
+        if self.settings.keep_holds_on_exit and self._state_loaded and self.registry.holds:
+            self._keep_holds()
+        releasing = list(self.registry.holds.items())
+        self.registry.holds.clear()
+        self._save_state()  # first: a daemon killed while releasing must not re-take these holds next time
+        for ns, hold in releasing:
             try:
                 if drop_hold(hold) == 0:
                     view = self.registry.view_for(ns, hold.lock_dir)
                     self.reaper.reclaim(view, "release")
             except Exception:  # noqa: BLE001
                 logger.exception("releasing the hold on %s failed; it expires after its lease", ns)
+        if self._state_loaded:
+            self._save_state(force=True, heartbeats_stopped=True)  # every heartbeat thread has stopped by now
+            self._state_loaded = False
         for job in self.reaper.pending:
             self._send(job.reply_to, proto.ErrorReply(code="internal", message="the daemon is shutting down"))
         self.reaper.pending.clear()
@@ -348,6 +481,30 @@ class Daemon:
             except (RuntimeError, OSError):
                 pass
             lock.close()
+
+
+    def _keep_holds(self) -> None:
+        """``keep_holds_on_exit``: stop refreshing the holds, record them for the next daemon, leave the slots."""
+        holds = self.registry.holds
+        for hold in holds.values():
+            hold.heartbeat.stop()  # type: ignore[attr-defined]
+        self._save_state(force=True, heartbeats_stopped=True)
+        if self._state_error:
+            return  # not recorded: release them as usual rather than leave them to expire unclaimed
+        lease = max(h.lease_ns for h in holds.values()) / 1e9
+        logger.info("keeping %d hold(s) for the next ftd on %s (%s): start it within %.0f s to take their lease "
+                    "slots over", len(holds), self.socket_path, ", ".join(sorted(holds)), lease)
+        for ns, hold in list(holds.items()):
+            del holds[ns]
+            hold.table = None  # type: ignore[assignment]
+            hold.heartbeat = None
+            hold.segment.close()
+        self._state_loaded = False  # the file now describes the kept holds: nothing below may overwrite it
+
+
+def _lock_dir_of(registry: Registry, namespace: str) -> str | None:
+    view = registry.views.get(namespace)
+    return None if view is None else view.lock_dir.path
 
 
 def run(settings: DaemonSettings) -> int:

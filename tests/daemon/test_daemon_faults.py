@@ -117,7 +117,7 @@ def test_reaper_reclaims_expired_leases_of_unregistered_workers(daemon, workers,
     assert wait_until(lambda: shm_names(ns) == [], 3.0), shm_names(ns)
     assert time.monotonic() - t0 >= 0.3  # not before the lease ran out
     w.kill()
-    assert "(expired)" in daemon.read_log()
+    assert wait_until(lambda: "(expired)" in daemon.read_log(), 2.0)  # logged just after the unlinks
 
 
 def test_workers_without_a_daemon_are_unchanged(workers, namespace):
