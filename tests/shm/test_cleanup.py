@@ -21,7 +21,6 @@ from flextensor.shm.names import (
     manager_namespace,
 )
 from flextensor.shm.segment import SharedSegment
-from tests.shm.procs import start_children
 
 LEASE = 1.0
 
@@ -29,21 +28,6 @@ LEASE = 1.0
 @pytest.fixture
 def ns(namespace: str) -> str:
     return manager_namespace(namespace, "cleanup")
-
-
-@pytest.fixture
-def children():
-    started = []
-
-    def spawn(n):
-        new = start_children(n)
-        started.extend(new)
-        return new
-
-    yield spawn
-    for child in started:
-        child.kill()
-        child.stop()
 
 
 def shm_names(ns: str) -> list[str]:

@@ -28,7 +28,6 @@ from flextensor.shm.identity import ParticipantIdentity
 from flextensor.shm.leases import LeaseTable
 from flextensor.shm.names import coordinator_segment_name, journal_path, lock_directory, manager_namespace
 from flextensor.shm.segment import SharedSegment
-from tests.shm.procs import Child, start_children
 
 LEASE = 1.0
 
@@ -46,21 +45,6 @@ def shm_names(ns: str) -> list[str]:
 def assert_gone(ns: str) -> None:
     assert shm_names(ns) == []
     assert sorted(p.name for p in lock_directory().iterdir()) == []
-
-
-@pytest.fixture
-def children():
-    started: list[Child] = []
-
-    def spawn(n: int) -> list[Child]:
-        new = start_children(n)
-        started.extend(new)
-        return new
-
-    yield spawn
-    for child in started:
-        child.kill()
-        child.stop()
 
 
 def test_election_eight_processes_repeated(ns, children):
