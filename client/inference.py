@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -145,6 +146,36 @@ def _lookup_weight(m, name: str, weights: Mapping[str, torch.Tensor] | None) -> 
     )
 
 
+#: A host-block fill that runs longer than this logs its progress (bytes, rate) at this interval.
+PROGRESS_INTERVAL_S = 2.0
+
+
+class _FillProgress:
+    """Logs how far filling the host blocks got, so a multi-GiB publish is visibly alive (and how fast)."""
+
+    def __init__(self, manager: str, total: int) -> None:
+        self.manager, self.total, self.done = manager, total, 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_INTERVAL_S:
+            self.last = now
+            self._log(now, "filling host blocks")
+
+    def finish(self) -> None:
+        now = time.monotonic()
+        if self.done and now - self.start >= PROGRESS_INTERVAL_S:  # nothing to say for prefilled blocks
+            self._log(now, "filled host blocks")
+
+    def _log(self, now: float, what: str) -> None:
+        elapsed = max(now - self.start, 1e-9)
+        logger.info("manager %r: %s: %.1f of %.1f MiB (%.0f%%) in %.1f s, %.2f GB/s", self.manager, what,
+                    self.done / 2**20, self.total / 2**20, 100 * self.done / max(self.total, 1), elapsed,
+                    self.done / elapsed / 1e9)
+
+
 def build_inference(
     m: "OffloadManager",
     layouts: list[BlockLayout],
@@ -162,6 +193,7 @@ def build_inference(
         m._provider = make_provider(cfg, m._device, shm_owner=_ensure_shm_owner(m))
         m._provider.reserve([layout.nbytes for layout in layouts])
     blocks: list[HostBlock] = []
+    progress = _FillProgress(m.name, sum(p.nbytes for layout in layouts for p in layout.tensors))
     for layout in layouts:
         if host_blocks is not None:
             name = block_names[layout.index] if block_names else ""
@@ -176,9 +208,11 @@ def build_inference(
             if not block.prefilled:
                 source = _lookup_weight(m, placement.name, weights) if tensor.is_meta else tensor.data
                 view.copy_(source)
+                progress.add(placement.nbytes)
             assign_data(tensor, view)
             m._placement[placement.name] = (layout.index, placement)
         m._staging.release(p.name for p in layout.tensors)  # this block is filled: its sources may go
+    progress.finish()
     m._host_blocks = blocks
     if m._provider is not None:
         m._provider.finish()  # e.g. host_register pins the filled (populated) arenas now

@@ -402,3 +402,22 @@ def test_diagnostics_tables_logged(caplog):
         assert title in text
     notice = [r for r in caplog.records if r.levelno == 25]
     assert notice and "Block Assignment" in notice[0].getMessage()
+
+
+def test_filling_host_blocks_logs_progress_with_bytes_and_rate(monkeypatch, caplog):
+    """A long fill (here forced: interval 0) logs how many bytes are done and at what rate."""
+    import logging
+
+    import flextensor.inference as inference
+
+    monkeypatch.setattr(inference, "PROGRESS_INTERVAL_S", 0.0)
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    with caplog.at_level(logging.INFO, logger="flextensor.inference"):
+        ft.offload(model, cpu_config(load_strategy=ALL))
+        run_phases(model, x, ref, ft.get_offload_manager(), extra=1)
+    lines = [r.getMessage() for r in caplog.records if "host blocks" in r.getMessage()]
+    assert any("filling host blocks" in line for line in lines)
+    assert lines[-1].startswith("manager 'default': filled host blocks") and "GB/s" in lines[-1]
+    assert "(100%)" in lines[-1]
