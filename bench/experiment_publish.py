@@ -5,8 +5,15 @@ Breaks a 1 GiB publish into allocation (``posix_fallocate`` sequentially or in p
 transparent-huge-page settings. Ran on the H200 host on 2026-11-29: ``posix_fallocate`` took ~190 ms/GiB and
 dominated; parallel ranges did not help there.
 """
-import ctypes, mmap, os, time, torch, posix_ipc
+import ctypes
+import mmap
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import posix_ipc
+import torch
+
 n = 1 << 30
 src = torch.randn(n // 4)
 libc = ctypes.CDLL(None, use_errno=True)

@@ -5,8 +5,12 @@ most of its time to ready registering its mapping of the shared blocks; if the d
 ``SharedOffloadSession._attach`` should pin its blocks from a thread pool. Needs CUDA. Not run yet (no device time
 left in the session that wrote it).
 """
-import mmap, os, time, torch
+import mmap
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
 torch.cuda.init()
 cudart = torch.cuda.cudart()
 nblocks, bsize = 24, 64 << 20
