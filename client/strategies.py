@@ -1,18 +1,10 @@
 """Offload strategies: which tensors stay resident on the GPU and which stream through rotating device blocks.
 
 The engine measures per-trap compute seconds and a transfer curve during PROFILING, builds a ``PlanInput``
-(see ``flextensor.plan_model`` for the types and the pipeline model) and calls ``strategy.plan(inp)``.
-
-Transfer windows (shared by Greedy, Knapsack and BudgetFill's "hidden" part)
----------------------------------------------------------------------------
-With two or more device blocks, the copy for offloaded trap ``i`` can run while traps ``p..i-1`` compute,
-where ``p`` is the previous *offloaded* trap (its own copy has finished by the time ``p`` starts, so the copy
-stream is free from then on); before the first offloaded trap the window reaches back to time 0. Gap traps
-(no offloadable tensors) and traps that keep everything resident therefore widen the next window. If every
-offloaded trap's copy fits its window (``scale * compute``), the simulator reports zero overhead: by
-induction each copy ends before its trap starts, and the block slot it reuses was released by an earlier
-trap (slots rotate over >= 2 blocks). Windows are conservative: the simulator also credits slack that
-accumulates when copies finish early and more blocks allow running further ahead.
+(see ``flextensor.plan_model`` for the types and the pipeline model) and calls ``strategy.plan(inp)``. The
+basic strategies (NthLayer, Greedy, Knapsack) and the transfer windows they share live in
+``flextensor.basic_strategies``; this module adds the budget search (BudgetFill), the default Adaptive choice
+and ``resolve_budget``, and is the public home of every strategy.
 
 Modes: ``budget_bytes=None`` is latency mode (offload only what hides: no material overhead); otherwise
 memory mode (the peak device bytes must stay within the budget). ``resolve_budget`` turns
@@ -23,8 +15,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-from abc import ABC, abstractmethod
-from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -41,6 +31,19 @@ from flextensor.plan_model import (
     make_plan,
     simulate_bytes,
     simulate_overhead,
+)
+from flextensor.basic_strategies import (  # noqa: F401 - the basic strategies are public from here too
+    GreedyStrategy,
+    KnapsackStrategy,
+    NthLayerStrategy,
+    Strategy,
+    _gap_windows,
+    _hidden_chain,
+    _peak,
+    _per_trap,
+    _selection,
+    _SubsetSums,
+    _tables,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,212 +68,6 @@ __all__ = [
 ]
 
 MIN_GPU_BUDGET_BYTES = 256 * MIB
-
-
-class Strategy(ABC):
-    """Base of every strategy: a ``name`` and ``plan(inp) -> Plan``. ``OffloadConfig.load_strategy`` takes one."""
-
-    name: str = "strategy"
-
-    @abstractmethod
-    def plan(self, inp: PlanInput) -> Plan: ...
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Subset sums of one trap's tensors (the knapsack table) and the hidden-offload chain
-# ------------------------------------------------------------------------------------------------------------
-
-
-class _SubsetSums:
-    """Reachable byte totals of subsets of one trap's tensors, each with one subset (a bitmask) reaching it.
-
-    Since a trap's offloaded tensors travel as one block, its copy time is affine in the block's bytes and the
-    per-trap 0/1 knapsack "most bytes whose transfer fits the window" is a subset-sum over bytes. Sizes in a
-    transformer layer repeat (q/o, gate/up/down...), so the exact table stays small; when a trap exceeds
-    ``max_states`` distinct totals, totals are merged into ``resolution`` buckets (the time discretisation),
-    keeping the smallest and largest exact total of each bucket. Totals stay exact, so an answer never
-    overshoots its window; merging can only lose at most a bucket's width of bytes per merge.
-    """
-
-    def __init__(self, sizes: Sequence[int], resolution: int, max_states: int) -> None:
-        self.exact = True
-        width = max(1, -(-sum(sizes) // resolution))
-        states: dict[int, int] = {0: 0}
-        for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
-            if sizes[k] <= 0:
-                continue  # a zero-byte tensor gains nothing from offloading
-            bit, size = 1 << k, sizes[k]
-            grown = dict(states)
-            for total, mask in states.items():
-                grown.setdefault(total + size, mask | bit)
-            states = grown
-            if len(states) > max_states:
-                self.exact = False
-                keep: dict[int, tuple[int, int]] = {}
-                for total in states:
-                    lo, hi = keep.get(total // width, (total, total))
-                    keep[total // width] = (min(lo, total), max(hi, total))
-                states = {t: states[t] for pair in keep.values() for t in pair} | {0: 0}
-        self.sums = sorted(states)
-        self.masks = [states[s] for s in self.sums]
-
-    def best(self, cap: int) -> tuple[int, int]:
-        """(bytes, mask) of the largest reachable total <= cap."""
-        i = bisect_right(self.sums, cap) - 1
-        return self.sums[i], self.masks[i]
-
-
-def _tables(inp: PlanInput, resolution: int, max_states: int) -> list[_SubsetSums | None]:
-    return [
-        _SubsetSums([t.nbytes for t in trap.tensors], resolution, max_states) if trap.total_bytes > 0 else None
-        for trap in inp.traps
-    ]
-
-
-def _hidden_chain(inp: PlanInput, tables: list[_SubsetSums | None]) -> list[tuple[int, int]]:
-    """Per trap (bytes, mask) of the hidden selection that offloads the most bytes in total.
-
-    Dynamic programming over "which trap was offloaded last": ``value[i]`` is the most bytes a hidden plan can
-    offload when trap ``i`` is its last offloaded trap, maximised over the previous one ``p`` (whose choice
-    sets trap ``i``'s window ``p..i-1``) or none (window from time 0). Offloading a small slice of a trap can
-    shrink the next trap's window, which is why a trap-by-trap greedy walk is not optimal and this is.
-    """
-    n = len(inp.traps)
-    value = [0] * n
-    choice: list[tuple[int, int, int]] = [(0, 0, -1)] * n  # (bytes, mask, previous offloaded trap)
-    for i in range(n):
-        table = tables[i]
-        if table is None:
-            continue
-        full = table.sums[-1]
-        best_value, best = 0, None
-        s, m = table.best(inp.window_capacity(0, i))
-        if s > 0:
-            best_value, best = s, (s, m, -1)
-        for p in range(i):
-            if value[p] <= 0 or value[p] + full <= best_value:
-                continue
-            s, m = table.best(inp.window_capacity(p, i))
-            if s > 0 and value[p] + s > best_value:
-                best_value, best = value[p] + s, (s, m, p)
-        if best is not None:
-            value[i], choice[i] = best_value, best
-    out = [(0, 0)] * n
-    last = max(range(n), key=lambda k: value[k], default=-1)
-    while last >= 0 and value[last] > 0:
-        s, m, prev = choice[last]
-        out[last] = (s, m)
-        last = prev
-    return out
-
-
-def _selection(inp: PlanInput, masks: Sequence[int]) -> dict[str, tuple[str, ...]]:
-    out: dict[str, tuple[str, ...]] = {}
-    for trap, mask in zip(inp.traps, masks):
-        names = tuple(t.name for k, t in enumerate(trap.tensors) if mask >> k & 1)
-        if names:
-            out[trap.label] = names
-    return out
-
-
-def _per_trap(inp: PlanInput, masks: Sequence[int]) -> list[int]:
-    return [sum(t.nbytes for k, t in enumerate(trap.tensors) if mask >> k & 1) for trap, mask in zip(inp.traps, masks)]
-
-
-def _peak(inp: PlanInput, per_trap: Sequence[int], blocks: int) -> int:
-    n_off = sum(1 for b in per_trap if b > 0)
-    block = effective_blocks(blocks, inp.min_blocks, n_off) * max(per_trap, default=0) if n_off else 0
-    return inp.fixed_resident_bytes + inp.offloadable_bytes - sum(per_trap) + block
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Strategies
-# ------------------------------------------------------------------------------------------------------------
-
-
-class NthLayerStrategy(Strategy):
-    """Offload every tensor of traps 0, n, 2n, ... (n=1 offloads every trap). Predictable, ignores timing."""
-
-    def __init__(self, n: int = 1) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"NthLayerStrategy: n must be an int >= 1 (1 offloads every trap), got {n!r}")
-        self.n = n
-        self.name = f"nth_layer({n})"
-
-    def __repr__(self) -> str:
-        return f"NthLayerStrategy(n={self.n})"
-
-    def plan(self, inp: PlanInput) -> Plan:
-        selection = {
-            trap.label: tuple(t.name for t in trap.tensors)
-            for i, trap in enumerate(inp.traps)
-            if i % self.n == 0 and trap.total_bytes > 0
-        }
-        why = f"{self.name}: offload all tensors of every trap whose index is a multiple of {self.n}"
-        return make_plan(inp, self.name, selection, inp.num_blocks, [why])
-
-
-class GreedyStrategy(Strategy):
-    """Cumulative compute-budget heuristic: one pass in execution order, largest tensors first.
-
-    Trap ``i``'s window is ``scale *`` the compute of the traps since the previous offloaded trap (inclusive;
-    from time 0 before the first), so resident and gap traps accumulate budget. Tensors are taken largest
-    first, skipping any that would overflow the window (first-fit decreasing). Fast, not optimal: see
-    ``KnapsackStrategy``.
-    """
-
-    name = "greedy"
-
-    def plan(self, inp: PlanInput) -> Plan:
-        selection: dict[str, tuple[str, ...]] = {}
-        start = 0
-        for i, trap in enumerate(inp.traps):
-            cap = inp.window_capacity(start, i)
-            taken, used = [], 0
-            for tensor in sorted(trap.tensors, key=lambda t: -t.nbytes):
-                if 0 < tensor.nbytes <= cap - used:
-                    taken.append(tensor.name)
-                    used += tensor.nbytes
-            if taken:
-                selection[trap.label] = tuple(taken)
-                start = i
-        why = "greedy: per trap, largest tensors first while the copy fits the compute since the last offloaded trap"
-        return make_plan(inp, self.name, selection, inp.num_blocks, [why])
-
-
-class KnapsackStrategy(Strategy):
-    """Dynamic programming: the most offloaded bytes whose every copy hides behind compute.
-
-    Per trap a 0/1 knapsack over its tensors (most bytes whose block copy fits the trap's window, see
-    ``_SubsetSums`` for the ``resolution``-bucket discretisation used on traps with many distinct sizes), and
-    over traps a DP on the previous offloaded trap, which fixes each window (see ``_hidden_chain``). The
-    result is hidden by construction: estimated overhead 0 (latency mode's goal). In memory mode it does not
-    chase the budget; ``fits_budget`` just reports it (use BudgetFill / Adaptive for a hard budget).
-    """
-
-    name = "knapsack"
-
-    def __init__(self, resolution: int = 200, max_states: int = 4096) -> None:
-        if resolution < 1 or max_states < 2 * resolution + 1:
-            raise ValueError("KnapsackStrategy: need resolution >= 1 and max_states >= 2 * resolution + 1")
-        self.resolution = resolution
-        self.max_states = max_states
-
-    def plan(self, inp: PlanInput) -> Plan:
-        tables = _tables(inp, self.resolution, self.max_states)
-        chain = _hidden_chain(inp, tables)
-        why = [
-            "knapsack: per-trap 0/1 knapsack of tensor bytes under each transfer window (window = scale x compute "
-            "since the previous offloaded trap; gap and resident traps widen it), DP over traps for the windows"
-        ]
-        if any(t is not None and not t.exact for t in tables):
-            why.append(f"knapsack: some traps had > {self.max_states} subset totals; merged into "
-                       f"{self.resolution} buckets (still hidden, possibly a little less than optimal)")
-        return make_plan(inp, self.name, _selection(inp, [m for _, m in chain]), inp.num_blocks, why)
-
 
 class BudgetFillStrategy(Strategy):
     """Hard GPU budget with minimal estimated overhead (and, among equal overheads, minimal offload).
@@ -502,21 +299,6 @@ def _spread(values: list[int], limit: int) -> list[int]:
         return [values[-1]]
     step = (len(values) - 1) / (limit - 1)
     return sorted({values[round(j * step)] for j in range(limit)})
-
-
-def _gap_windows(inp: PlanInput) -> list[float]:
-    """Per trap: compute seconds since the previous trap that has offloadable tensors (from 0 for the first).
-
-    The window trap ``i`` has when every offloadable trap is offloaded: a stable, conservative yardstick for
-    ranking extra offloads in memory mode, where most traps end up offloaded.
-    """
-    out, last = [], 0
-    prefix = inp.prefix_compute
-    for i, trap in enumerate(inp.traps):
-        out.append(prefix[i] - prefix[last])
-        if trap.total_bytes > 0:
-            last = i
-    return out
 
 
 class AdaptiveStrategy(Strategy):
