@@ -248,7 +248,7 @@ def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str) -> list
     import os
     from pathlib import Path
 
-    from flextensor.daemon.registry import inspect_lock_dir, segment_owner_uid
+    from flextensor.daemon.lockdirs import inspect_lock_dir, segment_owner_uid
     from flextensor.shm.cleanup import cleanup_manager_namespace
     from flextensor.shm.errors import ShmProtocolError
 

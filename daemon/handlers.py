@@ -28,7 +28,8 @@ from flextensor.shm.names import manager_namespace, validate_namespace
 
 from flextensor.daemon.holds import HoldRefused, drop_hold, take_hold
 from flextensor.daemon.reaper import PendingCleanup, Reaper
-from flextensor.daemon.registry import LockDir, Registry, inspect_lock_dir, segment_owner_uid
+from flextensor.daemon.lockdirs import LockDir, inspect_lock_dir, segment_owner_uid
+from flextensor.daemon.registry import Registry
 
 __all__ = ["Peer", "peer_of", "RequestHandler"]
 

@@ -50,7 +50,8 @@ from flextensor.shm.leases import Heartbeat, LeaseTable, SlotState
 from flextensor.shm.locks import FileLock
 from flextensor.shm.names import coordinator_lock_path
 
-from flextensor.daemon.registry import Hold, LockDir, acting_in
+from flextensor.daemon.lockdirs import LockDir, acting_in
+from flextensor.daemon.registry import Hold
 from flextensor.daemon.state_file import PersistedHold
 
 __all__ = ["take_hold", "drop_hold", "restore_hold", "HoldRefused", "HoldGone", "LOCK_TIMEOUT_S",

@@ -31,7 +31,8 @@ from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.ftd_protocol import CleanupReply, CleanupRow, ErrorReply
 from flextensor.shm.identity import host_clock_ns
 
-from flextensor.daemon.registry import LockDir, NamespaceView, Registry, acting_in
+from flextensor.daemon.lockdirs import LockDir, acting_in
+from flextensor.daemon.registry import NamespaceView, Registry
 
 __all__ = ["Reaper", "PendingCleanup", "RECLAIMABLE_STATES"]
 

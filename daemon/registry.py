@@ -45,16 +45,11 @@ writable by group or others (:func:`inspect_lock_dir`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import pwd
 import select
-import stat
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from flextensor.shm.errors import ShmProtocolError
@@ -62,93 +57,14 @@ from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordin
 from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns, process_start_time
 from flextensor.shm.journal import list_journals, read_journal
 from flextensor.shm.leases import LeaseTable, SlotState
-from flextensor.shm.names import coordinator_segment_name, validate_namespace
+from flextensor.shm.names import coordinator_segment_name
 from flextensor.shm.segment import SHM_DIR, SharedSegment
 
-__all__ = ["LockDir", "inspect_lock_dir", "acting_in", "Participant", "NamespaceView", "Registry"]
+from flextensor.daemon.lockdirs import LockDir, inspect_lock_dir
+
+__all__ = ["Participant", "NamespaceView", "Registry"]
 
 logger = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------------ lock directories
-
-
-@dataclasses.dataclass(frozen=True)
-class LockDir:
-    """A validated lock directory and its owner."""
-
-    path: str
-    uid: int
-    gid: int  # primary group of the owner (falls back to the directory's group)
-
-
-def inspect_lock_dir(path: str | os.PathLike[str]) -> LockDir:
-    """Validate a lock directory the daemon may act in; ``PermissionError`` / ``FileNotFoundError`` if not.
-
-    It must be a real directory (not a symlink), named ``flextensor-<owner uid>``, not writable by group or
-    others, and — unless the daemon runs as root — owned by the daemon's user.
-    """
-    p = Path(os.path.abspath(os.fspath(path)))
-    st = os.lstat(p)
-    if not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(f"lock directory {p} is not a directory (or is a symlink)")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise PermissionError(f"lock directory {p} is writable by group or others (mode "
-                              f"{stat.S_IMODE(st.st_mode):04o}); refusing to act on journals anyone could forge")
-    if p.name != f"flextensor-{st.st_uid}":
-        raise PermissionError(f"{p} is not a flextensor lock directory: it must be named flextensor-{st.st_uid} "
-                              "(flextensor-<uid of its owner>, as workers create it under their TMPDIR)")
-    euid = os.geteuid()
-    if euid != 0 and st.st_uid != euid:
-        raise PermissionError(f"lock directory {p} belongs to uid {st.st_uid}; this daemon runs as uid {euid} and "
-                              "can only act for its own user (run ftd as root to serve several users)")
-    try:
-        gid = pwd.getpwuid(st.st_uid).pw_gid
-    except KeyError:
-        gid = st.st_gid
-    return LockDir(str(p), st.st_uid, gid)
-
-
-_acting_lock = threading.RLock()
-_acting_uid: int | None = None  # the effective uid acting_in switched to (None: not switched)
-
-
-@contextlib.contextmanager
-def acting_in(lock_dir: LockDir) -> Iterator[None]:
-    """Run the body with the effective uid/gid of ``lock_dir``'s owner (see the module docstring).
-
-    Only a daemon whose effective uid is root switches, and only for a directory of another user; the real
-    and saved uids stay root.  Serialized (credentials are process-wide) and re-entrant for the same owner;
-    nesting for a different owner is a bug (``RuntimeError``).  If switching back to root ever fails the
-    daemon exits at once rather than keep running with the wrong privileges.
-    """
-    global _acting_uid
-    with _acting_lock:
-        if _acting_uid is not None:
-            if _acting_uid != lock_dir.uid:
-                raise RuntimeError(f"acting for uid {_acting_uid} already; cannot act for uid {lock_dir.uid} inside")
-            yield
-            return
-        if os.geteuid() != 0 or lock_dir.uid == 0:
-            yield  # a per-user daemon acts as itself (inspect_lock_dir checked the owner), root as root
-            return
-        groups = os.getgroups()
-        egid = os.getegid()
-        try:
-            os.setgroups([])
-            os.setegid(lock_dir.gid)
-            os.seteuid(lock_dir.uid)  # last: it drops the capabilities the two calls above need
-            _acting_uid = lock_dir.uid
-            yield
-        finally:
-            _acting_uid = None
-            try:
-                os.seteuid(0)
-                os.setegid(egid)
-                os.setgroups(groups)
-            except OSError:  # pragma: no cover - would mean the kernel refused to give root back
-                logger.critical("could not switch back to root after acting for uid %d; exiting", lock_dir.uid)
-                os._exit(70)
 
 
 # ------------------------------------------------------------------------------------------------ the view
@@ -609,12 +525,4 @@ class Registry:
         self.participants.clear()
 
 
-def segment_owner_uid(namespace: str) -> int | None:
-    """uid owning ``/dev/shm/{ns}.c`` (None when it does not exist)."""
-    try:
-        return os.stat(SHM_DIR + coordinator_segment_name(validate_namespace(namespace))).st_uid
-    except FileNotFoundError:
-        return None
-
-
-__all__ += ["Hold", "segment_owner_uid"]
+__all__ += ["Hold"]

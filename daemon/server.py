@@ -61,7 +61,8 @@ from flextensor.daemon.handlers import RequestHandler, peer_of
 from flextensor.daemon.holds import HoldGone, drop_hold, restore_hold
 from flextensor.daemon.metrics import DaemonMetrics
 from flextensor.daemon.reaper import Reaper
-from flextensor.daemon.registry import Registry, inspect_lock_dir, segment_owner_uid
+from flextensor.daemon.lockdirs import inspect_lock_dir, segment_owner_uid
+from flextensor.daemon.registry import Registry
 from flextensor.daemon.state_file import (
     PersistedHold,
     PersistedParticipant,

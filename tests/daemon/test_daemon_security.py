@@ -216,7 +216,7 @@ def test_root_daemon_reclaims_for_another_user_as_that_user(shared_dir, lock_dir
 def test_acting_in_switches_only_the_effective_ids(shared_dir):
     """A root daemon acts for a user with its effective uid/gid only: the real and saved uids stay root (the
     user can neither signal nor trace it), files it creates belong to the user, and root comes back."""
-    from flextensor.daemon.registry import LockDir, acting_in, inspect_lock_dir
+    from flextensor.daemon.lockdirs import LockDir, acting_in, inspect_lock_dir
 
     directory = shared_dir / f"flextensor-{NOBODY}"
     directory.mkdir(mode=0o700)
