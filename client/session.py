@@ -36,15 +36,22 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+# The engine modules a follower needs are imported with the session, not on its first attach: a fresh
+# worker's time to ready should not include module imports.
+import flextensor.adoption  # noqa: F401
+import flextensor.inference  # noqa: F401
+from flextensor.api import get_offload_manager
 from flextensor.config import OffloadConfig
+from flextensor.profiles import read_profile
 from flextensor.shm.blocks import SharedBlockAllocator
 from flextensor.shm.checks import check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator
-from flextensor.shm.names import manager_namespace, validate_base_namespace, validate_manager_name
+from flextensor.shm.ftd_client import register_participant
+from flextensor.shm.names import lock_directory, manager_namespace, validate_base_namespace, validate_manager_name
 from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
 from flextensor.shm.tensor_store import SharedTensorStore
-from flextensor.state import TensorManagerState
+from flextensor.state import TensorManagerState, model_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +157,6 @@ class SharedOffloadSession:
         validate_manager_name(name)
         if not callable(creator_model_factory) or not callable(follower_model_factory):
             raise TypeError("creator_model_factory and follower_model_factory must be callables returning nn.Module")
-        from flextensor.api import get_offload_manager
-
         if name in self._shares:
             raise RuntimeError(f"this session already offloads manager {name!r}; close() it before offloading again")
         manager = get_offload_manager(name)
@@ -201,8 +206,6 @@ class SharedOffloadSession:
     # ------------------------------------------------------------------------------------------ creator
     def _publish(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, profile_dir: str,
                  factory: Callable[[], nn.Module]) -> nn.Module:
-        from flextensor.profiles import read_profile
-
         coordinator = share.coordinator
         owner = coordinator.memory_owner
         try:
@@ -321,8 +324,6 @@ class SharedOffloadSession:
         Raises the first failure after trying every manager; what failed is kept so ``close()`` can be retried.
         """
         self._check_thread()
-        from flextensor.api import get_offload_manager
-
         first_error: BaseException | None = None
         for share in list(self._shares.values()):
             try:
@@ -397,8 +398,6 @@ class SharedOffloadSession:
 
 def _check_offloaded_metadata(model: nn.Module, state: TensorManagerState) -> None:
     """Compare the plan's dtype/shape of every tensor with the follower's model, naming the first mismatch."""
-    from flextensor.state import model_tensors
-
     tensors = model_tensors(model)
     for t in state.tensors:
         entry = tensors.get(t.name)
@@ -429,8 +428,5 @@ def _register_with_daemon(coordinator: ShmCoordinator, base: str, manager: str) 
     """Tell a running ``ftd`` about this participant (death seen at once, not after the lease); without a daemon
     this costs a ``stat`` and returns. A draining namespace refuses the join: ``NamespaceDrainingError``
     (a ``RuntimeError``) propagates and the session leaves the generation."""
-    from flextensor.shm.ftd_client import register_participant
-    from flextensor.shm.names import lock_directory
-
     register_participant(coordinator.namespace, coordinator.lease_slot, coordinator.identity, lock_directory(),
                          base=base, manager=manager, refuse_if_draining=True)
