@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol
 
@@ -147,40 +148,30 @@ def _choice_check(allowed_values: tuple[str, ...]) -> Callable[[str, Any], str]:
     return check
 
 
-def _check_transfer_mode(name: str, value: Any) -> str:
-    supported = f"supported modes: {_choices(SUPPORTED_TRANSFER_MODES)}"
-    if value == "raw_block_transfer":
-        raise _bad(
-            name,
-            value,
-            f"'raw_block_transfer' is documented upstream but not implemented by this engine; {supported}",
-        )
-    if not isinstance(value, str) or value not in SUPPORTED_TRANSFER_MODES:
-        raise _bad(name, value, supported)
-    return value
+def _choice_checker(supported: Sequence[str], noun: str, unimplemented: dict[str, str]) -> Callable[[str, Any], str]:
+    """A checker for a string option with a fixed set of values; documented-but-unimplemented values get a reason."""
+
+    def check(name: str, value: Any) -> str:
+        allowed = f"supported {noun}: {_choices(supported)}"
+        if isinstance(value, str) and value in unimplemented:
+            raise _bad(name, value, f"{unimplemented[value]}; {allowed}")
+        if not isinstance(value, str) or value not in supported:
+            raise _bad(name, value, allowed)
+        return value
+
+    return check
 
 
-def _check_profile_mode(name: str, value: Any) -> str:
-    supported = f"supported modes: {_choices(SUPPORTED_PROFILE_MODES)}"
-    if value == "torch_function":
-        raise _bad(
-            name,
-            value,
-            "'torch_function' is not implemented by this engine (upstream it is only valid with "
-            f"transfer_mode='strategy'); {supported}",
-        )
-    if not isinstance(value, str) or value not in SUPPORTED_PROFILE_MODES:
-        raise _bad(name, value, supported)
-    return value
-
-
-def _check_offload_timing(name: str, value: Any) -> str:
-    supported = f"supported values: {_choices(SUPPORTED_OFFLOAD_TIMING_MODES)}"
-    if value == "cuda_graph":
-        raise _bad(name, value, f"'cuda_graph' timing is not implemented by this engine; {supported}")
-    if not isinstance(value, str) or value not in SUPPORTED_OFFLOAD_TIMING_MODES:
-        raise _bad(name, value, supported)
-    return value
+_check_transfer_mode = _choice_checker(SUPPORTED_TRANSFER_MODES, "modes", {
+    "raw_block_transfer": "'raw_block_transfer' is documented upstream but not implemented by this engine",
+})
+_check_profile_mode = _choice_checker(SUPPORTED_PROFILE_MODES, "modes", {
+    "torch_function": "'torch_function' is not implemented by this engine (upstream it is only valid with "
+                      "transfer_mode='strategy')",
+})
+_check_offload_timing = _choice_checker(SUPPORTED_OFFLOAD_TIMING_MODES, "values", {
+    "cuda_graph": "'cuda_graph' timing is not implemented by this engine",
+})
 
 
 def _check_patterns(name: str, value: Any) -> list[str]:
