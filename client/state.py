@@ -164,23 +164,16 @@ def model_tensors(model: nn.Module) -> dict[str, ModelTensor]:
     """Every parameter and buffer once, by canonical name (``named_parameters`` order first), with aliases."""
     out: dict[str, ModelTensor] = {}
     by_id: dict[int, ModelTensor] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        entry = by_id.get(id(param))
+    registered = [("parameter", name, param, True) for name, param in model.named_parameters(remove_duplicate=False)]
+    registered += [("buffer", name, buf, persistent) for name, buf, persistent in _iter_buffers(model)]
+    for kind, name, tensor, persistent in registered:
+        entry = by_id.get(id(tensor))
         if entry is not None:
             if name != entry.name and name not in entry.aliases:
                 entry.aliases.append(name)
             continue
-        entry = ModelTensor(name, "parameter", param, True, [])
-        by_id[id(param)] = entry
-        out[name] = entry
-    for name, buf, persistent in _iter_buffers(model):
-        entry = by_id.get(id(buf))
-        if entry is not None:
-            if name != entry.name and name not in entry.aliases:
-                entry.aliases.append(name)
-            continue
-        entry = ModelTensor(name, "buffer", buf, persistent, [])
-        by_id[id(buf)] = entry
+        entry = ModelTensor(name, kind, tensor, persistent, [])
+        by_id[id(tensor)] = entry
         out[name] = entry
     return out
 
