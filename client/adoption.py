@@ -126,6 +126,7 @@ def adopt_state(
     weights: Mapping[str, torch.Tensor] | None = None,
     compile_fn: Callable[[nn.Module], nn.Module] | None = None,
     shm_owner: Any = None,
+    host_block_gate: Callable[[int], None] | None = None,
 ) -> nn.Module:
     """Validate ``state`` against ``model`` and enter INFERENCE on ``manager`` (see the module docstring)."""
     cfg = manager._config()
@@ -183,7 +184,7 @@ def adopt_state(
         manager._adopted = True
         num_slots = effective_blocks(cfg.num_blocks, cfg.min_blocks, len(layouts))
         manager._build_inference(layouts, list(state.schedule), num_slots, host_blocks=host_blocks, weights=weights,
-                                 block_names=[b.name for b in state.blocks])
+                                 block_names=[b.name for b in state.blocks], host_block_gate=host_block_gate)
         for trap in manager._traps.values():
             trap.install(manager, compile_fn)
     except BaseException:

@@ -371,8 +371,8 @@ class ShmProvider(HostBlockProvider):
         creator = bool(self.owner.is_creator)
         segment = self._allocator.allocate(index, nbytes) if creator else self._allocator.attach(index, nbytes)
         self._segments.append(segment)
-        if self.pinned:
-            segment.pin()
+        if self.pinned:  # the device only ever reads host blocks (host -> device copies)
+            segment.pin(read_only=True)
         return HostBlock(segment.tensor(torch.uint8, (nbytes,)), name=segment.name, prefilled=not creator)
 
     def close(self) -> None:

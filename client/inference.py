@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -184,6 +184,7 @@ def build_inference(
     host_blocks: Sequence[torch.Tensor] | None = None,
     weights: Mapping[str, torch.Tensor] | None = None,
     block_names: Sequence[str] | None = None,
+    host_block_gate: Callable[[int], None] | None = None,
 ) -> None:
     cfg = m._config()
     _settle_warmup(m, {p.name for layout in layouts for p in layout.tensors})
@@ -237,6 +238,7 @@ def build_inference(
         num_slots=num_slots,
         per_tensor=cfg.transfer_mode == "strategy",
         timing=m._timing,
+        host_block_gate=host_block_gate,
     )
     m._sequence = list(schedule)
     from flextensor.phases import Phase

@@ -24,6 +24,13 @@ entries in between, and issues the copy on demand. Results stay exact; only over
 On the CPU (no CUDA) the "device" slots are CPU tensors, copies are synchronous ``copy_`` calls done when the
 entry is issued, and no events exist; every other step (layout, slots, views, rotation, resync) is the same.
 
+Host block gate
+---------------
+A shared session's follower registers its mappings of the host blocks with CUDA in the background
+(``flextensor.shm.background_pin``). ``host_block_gate(block)`` is called before every copy from a host block and
+returns once the block is registered, so no copy reads a block while the driver is still pinning it, and the
+first forward waits only for the blocks it reaches before registration does.
+
 Transfer modes
 --------------
 ``allocation_block_transfer`` copies a trap's packed host block with ONE copy; ``strategy`` issues one copy per
@@ -36,7 +43,7 @@ on the device; their values are only valid inside the trap.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -62,6 +69,7 @@ class BlockLoader:
         num_slots: int,
         per_tensor: bool = False,
         timing: TimingCollector | None = None,
+        host_block_gate: Callable[[int], None] | None = None,
     ) -> None:
         if not (len(layouts) == len(host_blocks) == len(params)):
             raise ValueError("BlockLoader: layouts, host blocks and parameter lists must have the same length")
@@ -80,6 +88,7 @@ class BlockLoader:
         self.schedule = list(schedule)
         self.per_tensor = per_tensor
         self.timing = timing
+        self._gate = host_block_gate
         self.cuda = device.type == "cuda"
         self.slot_bytes = max((layout.nbytes for layout in self.layouts), default=0)
         self.num_slots = max(1, min(int(num_slots), max(len(self.schedule), 1))) if self.layouts else 0
@@ -136,6 +145,8 @@ class BlockLoader:
         layout = self.layouts[block]
         host = self.host_blocks[block]
         timing = self.timing
+        if self._gate is not None:  # e.g. the block's background cudaHostRegister has not finished yet
+            self._gate(block)
         if self.cuda:
             side = self._side
             side.wait_event(self._reader_done[slot])

@@ -351,10 +351,11 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
     def _build_inference(self, layouts: list[BlockLayout], schedule: list[str], num_slots: int,
                          host_blocks: Sequence[torch.Tensor] | None = None,
                          weights: Mapping[str, torch.Tensor] | None = None,
-                         block_names: Sequence[str] | None = None) -> None:
+                         block_names: Sequence[str] | None = None,
+                         host_block_gate: Callable[[int], None] | None = None) -> None:
         from flextensor.inference import build_inference
 
-        build_inference(self, layouts, schedule, num_slots, host_blocks, weights, block_names)
+        build_inference(self, layouts, schedule, num_slots, host_blocks, weights, block_names, host_block_gate)
 
     # ------------------------------------------------------------------------------------------------ state
     def export_state(self) -> TensorManagerState:
@@ -375,8 +376,13 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         weights: Mapping[str, torch.Tensor] | None = None,
         compile_fn: Callable[[nn.Module], nn.Module] | None = None,
         shm_owner: Any = None,
+        host_block_gate: Callable[[int], None] | None = None,
     ) -> nn.Module:
-        """Adopt ``state`` for ``model`` and enter INFERENCE directly (see ``flextensor.adoption``)."""
+        """Adopt ``state`` for ``model`` and enter INFERENCE directly (see ``flextensor.adoption``).
+
+        ``host_block_gate(i)``, when given, is called before each copy from host block ``i`` and returns once the
+        block may be read at full speed (a shared session registers its blocks in the background).
+        """
         from flextensor.adoption import adopt_state
 
         self._check_thread()
@@ -388,7 +394,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
             raise RuntimeError(f"manager {self.name!r} already offloads a model; release() it first")
         self.allow_strategy_replan = allow_strategy_replan
         return adopt_state(self, model, state, host_blocks=host_blocks, weights=weights, compile_fn=compile_fn,
-                           shm_owner=shm_owner)
+                           shm_owner=shm_owner, host_block_gate=host_block_gate)
 
     # ------------------------------------------------------------------------------------------------ reports
     def get_gpu_memory_usage(self) -> GPUMemoryUsage:

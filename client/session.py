@@ -17,6 +17,9 @@ follower
     ``wait_timeout``), decodes the plan, calls ``follower_model_factory()`` (normally a ``meta`` model), checks
     the published metadata against it (naming the offending tensor), installs the resident tensors from the
     store on its device and adopts the plan over the creator's host blocks, attached by name: no private copy.
+    With pinning on CUDA the follower registers its mappings of the blocks in the background, in schedule order
+    (``flextensor.shm.background_pin``): it is ready as soon as the plan is adopted, and a copy from a block
+    waits only until that block is registered.
 
 The session copies the caller's config and sets its SHM fields; strategy replanning is off because published
 blocks are fixed. A session is used from the thread that created it and reserves its manager names (process
@@ -43,6 +46,7 @@ import flextensor.inference  # noqa: F401
 from flextensor.api import get_offload_manager
 from flextensor.config import OffloadConfig
 from flextensor.profiles import read_profile
+from flextensor.shm.background_pin import BackgroundPinner
 from flextensor.shm.blocks import SharedBlockAllocator
 from flextensor.shm.checks import check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
@@ -102,15 +106,20 @@ class ManagerShare:
     ready_s: float = 0.0
     wait_s: float = 0.0
     shared_bytes: int = 0
-    register_s: float = 0.0
+    register_s: float = 0.0  # creator: pinning its blocks; follower: the background registration so far
+    pinner: BackgroundPinner | None = None  # a follower's background registration of its block mappings
     steps: dict[str, float] = field(default_factory=dict)  # seconds per follower step (see _attach)
 
     def summary(self) -> dict[str, Any]:
-        return {
+        pinner = self.pinner
+        report = {
             "manager": self.name, "namespace": self.namespace, "role": self.role, "generation": self.generation,
             "ready_s": self.ready_s, "wait_s": self.wait_s, "shared_bytes": self.shared_bytes,
-            "register_s": self.register_s, "steps": dict(self.steps),
+            "register_s": pinner.elapsed_s if pinner is not None else self.register_s, "steps": dict(self.steps),
         }
+        if pinner is not None:  # registration runs in the background: is it finished, how long did copies wait
+            report.update(registered=pinner.pinned_blocks == len(self.segments), register_wait_s=pinner.waited_s)
+        return report
 
 
 class SharedOffloadSession:
@@ -268,26 +277,31 @@ class SharedOffloadSession:
         with _step(steps, "resident"):  # copies to the GPU on a CUDA host; zero-copy views on a CPU host
             share.store.materialize(model, manager.device)
         allocator = SharedBlockAllocator(owner)
-        pin = cfg.pinned_memory and torch.cuda.is_available()
         host_blocks = []
         with _step(steps, "blocks"):
-            for block in state.blocks:
+            for block in sorted(state.blocks, key=lambda b: b.index):
                 expected = owner.resource_name(f"b{block.index}")
-                if block.name != expected:
+                if block.index != len(host_blocks) or block.name != expected:
                     raise ValueError(
                         f"published plan names host block {block.index} {block.name!r}, but this generation's block "
                         f"is {expected!r}: the plan belongs to another namespace or generation; restart the workers"
                     )
                 segment = allocator.attach(block.index, block.nbytes)
                 share.segments.append(segment)
-                if pin:
-                    t = time.monotonic()
-                    segment.pin()
-                    share.register_s += time.monotonic() - t
                 host_blocks.append(segment.tensor(torch.uint8, (block.nbytes,)))
         share.shared_bytes = sum(b.nbytes for b in state.blocks) + share.store.nbytes
+        gate = None
+        if cfg.pinned_memory and torch.cuda.is_available() and share.segments:
+            # Registration runs behind the follower's return and first forward, in schedule order; each copy from
+            # a block waits for that block only (see flextensor.shm.background_pin).
+            index_of = {b.label: b.index for b in state.blocks}
+            order = [index_of[label] for label in state.schedule if label in index_of]
+            share.pinner = BackgroundPinner(share.segments, order, device=_device_index(manager.device),
+                                            label=f"session {share.namespace}").start()
+            gate = share.pinner.wait
         with _step(steps, "adopt"):
-            return manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, host_blocks=host_blocks)
+            return manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, host_blocks=host_blocks,
+                                              host_block_gate=gate)
 
     # ------------------------------------------------------------------------------------------ teardown
     def _abandon(self, share: ManagerShare, manager: Any) -> None:
@@ -306,6 +320,9 @@ class SharedOffloadSession:
                 if preserve and share.store is not None:
                     _privatize_shared_views(model, share.store)
             share.released = True
+        if share.pinner is not None:  # no registration may race the unpin and unmap below
+            share.pinner.close()
+            share.register_s = share.pinner.elapsed_s
         while share.segments:
             segment = share.segments[-1]
             segment.close()  # unpins before unmapping
@@ -422,6 +439,13 @@ def _privatize_shared_views(model: nn.Module, store: SharedTensorStore) -> None:
         for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
             if name in shared and tensor.device.type == "cpu":
                 tensor.data = tensor.data.clone()
+
+
+def _device_index(device: torch.device) -> int | None:
+    """The CUDA device ordinal the background registration must make current (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _register_with_daemon(coordinator: ShmCoordinator, base: str, manager: str) -> None:

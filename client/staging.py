@@ -42,12 +42,13 @@ every failure handled here.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
+
+from flextensor.shm.pinning import clear_cuda_error
 
 __all__ = [
     "PinnedStaging",
@@ -120,37 +121,6 @@ def plan_regions(
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA glue
-_cudart_lib: Any = None
-
-
-def _loaded_cudart() -> Any:
-    """The CUDA runtime library this process already loaded (PyTorch's), through ctypes; None if not found."""
-    global _cudart_lib
-    if _cudart_lib is None:
-        _cudart_lib = False
-        try:
-            with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-                paths = {line.split()[-1] for line in fh if "libcudart" in line and "/" in line}
-            for path in sorted(paths):
-                try:
-                    lib = ctypes.CDLL(path)
-                    lib.cudaGetLastError.restype = ctypes.c_int
-                    _cudart_lib = lib
-                    break
-                except (OSError, AttributeError):
-                    continue
-        except OSError:
-            pass
-    return _cudart_lib or None
-
-
-def clear_cuda_error() -> None:
-    """Reset the CUDA runtime's per-thread last error after a failure we handled (best effort, see above)."""
-    lib = _loaded_cudart()
-    if lib is not None:
-        lib.cudaGetLastError()
-
-
 def _default_register(ptr: int, nbytes: int) -> None:
     from flextensor.shm.pinning import host_register
 

@@ -7,6 +7,11 @@ anonymous memory (transparent huge pages) runs at 13-18 GB/s, so publishing was 
 ranges proceed in parallel, so a thread per core allocates the segment at memory bandwidth and leaves the pages
 mapped for the creator's copy. Like ``posix_fallocate`` it reports a full ``/dev/shm`` as an error (never as
 SIGBUS later). On kernels without it (``EINVAL``) the caller falls back to ``posix_fallocate``.
+
+``MADV_POPULATE_READ`` is the follower's counterpart: the pages exist already, a fresh mapping only lacks page-
+table entries. Filling them from several threads before ``cudaHostRegister`` halves a follower's registration
+(measured on the H200 host: 1.5 GiB registered in 95-114 ms with the read-populate, 210-225 ms without), because
+the driver's own walk of the range faults the pages in one at a time, in one thread.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 #: Each thread populates ranges of this size; below it one call in the caller's thread is cheaper than a pool.
 CHUNK = 64 << 20
@@ -27,9 +33,9 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 
 
-def _populate(address: int, length: int) -> int:
+def _populate(address: int, length: int, advice: int) -> int:
     """0 on success, else the errno of ``madvise`` (ctypes releases the GIL around the call)."""
-    if _libc.madvise(address, length, MADV_POPULATE_WRITE) == 0:
+    if _libc.madvise(address, length, advice) == 0:
         return 0
     return ctypes.get_errno()
 
@@ -41,16 +47,27 @@ def populate_write(mapping: mmap.mmap, size: int) -> bool:
     """
     anchor = ctypes.c_char.from_buffer(mapping)
     try:
-        address = ctypes.addressof(anchor)
-        ranges = [(address + offset, min(CHUNK, size - offset)) for offset in range(0, size, CHUNK)]
-        threads = min(MAX_THREADS, os.cpu_count() or 1, len(ranges))
-        if threads <= 1:
-            results = [_populate(a, n) for a, n in ranges]
-        else:
-            with ThreadPoolExecutor(threads, thread_name_prefix="ft-populate") as pool:
-                results = list(pool.map(lambda r: _populate(*r), ranges))
+        return _populate_range(ctypes.addressof(anchor), size, MADV_POPULATE_WRITE)
     finally:
         del anchor  # release the buffer export so the mapping can be closed later
+
+
+def populate_read(address: int, size: int) -> bool:
+    """Map every (existing) page of ``size`` bytes at ``address`` into this process, in parallel.
+
+    False when the kernel lacks ``MADV_POPULATE_READ`` (the caller simply goes on: it is only a speed-up).
+    """
+    return _populate_range(address, size, MADV_POPULATE_READ)
+
+
+def _populate_range(address: int, size: int, advice: int) -> bool:
+    ranges = [(address + offset, min(CHUNK, size - offset)) for offset in range(0, size, CHUNK)]
+    threads = min(MAX_THREADS, os.cpu_count() or 1, len(ranges))
+    if threads <= 1:
+        results = [_populate(a, n, advice) for a, n in ranges]
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ft-populate") as pool:
+            results = list(pool.map(lambda r: _populate(*r, advice), ranges))
     failures = [code for code in results if code]
     if not failures:
         return True

@@ -84,7 +84,7 @@ def main() -> int:
             out = model(token_ids().to(ft.get_offload_manager(args.name).device)).cpu()
         report = session.report()[0]
         print(json.dumps({"role": report["role"], "generation": report["generation"],
-                          "out": out.numpy().tobytes().hex()}), flush=True)
+                          "registered": report.get("registered"), "out": out.numpy().tobytes().hex()}), flush=True)
         if args.hold:
             sys.stdin.readline()
         if args.preserve:

@@ -333,6 +333,22 @@ def test_pin_registers_the_mapping_in_place(seg_name):
 
 
 @pytest.mark.cuda
+def test_read_only_prefaulted_pin_of_a_fresh_mapping_serves_device_copies(seg_name):
+    """A follower's way: another handle wrote the pages; this one pre-faults and registers read-only."""
+    with SharedSegment.create(seg_name, 4 << 20) as seg:
+        seg.tensor(torch.int32, (1 << 20,)).copy_(torch.arange(1 << 20, dtype=torch.int32))
+        with SharedSegment.open(seg_name) as follower:
+            follower.pin(read_only=True, prefault=True)
+            host = follower.tensor(torch.int32, (1 << 20,))
+            assert follower.pinned and host.is_pinned()
+            on_gpu = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
+            on_gpu.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            assert torch.equal(on_gpu.cpu(), torch.arange(1 << 20, dtype=torch.int32))
+            del host
+
+
+@pytest.mark.cuda
 def test_close_with_live_views_unpins(seg_name):
     seg = SharedSegment.create(seg_name, 1 << 20)
     seg.pin()
