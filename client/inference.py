@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
+from flextensor.deferred_build import can_defer, defer_inference
 from flextensor.host_memory import ALIGN, BlockLayout, HostBlock, block_view, make_provider, pack_block, packed_stride
 from flextensor.loader import BlockLoader
 from flextensor.traps import assign_data
@@ -67,7 +68,8 @@ def plan_inference(m: "OffloadManager") -> None:
                               tuple(TensorCost(n, _aligned(_nbytes(m._tensors[n].tensor))) for n in names)))
     offloadable = {t.name for c in costs for t in c.tensors}
     fixed = sum(_nbytes(e.tensor) for n, e in m._tensors.items() if n not in offloadable)
-    m._samples = transfer_sweep(m._device, [c.total_bytes for c in costs], pinned=cfg.pinned_memory)
+    m._samples = m._warm_samples() or transfer_sweep(m._device, [c.total_bytes for c in costs],
+                                                     pinned=cfg.pinned_memory)
     transfer = TransferModel.fit(m._samples) if m._samples else TransferModel(1e9)
     budget = _resolve_budget(m)
     strategy = cfg.load_strategy if cfg.load_strategy is not None else AdaptiveStrategy()
@@ -95,7 +97,10 @@ def plan_inference(m: "OffloadManager") -> None:
             entries = [(n, m._tensors[n].tensor.dtype, tuple(m._tensors[n].tensor.shape),
                         packed_stride(m._tensors[n].tensor)) for n in names]
             layouts.append(pack_block(len(layouts), label, entries))
-    build_inference(m, layouts, list(m._sequence), num_slots)
+    if can_defer(m, layouts):  # every streamed weight is still on the device: run resident, build behind it
+        defer_inference(m, layouts, list(m._sequence), num_slots)
+    else:
+        build_inference(m, layouts, list(m._sequence), num_slots)
     for line in m._explanation:
         logger.info("manager %r: %s", m.name, line)
 
@@ -188,12 +193,11 @@ def build_inference(
 ) -> None:
     cfg = m._config()
     _settle_warmup(m, {p.name for layout in layouts for p in layout.tensors})
-    m._layouts = layouts
-    m._block_of = {layout.label: layout.index for layout in layouts}
     if host_blocks is None and layouts:
         m._provider = make_provider(cfg, m._device, shm_owner=_ensure_shm_owner(m))
         m._provider.reserve([layout.nbytes for layout in layouts])
     blocks: list[HostBlock] = []
+    m._host_blocks = blocks  # filled as we go: a failure part-way leaves teardown every block a tensor points at
     progress = _FillProgress(m.name, sum(p.nbytes for layout in layouts for p in layout.tensors))
     for layout in layouts:
         if host_blocks is not None:
@@ -214,7 +218,6 @@ def build_inference(
             m._placement[placement.name] = (layout.index, placement)
         m._staging.release(p.name for p in layout.tensors)  # this block is filled: its sources may go
     progress.finish()
-    m._host_blocks = blocks
     if m._provider is not None:
         m._provider.finish()  # e.g. host_register pins the filled (populated) arenas now
     for name, entry in m._tensors.items():
@@ -224,6 +227,16 @@ def build_inference(
             assign_data(entry.tensor, _lookup_weight(m, name, weights).to(m._device))
         else:
             m._to_device(entry)
+    start_loader(m, layouts, blocks, schedule, num_slots, host_block_gate)
+
+
+def start_loader(m: "OffloadManager", layouts: list[BlockLayout], blocks: list[HostBlock], schedule: list[str],
+                 num_slots: int, host_block_gate: Callable[[int], None] | None = None) -> None:
+    """The last step of every INFERENCE build: host blocks in place, tensors pointed at them; create the loader."""
+    cfg = m._config()
+    m._layouts = layouts
+    m._block_of = {layout.label: layout.index for layout in layouts}
+    m._host_blocks = blocks
     m._staging.release_all()
     loader_schedule = [m._block_of[label] for label in schedule if label in m._block_of]
     missing = [layout.label for layout in layouts if layout.index not in loader_schedule]

@@ -135,6 +135,10 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._warm = WarmLoader(self._device)
         self._warmup: WarmupDecision | None = None
         self._warm_pending: list[str] = []  # resident warm-up: names to copy at the start of the first pass
+        self._warm_events: list[tuple[int, Any, Any]] = []  # resident warm-up copies per trap: (bytes, start, end)
+        self._deferred: Any = None  # a HostBlockBuild running behind resident inference (flextensor.deferred_build)
+        self._deferred_plan: Any = None
+        self._host_build_s: float | None = None  # how long the last background host-block build took
         self._staging = PinnedStaging()
         self._sequence: list[str] = []
         self._pass_sequence: list[str] = []
@@ -336,11 +340,45 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
                                         if forced_copies or self._tensors[n].tensor.device != self._device)
 
     def _preload_warmup(self) -> None:
-        """Start of a warm-up pass: copy the pending resident candidates (once), before any trap or timing."""
+        """Start of a warm-up pass: copy the pending resident candidates (once), before any trap or timing.
+
+        Trap by trap, between CUDA timing events when the copies come from page-locked memory: this one sweep of
+        the offloaded weights is also the transfer measurement the planner fits (:meth:`_warm_samples`), so the
+        switch to INFERENCE does not sweep again.
+        """
         names, self._warm_pending = self._warm_pending, []
-        if names and self._warm.preload(self._tensor_objs(names)):
-            logger.debug("manager %r: %d warm-up tensors (%d bytes) copied to %s and kept", self.name, len(names),
-                         self._warm.kept_bytes, self._device)
+        if not names:
+            return
+        pending = set(names)
+        groups = [[n for n in trap.candidates if n in pending] for trap in self._traps.values()]
+        grouped = {n for group in groups for n in group}
+        groups = [g for g in groups if g] + [[n for n in names if n not in grouped]]
+        timed = self._device.type == "cuda" and self._warm.non_blocking
+        stream = torch.cuda.current_stream(self._device) if timed else None
+        for group in groups:
+            if not group:
+                continue
+            start = end = None
+            if timed:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+            if not self._warm.preload(self._tensor_objs(group)):
+                self._warm_events = []
+                return  # stream mode (out of device memory): the planner sweeps instead
+            if timed:
+                end.record(stream)
+                self._warm_events.append((sum(_nbytes(self._tensors[n].tensor) for n in group), start, end))
+        logger.debug("manager %r: %d warm-up tensors (%d bytes) copied to %s and kept", self.name, len(names),
+                     self._warm.kept_bytes, self._device)
+
+    def _warm_samples(self) -> list[tuple[int, float]]:
+        """``(bytes, seconds)`` of the resident warm-up's copies per trap (empty when not measured)."""
+        events, self._warm_events = self._warm_events, []
+        samples = []
+        for nbytes, start, end in events:
+            end.synchronize()  # long finished: the profiling passes ran on these copies
+            samples.append((nbytes, start.elapsed_time(end) / 1e3))
+        return [s for s in samples if s[0] > 0 and s[1] > 0]
 
     def _to_device(self, entry: ModelTensor) -> None:
         t = entry.tensor
@@ -363,6 +401,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         from flextensor.adoption import export_state
 
         self._check_thread()
+        self.wait_for_host_blocks()
         return export_state(self)
 
     def offload_from_state(
@@ -396,9 +435,23 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         return adopt_state(self, model, state, host_blocks=host_blocks, weights=weights, compile_fn=compile_fn,
                            shm_owner=shm_owner, host_block_gate=host_block_gate)
 
+    def wait_for_host_blocks(self) -> None:
+        """Return once INFERENCE streams from its host blocks (see ``flextensor.deferred_build``).
+
+        After a resident warm-up the blocks are built on a thread while the first inference passes run with
+        every weight on the device; the engine switches to streaming at the next pass boundary on its own. Call
+        this to switch now (e.g. before measuring); it raises the build's error if it failed.
+        """
+        self._check_thread()
+        if self._deferred is not None:
+            from flextensor.deferred_build import install_deferred
+
+            install_deferred(self)
+
     # ------------------------------------------------------------------------------------------------ reports
     def get_gpu_memory_usage(self) -> GPUMemoryUsage:
         self._check_thread()
+        self.wait_for_host_blocks()
         if not self.enabled:
             return GPUMemoryUsage(0, 0, 0)
         if self._phase is not Phase.INFERENCE:
@@ -415,6 +468,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
     @property
     def offloaded_tensors(self) -> dict[str, list[str]]:
         """Trap label -> names of the tensors it streams (INFERENCE)."""
+        self.wait_for_host_blocks()
         return {l.label: [p.name for p in l.tensors] for l in self._layouts}
 
     @property
@@ -423,6 +477,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
 
     @property
     def loader(self) -> BlockLoader | None:
+        self.wait_for_host_blocks()
         return self._loader
 
     def collect_offload_timing(self) -> OffloadTimingReport | None:

@@ -82,6 +82,7 @@ class PhaseMixin:
     _pass_spans: list[tuple[str, Any]]
     _durations: dict[str, list[float]]
     _loader: "BlockLoader | None"
+    _deferred: Any  # flextensor.deferred_build.HostBlockBuild while host blocks are built behind inference
     _block_of: dict[str, int]
     _timing: "TimingCollector | None"
     _clock: "TimingCollector | None"
@@ -148,8 +149,13 @@ class PhaseMixin:
         if self._phase is Phase.DISCOVERY and self._recorder is not None:
             self._recorder.current = OUTSIDE
             self._recorder.__enter__()
-        elif self._phase is Phase.INFERENCE and self._timing is not None:
-            self._timing.begin_pass()
+        elif self._phase is Phase.INFERENCE:
+            if self._deferred is not None and self._deferred.done:  # host blocks ready: stream from this pass on
+                from flextensor.deferred_build import install_deferred
+
+                install_deferred(self)  # type: ignore[arg-type]
+            if self._timing is not None:
+                self._timing.begin_pass()
 
     def _end_pass(self, ok: bool) -> None:
         phase = self._phase

@@ -48,6 +48,7 @@ class ReleaseMixin:
     _host_blocks: "list[HostBlock]"
     _provider: "HostBlockProvider | None"
     _loader: "BlockLoader | None"
+    _deferred: Any
     _traps: dict[str, "Trap"]
     _warm: "WarmLoader"
     _staging: "PinnedStaging"
@@ -69,6 +70,10 @@ class ReleaseMixin:
         self._teardown(preserve_model)
 
     def _teardown(self, preserve_model: bool) -> None:
+        build, self._deferred = self._deferred, None
+        if build is not None:  # host blocks still being built: stop it; the tensors still hold device copies
+            build.cancel()
+            self._provider = build.provider
         if self._loader is not None:
             self._loader.close()
         self._warm.unload()

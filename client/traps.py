@@ -282,6 +282,24 @@ class WarmLoader:
             tensor.data = host
         return freed
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """True while ``tensor``'s data is a kept warm-up copy."""
+        return id(tensor) in self._kept
+
+    def detach(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Stop keeping ``tensors`` (all must be kept); they keep their device copy as data for now, and their
+        host data is returned, in order, for whoever fills their host blocks (``flextensor.deferred_build``)."""
+        tensors = list(tensors)
+        missing = [t for t in tensors if id(t) not in self._kept]
+        if missing:
+            raise RuntimeError(f"{len(missing)} tensor(s) have no kept warm-up copy to detach")
+        hosts = []
+        for tensor in tensors:
+            _tensor, host = self._kept.pop(id(tensor))
+            self.same_device_copies.discard(id(tensor))
+            hosts.append(host)
+        return hosts
+
     def commit(self, tensors: Iterable[torch.Tensor] | None = None) -> int:
         """Kept tensors (all, or those given) keep their device copy for good; the host data is let go. Bytes."""
         taken = self._take(tensors)

@@ -359,7 +359,10 @@ def test_cuda_transformer_bf16_close_and_pinned_modes(mode, transfer_mode):
     om = ft.get_offload_manager()
     assert om.device.type == "cuda"
     with torch.no_grad():
-        for _ in range(om.iters_before_inference + 3):
+        for _ in range(om.iters_before_inference):
+            torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
+        om.wait_for_host_blocks()  # resident warm-up: the host blocks were built behind the first passes
+        for _ in range(3):
             torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
     assert om.loader.cuda and om.loader.copies_issued > 0
     assert all(b.tensor.is_pinned() for b in om._host_blocks)

@@ -307,7 +307,9 @@ def test_resident_kept_across_passes_freed_before_blocks_and_reused_when_residen
             if i:
                 assert ptrs == kept_ptrs, "kept copies must not be replaced between passes"
             kept_ptrs = ptrs
-        assert same(model(ids), ref)  # the last PROFILING pass builds INFERENCE
+        assert same(model(ids), ref)  # the last PROFILING pass plans; the host blocks are built behind it
+    assert om.phase is Phase.INFERENCE and seen_at_build == [], "no device block before the host blocks exist"
+    om.wait_for_host_blocks()
     assert seen_at_build == [0] and om._warm.copies == len(names)
     offloaded = {n for ns in om.offloaded_tensors.values() for n in ns}
     stayed = set(names) - offloaded
@@ -488,3 +490,27 @@ def test_cuda_small_budget_streams():
         for _ in range(om.iters_before_inference + 1):
             _close(model(ids), ref)
     assert om._warm.copies > len(_candidates(om))
+
+
+@pytest.mark.cuda
+def test_cuda_resident_warmup_copies_are_the_transfer_measurement(monkeypatch):
+    """The one sweep of a resident warm-up is timed per trap; the switch to INFERENCE does not sweep again."""
+
+    def no_sweep(*args, **kwargs):
+        raise AssertionError("transfer_sweep ran although the warm-up copies were timed")
+
+    monkeypatch.setattr(inference_mod, "transfer_sweep", no_sweep)
+    model, ids, ref, cfg = _cuda_setup()
+    ft.offload(model, cfg)
+    om = ft.get_offload_manager()
+    assert om._warmup.resident and om._warm.non_blocking
+    with torch.no_grad():
+        while om.phase is not Phase.INFERENCE:
+            _close(model(ids), ref)
+    per_trap = [sum(om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size() for n in t.candidates)
+                for t in om._traps.values()]
+    assert sorted(b for b, _s in om._samples) == sorted(b for b in per_trap if b)
+    assert all(0 < s < 1 for _b, s in om._samples)
+    om.wait_for_host_blocks()
+    with torch.no_grad():
+        _close(model(ids), ref)

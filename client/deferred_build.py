@@ -1,0 +1,182 @@
+"""Building the INFERENCE host blocks in the background, while the first inference passes run resident.
+
+Why
+---
+At the end of PROFILING the plan is known, but the host blocks it streams from do not exist yet: they must be
+allocated (PyTorch's pinned allocator: ``cudaHostAlloc``, which allocates, zeroes and locks at well under
+1 GB/s on the H200 host; 3.9 s for a 4.5 GiB model the first time in a process) and filled. Doing that inside
+the last profiling pass made the profile phase 1.3-28x the cost of ordinary forwards. After a *resident*
+warm-up, though, every weight is already on the device: the model can run inference as it is, resident, while a
+thread builds the host blocks. So the switch to INFERENCE is immediate, and the engine starts streaming at the
+first pass boundary after the blocks are ready.
+
+When (``plan_inference`` decides with :func:`can_defer`)
+--------------------------------------------------------
+The warm-up kept a device copy of every tensor the plan streams (resident warm-up, no fall-back), the blocks are
+private (not shared memory: a shared block is published by the creator synchronously) and no meta tensor is
+involved. Otherwise the build runs synchronously, as before (``flextensor.inference.build_inference``).
+
+Sequence and threads
+--------------------
+1. Main thread, at the switch (:func:`defer_inference`): the tensors that stay resident keep their warm-up copy
+   (committed); the streamed ones keep theirs too for now, and their host data (the staged originals, pinned in
+   place) is handed to the build. Phase := INFERENCE with no loader and no block map, so traps run on the
+   device data they hold.
+2. Build thread (``ft-host-blocks``), :class:`HostBlockBuild`: reserve every block size with the provider, then
+   block by block: allocate, copy each tensor from its host data, drop those sources and release their staging
+   registration (so host RAM holds the originals and the blocks for about one arena at a time, as in the
+   synchronous build); finally ``provider.finish()`` (``host_register`` pins its arenas there). On CUDA the
+   thread first makes the manager's device current.
+3. Main thread, at the start of the first pass after the build finished (``PhaseMixin._begin_pass``), or at any
+   call that needs the INFERENCE layout (``export_state``, ``get_gpu_memory_usage``, ``offloaded_tensors``,
+   ``loader``, ``save_profile``: they wait for the build): :func:`install_deferred` points every streamed tensor
+   at its host view (its device copy is freed before the rotating device blocks are allocated), creates the
+   loader and returns the cached device memory. A build failure is raised there, naming the cause.
+4. ``release()`` while the build runs: :meth:`HostBlockBuild.cancel` stops it after the block in flight and joins
+   it; the provider is closed; the tensors still hold their device copies, which teardown moves back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from flextensor.host_memory import BlockLayout, HostBlock, HostBlockProvider, block_view, make_provider
+from flextensor.traps import assign_data
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.manager import OffloadManager
+
+__all__ = ["HostBlockBuild", "can_defer", "defer_inference", "install_deferred"]
+
+logger = logging.getLogger(__name__)
+
+
+class HostBlockBuild:
+    """Allocates and fills the host blocks of ``layouts`` from ``sources`` on a thread of its own."""
+
+    def __init__(self, manager_name: str, layouts: Sequence[BlockLayout], sources: list[list[torch.Tensor]],
+                 provider: HostBlockProvider, release_sources, device: torch.device,
+                 release_after: Sequence[str] = ()) -> None:
+        if len(sources) != len(layouts):
+            raise ValueError("HostBlockBuild: one source list per layout is needed")
+        self.manager_name = manager_name
+        self.layouts = list(layouts)
+        self.provider = provider
+        self.blocks: list[HostBlock] = []
+        self.error: BaseException | None = None
+        self.elapsed_s = 0.0
+        self._sources = sources
+        self._release_sources = release_sources  # callable(names): the staged originals of one block may go
+        self._release_after = list(release_after)  # staged names of the tensors that stay resident
+        self._device = device
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ft-host-blocks", daemon=True)
+
+    def start(self) -> HostBlockBuild:
+        self._thread.start()
+        return self
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def cancel(self) -> None:
+        """Stop after the block in flight and join (release during the build)."""
+        self._cancel.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+            self.provider.reserve([layout.nbytes for layout in self.layouts])
+            for layout in self.layouts:
+                if self._cancel.is_set():
+                    return
+                block = self.provider.allocate(layout.index, layout.nbytes)
+                for placement, source in zip(layout.tensors, self._sources[layout.index]):
+                    block_view(block.tensor, placement).copy_(source)
+                self.blocks.append(block)
+                self._sources[layout.index] = []
+                self._release_sources([p.name for p in layout.tensors])
+            self._release_sources(self._release_after)
+            self.provider.finish()
+        except BaseException as exc:  # noqa: BLE001 - raised on the manager's thread at install time
+            self.error = exc
+        finally:
+            self._sources = []
+            self.elapsed_s = time.monotonic() - start
+            logger.info("manager %r: host blocks built in the background in %.2f s (%d of %d)%s", self.manager_name,
+                        self.elapsed_s, len(self.blocks), len(self.layouts),
+                        f"; failed: {self.error}" if self.error is not None else "")
+
+
+def can_defer(m: "OffloadManager", layouts: Sequence[BlockLayout]) -> bool:
+    """True when every streamed tensor holds a kept warm-up copy and the blocks are private (see module docs)."""
+    cfg = m._config()
+    if not layouts or cfg.shm_enabled or not m._warm.keep or m._warm.fell_back:
+        return False
+    return all(m._warm.holds(m._tensors[p.name].tensor) for layout in layouts for p in layout.tensors)
+
+
+def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: list[str], num_slots: int) -> None:
+    """Enter INFERENCE resident now and start building the host blocks (step 1 of the module docs)."""
+    from flextensor.phases import Phase
+
+    m._warm.unload()
+    streamed = [[m._tensors[p.name].tensor for p in layout.tensors] for layout in layouts]
+    sources = [m._warm.detach(tensors) for tensors in streamed]
+    placed = {p.name for layout in layouts for p in layout.tensors}
+    resident = [n for n, e in m._tensors.items() if n not in placed and m._warm.holds(e.tensor)]
+    kept = m._warm.commit()  # everything else the warm-up copied stays resident for good
+    for name, entry in m._tensors.items():
+        if not entry.tensor.is_meta and entry.tensor.device != m._device and not m._warm.holds(entry.tensor):
+            m._to_device(entry)
+    provider = make_provider(m._config(), m._device)
+    # The build thread is the only user of the staging from here until install_deferred joined it.
+    m._deferred = HostBlockBuild(m.name, layouts, sources, provider, m._staging.release, m._device,
+                                 release_after=resident)
+    m._deferred_plan = (layouts, list(schedule), num_slots, streamed)
+    m._sequence = list(schedule)
+    m._phase = Phase.INFERENCE
+    m._deferred.start()
+    logger.debug("manager %r: INFERENCE starts resident (%d bytes committed); %d host blocks build in the "
+                 "background", m.name, kept, len(layouts))
+
+
+def install_deferred(m: "OffloadManager") -> None:
+    """Wait for the build, then stream from its blocks (step 3 of the module docs). Raises the build's error."""
+    from flextensor.inference import start_loader
+
+    build = m._deferred
+    if build is None:
+        return
+    build.wait()
+    layouts, schedule, num_slots, streamed = m._deferred_plan
+    m._deferred, m._deferred_plan = None, None
+    m._provider = build.provider
+    m._host_build_s = build.elapsed_s
+    if build.error is not None:
+        raise RuntimeError(
+            f"manager {m.name!r}: building the host blocks for INFERENCE failed: {build.error}. The model still "
+            "runs with every weight on the device; release() it, and lower the host memory needed (fewer "
+            "offloaded layers, pinned_memory_mode='host_register') or free host RAM, then offload again"
+        ) from build.error
+    for layout, block, tensors in zip(layouts, build.blocks, streamed):
+        for placement, tensor in zip(layout.tensors, tensors):
+            assign_data(tensor, block_view(block.tensor, placement))  # frees the warm-up device copy
+            m._placement[placement.name] = (layout.index, placement)
+    if m._device.type == "cuda":
+        torch.cuda.empty_cache()  # the device copies just freed: GiBs other processes may want
+    start_loader(m, layouts, build.blocks, schedule, num_slots)
+    logger.info("manager %r: now streaming %d host blocks (built in %.2f s behind resident inference)", m.name,
+                len(layouts), build.elapsed_s)

@@ -1,0 +1,185 @@
+"""The INFERENCE host blocks built behind resident inference (``flextensor.deferred_build``).
+
+On a CPU host the resident warm-up is forced (``_warmup_override``), so the candidates are "copied" as a GPU
+would copy them, and the deferral runs exactly as it does after a resident warm-up on a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import flextensor as ft
+import flextensor.deferred_build as deferred_mod
+from flextensor.host_memory import block_view
+from flextensor.phases import Phase
+from tests.client.models import (
+    DEVICE,
+    cpu_config,
+    reference,
+    release_managers,  # noqa: F401
+    same,
+    snapshot,
+    tiny_transformer,
+    token_ids,
+)
+
+ALL = ft.NthLayerStrategy(1)  # every layer streams, so every layer has a host block to build
+
+
+class SlowOrFailingProvider:
+    """Wraps the real provider: optional delay per block, an error at block ``fail_at``, and a record of calls."""
+
+    def __init__(self, inner, *, delay: float = 0.0, fail_at: int | None = None,
+                 gate: threading.Event | None = None) -> None:
+        self.inner, self.delay, self.fail_at, self.gate = inner, delay, fail_at, gate
+        self.allocated: list[int] = []
+        self.closed = False
+        self.thread_names: set[str] = set()
+
+    def reserve(self, sizes):
+        return self.inner.reserve(sizes)
+
+    def allocate(self, index, nbytes):
+        self.thread_names.add(threading.current_thread().name)
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        time.sleep(self.delay)
+        if index == self.fail_at:
+            raise RuntimeError("cudaHostAlloc: out of memory (pinned)")
+        self.allocated.append(index)
+        return self.inner.allocate(index, nbytes)
+
+    def finish(self):
+        return self.inner.finish()
+
+    def close(self):
+        self.closed = True
+        return self.inner.close()
+
+
+@pytest.fixture
+def provider_wrap(monkeypatch):
+    made: list[SlowOrFailingProvider] = []
+
+    def install(**kwargs):
+        real = deferred_mod.make_provider
+
+        def make(config, device, **kw):
+            wrapper = SlowOrFailingProvider(real(config, device, **kw), **kwargs)
+            made.append(wrapper)
+            return wrapper
+
+        monkeypatch.setattr(deferred_mod, "make_provider", make)
+        return made
+
+    return install
+
+
+def _offload_resident(model, **cfg):
+    om = ft.get_offload_manager()
+    om._warmup_override = "resident"
+    cfg.setdefault("include_patterns", ["class:DecoderBlock"])
+    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2, **cfg))
+    return om
+
+
+def _warm_up(model, ids, ref, om) -> None:
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference):
+            assert same(model(ids), ref)
+
+
+def test_inference_starts_resident_then_streams_from_the_next_pass_after_the_build(provider_wrap):
+    made = provider_wrap(gate=(gate := threading.Event()))
+    model = tiny_transformer()
+    before = snapshot(model)
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = _offload_resident(model)
+    _warm_up(model, ids, ref, om)
+    assert om.phase is Phase.INFERENCE and om._loader is None and om._deferred is not None
+    with torch.no_grad():
+        for _ in range(2):  # the build is held: these passes run with every weight on the device
+            assert same(model(ids), ref)
+    assert om._loader is None and not om._deferred.done
+    gate.set()
+    om._deferred.wait()
+    with torch.no_grad():
+        assert same(model(ids), ref)  # this pass installs the blocks first, then streams
+    assert om._deferred is None and om._loader is not None and om._loader.copies_issued > 0
+    assert made[0].thread_names == {"ft-host-blocks"} and made[0].allocated == list(range(len(om._layouts)))
+    assert len(om._placement) > 0
+    for index, placement in om._placement.values():  # each host view holds the weight it streams
+        assert torch.equal(block_view(om._host_blocks[index].tensor, placement).cpu(), before[placement.name])
+    ft.release()
+    assert same(reference(model, ids), ref)
+
+
+def test_reports_and_state_wait_for_the_build(provider_wrap):
+    provider_wrap(delay=0.05)
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = _offload_resident(model)
+    _warm_up(model, ids, ref, om)
+    assert om._deferred is not None
+    offloaded = om.offloaded_tensors  # waits, then installs
+    assert om._deferred is None and om._loader is not None and sum(map(len, offloaded.values())) > 0
+    state = om.export_state()
+    assert len(state.blocks) == len(offloaded)
+
+
+def test_release_during_the_build_stops_it_and_restores_the_model(provider_wrap):
+    made = provider_wrap(delay=0.2)
+    model = tiny_transformer()
+    before = snapshot(model)
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = _offload_resident(model)
+    _warm_up(model, ids, ref, om)
+    layouts = len(om._deferred.layouts)
+    assert layouts >= 2
+    start = time.monotonic()
+    ft.release()
+    assert time.monotonic() - start < 0.2 * layouts  # stopped after the block in flight, not at the end
+    assert made[0].closed and len(made[0].allocated) < layouts
+    assert not any(t.name == "ft-host-blocks" for t in threading.enumerate())
+    after = snapshot(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_failed_build_raises_at_the_switch_and_the_model_keeps_working_resident(provider_wrap):
+    made = provider_wrap(fail_at=1)
+    model = tiny_transformer()
+    before = snapshot(model)
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = _offload_resident(model)
+    _warm_up(model, ids, ref, om)
+    om._deferred.wait()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"building the host blocks for INFERENCE failed: "
+                                                             r"cudaHostAlloc: out of memory \(pinned\).*release\(\)"):
+        model(ids)
+    with torch.no_grad():
+        assert same(model(ids), ref)  # nothing streams; every weight is still on the device
+    assert om._loader is None and om._deferred is None
+    ft.release()
+    assert made[0].closed
+    after = snapshot(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_no_deferral_without_a_resident_warm_up(provider_wrap):
+    made = provider_wrap()
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = ft.get_offload_manager()
+    om._warmup_override = "stream"
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2))
+    _warm_up(model, ids, ref, om)
+    assert om._deferred is None and om._loader is not None and made == []  # built synchronously at the switch
