@@ -149,8 +149,9 @@ def offload_run(
 
     The last profile pass also carries the switch to INFERENCE (plan; host blocks when they are not built in
     the background), so it is reported on its own beside the total. The background build of the host blocks
-    (after a resident warm-up) is reported beside it, and waited for before inference passes are timed. The model is released with ``preserve_model=True`` afterwards (its
-    weights go back where they were), so the next run starts from the same model.
+    (after a resident warm-up) is reported beside it, and waited for before inference passes are timed. The
+    model is released with ``preserve_model=True`` afterwards (its weights go back where they were), so the next
+    run starts from the same model.
     """
     out: dict = {"name": name}
     sync(device)

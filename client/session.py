@@ -4,8 +4,9 @@ Per manager name the session runs one sharing generation (see ``flextensor.shm.c
 
 creator (elected: the first to create the manager's coordinator segment)
     1. reads the disk profile and runs the preflight (``/dev/shm`` room, ``RLIMIT_MEMLOCK`` when pinning);
-    2. calls ``creator_model_factory()`` (the checkpoint load) and adopts the profile with host blocks allocated
-       in shared memory through the coordinator's ``memory_owner`` (pinned in place with CUDA);
+    2. has the host blocks' segments created and populated on a background thread (sizes from the profile),
+       calls ``creator_model_factory()`` (the checkpoint load) meanwhile, and adopts the profile with those host
+       blocks through the coordinator's ``memory_owner`` (pinned in place with CUDA);
     3. publishes the resident parameters and buffers (``SharedTensorStore``) and then the plan: the state
        rebuilt from the live allocation (``export_state()``, with the SHM block names), never the disk profile;
     4. flips the coordinator to READY. Publishing is ordered: blocks, store, plan, then state.
@@ -47,7 +48,7 @@ from flextensor.api import get_offload_manager
 from flextensor.config import OffloadConfig
 from flextensor.profiles import read_profile
 from flextensor.shm.background_pin import BackgroundPinner
-from flextensor.shm.blocks import SharedBlockAllocator
+from flextensor.shm.blocks import SharedBlockAllocator, block_kind
 from flextensor.shm.checks import check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator
@@ -227,6 +228,9 @@ class SharedOffloadSession:
                 shortfall = memlock_shortfall(block_bytes)
                 if shortfall:  # a warning: the NVIDIA driver does not charge cudaHostRegister to this limit
                     logger.warning("session %s: %s", share.namespace, shortfall)
+            # The blocks' pages are allocated while the checkpoint loads: allocating tmpfs pages, not copying into
+            # them, is what makes publishing slow (see flextensor.shm.owner, "Segments made ahead").
+            owner.prepare_segments({block_kind(b.index): b.nbytes for b in state.blocks})
             t0 = time.monotonic()
             model = factory()
             if not isinstance(model, nn.Module):

@@ -15,6 +15,15 @@ Blobs (``write_blob``/``read_blob``) are small segments for manifests and plans:
     offset 0   u64  length (stored last, aligned, after the bytes)
     offset 8   length bytes of payload
 
+Segments made ahead (``prepare_segments``): allocating tmpfs pages is the slow part of publishing (a fresh
+anonymous copy is 1.4-4x faster on the machines measured, see README "Benchmarks"), and a creator knows its block
+sizes from the profile before its checkpoint is loaded. So it can have the segments created, journaled and
+populated on a background thread (``ft-prepare``) while it loads; ``create_segment(kind, size)`` then hands out
+the prepared segment (waiting for it if needed, raising its creation error such as ``ShmSpaceError``) instead of
+allocating. A prepared segment whose size differs from the one asked for is unlinked and made again. ``close()``
+stops the preparation after the segment in flight and unmaps the segments nobody took (their names stay in
+the journal, so the last participant unlinks them).
+
 Setup tracking: every call runs inside ``setup()``; ``close()`` (called by ``ShmCoordinator.close``) waits
 for setup in progress in other threads to finish and then rejects new setup with ``RuntimeError``. Segments
 and locks the owner handed out belong to the caller, who closes them; the owner does not unmap them.
@@ -22,9 +31,11 @@ and locks the owner handed out belong to the caller, who closes them; the owner 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 
 from flextensor.shm.errors import ShmProtocolError
@@ -37,6 +48,8 @@ from flextensor.shm.segment import SharedSegment
 __all__ = ["ShmOwner", "BLOB_HEADER_SIZE"]
 
 BLOB_HEADER_SIZE = 8
+
+logger = logging.getLogger(__name__)
 
 
 class ShmOwner:
@@ -61,6 +74,8 @@ class ShmOwner:
         self._cond = threading.Condition()
         self._active: Counter[int] = Counter()  # thread ident -> nesting depth of setup() in that thread
         self._closed = False
+        self._preparer: ThreadPoolExecutor | None = None
+        self._prepared: dict[str, tuple[int, Future[SharedSegment]]] = {}  # kind -> (size, segment being made)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -116,11 +131,25 @@ class ShmOwner:
             if self._active[me]:
                 raise RuntimeError(f"cannot close the owner of {self._namespace!r} from inside its own setup()")
             self._closed = True
+        if self._preparer is not None:
+            self._preparer.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
             if not self._cond.wait_for(lambda: not self._active, timeout):
                 raise TimeoutError(
                     f"setup of namespace {self._namespace!r} is still running in {len(self._active)} other "
                     f"thread(s) after {timeout:g} s; close() can be retried once it finishes"
                 )
+        self._drop_prepared()
+
+    def _drop_prepared(self) -> None:
+        """Unmap the prepared segments nobody took (their journaled names are unlinked by the last participant)."""
+        prepared, self._prepared = self._prepared, {}
+        for _size, future in prepared.values():
+            try:
+                segment = future.result()  # cancelled ones raise at once; a running one is finishing now
+            except BaseException:  # noqa: BLE001 - cancelled or failed: nothing was mapped here
+                continue
+            segment.close()
 
     # ------------------------------------------------------------------ journal
     def _journal(self, kind: IntentKind, name: str) -> None:
@@ -133,11 +162,42 @@ class ShmOwner:
 
     # ------------------------------------------------------------------ segments
     def create_segment(self, kind: str, size: int, *, populate: bool = True) -> SharedSegment:
-        """Journal, then create ``/{ns}.g{gen}.{kind}`` of ``size`` bytes (``FileExistsError`` if it exists)."""
+        """Journal, then create ``/{ns}.g{gen}.{kind}`` of ``size`` bytes (``FileExistsError`` if it exists).
+
+        A segment prepared for ``kind`` (:meth:`prepare_segments`) is handed out instead, once it is ready.
+        """
+        with self.setup():
+            name = self.resource_name(kind)
+            entry = self._prepared.pop(kind, None)
+            if entry is not None:
+                segment = entry[1].result()
+                if segment.size == size:
+                    return segment
+                logger.debug("prepared segment %s has %d bytes, %d wanted: making it again", name, segment.size, size)
+                segment.close()
+                SharedSegment.unlink_name(name)
+            self._journal("segment", name)
+            return SharedSegment.create(name, size, populate=populate)
+
+    def prepare_segments(self, sizes: Mapping[str, int]) -> None:
+        """Start creating (journal, allocate, populate) these segments on a background thread; see the module
+        docs. Errors surface from the :meth:`create_segment` call that takes the segment."""
+        with self.setup():
+            if not self._is_creator:
+                raise RuntimeError(f"only the creator of {self._namespace!r} prepares segments")
+            if self._preparer is None:
+                self._preparer = ThreadPoolExecutor(1, thread_name_prefix="ft-prepare")
+            for kind, size in sizes.items():
+                if kind in self._prepared:
+                    continue
+                self.resource_name(kind)  # ValueError for a bad kind, now rather than later
+                self._prepared[kind] = (int(size), self._preparer.submit(self._create_now, kind, int(size)))
+
+    def _create_now(self, kind: str, size: int) -> SharedSegment:
         with self.setup():
             name = self.resource_name(kind)
             self._journal("segment", name)
-            return SharedSegment.create(name, size, populate=populate)
+            return SharedSegment.create(name, size, populate=True)
 
     def open_segment(self, kind: str, *, min_size: int = 0) -> SharedSegment:
         """Map ``/{ns}.g{gen}.{kind}`` (``FileNotFoundError`` when the creator has not made it)."""

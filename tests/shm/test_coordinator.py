@@ -9,10 +9,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 from flextensor.shm.cleanup import cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator
-from flextensor.shm.errors import ShmCreatorDiedError, ShmCreatorFailedError, ShmProtocolError
+from flextensor.shm.errors import ShmCreatorDiedError, ShmCreatorFailedError, ShmProtocolError, ShmSpaceError
 from flextensor.shm.header import (
     FAILURE_CAPACITY,
     HEADER_SIZE,
@@ -25,6 +26,7 @@ from flextensor.shm.header import (
     write_header,
 )
 from flextensor.shm.identity import ParticipantIdentity
+from flextensor.shm.journal import read_journal
 from flextensor.shm.leases import LeaseTable
 from flextensor.shm.names import coordinator_segment_name, journal_path, lock_directory, manager_namespace
 from flextensor.shm.segment import SharedSegment
@@ -466,4 +468,60 @@ def test_owner_close_waits_for_setup_and_rejects_new(ns):
     assert done and done[0] <= closed_at
     with pytest.raises(RuntimeError, match="closed"):
         owner.create_segment("x", 10)
+    assert_gone(ns)
+
+
+def _mapped_here(name: str) -> bool:
+    with open("/proc/self/maps") as fh:
+        return any(f"/dev/shm{name}" in line for line in fh)
+
+
+def test_prepared_segments_are_handed_out_by_create_segment(ns):
+    with ShmCoordinator(ns, lease_seconds=LEASE) as c:
+        owner = c.memory_owner
+        owner.prepare_segments({"b0": 1 << 20, "b1": 8192})
+        b0 = owner.create_segment("b0", 1 << 20)
+        b1 = owner.create_segment("b1", 4096)  # prepared with another size: made again at the asked size
+        try:
+            assert (b0.name, b0.size, b1.size) == (owner.resource_name("b0"), 1 << 20, 4096)
+            assert {e.name for e in read_journal(ns).intents} >= {owner.resource_name("b0"), owner.resource_name("b1")}
+            b0.tensor(torch.uint8, (1 << 20,)).fill_(7)
+            with SharedSegment.open(owner.resource_name("b0")) as again:
+                assert int(again.tensor(torch.uint8, (1 << 20,)).sum()) == 7 << 20
+        finally:
+            b0.close()
+            b1.close()
+    assert_gone(ns)
+
+
+def test_prepared_segments_nobody_took_are_unmapped_and_unlinked_at_close(ns):
+    c = ShmCoordinator(ns, lease_seconds=LEASE)
+    owner = c.memory_owner
+    owner.prepare_segments({f"b{i}": 1 << 20 for i in range(6)})
+    taken = owner.create_segment("b0", 1 << 20)
+    taken.close()
+    c.close()
+    assert not any(_mapped_here(owner.resource_name(f"b{i}")) for i in range(6))
+    assert_gone(ns)
+
+
+def test_preparing_more_than_dev_shm_holds_raises_at_create_and_leaves_nothing(ns):
+    st = os.statvfs("/dev/shm")
+    if st.f_blocks == 0:
+        pytest.skip("/dev/shm has no size limit here")
+    wanted = max(st.f_bavail, st.f_blocks) * st.f_frsize + (1 << 30)
+    with ShmCoordinator(ns, lease_seconds=LEASE) as c:
+        c.memory_owner.prepare_segments({"b0": wanted})
+        with pytest.raises(ShmSpaceError, match="--shm-size"):
+            c.memory_owner.create_segment("b0", wanted)
+    assert_gone(ns)
+
+
+def test_only_the_creator_prepares(ns):
+    with ShmCoordinator(ns, lease_seconds=LEASE) as a, ShmCoordinator(ns, lease_seconds=LEASE) as b:
+        assert a.is_creator and not b.is_creator
+        with pytest.raises(RuntimeError, match="only the creator"):
+            b.memory_owner.prepare_segments({"b0": 4096})
+        with pytest.raises(ValueError):
+            a.memory_owner.prepare_segments({"bad/kind": 4096})
     assert_gone(ns)
