@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gib, median, pss_bytes, report, table, timed  # noqa: E402
+from common import gib, median, pss_bytes, report, table  # noqa: E402
 
 from flextensor.shm.coordinator import ShmCoordinator  # noqa: E402
 from flextensor.shm.names import manager_namespace  # noqa: E402
