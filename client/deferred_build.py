@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from flextensor.host_memory import BlockLayout, HostBlock, HostBlockProvider, block_view, make_provider
+from flextensor.host_memory import BlockLayout, FillProgress, HostBlock, HostBlockProvider, block_view, make_provider
 from flextensor.traps import assign_data
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -99,15 +99,18 @@ class HostBlockBuild:
             if self._device.type == "cuda":
                 torch.cuda.set_device(self._device)
             self.provider.reserve([layout.nbytes for layout in self.layouts])
+            progress = FillProgress(self.manager_name, sum(p.nbytes for layout in self.layouts for p in layout.tensors))
             for layout in self.layouts:
                 if self._cancel.is_set():
                     return
                 block = self.provider.allocate(layout.index, layout.nbytes)
                 for placement, source in zip(layout.tensors, self._sources[layout.index]):
                     block_view(block.tensor, placement).copy_(source)
+                    progress.add(placement.nbytes)
                 self.blocks.append(block)
                 self._sources[layout.index] = []
                 self._release_sources([p.name for p in layout.tensors])
+            progress.finish()
             self._release_sources(self._release_after)
             self.provider.finish()
         except BaseException as exc:  # noqa: BLE001 - raised on the manager's thread at install time

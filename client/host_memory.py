@@ -47,6 +47,7 @@ storage alive); the provider drops its own references at :meth:`HostBlockProvide
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -68,6 +69,8 @@ __all__ = [
     "ARENA_MAX_BYTES",
     "plan_arenas",
     "make_provider",
+    "FillProgress",
+    "PROGRESS_INTERVAL_S",
     "pack_block",
     "block_view",
     "packed_stride",
@@ -407,3 +410,33 @@ def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None) -
             "unusable; falling back to pinned_memory_mode='torch' (tensor.pin_memory())"
         )
     return TorchPinnedProvider()
+
+
+#: A host-block fill that runs longer than this logs its progress (bytes, rate) at this interval.
+PROGRESS_INTERVAL_S = 2.0
+
+
+class FillProgress:
+    """Logs how far filling the host blocks got, so a multi-GiB publish is visibly alive (and how fast)."""
+
+    def __init__(self, manager: str, total: int) -> None:
+        self.manager, self.total, self.done = manager, total, 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_INTERVAL_S:
+            self.last = now
+            self._log(now, "filling host blocks")
+
+    def finish(self) -> None:
+        now = time.monotonic()
+        if self.done and now - self.start >= PROGRESS_INTERVAL_S:  # nothing to say for prefilled blocks
+            self._log(now, "filled host blocks")
+
+    def _log(self, now: float, what: str) -> None:
+        elapsed = max(now - self.start, 1e-9)
+        logger.info("manager %r: %s: %.1f of %.1f MiB (%.0f%%) in %.1f s, %.2f GB/s", self.manager, what,
+                    self.done / 2**20, self.total / 2**20, 100 * self.done / max(self.total, 1), elapsed,
+                    self.done / elapsed / 1e9)

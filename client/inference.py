@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from flextensor.deferred_build import can_defer, defer_inference
-from flextensor.host_memory import ALIGN, BlockLayout, HostBlock, block_view, make_provider, pack_block, packed_stride
+from flextensor.host_memory import (ALIGN, BlockLayout, FillProgress, HostBlock, block_view, make_provider, pack_block,
+                                    packed_stride)
 from flextensor.loader import BlockLoader
 from flextensor.traps import assign_data
 
@@ -151,36 +152,6 @@ def _lookup_weight(m, name: str, weights: Mapping[str, torch.Tensor] | None) -> 
     )
 
 
-#: A host-block fill that runs longer than this logs its progress (bytes, rate) at this interval.
-PROGRESS_INTERVAL_S = 2.0
-
-
-class _FillProgress:
-    """Logs how far filling the host blocks got, so a multi-GiB publish is visibly alive (and how fast)."""
-
-    def __init__(self, manager: str, total: int) -> None:
-        self.manager, self.total, self.done = manager, total, 0
-        self.start = self.last = time.monotonic()
-
-    def add(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = time.monotonic()
-        if now - self.last >= PROGRESS_INTERVAL_S:
-            self.last = now
-            self._log(now, "filling host blocks")
-
-    def finish(self) -> None:
-        now = time.monotonic()
-        if self.done and now - self.start >= PROGRESS_INTERVAL_S:  # nothing to say for prefilled blocks
-            self._log(now, "filled host blocks")
-
-    def _log(self, now: float, what: str) -> None:
-        elapsed = max(now - self.start, 1e-9)
-        logger.info("manager %r: %s: %.1f of %.1f MiB (%.0f%%) in %.1f s, %.2f GB/s", self.manager, what,
-                    self.done / 2**20, self.total / 2**20, 100 * self.done / max(self.total, 1), elapsed,
-                    self.done / elapsed / 1e9)
-
-
 def build_inference(
     m: "OffloadManager",
     layouts: list[BlockLayout],
@@ -198,7 +169,7 @@ def build_inference(
         m._provider.reserve([layout.nbytes for layout in layouts])
     blocks: list[HostBlock] = []
     m._host_blocks = blocks  # filled as we go: a failure part-way leaves teardown every block a tensor points at
-    progress = _FillProgress(m.name, sum(p.nbytes for layout in layouts for p in layout.tensors))
+    progress = FillProgress(m.name, sum(p.nbytes for layout in layouts for p in layout.tensors))
     for layout in layouts:
         if host_blocks is not None:
             name = block_names[layout.index] if block_names else ""

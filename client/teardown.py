@@ -49,6 +49,7 @@ class ReleaseMixin:
     _provider: "HostBlockProvider | None"
     _loader: "BlockLoader | None"
     _deferred: Any
+    _deferred_plan: Any
     _traps: dict[str, "Trap"]
     _warm: "WarmLoader"
     _staging: "PinnedStaging"
@@ -71,9 +72,15 @@ class ReleaseMixin:
 
     def _teardown(self, preserve_model: bool) -> None:
         build, self._deferred = self._deferred, None
+        streamed: list[torch.Tensor] = []
         if build is not None:  # host blocks still being built: stop it; the tensors still hold device copies
             build.cancel()
             self._provider = build.provider
+            streamed = [t for tensors in self._deferred_plan[3] for t in tensors]
+            self._deferred_plan = None
+        if not preserve_model:  # what INFERENCE would stream is dropped like streamed weights: onto meta
+            for t in streamed:
+                assign_data(t, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
         if self._loader is not None:
             self._loader.close()
         self._warm.unload()

@@ -183,3 +183,17 @@ def test_no_deferral_without_a_resident_warm_up(provider_wrap):
     ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2))
     _warm_up(model, ids, ref, om)
     assert om._deferred is None and om._loader is not None and made == []  # built synchronously at the switch
+
+
+def test_release_without_preserving_during_the_build_puts_streamed_weights_on_meta(provider_wrap):
+    provider_wrap(gate=threading.Event())  # the build never gets past its first block
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = _offload_resident(model)
+    _warm_up(model, ids, ref, om)
+    streamed = [t for tensors in om._deferred_plan[3] for t in tensors]
+    om._deferred.provider.gate.set()
+    ft.release(preserve_model=False)
+    assert streamed and all(t.is_meta for t in streamed)
+    assert not model.embed.weight.is_meta  # resident weights stay real

@@ -41,6 +41,7 @@ def test_eager_timing_on_cpu_one_record_per_trap():
         for _ in range(om.iters_before_inference):
             model(x)
         assert ft.collect_offload_timing() is None  # nothing measured before INFERENCE
+        om.wait_for_host_blocks()  # streaming from here on (a resident warm-up builds the blocks behind it)
         for _ in range(3):
             model(x)
     report = ft.collect_offload_timing()
