@@ -36,8 +36,8 @@ Transfer modes
 ``allocation_block_transfer`` copies a trap's packed host block with ONE copy; ``strategy`` issues one copy per
 tensor (host view -> the tensor's place in the slot). Both use the same slots and events.
 
-After a trap, its parameters keep pointing at the slot (device views), so the model always looks as if it were
-on the device; their values are only valid inside the trap.
+From the loader's creation on, and after every trap, its parameters point at a slot (device views), so the model
+always looks as if it were on the device; their values are only valid inside the trap.
 """
 
 from __future__ import annotations
@@ -107,6 +107,13 @@ class BlockLoader:
             self._reader_done = [torch.cuda.Event() for _ in range(self.num_slots)]
         self.copies_issued = 0
         self.resyncs = 0
+        # From the start, every streamed parameter rests on a device view (of the slot its first entry uses), as
+        # it does between traps later: the model looks as if it were on the device before its first forward too,
+        # which torch.compile needs (it traces the parameter swap in enter() only between views of one device).
+        for block in set(self.schedule):
+            slot = self.schedule.index(block) % self.num_slots
+            for param, view in zip(self.params[block], self._device_views(block, slot)):
+                param.data = view
 
     # -- views ---------------------------------------------------------------------------------------------------
     def host_views(self, block: int) -> list[torch.Tensor]:
