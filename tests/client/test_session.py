@@ -85,7 +85,10 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0) -> int:
     proc.wait(timeout=timeout)
     proc.stdout.close()
     proc.stderr.close()
-    proc.stdin.close()
+    try:
+        proc.stdin.close()  # flushes the "\n" above, which a worker killed meanwhile never reads
+    except BrokenPipeError:
+        pass
     return proc.returncode
 
 
