@@ -3,6 +3,7 @@
 # the three source folders are laid out as the package `flextensor` in a temporary site directory, and
 # wheels found in .whl/ (posix_ipc, msgspec, pyzmq for hosts that cannot reach an index) go there too.
 #   scripts/gpu-suite.sh tests [pytest args...]   the whole suite, CUDA tests included
+#   scripts/gpu-suite.sh pytest ARGS...           pytest with exactly these arguments (chosen files)
 #   scripts/gpu-suite.sh bench NAME [args...]     python bench/NAME.py args...
 # Logs and JSON results go to $OUT (when set) or bench/results/.
 set -uo pipefail
@@ -23,6 +24,7 @@ what="${1:-tests}"
 shift || true
 case "$what" in
     tests) python3 -m pytest -q -p no:cacheprovider tests "$@" ;;
+    pytest) python3 -m pytest -p no:cacheprovider "$@" ;;
     bench) name="$1"; shift; python3 "bench/$name.py" "$@" ;;
-    *) echo "usage: scripts/gpu-suite.sh tests|bench NAME [args...]" >&2; exit 2 ;;
+    *) echo "usage: scripts/gpu-suite.sh tests|pytest|bench NAME [args...]" >&2; exit 2 ;;
 esac
