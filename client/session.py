@@ -301,11 +301,16 @@ class SharedOffloadSession:
             index_of = {b.label: b.index for b in state.blocks}
             order = [index_of[label] for label in state.schedule if label in index_of]
             share.pinner = BackgroundPinner(share.segments, order, device=_device_index(manager.device),
-                                            label=f"session {share.namespace}").start()
+                                            label=f"session {share.namespace}")
             gate = share.pinner.wait
         with _step(steps, "adopt"):
-            return manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, host_blocks=host_blocks,
-                                              host_block_gate=gate)
+            proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False,
+                                               host_blocks=host_blocks, host_block_gate=gate)
+        if share.pinner is not None:
+            # Started only now: the driver serialises cudaHostRegister with device allocations, so registering
+            # during adoption (which allocates the rotating device blocks) would hold the follower back.
+            share.pinner.start()
+        return proxy
 
     # ------------------------------------------------------------------------------------------ teardown
     def _abandon(self, share: ManagerShare, manager: Any) -> None:
