@@ -182,8 +182,14 @@ class BlockLoader:
         self._issued = entry
         self.copies_issued += 1
 
+    @torch.compiler.disable
     def enter(self, block: int) -> None:
-        """Make block ``block``'s tensors usable on the device, then prefetch the next entries."""
+        """Make block ``block``'s tensors usable on the device, then prefetch the next entries.
+
+        Never traced by torch.compile (dynamo breaks the graph here and runs it eagerly): it swaps parameter
+        data and orders streams with CUDA events, which dynamo in torch 2.11 refuses to trace ("expected event to
+        be a torch.Event object"), and it is host-side bookkeeping that a compiled graph should not capture.
+        """
         if self._active is not None:
             raise RuntimeError(
                 f"trap {self.layouts[block].label!r} entered while trap "
@@ -214,6 +220,7 @@ class BlockLoader:
         for ahead in range(max(self._issued + 1, entry + 1), entry + self._depth + 1):
             self._issue(ahead)
 
+    @torch.compiler.disable
     def exit(self, block: int) -> None:
         """Mark the running trap's slot free for reuse once the compute stream passes this point."""
         if self._active is None:

@@ -499,7 +499,9 @@ def test_cuda_resident_warmup_copies_are_the_transfer_measurement(monkeypatch):
     def no_sweep(*args, **kwargs):
         raise AssertionError("transfer_sweep ran although the warm-up copies were timed")
 
-    monkeypatch.setattr(inference_mod, "transfer_sweep", no_sweep)
+    import flextensor.profiling as profiling_mod
+
+    monkeypatch.setattr(profiling_mod, "transfer_sweep", no_sweep)
     model, ids, ref, cfg = _cuda_setup()
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
