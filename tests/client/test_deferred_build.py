@@ -87,6 +87,18 @@ def _offload_resident(model, **cfg):
     return om
 
 
+def _profiled_resident():
+    """The tiny transformer, its weights before, input, reference output, and its manager right after the switch
+    to INFERENCE (resident warm-up forced, so the host blocks are being built in the background)."""
+    model = tiny_transformer()
+    before = snapshot(model)
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = _offload_resident(model)
+    _warm_up(model, ids, ref, om)
+    return model, before, ids, ref, om
+
+
 def _warm_up(model, ids, ref, om) -> None:
     with torch.no_grad():
         for _ in range(om.iters_before_inference):
@@ -95,12 +107,7 @@ def _warm_up(model, ids, ref, om) -> None:
 
 def test_inference_starts_resident_then_streams_from_the_next_pass_after_the_build(provider_wrap):
     made = provider_wrap(gate=(gate := threading.Event()))
-    model = tiny_transformer()
-    before = snapshot(model)
-    ids = token_ids().to(DEVICE)
-    ref = reference(model, ids)
-    om = _offload_resident(model)
-    _warm_up(model, ids, ref, om)
+    model, before, ids, ref, om = _profiled_resident()
     assert om.phase is Phase.INFERENCE and om._loader is None and om._deferred is not None
     with torch.no_grad():
         for _ in range(2):  # the build is held: these passes run with every weight on the device
@@ -121,11 +128,7 @@ def test_inference_starts_resident_then_streams_from_the_next_pass_after_the_bui
 
 def test_reports_and_state_wait_for_the_build(provider_wrap):
     provider_wrap(delay=0.05)
-    model = tiny_transformer()
-    ids = token_ids().to(DEVICE)
-    ref = reference(model, ids)
-    om = _offload_resident(model)
-    _warm_up(model, ids, ref, om)
+    model, _before, ids, ref, om = _profiled_resident()
     assert om._deferred is not None
     offloaded = om.offloaded_tensors  # waits, then installs
     assert om._deferred is None and om._loader is not None and sum(map(len, offloaded.values())) > 0
@@ -135,12 +138,7 @@ def test_reports_and_state_wait_for_the_build(provider_wrap):
 
 def test_release_during_the_build_stops_it_and_restores_the_model(provider_wrap):
     made = provider_wrap(delay=0.2)
-    model = tiny_transformer()
-    before = snapshot(model)
-    ids = token_ids().to(DEVICE)
-    ref = reference(model, ids)
-    om = _offload_resident(model)
-    _warm_up(model, ids, ref, om)
+    model, before, ids, ref, om = _profiled_resident()
     layouts = len(om._deferred.layouts)
     assert layouts >= 2
     start = time.monotonic()
@@ -154,12 +152,7 @@ def test_release_during_the_build_stops_it_and_restores_the_model(provider_wrap)
 
 def test_a_failed_build_raises_at_the_switch_and_the_model_keeps_working_resident(provider_wrap):
     made = provider_wrap(fail_at=1)
-    model = tiny_transformer()
-    before = snapshot(model)
-    ids = token_ids().to(DEVICE)
-    ref = reference(model, ids)
-    om = _offload_resident(model)
-    _warm_up(model, ids, ref, om)
+    model, before, ids, ref, om = _profiled_resident()
     om._deferred.wait()
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"building the host blocks for INFERENCE failed: "
                                                              r"cudaHostAlloc: out of memory \(pinned\).*release\(\)"):
@@ -187,11 +180,7 @@ def test_no_deferral_without_a_resident_warm_up(provider_wrap):
 
 def test_release_without_preserving_during_the_build_puts_streamed_weights_on_meta(provider_wrap):
     provider_wrap(gate=threading.Event())  # the build never gets past its first block
-    model = tiny_transformer()
-    ids = token_ids().to(DEVICE)
-    ref = reference(model, ids)
-    om = _offload_resident(model)
-    _warm_up(model, ids, ref, om)
+    model, _before, ids, ref, om = _profiled_resident()
     streamed = [t for tensors in om._deferred_plan[3] for t in tensors]
     om._deferred.provider.gate.set()
     ft.release(preserve_model=False)
