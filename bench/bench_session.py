@@ -246,7 +246,8 @@ def worker_session(p: Params) -> tuple[dict, object]:
     for share in session.report():  # the session's own account: role, wait, registration time, shared bytes
         if share["manager"] == MANAGER:
             info.update(role=share["role"], wait_s=share["wait_s"], register_s=share["register_s"],
-                        register_wait_s=share.get("register_wait_s"), shared_bytes=share["shared_bytes"],
+                        register_wait_s=share.get("register_wait_s"), registered=share.get("registered"),
+                        shared_bytes=share["shared_bytes"],
                         steps=share.get("steps", {}))
     resident_bytes = spec.total_bytes(dtype) - spec.layers * spec.block_bytes(dtype)
     info["resident_copy_s"] = _resident_copy_s(torch, device, resident_bytes)

@@ -33,7 +33,11 @@ Sequence and threads
    at its host view (its device copy is freed before the rotating device blocks are allocated), creates the
    loader and returns the cached device memory. A build failure is raised there, naming the cause.
 4. ``release()`` while the build runs: :meth:`HostBlockBuild.cancel` stops it after the block in flight and joins
-   it; the provider is closed; the tensors still hold their device copies, which teardown moves back.
+   it; the provider is closed; the tensors still hold their device copies, which teardown moves back (or drops
+   to ``meta`` with ``preserve_model=False``). After a failed build the same holds: the failure already closed
+   the provider and unregistered the staging, and the model ran on resident.
+5. Offload timing (``offload_timing="eager"``) records no pass that ran before the switch: those passes stream
+   nothing, and a report mixing them with streamed passes would say nothing true about either.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class HostBlockBuild:
         self.provider = provider
         self.blocks: list[HostBlock] = []
         self.error: BaseException | None = None
+        self.finished = False  # every block built and the provider finished (not cancelled, no error)
         self.elapsed_s = 0.0
         self._sources = sources
         self._release_sources = release_sources  # callable(names): the staged originals of one block may go
@@ -112,15 +117,19 @@ class HostBlockBuild:
                 self._release_sources([p.name for p in layout.tensors])
             progress.finish()
             self._release_sources(self._release_after)
+            if self._cancel.is_set():
+                return
             self.provider.finish()
+            self.finished = True
         except BaseException as exc:  # noqa: BLE001 - raised on the manager's thread at install time
             self.error = exc
         finally:
             self._sources = []
             self.elapsed_s = time.monotonic() - start
-            logger.info("manager %r: host blocks built in the background in %.2f s (%d of %d)%s", self.manager_name,
-                        self.elapsed_s, len(self.blocks), len(self.layouts),
-                        f"; failed: {self.error}" if self.error is not None else "")
+            outcome = ("built" if self.finished else f"failed ({self.error})" if self.error is not None
+                       else "cancelled")
+            logger.info("manager %r: host blocks %s in the background after %.2f s (%d of %d blocks)",
+                        self.manager_name, outcome, self.elapsed_s, len(self.blocks), len(self.layouts))
 
 
 def can_defer(m: "OffloadManager", layouts: Sequence[BlockLayout]) -> bool:
@@ -165,15 +174,20 @@ def install_deferred(m: "OffloadManager") -> None:
         return
     build.wait()
     layouts, schedule, num_slots, streamed = m._deferred_plan
-    m._deferred, m._deferred_plan = None, None
-    m._provider = build.provider
+    m._deferred = None
     m._host_build_s = build.elapsed_s
     if build.error is not None:
+        # Nothing of the failed build is kept: its blocks go, and so do the staged originals of the blocks it
+        # never reached. The plan stays, so release(preserve_model=False) still drops the streamed weights.
+        build.provider.close()
+        m._staging.release_all()
         raise RuntimeError(
             f"manager {m.name!r}: building the host blocks for INFERENCE failed: {build.error}. The model still "
             "runs with every weight on the device; release() it, and lower the host memory needed (fewer "
             "offloaded layers, pinned_memory_mode='host_register') or free host RAM, then offload again"
         ) from build.error
+    m._deferred_plan = None
+    m._provider = build.provider
     for layout, block, tensors in zip(layouts, build.blocks, streamed):
         for placement, tensor in zip(layout.tensors, tensors):
             assign_data(tensor, block_view(block.tensor, placement))  # frees the warm-up device copy

@@ -440,13 +440,19 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
 
         After a resident warm-up the blocks are built on a thread while the first inference passes run with
         every weight on the device; the engine switches to streaming at the next pass boundary on its own. Call
-        this to switch now (e.g. before measuring); it raises the build's error if it failed.
+        this to switch now (e.g. before measuring); it raises the build's error if it failed. Called while a
+        forward pass runs (a hook inside a trap asking for a report), it only waits for the build: the switch
+        itself always happens between passes, never under a running trap's weights.
         """
+        if self._deferred is None:
+            return
         self._check_thread()
-        if self._deferred is not None:
-            from flextensor.deferred_build import install_deferred
+        if self._depth:
+            self._deferred.wait()
+            return
+        from flextensor.deferred_build import install_deferred
 
-            install_deferred(self)
+        install_deferred(self)
 
     # ------------------------------------------------------------------------------------------------ reports
     def get_gpu_memory_usage(self) -> GPUMemoryUsage:

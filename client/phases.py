@@ -154,7 +154,7 @@ class PhaseMixin:
                 from flextensor.deferred_build import install_deferred
 
                 install_deferred(self)  # type: ignore[arg-type]
-            if self._timing is not None:
+            if self._timing is not None and self._deferred is None:  # passes before the switch stream nothing
                 self._timing.begin_pass()
 
     def _end_pass(self, ok: bool) -> None:
@@ -183,7 +183,7 @@ class PhaseMixin:
             self._iteration += 1
             if self._iteration >= self.iters_before_inference:
                 self._start_inference()
-        elif phase is Phase.INFERENCE and self._timing is not None:
+        elif phase is Phase.INFERENCE and self._timing is not None and self._deferred is None:
             self._timing.end_pass()
 
     def _finish_discovery(self) -> None:
@@ -248,7 +248,7 @@ class PhaseMixin:
                     assert self._clock is not None
                     self._open_span = self._clock.start_span()
             elif phase is Phase.INFERENCE:
-                timing = self._timing
+                timing = self._timing if self._deferred is None else None
                 if timing is not None:
                     timing.begin_trap(trap.label)
                 block = self._block_of.get(trap.label)
@@ -284,7 +284,7 @@ class PhaseMixin:
                     self._open_span = None
                 self._warm.unload()
             elif phase is Phase.INFERENCE:
-                if self._timing is not None:
+                if self._timing is not None and self._deferred is None:
                     self._timing.end_trap()
                 block = self._block_of.get(trap.label)
                 if block is not None and self._loader is not None:

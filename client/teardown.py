@@ -3,6 +3,8 @@
 Order matters, and is the same whether the manager reached INFERENCE or failed half-way through ``offload()``
 or an adoption:
 
+0. a host-block build still running behind resident inference (``flextensor.deferred_build``) is cancelled and
+   joined; the weights it would have streamed still hold their device copies;
 1. the block loader stops (in-flight side-stream copies finish) and any warm-up device copies are dropped: a
    streamed trap's and the kept ones of a resident warm-up (``flextensor.warmup``) get their original host data
    back, exactly as it was, with no device-to-host copy;
@@ -72,12 +74,11 @@ class ReleaseMixin:
 
     def _teardown(self, preserve_model: bool) -> None:
         build, self._deferred = self._deferred, None
-        streamed: list[torch.Tensor] = []
         if build is not None:  # host blocks still being built: stop it; the tensors still hold device copies
             build.cancel()
             self._provider = build.provider
-            streamed = [t for tensors in self._deferred_plan[3] for t in tensors]
-            self._deferred_plan = None
+        plan, self._deferred_plan = self._deferred_plan, None  # also left by a failed build
+        streamed = [t for tensors in plan[3] for t in tensors] if plan is not None else []
         if not preserve_model:  # what INFERENCE would stream is dropped like streamed weights: onto meta
             for t in streamed:
                 assign_data(t, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))

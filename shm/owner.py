@@ -170,11 +170,14 @@ class ShmOwner:
             name = self.resource_name(kind)
             entry = self._prepared.pop(kind, None)
             if entry is not None:
-                segment = entry[1].result()
-                if segment.size == size:
-                    return segment
-                logger.debug("prepared segment %s has %d bytes, %d wanted: making it again", name, segment.size, size)
-                segment.close()
+                prepared_size, future = entry
+                if prepared_size == size:
+                    return future.result()  # its creation error, if any, is this call's error
+                logger.debug("prepared segment %s has %d bytes, %d wanted: making it again", name, prepared_size, size)
+                try:
+                    future.result().close()
+                except Exception:  # noqa: BLE001 - a failed preparation of the wrong size does not matter
+                    pass
                 SharedSegment.unlink_name(name)
             self._journal("segment", name)
             return SharedSegment.create(name, size, populate=populate)

@@ -11,9 +11,11 @@ The flag is ``cudaHostRegisterPortable`` (1): the memory counts as pinned for ev
 process, not just the current device's, so one registration serves all GPUs a worker uses.
 
 Segments that the device only reads (every host block: copies go host -> device only) can be registered with
-``cudaHostRegisterReadOnly`` (8) as well: the driver then pins the pages without asking for write access, which
-on the H200 host registered a follower's fresh mapping in 63 ms/GiB instead of 140-150 ms/GiB. Platforms without
-read-only registration refuse the flag; the call is then repeated without it, and later calls skip it.
+``cudaHostRegisterReadOnly`` (8) as well: the driver then pins the pages without asking for write access. On
+the H200 host a fresh read-only mapping of 1.5 GiB registered in 94-101 ms that way instead of 203-225 ms
+(``bench/experiment_register.py``; the read-write mappings the engine uses were not measured separately).
+Platforms without read-only registration refuse the flag (invalid value / not supported): the call is repeated
+without it, and later calls skip it; any other refusal is retried without the flag and reported as usual.
 
 Registration locks the pages in RAM and is charged against ``RLIMIT_MEMLOCK`` on many systems; a low
 ``ulimit -l`` is the most common cause of failure, hence the hint in the error.
@@ -34,7 +36,9 @@ logger = logging.getLogger(__name__)
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_READ_ONLY = 8
-#: False once the driver refused the read-only flag in this process (then it is not offered again).
+#: cudaErrorInvalidValue, cudaErrorNotSupported: how a platform without read-only registration refuses the flag.
+_READ_ONLY_UNSUPPORTED = (1, 801)
+#: False once the driver refused the read-only flag as unsupported in this process (it is not offered again).
 _read_only_supported = True
 _NO_CUDA_MESSAGE = "pinning needs CUDA; use pinned_memory=False on CPU hosts"
 
@@ -103,8 +107,9 @@ def host_register(ptr: int, nbytes: int, *, read_only: bool = False) -> None:
         if code == 0:
             logger.debug("registered %d bytes at %#x with CUDA (read-only)", nbytes, ptr)
             return
-        _read_only_supported = False
         clear_cuda_error()
+        if code in _READ_ONLY_UNSUPPORTED:  # the platform lacks it: stop offering it; other errors recur below
+            _read_only_supported = False
         logger.debug("read-only cudaHostRegister refused (%s); registering read-write", _error_text(cudart, code))
     code = int(cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
     if code != 0:

@@ -157,13 +157,65 @@ def test_a_failed_build_raises_at_the_switch_and_the_model_keeps_working_residen
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"building the host blocks for INFERENCE failed: "
                                                              r"cudaHostAlloc: out of memory \(pinned\).*release\(\)"):
         model(ids)
+    assert made[0].closed, "the failed build's blocks are let go at once, not at release()"
     with torch.no_grad():
         assert same(model(ids), ref)  # nothing streams; every weight is still on the device
     assert om._loader is None and om._deferred is None
     ft.release()
-    assert made[0].closed
     after = snapshot(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_after_a_failed_build_release_without_preserving_still_drops_streamed_weights(provider_wrap):
+    provider_wrap(fail_at=0)
+    model, _before, ids, _ref, om = _profiled_resident()
+    streamed = [t for tensors in om._deferred_plan[3] for t in tensors]
+    with pytest.raises(RuntimeError, match="building the host blocks"):
+        om.wait_for_host_blocks()
+    ft.release(preserve_model=False)
+    assert streamed and all(t.is_meta for t in streamed)
+
+
+def test_a_report_asked_for_inside_a_pass_never_swaps_weights_under_a_running_trap(provider_wrap):
+    provider_wrap(gate=(gate := threading.Event()))
+    model, _before, ids, ref, om = _profiled_resident()
+    seen: list[bool] = []
+
+    def ask_for_a_report(module, args):  # a user's hook inside a trap: the build finishes right now
+        gate.set()
+        om._deferred.wait()
+        seen.append(bool(om.offloaded_tensors))  # waits for the build; must not install under this trap
+
+    handle = model.blocks[0].attn.register_forward_pre_hook(ask_for_a_report)
+    try:
+        with torch.no_grad():
+            assert same(model(ids), ref)
+    finally:
+        handle.remove()
+    assert seen == [False] and om._deferred is not None and om._deferred.done
+    with torch.no_grad():
+        assert same(model(ids), ref)  # installed at this pass's start, then streamed
+    assert om._deferred is None and om._loader is not None and om._loader.copies_issued > 0
+
+
+def test_offload_timing_records_only_the_passes_that_stream(provider_wrap):
+    provider_wrap(gate=(gate := threading.Event()))
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = _offload_resident(model, offload_timing="eager")
+    _warm_up(model, ids, ref, om)
+    with torch.no_grad():
+        for _ in range(2):
+            assert same(model(ids), ref)  # resident: the build is held
+    gate.set()
+    om.wait_for_host_blocks()
+    with torch.no_grad():
+        for _ in range(3):
+            assert same(model(ids), ref)
+    report = ft.collect_offload_timing()
+    assert report is not None and report.num_passes == 3
+    assert all(r.transfer_ms > 0 for snap in report.passes for r in snap.per_trap if r.label in om.offloaded_tensors)
 
 
 def test_no_deferral_without_a_resident_warm_up(provider_wrap):
@@ -179,10 +231,10 @@ def test_no_deferral_without_a_resident_warm_up(provider_wrap):
 
 
 def test_release_without_preserving_during_the_build_puts_streamed_weights_on_meta(provider_wrap):
-    provider_wrap(gate=threading.Event())  # the build never gets past its first block
+    provider_wrap(delay=0.2)
     model, _before, ids, ref, om = _profiled_resident()
     streamed = [t for tensors in om._deferred_plan[3] for t in tensors]
-    om._deferred.provider.gate.set()
+    assert not om._deferred.done  # 0.2 s per block: still building
     ft.release(preserve_model=False)
     assert streamed and all(t.is_meta for t in streamed)
     assert not model.embed.weight.is_meta  # resident weights stay real

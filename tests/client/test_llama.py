@@ -68,7 +68,10 @@ def test_llama_cuda_bf16_close():
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
     with torch.no_grad():
-        for _ in range(om.iters_before_inference + 3):
+        for _ in range(om.iters_before_inference):
+            torch.testing.assert_close(model(ids).logits.float(), ref, atol=3e-2, rtol=3e-2)
+        om.wait_for_host_blocks()  # timing records streamed passes only
+        for _ in range(3):
             torch.testing.assert_close(model(ids).logits.float(), ref, atol=3e-2, rtol=3e-2)
     report = ft.collect_offload_timing()
     assert report is not None and len(report.per_trap) == 4

@@ -54,7 +54,7 @@ def test_pack_block_alignment_and_views_roundtrip():
         assert view.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
 
 
-def _loader(n_blocks=3, num_slots=2, per_tensor=False, schedule=None):
+def _loader(n_blocks=3, num_slots=2, per_tensor=False, schedule=None, gate=None):
     torch.manual_seed(0)
     params, layouts, hosts, values = [], [], [], []
     for i in range(n_blocks):
@@ -69,7 +69,7 @@ def _loader(n_blocks=3, num_slots=2, per_tensor=False, schedule=None):
         hosts.append(host)
     loader = BlockLoader(device=torch.device("cpu"), layouts=layouts, host_blocks=hosts, params=params,
                          schedule=schedule if schedule is not None else list(range(n_blocks)), num_slots=num_slots,
-                         per_tensor=per_tensor)
+                         per_tensor=per_tensor, host_block_gate=gate)
     return loader, params, values
 
 
@@ -88,6 +88,27 @@ def test_loader_rotation_in_order(per_tensor):
     assert loader.resyncs == 0
     # every entry is copied once: 9 entries entered plus the 1 prefetched ahead into the next pass
     assert loader.copies_issued == 10
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_host_block_gate_is_asked_before_every_copy_from_that_block(per_tensor):
+    """A shared follower's background registration: each copy from block b first waits for block b."""
+    calls: list[tuple[int, int]] = []  # (block, copies issued when asked)
+    holder: dict = {}
+
+    def gate(block: int) -> None:
+        calls.append((block, holder["loader"].copies_issued))
+
+    loader, params, values = _loader(per_tensor=per_tensor, gate=gate)
+    holder["loader"] = loader
+    for _pass in range(2):
+        for b in range(3):
+            loader.enter(b)
+            assert all(torch.equal(p, v) for p, v in zip(params[b], values[b]))
+            loader.exit(b)
+    assert [b for b, _ in calls] == [0, 1, 2, 0, 1, 2, 0]  # the entries copied, in order, one call each
+    assert [issued for _, issued in calls] == list(range(7))  # asked before the copy, never after
+    assert loader.copies_issued == len(calls)
 
 
 def test_loader_resync_out_of_order_and_repeats():

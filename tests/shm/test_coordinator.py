@@ -480,7 +480,9 @@ def test_prepared_segments_are_handed_out_by_create_segment(ns):
     with ShmCoordinator(ns, lease_seconds=LEASE) as c:
         owner = c.memory_owner
         owner.prepare_segments({"b0": 1 << 20, "b1": 8192})
+        prepared_b0 = owner._prepared["b0"][1].result()
         b0 = owner.create_segment("b0", 1 << 20)
+        assert b0 is prepared_b0, "create_segment must hand out the prepared segment, not make another"
         b1 = owner.create_segment("b1", 4096)  # prepared with another size: made again at the asked size
         try:
             assert (b0.name, b0.size, b1.size) == (owner.resource_name("b0"), 1 << 20, 4096)
@@ -514,6 +516,18 @@ def test_preparing_more_than_dev_shm_holds_raises_at_create_and_leaves_nothing(n
         c.memory_owner.prepare_segments({"b0": wanted})
         with pytest.raises(ShmSpaceError, match="--shm-size"):
             c.memory_owner.create_segment("b0", wanted)
+    assert_gone(ns)
+
+
+def test_a_prepared_segment_of_another_size_does_not_fail_the_one_asked_for(ns):
+    st = os.statvfs("/dev/shm")
+    if st.f_blocks == 0:
+        pytest.skip("/dev/shm has no size limit here")
+    too_big = max(st.f_bavail, st.f_blocks) * st.f_frsize + (1 << 30)
+    with ShmCoordinator(ns, lease_seconds=LEASE) as c:
+        c.memory_owner.prepare_segments({"b0": too_big})  # its creation fails with ENOSPC
+        with c.memory_owner.create_segment("b0", 4096) as seg:
+            assert seg.size == 4096
     assert_gone(ns)
 
 
