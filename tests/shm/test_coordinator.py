@@ -507,11 +507,15 @@ def test_prepared_segments_nobody_took_are_unmapped_and_unlinked_at_close(ns):
     assert_gone(ns)
 
 
-def test_preparing_more_than_dev_shm_holds_raises_at_create_and_leaves_nothing(ns):
+def _more_than_dev_shm_holds() -> int:
     st = os.statvfs("/dev/shm")
     if st.f_blocks == 0:
         pytest.skip("/dev/shm has no size limit here")
-    wanted = max(st.f_bavail, st.f_blocks) * st.f_frsize + (1 << 30)
+    return max(st.f_bavail, st.f_blocks) * st.f_frsize + (1 << 30)
+
+
+def test_preparing_more_than_dev_shm_holds_raises_at_create_and_leaves_nothing(ns):
+    wanted = _more_than_dev_shm_holds()
     with ShmCoordinator(ns, lease_seconds=LEASE) as c:
         c.memory_owner.prepare_segments({"b0": wanted})
         with pytest.raises(ShmSpaceError, match="--shm-size"):
@@ -520,10 +524,7 @@ def test_preparing_more_than_dev_shm_holds_raises_at_create_and_leaves_nothing(n
 
 
 def test_a_prepared_segment_of_another_size_does_not_fail_the_one_asked_for(ns):
-    st = os.statvfs("/dev/shm")
-    if st.f_blocks == 0:
-        pytest.skip("/dev/shm has no size limit here")
-    too_big = max(st.f_bavail, st.f_blocks) * st.f_frsize + (1 << 30)
+    too_big = _more_than_dev_shm_holds()
     with ShmCoordinator(ns, lease_seconds=LEASE) as c:
         c.memory_owner.prepare_segments({"b0": too_big})  # its creation fails with ENOSPC
         with c.memory_owner.create_segment("b0", 4096) as seg:
