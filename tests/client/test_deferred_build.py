@@ -140,11 +140,9 @@ def test_release_during_the_build_stops_it_and_restores_the_model(provider_wrap)
     made = provider_wrap(delay=0.2)
     model, before, ids, ref, om = _profiled_resident()
     layouts = len(om._deferred.layouts)
-    assert layouts >= 2
-    start = time.monotonic()
+    assert layouts >= 2 and not om._deferred.done
     ft.release()
-    assert time.monotonic() - start < 0.2 * layouts  # stopped after the block in flight, not at the end
-    assert made[0].closed and len(made[0].allocated) < layouts
+    assert made[0].closed and len(made[0].allocated) < layouts  # stopped after the block in flight
     assert not any(t.name == "ft-host-blocks" for t in threading.enumerate())
     after = snapshot(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
