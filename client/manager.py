@@ -14,7 +14,9 @@ Lifecycle (see the configuration spec, "Profiling Configuration"):
    counted. After the last pass: one transfer sweep, then the strategy (``config.load_strategy`` or
    ``AdaptiveStrategy()``) plans which tensors stream through the rotating device blocks.
 4. INFERENCE: offloaded tensors are packed into host blocks (one per trap), the rest is resident on the device,
-   and the :class:`~flextensor.loader.BlockLoader` streams blocks ahead of compute.
+   and the :class:`~flextensor.loader.BlockLoader` streams blocks ahead of compute. After a resident warm-up the
+   blocks are built on a thread while the first INFERENCE passes run resident, and streaming starts at the first
+   pass boundary after that (``flextensor.deferred_build``; ``wait_for_host_blocks()`` switches at once).
 
 Adoption (``offload_from_state`` / profiles) skips 2-3: the state says what is offloaded, where, and in which
 order traps run; host blocks may be supplied by the caller (shared memory), in which case they are used as-is.
@@ -23,7 +25,7 @@ Threading: a manager belongs to the thread that created it; any other thread get
 
 Pinned staging (``flextensor.staging``): with a CUDA compute device and ``pinned_memory=True``, ``offload()``
 registers the candidates' own CPU storages in place, so the warm-up copies of steps 2-3 are direct DMA
-(``non_blocking``) instead of bounced pageable copies; the registration ends when INFERENCE is built or at
+(``non_blocking``) instead of bounced pageable copies; the registration ends once the host blocks are built or at
 ``release()``.
 
 Warm-up residency (``flextensor.warmup``): ``offload()`` decides once whether the candidates fit on the device

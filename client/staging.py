@@ -23,7 +23,8 @@ Lifecycle (driven by the manager; see ``flextensor.manager``)
 - A region keeps a reference to its storages, so their memory can neither be freed nor handed to another
   allocation while the driver still has the pages locked.
 - :meth:`PinnedStaging.release` drops tensor names the warm-up no longer copies (tensors made resident at the end
-  of DISCOVERY; each trap's tensors once its host block is filled at the switch to INFERENCE); a region is
+  of DISCOVERY; each trap's tensors once its host block is filled, at the switch to INFERENCE or on the
+  background build's thread, ``flextensor.deferred_build``, which is then the staging's only user); a region is
   unregistered when its last name is released. :meth:`release_all` unregisters the rest (end of the INFERENCE
   build, ``release()``, teardown after an error). A region leaves the table *before* it is unregistered, so it
   can never be unregistered twice, even when the call fails.
