@@ -28,6 +28,8 @@ def release_managers():
 # The compute device the engine picks: CUDA when present, else the CPU. On the CPU outputs must be EXACTLY equal to
 # the plain model; on a GPU the reference runs on the GPU too and outputs must agree to float tolerance.
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+#: Offload every offloadable tensor (every layer streams): exercises the loader and the host blocks deterministically.
+ALL = ft.NthLayerStrategy(1)
 
 
 def reference(model: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import flextensor.deferred_build as deferred_mod
 from flextensor.host_memory import block_view
 from flextensor.phases import Phase
 from tests.client.models import (
+    ALL,
     DEVICE,
     cpu_config,
     reference,
@@ -26,8 +27,6 @@ from tests.client.models import (
     tiny_transformer,
     token_ids,
 )
-
-ALL = ft.NthLayerStrategy(1)  # every layer streams, so every layer has a host block to build
 
 
 class SlowOrFailingProvider:

@@ -11,6 +11,7 @@ from torch import nn
 import flextensor as ft
 from flextensor.manager import Phase
 from tests.client.models import (
+    ALL,
     DEVICE,
     reference,
     same,
@@ -24,8 +25,6 @@ from tests.client.models import (
     tiny_transformer,
     token_ids,
 )
-
-ALL = ft.NthLayerStrategy(1)  # offload every offloadable tensor: exercises the loader deterministically
 
 
 def run_phases(model, x, ref, manager, extra=3):

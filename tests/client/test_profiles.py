@@ -18,6 +18,7 @@ from flextensor.manager import Phase
 from flextensor.profiles import profile_path, read_profile
 from flextensor.state import SCHEMA_VERSION, model_tensors
 from tests.client.models import (
+    ALL,
     DEVICE,
     reference,
     same,
@@ -30,7 +31,6 @@ from tests.client.models import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-ALL = ft.NthLayerStrategy(1)
 
 
 def _profiled(model, x, cfg, name="default"):

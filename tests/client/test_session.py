@@ -18,6 +18,7 @@ import torch
 import flextensor as ft
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.names import journal_path, manager_namespace
+from tests.leftovers import shm_names
 from tests.client.models import (
     DEVICE,
     cpu_config,
@@ -124,10 +125,6 @@ def matches(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return torch.equal(out, ref) if DEVICE.type == "cpu" else torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def shm_entries_for(ns: str) -> list[str]:
-    return sorted(n for n in os.listdir("/dev/shm") if ns in n)
-
-
 # ------------------------------------------------------------------------------------------------ workers
 @pytest.mark.parametrize("workers, rounds", [(4, 1), (8, 2)])
 def test_workers_share_one_copy_with_exactly_one_creator_and_equal_outputs(namespace: str, profile: str,
@@ -148,7 +145,7 @@ def test_workers_share_one_copy_with_exactly_one_creator_and_equal_outputs(names
             assert matches(output_of(r), ref)
             # a CUDA follower registers its block mappings in the background; its first forward waited for them
             assert r["registered"] is (True if DEVICE.type == "cuda" and r["role"] == "follower" else None)
-        assert shm_entries_for(manager_namespace(namespace, "model")) == []  # the last one out removed it all
+        assert shm_names(manager_namespace(namespace, "model")) == []  # the last one out removed it all
 
 
 def test_creator_factory_failure_reaches_every_follower(namespace: str, profile: str, tmp_path: Path) -> None:
@@ -245,11 +242,11 @@ def test_cleanup_after_sigkill_of_every_worker_leaves_nothing_and_repeats_as_a_n
     for p in procs:
         finish(p)
     ns = manager_namespace(namespace, "model")
-    assert shm_entries_for(ns), "the killed workers' segments should still be there"
+    assert shm_names(ns), "the killed workers' segments should still be there"
     with pytest.raises(TimeoutError):
         ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=0)
     reports = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
-    assert reports[0].removed and not shm_entries_for(ns)
+    assert reports[0].removed and not shm_names(ns)
     assert not journal_path(ns).exists()
     again = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=0)
     assert again[0].removed == []
@@ -263,13 +260,13 @@ def test_cleanup_refuses_malformed_journal_or_header_and_deletes_nothing(namespa
         p.send_signal(signal.SIGKILL)
         finish(p)
     ns = manager_namespace(namespace, "model")
-    before = shm_entries_for(ns)
+    before = shm_names(ns)
     journal = journal_path(ns)
     original = journal.read_bytes()
     journal.write_bytes(original + b"{not json\n")
     with pytest.raises(ShmProtocolError):
         ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=5)
-    assert shm_entries_for(ns) == before
+    assert shm_names(ns) == before
     journal.write_bytes(original)
     header = Path("/dev/shm") / f"{ns}.c"
     good_header = header.read_bytes()[:8]
@@ -277,11 +274,11 @@ def test_cleanup_refuses_malformed_journal_or_header_and_deletes_nothing(namespa
         f.write(b"NOTMAGIC")
     with pytest.raises(ShmProtocolError):
         ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=5)
-    assert shm_entries_for(ns) == before
+    assert shm_names(ns) == before
     with open(header, "r+b") as f:
         f.write(good_header)
     ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
-    assert shm_entries_for(ns) == []
+    assert shm_names(ns) == []
 
 
 # ------------------------------------------------------------------------------------------------ in process
@@ -311,7 +308,7 @@ def test_in_process_creator_keeps_config_and_closes_clean(namespace: str, profil
             ft.SharedOffloadSession(namespace, lease_seconds=LEASE).offload_from_profile(
                 profile, config=config, name="model", creator_model_factory=creator, follower_model_factory=follower)
     assert config.to_dict() == before and config.shm_enabled is False
-    assert shm_entries_for(manager_namespace(namespace, "model")) == []
+    assert shm_names(manager_namespace(namespace, "model")) == []
 
 
 def test_close_with_preserve_models_keeps_the_model_usable(namespace: str, profile: str) -> None:
@@ -320,7 +317,7 @@ def test_close_with_preserve_models_keeps_the_model_usable(namespace: str, profi
     model = session.offload_from_profile(profile, config=cpu_config(), name="model",
                                          creator_model_factory=creator, follower_model_factory=follower)
     session.close(preserve_models=True)
-    assert shm_entries_for(manager_namespace(namespace, "model")) == []
+    assert shm_names(manager_namespace(namespace, "model")) == []
     with torch.no_grad():
         out = model.to(DEVICE)(token_ids().to(DEVICE)).cpu()
     assert matches(out, expected_output())
@@ -389,7 +386,7 @@ def test_preflight_refuses_a_publish_that_does_not_fit_in_dev_shm(namespace: str
                                      creator_model_factory=creator, follower_model_factory=follower)
     assert "hostIPC" in str(err.value) and not loaded, "the checkpoint must not be loaded when it cannot fit"
     session.close()
-    assert shm_entries_for(manager_namespace(namespace, "model")) == []
+    assert shm_names(manager_namespace(namespace, "model")) == []
 
 
 def test_compiled_forward_of_a_shared_model_matches_and_closes_clean(namespace: str, profile: str) -> None:
@@ -403,7 +400,7 @@ def test_compiled_forward_of_a_shared_model_matches_and_closes_clean(namespace: 
             outs = [compiled(token_ids().to(DEVICE)).cpu() for _ in range(3)]
         assert all(matches(out, expected_output()) for out in outs)
     # dynamo keeps weakrefs to the parameters; discarding the model must still release everything
-    assert shm_entries_for(manager_namespace(namespace, "model")) == []
+    assert shm_names(manager_namespace(namespace, "model")) == []
 
 
 def test_follower_close_with_preserve_models_keeps_a_private_working_model(namespace: str, profile: str) -> None:

@@ -22,6 +22,7 @@ import flextensor as ft
 from flextensor.phases import Phase
 from flextensor.staging import PinnedStaging, plan_regions
 from tests.client.models import (
+    ALL,
     DEVICE,
     cpu_config,
     mlp_stack,
@@ -32,8 +33,6 @@ from tests.client.models import (
     tiny_transformer,
     token_ids,
 )
-
-ALL = ft.NthLayerStrategy(1)
 
 
 class FakeCudart:

@@ -24,6 +24,7 @@ from flextensor.phases import Phase
 from flextensor.traps import WarmLoader
 from flextensor.warmup import WarmupMode, decide_warmup, warmup_margin
 from tests.client.models import (
+    ALL,
     DEVICE,
     ManualBlockModel,
     SkippingModel,
@@ -38,7 +39,6 @@ from tests.client.models import (
 )
 
 GIB = 1 << 30
-ALL = ft.NthLayerStrategy(1)
 MODES = ["resident", "stream"]
 
 

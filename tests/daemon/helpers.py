@@ -13,15 +13,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+from tests.leftovers import shm_names  # noqa: F401  (the daemon tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
-SHM = Path("/dev/shm")
-
-
-def shm_names(namespace: str) -> list[str]:
-    """Entries of /dev/shm belonging to a per-manager namespace (segments and semaphores)."""
-    return sorted(n for n in os.listdir(SHM) if n.startswith(namespace + ".") or n.startswith(f"sem.{namespace}."))
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.01):

@@ -180,15 +180,20 @@ def test_another_uid_is_refused(shared_dir, lock_dir, workers, namespace):
     assert shm_names(namespace) == []
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a worker as another uid")
-def test_root_daemon_reclaims_for_another_user_as_that_user(shared_dir, lock_dir, workers, namespace):
-    """A worker of uid 65534 registers with a root daemon (socket group), then is SIGKILLed: the daemon ends its
-    lease and reclaims with that user's identity (its lock directory is learned from the registration)."""
+def _root_daemon_and_shared_tmp(shared_dir, lock_dir):
+    """A daemon whose socket uid 65534 may use, and a world-writable (sticky) TMPDIR for that user's worker."""
     sock = shared_dir / "run" / "ftd.sock"
     tmp = shared_dir / "tmp"
     tmp.mkdir()
     os.chmod(tmp, 0o1777)
-    daemon = Daemon(sock, lock_dir, extra=["--socket-group", str(NOBODY)]).start()
+    return sock, tmp, Daemon(sock, lock_dir, extra=["--socket-group", str(NOBODY)]).start()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a worker as another uid")
+def test_root_daemon_reclaims_for_another_user_as_that_user(shared_dir, lock_dir, workers, namespace):
+    """A worker of uid 65534 registers with a root daemon (socket group), then is SIGKILLed: the daemon ends its
+    lease and reclaims with that user's identity (its lock directory is learned from the registration)."""
+    sock, tmp, daemon = _root_daemon_and_shared_tmp(shared_dir, lock_dir)
     try:
         env = dict(os.environ, TMPDIR=str(tmp))
         w = workers(namespace, "m", "--lease", "30", "--as-uid", str(NOBODY), socket=sock, env=env)
@@ -247,11 +252,7 @@ def test_acting_in_switches_only_the_effective_ids(shared_dir):
 def test_root_daemon_recreates_lock_files_as_the_namespace_owner(shared_dir, lock_dir, workers, namespace):
     """`ftd hold` re-creates a missing coordinator lock file for a namespace of uid 65534: the file must belong
     to that user, or its workers could no longer take the lock (their clean close would fail)."""
-    sock = shared_dir / "run" / "ftd.sock"
-    tmp = shared_dir / "tmp"
-    tmp.mkdir()
-    os.chmod(tmp, 0o1777)
-    daemon = Daemon(sock, lock_dir, extra=["--socket-group", str(NOBODY)]).start()
+    sock, tmp, daemon = _root_daemon_and_shared_tmp(shared_dir, lock_dir)
     try:
         ns = manager_namespace(namespace, "m")
         w = workers(namespace, "m", "--lease", "30", "--as-uid", str(NOBODY), socket=sock,

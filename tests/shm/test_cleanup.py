@@ -21,6 +21,7 @@ from flextensor.shm.names import (
     manager_namespace,
 )
 from flextensor.shm.segment import SharedSegment
+from tests.leftovers import shm_names
 
 LEASE = 1.0
 
@@ -28,10 +29,6 @@ LEASE = 1.0
 @pytest.fixture
 def ns(namespace: str) -> str:
     return manager_namespace(namespace, "cleanup")
-
-
-def shm_names(ns: str) -> list[str]:
-    return sorted(n for n in os.listdir("/dev/shm") if ns in n)
 
 
 def lock_files() -> list[str]:

@@ -30,6 +30,7 @@ from flextensor.shm.journal import read_journal
 from flextensor.shm.leases import LeaseTable
 from flextensor.shm.names import coordinator_segment_name, journal_path, lock_directory, manager_namespace
 from flextensor.shm.segment import SharedSegment
+from tests.leftovers import shm_names
 
 LEASE = 1.0
 
@@ -37,11 +38,6 @@ LEASE = 1.0
 @pytest.fixture
 def ns(namespace: str) -> str:
     return manager_namespace(namespace, "model")
-
-
-def shm_names(ns: str) -> list[str]:
-    """Everything of ``ns`` in /dev/shm (segments and semaphores)."""
-    return sorted(n for n in os.listdir("/dev/shm") if ns in n)
 
 
 def assert_gone(ns: str) -> None:
