@@ -107,7 +107,6 @@ class ManagerShare:
     ready_s: float = 0.0
     wait_s: float = 0.0
     shared_bytes: int = 0
-    register_s: float = 0.0  # creator: pinning its blocks; follower: the background registration so far
     pinner: BackgroundPinner | None = None  # a follower's background registration of its block mappings
     steps: dict[str, float] = field(default_factory=dict)  # seconds per follower step (see _attach)
 
@@ -116,7 +115,8 @@ class ManagerShare:
         report = {
             "manager": self.name, "namespace": self.namespace, "role": self.role, "generation": self.generation,
             "ready_s": self.ready_s, "wait_s": self.wait_s, "shared_bytes": self.shared_bytes,
-            "register_s": pinner.elapsed_s if pinner is not None else self.register_s, "steps": dict(self.steps),
+            # a CUDA follower's background registration so far (a creator pins inside its publish: not reported)
+            "register_s": pinner.elapsed_s if pinner is not None else 0.0, "steps": dict(self.steps),
         }
         if pinner is not None:  # registration runs in the background: is it finished, how long did copies wait
             report.update(registered=pinner.pinned_blocks == len(self.segments), register_wait_s=pinner.waited_s)
@@ -331,7 +331,6 @@ class SharedOffloadSession:
             share.released = True
         if share.pinner is not None:  # no registration may race the unpin and unmap below
             share.pinner.close()
-            share.register_s = share.pinner.elapsed_s
         while share.segments:
             segment = share.segments[-1]
             segment.close()  # unpins before unmapping
