@@ -73,7 +73,7 @@ from flextensor.timing import OffloadTimingReport, TimingCollector
 from flextensor.traps import Trap, UsageRecorder, WarmLoader
 from flextensor.warmup import WarmupDecision, choose_warmup
 
-__all__ = ["OffloadManager", "Phase", "GPUMemoryUsage"]
+__all__ = ["OffloadManager", "Phase", "GPUMemoryUsage", "compute_device"]
 
 logger = logging.getLogger(__name__)
 MB = 1024 * 1024
@@ -98,6 +98,13 @@ class GPUMemoryUsage:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def compute_device(config: OffloadConfig) -> torch.device:
+    """Where a manager with ``config`` computes: its ``gpu_device`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", config.gpu_device)
+    return torch.device("cpu")
 
 
 class OffloadManager(PhaseMixin, ReleaseMixin):
@@ -138,6 +145,8 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._warmup: WarmupDecision | None = None
         self._warm_pending: list[str] = []  # resident warm-up: names to copy at the start of the first pass
         self._warm_events: list[tuple[int, Any, Any]] = []  # resident warm-up copies per trap: (bytes, start, end)
+        self._warm_ready: dict[str | None, Any] = {}  # trap label -> event of its overlapped warm-up copy
+        self._warm_last: Any = None  # the last overlapped warm-up copy's event (orders everything after the pass)
         self._deferred: Any = None  # a HostBlockBuild running behind resident inference (flextensor.deferred_build)
         self._deferred_plan: Any = None
         self._host_build_s: float | None = None  # how long the last background host-block build took
@@ -145,6 +154,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._sequence: list[str] = []
         self._pass_sequence: list[str] = []
         self._pass_spans: list[tuple[str, Any]] = []
+        self._pending_spans: list[list[tuple[str, Any]]] = []  # counted PROFILING passes not read yet
         self._durations: dict[str, list[float]] = {}
         self._compute_s: dict[str, float] = {}
         self._samples: list[tuple[int, float]] = []
@@ -236,10 +246,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         return self.config
 
     def _compute_device(self) -> torch.device:
-        cfg = self._config()
-        if torch.cuda.is_available():
-            return torch.device("cuda", cfg.gpu_device)
-        return torch.device("cpu")
+        return compute_device(self._config())
 
     # ------------------------------------------------------------------------------------------------ offload
     def offload(
@@ -347,31 +354,63 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         Trap by trap, between CUDA timing events when the copies come from page-locked memory: this one sweep of
         the offloaded weights is also the transfer measurement the planner fits (:meth:`_warm_samples`), so the
         switch to INFERENCE does not sweep again.
+
+        In a PROFILING pass (DISCOVERY skipped, so each trap's weights are its own) the copies run on a side
+        stream and each trap's compute waits only for its own group's copy (:meth:`_wait_warm_copy`): the
+        pass's compute overlaps the sweep instead of following it. A DISCOVERY pass has not yet learnt which
+        trap uses what, so there the copies stay on the compute stream, ahead of everything.
         """
         names, self._warm_pending = self._warm_pending, []
         if not names:
             return
         pending = set(names)
-        groups = [[n for n in trap.candidates if n in pending] for trap in self._traps.values()]
-        grouped = {n for group in groups for n in group}
-        groups = [g for g in groups if g] + [[n for n in names if n not in grouped]]
+        labelled = [(label, [n for n in trap.candidates if n in pending]) for label, trap in self._traps.items()]
+        grouped = {n for _label, group in labelled for n in group}
+        groups = [(None, [n for n in names if n not in grouped])] + [(label, g) for label, g in labelled if g]
         timed = self._device.type == "cuda" and self._warm.non_blocking
-        stream = torch.cuda.current_stream(self._device) if timed else None
-        for group in groups:
-            if not group:
-                continue
-            start = end = None
-            if timed:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-            if not self._warm.preload(self._tensor_objs(group)):
-                self._warm_events = []
-                return  # stream mode (out of device memory): the planner sweeps instead
-            if timed:
-                end.record(stream)
-                self._warm_events.append((sum(_nbytes(self._tensors[n].tensor) for n in group), start, end))
+        compute = torch.cuda.current_stream(self._device) if timed else None
+        stream = compute
+        if timed and self._phase is Phase.PROFILING:
+            stream = torch.cuda.Stream(device=self._device)
+            stream.wait_stream(compute)  # memory the compute freed may be handed to these copies
+            self._warm.copy_stream = stream
+        ready: dict[str | None, Any] = {}
+        try:
+            for label, group in groups:
+                if not group:
+                    continue
+                start = end = None
+                if timed:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                if not self._warm.preload(self._tensor_objs(group)):
+                    self._warm_events = []
+                    ready.clear()
+                    if stream is not compute:
+                        compute.wait_stream(stream)
+                    return  # stream mode (out of device memory): the planner sweeps instead
+                if timed:
+                    end.record(stream)
+                    self._warm_events.append((sum(_nbytes(self._tensors[n].tensor) for n in group), start, end))
+                    ready[label] = end
+        finally:
+            self._warm.copy_stream = None
+        if stream is not compute and ready:
+            outside = ready.pop(None, None)
+            if outside is not None:  # candidates of no trap: whoever reads them, they are there first
+                compute.wait_event(outside)
+            self._warm_ready = ready
+            self._warm_last = self._warm_events[-1][2]
         logger.debug("manager %r: %d warm-up tensors (%d bytes) copied to %s and kept", self.name, len(names),
                      self._warm.kept_bytes, self._device)
+
+    def _wait_warm_copy(self, label: str | None) -> None:
+        """Order the compute stream after trap ``label``'s warm-up copy (``None``: after all of them)."""
+        event = self._warm_last if label is None else self._warm_ready.pop(label, None)
+        if label is None:
+            self._warm_ready, self._warm_last = {}, None
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
 
     def _warm_samples(self) -> list[tuple[int, float]]:
         """``(bytes, seconds)`` of the resident warm-up's copies per trap (empty when not measured)."""

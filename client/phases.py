@@ -18,10 +18,12 @@ depends on the phase:
   staging (``flextensor.staging``).
 - PROFILING: a trap's exclusive weights are put on the device, then its timing window opens (CUDA events or
   ``perf_counter``), so copies are never timed. With resident warm-up nothing is copied in any PROFILING pass,
-  so no pass is excluded from the medians (with ``skip_discovery`` the preload runs at the start of the first
-  PROFILING pass, before its first timing window). Suspended passes (``suspend_profiling``) record nothing and
-  are not counted. After the last counted pass, ``flextensor.inference.plan_inference`` plans and builds
-  INFERENCE.
+  so no pass is excluded from the medians (with ``skip_discovery`` the preload is issued at the start of the
+  first PROFILING pass on a side stream, and each trap's compute waits for its own copy before its timing
+  window opens, so that pass's compute overlaps the sweep). A pass's events are read at the end of the next
+  pass (reading them at once would make the host wait for the device every pass) and then reused.
+  Suspended passes (``suspend_profiling``) record nothing and are not counted. After the last counted pass,
+  ``flextensor.inference.plan_inference`` plans and builds INFERENCE.
 - INFERENCE: the :class:`~flextensor.loader.BlockLoader` makes the trap's block resident and prefetches the next.
 
 :class:`PhaseMixin` holds only behaviour; the state it works on is created by ``OffloadManager._reset``.
@@ -76,10 +78,13 @@ class PhaseMixin:
     _recorder: "UsageRecorder | None"
     _warm: "WarmLoader"
     _warm_pending: list[str]
+    _warm_ready: dict[str | None, Any]
+    _warm_last: Any
     _staging: "PinnedStaging"
     _sequence: list[str]
     _pass_sequence: list[str]
     _pass_spans: list[tuple[str, Any]]
+    _pending_spans: list[list[tuple[str, Any]]]
     _durations: dict[str, list[float]]
     _loader: "BlockLoader | None"
     _deferred: Any  # flextensor.deferred_build.HostBlockBuild while host blocks are built behind inference
@@ -98,6 +103,7 @@ class PhaseMixin:
         def _config(self) -> "OffloadConfig": ...
         def _to_device(self, entry: "ModelTensor") -> None: ...
         def _preload_warmup(self) -> None: ...
+        def _wait_warm_copy(self, label: str | None) -> None: ...
         @property
         def enabled(self) -> bool: ...
         @property
@@ -172,13 +178,15 @@ class PhaseMixin:
                 if self._iteration >= self._config().discovery_iters:
                     self._finish_discovery()
         elif phase is Phase.PROFILING:
+            if self._warm_last is not None:  # traps this pass did not enter: everything after waits for all copies
+                self._wait_warm_copy(None)
             if not ok or self._suspend:
+                self._recycle_spans(self._pass_spans)
                 return
-            sums: dict[str, float] = {}
-            for label, span in self._pass_spans:
-                sums[label] = sums.get(label, 0.0) + span.ms() / 1e3
-            for label, seconds in sums.items():
-                self._durations.setdefault(label, []).append(seconds)
+            # Read one pass late: this pass's events are still queued behind its kernels, and reading them now
+            # would make the host wait for the device at the end of every PROFILING pass.
+            self._pending_spans.append(self._pass_spans)
+            self._resolve_spans(keep_last=1)
             self._sequence = list(self._pass_sequence)
             self._iteration += 1
             if self._iteration >= self.iters_before_inference:
@@ -215,7 +223,24 @@ class PhaseMixin:
     def _start_inference(self) -> None:
         from flextensor.inference import plan_inference
 
+        self._resolve_spans(keep_last=0)
         plan_inference(self)  # type: ignore[arg-type]
+
+    def _resolve_spans(self, keep_last: int) -> None:
+        """Turn the pending PROFILING passes' spans (all but the last ``keep_last``) into duration samples."""
+        while len(self._pending_spans) > keep_last:
+            spans = self._pending_spans.pop(0)
+            sums: dict[str, float] = {}
+            for label, span in spans:
+                sums[label] = sums.get(label, 0.0) + span.ms() / 1e3
+            for label, seconds in sums.items():
+                self._durations.setdefault(label, []).append(seconds)
+            self._recycle_spans(spans)
+
+    def _recycle_spans(self, spans: Sequence[tuple[str, Any]]) -> None:
+        if self._clock is not None:
+            for _label, span in spans:
+                self._clock.recycle(span)
 
     # ------------------------------------------------------------------------------------------------ traps
     def _tensor_objs(self, names: Sequence[str]) -> list[torch.Tensor]:
@@ -242,6 +267,8 @@ class PhaseMixin:
                     rec.clear_copies()
                     rec.enabled = True
             elif phase is Phase.PROFILING:
+                if self._warm_ready:  # the first pass after an overlapped preload: wait for this trap's copy
+                    self._wait_warm_copy(trap.label)
                 self._warm.load(self._tensor_objs(self._exclusive.get(trap.label, ())))
                 if not self._suspend:
                     self._pass_sequence.append(trap.label)
@@ -353,9 +380,13 @@ class PhaseMixin:
     def clear_profiling_durations(self) -> None:
         """Drop every duration sample so far (discovery mappings are kept)."""
         self._check_thread()
+        for spans in self._pending_spans:
+            self._recycle_spans(spans)
+        self._pending_spans.clear()
         self._durations.clear()
 
     @property
     def profiling_durations(self) -> dict[str, list[float]]:
         """Per-trap compute seconds of each counted PROFILING pass (copy)."""
+        self._resolve_spans(keep_last=0)
         return {k: list(v) for k, v in self._durations.items()}

@@ -224,26 +224,43 @@ class _PendingRecord:
 
 
 class TimingCollector:
-    """Collects spans during INFERENCE passes; resolves them (possibly syncing) only in :meth:`collect`."""
+    """Collects spans during INFERENCE passes; resolves them (possibly syncing) only in :meth:`collect`.
+
+    Also the PROFILING clock (one span per trap call). CUDA events are reused: a span's events go back to a
+    pool once read (:meth:`recycle`), because creating an event is a driver call, costly on virtualised hosts,
+    and a pass opens two per trap.
+    """
 
     def __init__(self, use_cuda: bool) -> None:
         self.use_cuda = use_cuda
         self._passes: list[list[_PendingRecord]] = []
         self._current: list[_PendingRecord] | None = None
         self._record: _PendingRecord | None = None
+        self._free_events: list[Any] = []
 
     # spans -------------------------------------------------------------------------------------------------------
+    def _event(self) -> Any:
+        if self._free_events:
+            return self._free_events.pop()
+        import torch
+
+        return torch.cuda.Event(enable_timing=True)
+
     def start_span(self, stream: Any = None) -> _Span:
         span = _Span()
         if self.use_cuda:
-            import torch
-
-            span.start = torch.cuda.Event(enable_timing=True)
-            span.end = torch.cuda.Event(enable_timing=True)
+            span.start = self._event()
+            span.end = self._event()
             span.start.record(stream)
         else:
             span.seconds = time.perf_counter()
         return span
+
+    def recycle(self, span: _Span) -> None:
+        """Return a span's events to the pool; the span must not be read again (its events will be re-recorded)."""
+        if span.start is not None:
+            self._free_events += (span.start, span.end)
+            span.start = span.end = None
 
     def end_span(self, span: _Span, stream: Any = None) -> None:
         if self.use_cuda:

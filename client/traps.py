@@ -209,6 +209,9 @@ class WarmLoader:
         self.same_device_copies: set[int] = {id(t) for t in same_device_copies}
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # stream mode: put back by unload()
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # resident: id -> (tensor, host data)
+        #: When set (CUDA, pinned sources), copies are issued on this stream instead of the current one; the
+        #: caller orders the readers (``OffloadManager._preload_warmup``: one event per trap).
+        self.copy_stream: Any = None
         self.copies = 0
         self.copied_bytes = 0
         self.fell_back = False
@@ -223,7 +226,16 @@ class WarmLoader:
         """One warm-up copy of ``host`` on the compute device (a subclass may wrap it, e.g. to count or fail)."""
         if host.device == self.device:  # same_device_copies: a clone keeps dtype, shape and strides
             return host.clone()
-        return host.to(self.device, non_blocking=self.non_blocking)
+        if self.copy_stream is None:
+            return host.to(self.device, non_blocking=self.non_blocking)
+        # Allocated on the current stream (its pool, where the compute frees and reuses memory), written by the
+        # copy stream; record_stream keeps the memory from reuse until that copy ran, even if the copy is
+        # dropped early (out-of-memory fallback).
+        device_copy = torch.empty_like(host, device=self.device)
+        with torch.cuda.stream(self.copy_stream):
+            device_copy.copy_(host, non_blocking=True)
+        device_copy.record_stream(self.copy_stream)
+        return device_copy
 
     def _load(self, tensors: Iterable[torch.Tensor], keep: bool) -> None:
         for tensor in tensors:

@@ -516,3 +516,76 @@ def test_cuda_resident_warmup_copies_are_the_transfer_measurement(monkeypatch):
     om.wait_for_host_blocks()
     with torch.no_grad():
         _close(model(ids), ref)
+
+
+@pytest.mark.cuda
+def test_cuda_profiling_preload_runs_on_a_side_stream_and_each_trap_waits_for_its_copy(monkeypatch):
+    """With DISCOVERY skipped, the first pass's compute overlaps the warm-up sweep: the copies go on a side
+    stream, held back here by a long sleep queued ahead of them, and each trap still reads its own weights."""
+    streams = []
+    original = WarmLoader._copy
+
+    def slow_copy(self, host):
+        if self.copy_stream is not None and not streams:
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles before the first copy
+        streams.append(self.copy_stream)
+        return original(self, host)
+
+    monkeypatch.setattr(WarmLoader, "_copy", slow_copy)
+    model, ids, ref, cfg = _cuda_setup(skip_discovery=True)
+    ft.offload(model, cfg)
+    om = ft.get_offload_manager()
+    assert om._warmup.resident and om._warm.non_blocking and om.phase is Phase.PROFILING
+    with torch.no_grad():
+        _close(model(ids), ref)  # would read uninitialised device memory if a trap did not wait
+        assert streams and all(s is not None and s != torch.cuda.current_stream() for s in streams)
+        assert om._warm.copy_stream is None and om._warm_ready == {} and om._warm_last is None
+        assert om._warm.copies == len(_candidates(om))
+        while om.phase is not Phase.INFERENCE:
+            _close(model(ids), ref)
+    om.wait_for_host_blocks()
+    with torch.no_grad():
+        _close(model(ids), ref)
+
+
+@pytest.mark.cuda
+def test_cuda_discovery_preload_stays_on_the_compute_stream(monkeypatch):
+    streams = []
+    original = WarmLoader._copy
+
+    def spy(self, host):
+        streams.append(self.copy_stream)
+        return original(self, host)
+
+    monkeypatch.setattr(WarmLoader, "_copy", spy)
+    model, ids, ref, cfg = _cuda_setup(skip_discovery=False)
+    ft.offload(model, cfg)
+    om = ft.get_offload_manager()
+    with torch.no_grad():
+        _close(model(ids), ref)
+    assert streams and all(s is None for s in streams) and om._warm_ready == {}
+
+
+@pytest.mark.cuda
+def test_cuda_profiling_clock_reuses_its_events(monkeypatch):
+    """Two events per trap call and pass would be created without the pool; with it, two passes' worth."""
+    created = []
+
+    class CountingEvent(torch.cuda.Event):
+        def __new__(cls, *args, **kwargs):
+            created.append(1)
+            return super().__new__(cls, *args, **kwargs)
+
+    model, ids, ref, cfg = _cuda_setup(skip_discovery=True, profiling_iters=8)
+    ft.offload(model, cfg)
+    om = ft.get_offload_manager()
+    traps = len(om._traps)
+    with torch.no_grad():
+        _close(model(ids), ref)  # the preload's own events are not the clock's
+        monkeypatch.setattr(torch.cuda, "Event", CountingEvent)
+        while om.phase is not Phase.INFERENCE:
+            _close(model(ids), ref)
+    assert 0 < len(created) <= 2 * 2 * traps, (len(created), traps)
+    assert all(len(v) == 8 for v in om.profiling_durations.values())
+    assert all(s > 0 for v in om.profiling_durations.values() for s in v)
