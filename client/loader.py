@@ -55,6 +55,11 @@ __all__ = ["BlockLoader"]
 logger = logging.getLogger(__name__)
 
 
+def slot_count(num_slots: int, schedule_len: int) -> int:
+    """Device blocks a loader allocates: ``num_slots``, at least one, never more than schedule entries."""
+    return max(1, min(int(num_slots), max(schedule_len, 1)))
+
+
 class BlockLoader:
     """Streams packed host blocks through ``num_slots`` device blocks, ordered by events."""
 
@@ -91,7 +96,7 @@ class BlockLoader:
         self._gate = host_block_gate
         self.cuda = device.type == "cuda"
         self.slot_bytes = max((layout.nbytes for layout in self.layouts), default=0)
-        self.num_slots = max(1, min(int(num_slots), max(len(self.schedule), 1))) if self.layouts else 0
+        self.num_slots = slot_count(num_slots, len(self.schedule)) if self.layouts else 0
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
         self._host_views = [[block_view(h, p) for p in layout.tensors] for layout, h in zip(self.layouts, self.host_blocks)]
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}

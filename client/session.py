@@ -15,9 +15,11 @@ creator (elected: the first to create the manager's coordinator segment)
 
 follower
     waits for READY (``ShmCreatorDiedError`` when the creator's lease ends first, ``TimeoutError`` after
-    ``wait_timeout``), decodes the plan, calls ``follower_model_factory()`` (normally a ``meta`` model), checks
-    the published metadata against it (naming the offending tensor), installs the resident tensors from the
-    store on its device and adopts the plan over the creator's host blocks, attached by name: no private copy.
+    ``wait_timeout``), decodes the plan, calls ``follower_model_factory()`` (normally a ``meta`` model) while a
+    thread attaches the tensor store and the host blocks and copies the resident tensors to the device
+    (``flextensor.attach_prefetch``), checks the published metadata against the model (naming the offending
+    tensor), installs the resident tensors and adopts the plan over the creator's host blocks, attached by
+    name: no private copy. ``session.report()["steps"]`` times each step, the thread's parts included.
     With pinning on CUDA the follower registers its mappings of the blocks in the background, in schedule order
     (``flextensor.shm.background_pin``): it is ready as soon as the plan is adopted, and a copy from a block
     waits only until that block is registered.
@@ -45,10 +47,12 @@ from torch import nn
 import flextensor.adoption  # noqa: F401
 import flextensor.inference  # noqa: F401
 from flextensor.api import get_offload_manager
+from flextensor.attach_prefetch import FollowerPrefetch
 from flextensor.config import OffloadConfig
+from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
 from flextensor.shm.background_pin import BackgroundPinner
-from flextensor.shm.blocks import SharedBlockAllocator, block_kind
+from flextensor.shm.blocks import block_kind
 from flextensor.shm.checks import check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator
@@ -184,9 +188,11 @@ class SharedOffloadSession:
             self._unreserve(name)
             raise
         share = ManagerShare(name=name, namespace=ns, coordinator=coordinator, generation=coordinator.generation)
+        share.steps["join"] = time.monotonic() - start  # the election, under the coordinator's lock
         self._shares[name] = share
         try:
-            _register_with_daemon(coordinator, self.namespace, name)
+            with _step(share.steps, "daemon"):
+                _register_with_daemon(coordinator, self.namespace, name)
             if coordinator.is_creator:
                 share.role = "creator"
                 logger.info("session %s/%s: elected creator of generation %d", self.namespace, name, share.generation)
@@ -271,28 +277,29 @@ class SharedOffloadSession:
         with _step(steps, "plan"):
             state = TensorManagerState.from_json(owner.read_blob(PLAN_KIND),
                                                  source=f"published plan of {share.namespace}")
-        with _step(steps, "factory"):
-            model = factory()
+        device = compute_device(cfg)
+        # Store, host blocks and resident copies are opened on a thread while the factory builds the model.
+        prefetch = FollowerPrefetch(share.namespace, owner, state, device, num_blocks=cfg.num_blocks,
+                                    min_blocks=cfg.min_blocks).start()
+        try:
+            with _step(steps, "factory"):
+                model = factory()
+        finally:
+            with _step(steps, "prefetch_wait"):
+                prefetch.join()
+            share.store = prefetch.store  # owned by the share from here, so a failure below cleans them up
+            share.segments.extend(prefetch.segments)
+            steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
+        if prefetch.error is not None:
+            raise prefetch.error
         if not isinstance(model, nn.Module):
             raise TypeError(f"follower_model_factory returned {type(model).__name__}, not an nn.Module")
         with _step(steps, "validate"):
             _check_offloaded_metadata(model, state)
-            share.store = SharedTensorStore.attach(share.namespace, shm_owner=owner)
-        with _step(steps, "resident"):  # copies to the GPU on a CUDA host; zero-copy views on a CPU host
-            share.store.materialize(model, manager.device)
-        allocator = SharedBlockAllocator(owner)
-        host_blocks = []
-        with _step(steps, "blocks"):
-            for block in sorted(state.blocks, key=lambda b: b.index):
-                expected = owner.resource_name(f"b{block.index}")
-                if block.index != len(host_blocks) or block.name != expected:
-                    raise ValueError(
-                        f"published plan names host block {block.index} {block.name!r}, but this generation's block "
-                        f"is {expected!r}: the plan belongs to another namespace or generation; restart the workers"
-                    )
-                segment = allocator.attach(block.index, block.nbytes)
-                share.segments.append(segment)
-                host_blocks.append(segment.tensor(torch.uint8, (block.nbytes,)))
+        with _step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
+            share.store.materialize(model, device, copies=prefetch.device_copies)
+        host_blocks = [segment.tensor(torch.uint8, (block.nbytes,))
+                       for segment, block in zip(share.segments, sorted(state.blocks, key=lambda b: b.index))]
         share.shared_bytes = sum(b.nbytes for b in state.blocks) + share.store.nbytes
         gate = None
         if cfg.pinned_memory and torch.cuda.is_available() and share.segments:
@@ -300,7 +307,7 @@ class SharedOffloadSession:
             # a block waits for that block only (see flextensor.shm.background_pin).
             index_of = {b.label: b.index for b in state.blocks}
             order = [index_of[label] for label in state.schedule if label in index_of]
-            share.pinner = BackgroundPinner(share.segments, order, device=_device_index(manager.device),
+            share.pinner = BackgroundPinner(share.segments, order, device=_device_index(device),
                                             label=f"session {share.namespace}")
             gate = share.pinner.wait
         with _step(steps, "adopt"):

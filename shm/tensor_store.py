@@ -279,16 +279,33 @@ class SharedTensorStore:
                         f"{where} has shape {tuple(record.shape)} in the store but {tuple(reg.tensor.shape)} in this model"
                     )
 
-    def materialize(self, model: Any, device: Any = "cpu") -> None:
-        """Install every published tensor into ``model`` on ``device`` (all checks happen before any change)."""
+    def copies_on(self, device: Any) -> dict[str, "torch.Tensor"]:
+        """Every published record copied to ``device``, by record name: made ahead (e.g. on a thread while the
+        model is built) and handed to :meth:`materialize`."""
+        import torch
+
+        device = torch.device(device)
+        return {record.name: self.tensor(record).to(device, copy=True) for record in self.manifest.tensors}
+
+    def materialize(self, model: Any, device: Any = "cpu", *, copies: dict[str, "torch.Tensor"] | None = None) -> None:
+        """Install every published tensor into ``model`` on ``device`` (all checks happen before any change).
+
+        ``copies`` (from :meth:`copies_on` for the same device) are installed instead of copying again."""
         import torch
 
         self.validate_against(model)
         device = torch.device(device)
+        copies = copies or {}
+        for name, value in copies.items():
+            if value.device != device and not (device.index is None and value.device.type == device.type):
+                raise ValueError(f"the copy of {name!r} is on {value.device}, not on {device}")
         registrations = model_registrations(model)
         for record in self.manifest.tensors:
             view = self.tensor(record)
-            value = view if device.type == "cpu" else view.to(device, copy=True)
+            if record.name in copies:
+                value = copies[record.name]
+            else:
+                value = view if device.type == "cpu" else view.to(device, copy=True)
             if record.kind == "parameter":
                 value = torch.nn.Parameter(value, requires_grad=record.requires_grad)
             for name in record.all_names:

@@ -72,6 +72,25 @@ def test_round_trip_preserves_values_ties_and_persistence(ns: str) -> None:
         store.close()
 
 
+def test_copies_made_ahead_are_installed_as_they_are_and_must_be_on_the_target_device(ns: str) -> None:
+    source = _model()
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        store = SharedTensorStore.create_from_model(ns, source, shm_owner=creator.memory_owner)
+        copies = store.copies_on("cpu")  # what a follower's attach thread makes (on its GPU there)
+        assert set(copies) == {r.name for r in store.records}
+        assert all(copies[n].data_ptr() != v.data_ptr() for n, v in store.tensors().items() if n in copies)
+        target = _model(device="meta")
+        store.materialize(target, "cpu", copies=copies)
+        assert target.embed.weight.data_ptr() == copies["embed.weight"].data_ptr()
+        assert target.head.weight is target.embed.weight
+        for name, value in source.state_dict().items():
+            assert torch.equal(target.state_dict()[name], value), name
+        with pytest.raises(ValueError, match="the copy of 'embed.weight' is on meta, not on cpu"):
+            store.materialize(_model(device="meta"), "cpu", copies={"embed.weight": copies["embed.weight"].to("meta")})
+        del target
+        store.close()
+
+
 def test_attach_from_another_process_sees_identical_bytes(ns: str) -> None:
     source = _model(seed=3)
     expected = {k: v.double().sum().item() for k, v in source.state_dict().items()}

@@ -1,0 +1,126 @@
+"""What a session follower opens from the creator's publication while the user's model factory runs.
+
+Why
+---
+A follower's time to ready is the sum of its steps, and two of them do not need the model at all: opening the
+shared tensor store and the host-block segments (a ``shm_open`` + ``mmap`` each: 0.3-1 ms per segment on a
+virtualised host, more when several followers attach at once), and copying the resident tensors (embeddings,
+norms, head) from the store to the device. The factory, on the other hand (normally a model built on ``meta``),
+is pure Python and touches neither. So once the published plan is read, :class:`FollowerPrefetch` does the
+former on a thread (``ft-attach``) while the caller's thread runs the factory; the session joins it before it
+validates the model against the publication. The system calls and the device copy release the GIL, so the two
+really overlap.
+
+Ordering and ownership
+----------------------
+1. ``start()``: the thread checks every host block name of the plan against this generation (a plan from
+   another namespace or generation is refused), attaches the store, opens the host blocks (from a pool of
+   :data:`OPEN_THREADS`: under contention each open waits on the kernel, and the opens do not depend on each
+   other), then, on a CUDA device, copies every store record to the device and synchronizes its own stream, so
+   the copies are complete before anyone can read them, whatever stream the caller uses, and last allocates
+   and frees the loader's rotating device blocks, which leaves them in PyTorch's caching allocator for the
+   adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks).
+2. ``join()`` waits for the thread and hands over everything it opened, *also when it failed or the factory
+   failed*: the caller (``SharedOffloadSession._attach``) puts the store and segments into the manager's share
+   first, so the session's cleanup closes them, and only then raises the thread's error. Nothing the thread
+   opened is ever left without an owner.
+3. The thread never touches the model or the manager; it only reads the publication.
+
+``timings`` reports seconds per part on the thread (``store``, ``blocks``, ``resident``, ``slots``) for
+``session.report()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from flextensor.loader import slot_count
+from flextensor.plan_model import effective_blocks
+from flextensor.shm.blocks import SharedBlockAllocator
+from flextensor.shm.tensor_store import SharedTensorStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.shm.owner import ShmOwner
+    from flextensor.shm.segment import SharedSegment
+    from flextensor.state import TensorManagerState
+
+__all__ = ["FollowerPrefetch", "OPEN_THREADS"]
+
+#: Threads that open host-block segments at once.
+OPEN_THREADS = 4
+
+
+class FollowerPrefetch:
+    """Attach the store, open the host blocks and copy the resident tensors, on a thread (see module docs)."""
+
+    def __init__(self, namespace: str, owner: "ShmOwner", state: "TensorManagerState", device: torch.device, *,
+                 num_blocks: int, min_blocks: int) -> None:
+        self._namespace = namespace
+        self._owner = owner
+        self._blocks = sorted(state.blocks, key=lambda b: b.index)
+        streamed = {b.label for b in self._blocks}
+        slots = effective_blocks(num_blocks, min_blocks, len(self._blocks))
+        self._slots = slot_count(slots, sum(label in streamed for label in state.schedule)) if self._blocks else 0
+        self._device = device
+        self.store: SharedTensorStore | None = None
+        self.segments: list["SharedSegment"] = []
+        self.device_copies: dict[str, torch.Tensor] | None = None  # record name -> copy (CUDA device only)
+        self.error: BaseException | None = None
+        self.timings: dict[str, float] = {}
+        self._thread = threading.Thread(target=self._run, name="ft-attach", daemon=True)
+
+    def start(self) -> "FollowerPrefetch":
+        self._thread.start()
+        return self
+
+    def join(self) -> None:
+        """Wait for the thread (its results and error stay on this object for the caller to take over)."""
+        self._thread.join()
+
+    # ------------------------------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        try:
+            for position, block in enumerate(self._blocks):
+                expected = self._owner.resource_name(f"b{block.index}")
+                if block.index != position or block.name != expected:
+                    raise ValueError(
+                        f"published plan names host block {block.index} {block.name!r}, but this generation's "
+                        f"block is {expected!r}: the plan belongs to another namespace or generation; restart "
+                        "the workers"
+                    )
+            start = time.monotonic()
+            self.store = SharedTensorStore.attach(self._namespace, shm_owner=self._owner)
+            opened = time.monotonic()
+            self.timings["store"] = opened - start
+            self._open_blocks()
+            blocks_done = time.monotonic()
+            self.timings["blocks"] = blocks_done - opened
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+                self.device_copies = self.store.copies_on(self._device)
+                torch.cuda.current_stream(self._device).synchronize()  # complete before any stream reads them
+                copied = time.monotonic()
+                self.timings["resident"] = copied - blocks_done
+                slot_bytes = max((b.nbytes for b in self._blocks), default=0)
+                cached = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device) for _ in range(self._slots)]
+                del cached  # freed into PyTorch's cache, where the loader's same-sized allocations find them
+                self.timings["slots"] = time.monotonic() - copied
+        except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()
+            self.error = exc
+
+    def _open_blocks(self) -> None:
+        """Open every host block; keep each one opened (for the caller to close) even when another fails."""
+        allocator = SharedBlockAllocator(self._owner)
+        if not self._blocks:
+            return
+        with ThreadPoolExecutor(min(OPEN_THREADS, len(self._blocks)), thread_name_prefix="ft-attach-open") as pool:
+            futures = [pool.submit(allocator.attach, b.index, b.nbytes) for b in self._blocks]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        self.segments = [f.result() for f in futures if f.exception() is None]
+        if errors:
+            raise errors[0]
