@@ -518,21 +518,28 @@ def test_cuda_resident_warmup_copies_are_the_transfer_measurement(monkeypatch):
         _close(model(ids), ref)
 
 
+def _spy_copy_streams(monkeypatch, *, hold_back_first: bool = False) -> list:
+    """Record the copy stream of every warm-up copy (None: the current stream); with ``hold_back_first``, queue
+    ~0.1 s of GPU sleep on the side stream ahead of its first copy, so a reader that does not wait reads junk."""
+    streams: list = []
+    original = WarmLoader._copy
+
+    def copy(self, host):
+        if hold_back_first and self.copy_stream is not None and not streams:
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(200_000_000)  # GPU clock cycles
+        streams.append(self.copy_stream)
+        return original(self, host)
+
+    monkeypatch.setattr(WarmLoader, "_copy", copy)
+    return streams
+
+
 @pytest.mark.cuda
 def test_cuda_profiling_preload_runs_on_a_side_stream_and_each_trap_waits_for_its_copy(monkeypatch):
     """With DISCOVERY skipped, the first pass's compute overlaps the warm-up sweep: the copies go on a side
     stream, held back here by a long sleep queued ahead of them, and each trap still reads its own weights."""
-    streams = []
-    original = WarmLoader._copy
-
-    def slow_copy(self, host):
-        if self.copy_stream is not None and not streams:
-            with torch.cuda.stream(self.copy_stream):
-                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles before the first copy
-        streams.append(self.copy_stream)
-        return original(self, host)
-
-    monkeypatch.setattr(WarmLoader, "_copy", slow_copy)
+    streams = _spy_copy_streams(monkeypatch, hold_back_first=True)
     model, ids, ref, cfg = _cuda_setup(skip_discovery=True)
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
@@ -551,14 +558,7 @@ def test_cuda_profiling_preload_runs_on_a_side_stream_and_each_trap_waits_for_it
 
 @pytest.mark.cuda
 def test_cuda_discovery_preload_stays_on_the_compute_stream(monkeypatch):
-    streams = []
-    original = WarmLoader._copy
-
-    def spy(self, host):
-        streams.append(self.copy_stream)
-        return original(self, host)
-
-    monkeypatch.setattr(WarmLoader, "_copy", spy)
+    streams = _spy_copy_streams(monkeypatch)
     model, ids, ref, cfg = _cuda_setup(skip_discovery=False)
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
