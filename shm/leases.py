@@ -76,6 +76,9 @@ class SlotState(enum.IntEnum):
     DEAD = 2
 
 
+_SLOT_STATES = frozenset(int(state) for state in SlotState)
+
+
 class LeaseSlot(msgspec.Struct, frozen=True):
     """A snapshot of one slot (``identity`` is None for a FREE slot)."""
 
@@ -193,7 +196,18 @@ class LeaseTable:
         return [self.slot(i, now) for i in range(self.slot_count)]
 
     def live_slots(self, now: int | None = None) -> list[LeaseSlot]:
-        return [s for s in self.slots(now) if s.live]
+        """Snapshots of the live slots. Every slot's state is checked, but only live ones are decoded: this runs
+        under the coordinator lock at every join, where N workers arriving at once wait for each other."""
+        now = host_clock_ns() if now is None else now
+        live = []
+        for i in range(self.slot_count):
+            base = HEADER_SIZE + i * SLOT_SIZE
+            raw_state = load_u32(self._buf, base + OFF_STATE)
+            if raw_state not in _SLOT_STATES:
+                self.slot(i, now)  # raises ShmProtocolError naming the slot
+            if raw_state == SlotState.ACTIVE and self._live_at(base, now):
+                live.append(self.slot(i, now))
+        return live
 
     def live_count(self, now: int | None = None) -> int:
         now = host_clock_ns() if now is None else now

@@ -51,6 +51,21 @@ def test_liveness_follows_heartbeat_and_lease():
     assert table.live_count(now=heartbeat - 5) == 1  # a heartbeat newer than our clock read is live
 
 
+def test_live_slots_decodes_only_live_ones_and_refuses_a_corrupt_state():
+    buf, table = make_table(4)
+    first = table.join(ParticipantIdentity.current(), SECOND)
+    second = table.join(ParticipantIdentity.current(), SECOND)
+    heartbeat = table.slot(second).heartbeat_ns
+    struct.pack_into("=Q", buf, HEADER_SIZE + first * SLOT_SIZE + 8, heartbeat - 2 * SECOND)  # first expired
+    assert [s.index for s in table.live_slots(now=heartbeat)] == [second]
+    assert table.live_slots(now=heartbeat)[0] == table.slot(second, heartbeat)
+    struct.pack_into("=I", buf, HEADER_SIZE + 3 * SLOT_SIZE, 7)  # a state no writer ever stores
+    from flextensor.shm.errors import ShmProtocolError
+
+    with pytest.raises(ShmProtocolError, match="lease slot 3 has unknown state 7"):
+        table.live_slots(now=heartbeat)
+
+
 def test_slot_reuse_prefers_free_then_dead_then_expired_and_leave_checks_identity():
     _, table = make_table(3)
     a, b, c, d = (ParticipantIdentity.current() for _ in range(4))
