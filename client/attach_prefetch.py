@@ -20,8 +20,8 @@ Ordering and ownership
    the copies are complete before anyone can read them, whatever stream the caller uses, and last allocates
    and frees the loader's rotating device blocks, which leaves them in PyTorch's caching allocator for the
    adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks).
-2. ``join()`` waits for the thread and hands over everything it opened, *also when it failed or the factory
-   failed*: the caller (``SharedOffloadSession._attach``) puts the store and segments into the manager's share
+2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
+   everything it opened, *also when it failed or the factory failed*: the caller (``SharedOffloadSession._attach``) puts the store and segments into the manager's share
    first, so the session's cleanup closes them, and only then raises the thread's error. Nothing the thread
    opened is ever left without an owner.
 3. The thread never touches the model or the manager; it only reads the publication.
@@ -67,6 +67,9 @@ class FollowerPrefetch:
         slots = effective_blocks(num_blocks, min_blocks, len(self._blocks))
         self._slots = slot_count(slots, sum(label in streamed for label in state.schedule)) if self._blocks else 0
         self._device = device
+        # The caller's current stream: copies and cached allocations land in its pool, where the caller's
+        # later allocations (the loader's device blocks) look for them.
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.store: SharedTensorStore | None = None
         self.segments: list["SharedSegment"] = []
         self.device_copies: dict[str, torch.Tensor] | None = None  # record name -> copy (CUDA device only)
@@ -79,8 +82,16 @@ class FollowerPrefetch:
         return self
 
     def join(self) -> None:
-        """Wait for the thread (its results and error stay on this object for the caller to take over)."""
-        self._thread.join()
+        """Wait for the thread to finish, even through an interrupt (re-raised afterwards): only then may the
+        caller take over what it opened, and the thread's work is bounded (opens and copies, no waiting)."""
+        interrupted: BaseException | None = None
+        while self._thread.is_alive():
+            try:
+                self._thread.join()
+            except BaseException as exc:  # noqa: BLE001 - e.g. KeyboardInterrupt: finish the join, then raise
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
     # ------------------------------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -100,15 +111,20 @@ class FollowerPrefetch:
             self._open_blocks()
             blocks_done = time.monotonic()
             self.timings["blocks"] = blocks_done - opened
-            if self._device.type == "cuda":
+            if self._stream is not None:
                 torch.cuda.set_device(self._device)
-                self.device_copies = self.store.copies_on(self._device)
-                torch.cuda.current_stream(self._device).synchronize()  # complete before any stream reads them
+                with torch.cuda.stream(self._stream):
+                    self.device_copies = self.store.copies_on(self._device)
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+                done.synchronize()  # the copies are complete before any stream reads them
                 copied = time.monotonic()
                 self.timings["resident"] = copied - blocks_done
                 slot_bytes = max((b.nbytes for b in self._blocks), default=0)
-                cached = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device) for _ in range(self._slots)]
-                del cached  # freed into PyTorch's cache, where the loader's same-sized allocations find them
+                with torch.cuda.stream(self._stream):
+                    cached = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device)
+                              for _ in range(self._slots)]
+                    del cached  # freed into PyTorch's cache, where the loader's same-sized allocations find them
                 self.timings["slots"] = time.monotonic() - copied
         except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()
             self.error = exc

@@ -285,11 +285,13 @@ class SharedOffloadSession:
             with _step(steps, "factory"):
                 model = factory()
         finally:
-            with _step(steps, "prefetch_wait"):
-                prefetch.join()
-            share.store = prefetch.store  # owned by the share from here, so a failure below cleans them up
-            share.segments.extend(prefetch.segments)
-            steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
+            try:
+                with _step(steps, "prefetch_wait"):
+                    prefetch.join()  # waits for the thread even when interrupted
+            finally:
+                share.store = prefetch.store  # owned by the share from here, so any failure cleans them up
+                share.segments.extend(prefetch.segments)
+                steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
         if prefetch.error is not None:
             raise prefetch.error
         if not isinstance(model, nn.Module):

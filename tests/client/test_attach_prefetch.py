@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,36 @@ def test_thread_failure_is_raised_and_nothing_stays_mapped(namespace: str, profi
     del model
     gc.collect()
     assert _mapped(namespace) == []
+
+
+def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(namespace: str, profile: str, creator,
+                                                                           monkeypatch):
+    """A Ctrl-C that lands while the session waits for the attach thread: the wait finishes, the session owns
+    what the thread opened, and the interrupt reaches the caller."""
+    import flextensor.attach_prefetch as prefetch_mod
+
+    original_attach = SharedBlockAllocator.attach
+
+    def slow_attach(self, index, nbytes):
+        time.sleep(0.2)  # the thread is still opening when the session starts waiting
+        return original_attach(self, index, nbytes)
+
+    class InterruptedOnce(threading.Thread):
+        interrupted = False
+
+        def join(self, timeout=None):
+            if self.name == "ft-attach" and not InterruptedOnce.interrupted:
+                InterruptedOnce.interrupted = True
+                raise KeyboardInterrupt
+            return super().join(timeout)
+
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(SharedBlockAllocator, "attach", slow_attach)
+        patch.setattr(prefetch_mod.threading, "Thread", InterruptedOnce)
+        session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                     creator_model_factory=_unused_creator_factory,
+                                     follower_model_factory=_meta_model)
+    assert InterruptedOnce.interrupted
+    assert _mapped(namespace) == []
+    session.close()
