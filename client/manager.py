@@ -357,8 +357,10 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
 
         In a PROFILING pass (DISCOVERY skipped, so each trap's weights are its own) the copies run on a side
         stream and each trap's compute waits only for its own group's copy (:meth:`_wait_warm_copy`): the
-        pass's compute overlaps the sweep instead of following it. A DISCOVERY pass has not yet learnt which
-        trap uses what, so there the copies stay on the compute stream, ahead of everything.
+        pass's compute overlaps the sweep instead of following it. This relies on what skipping DISCOVERY
+        already means (INFERENCE streams each trap's weights only while that trap runs): a trap's weights are
+        read inside its own forward, not by pre-hooks, other traps or code between traps. A DISCOVERY pass has
+        not yet learnt which trap uses what, so there the copies stay on the compute stream, ahead of everything.
         """
         names, self._warm_pending = self._warm_pending, []
         if not names:
@@ -375,6 +377,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
             stream.wait_stream(compute)  # memory the compute freed may be handed to these copies
             self._warm.copy_stream = stream
         ready: dict[str | None, Any] = {}
+        ordered = stream is compute  # True once every reader is ordered after the side-stream copies
         try:
             for label, group in groups:
                 if not group:
@@ -386,21 +389,22 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
                 if not self._warm.preload(self._tensor_objs(group)):
                     self._warm_events = []
                     ready.clear()
-                    if stream is not compute:
-                        compute.wait_stream(stream)
                     return  # stream mode (out of device memory): the planner sweeps instead
                 if timed:
                     end.record(stream)
                     self._warm_events.append((sum(_nbytes(self._tensors[n].tensor) for n in group), start, end))
                     ready[label] = end
+            if stream is not compute and ready:
+                outside = ready.pop(None, None)
+                if outside is not None:  # candidates of no trap: whoever reads them, they are there first
+                    compute.wait_event(outside)
+                self._warm_ready = ready
+                self._warm_last = self._warm_events[-1][2]
+                ordered = True
         finally:
             self._warm.copy_stream = None
-        if stream is not compute and ready:
-            outside = ready.pop(None, None)
-            if outside is not None:  # candidates of no trap: whoever reads them, they are there first
-                compute.wait_event(outside)
-            self._warm_ready = ready
-            self._warm_last = self._warm_events[-1][2]
+            if not ordered:  # out of memory, or an error part-way: copies already made stay; order them now
+                compute.wait_stream(stream)
         logger.debug("manager %r: %d warm-up tensors (%d bytes) copied to %s and kept", self.name, len(names),
                      self._warm.kept_bytes, self._device)
 

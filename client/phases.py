@@ -388,5 +388,6 @@ class PhaseMixin:
     @property
     def profiling_durations(self) -> dict[str, list[float]]:
         """Per-trap compute seconds of each counted PROFILING pass (copy)."""
+        self._check_thread()  # reading the pending passes' events and reusing them is the manager's own work
         self._resolve_spans(keep_last=0)
         return {k: list(v) for k, v in self._durations.items()}

@@ -557,6 +557,38 @@ def test_cuda_profiling_preload_runs_on_a_side_stream_and_each_trap_waits_for_it
 
 
 @pytest.mark.cuda
+def test_cuda_preload_failing_part_way_still_orders_the_copies_it_made(monkeypatch):
+    """An error other than out-of-memory in the middle of the overlapped preload: the pass fails, and the copies
+    made before it (held back on the side stream) are still waited for by the next pass's traps."""
+    original = WarmLoader._copy
+    calls = []
+
+    def failing_copy(self, host):
+        if self.copy_stream is not None and not calls:
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(200_000_000)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("copy refused")
+        return original(self, host)
+
+    monkeypatch.setattr(WarmLoader, "_copy", failing_copy)
+    model, ids, ref, cfg = _cuda_setup(skip_discovery=True)
+    ft.offload(model, cfg)
+    om = ft.get_offload_manager()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="copy refused"):
+            model(ids)
+        assert om._warm.copy_stream is None and om._warm_ready == {} and om._warm_last is None
+        monkeypatch.setattr(WarmLoader, "_copy", original)
+        while om.phase is not Phase.INFERENCE:
+            _close(model(ids), ref)  # the rest is copied when first needed
+    om.wait_for_host_blocks()
+    with torch.no_grad():
+        _close(model(ids), ref)
+
+
+@pytest.mark.cuda
 def test_cuda_discovery_preload_stays_on_the_compute_stream(monkeypatch):
     streams = _spy_copy_streams(monkeypatch)
     model, ids, ref, cfg = _cuda_setup(skip_discovery=False)
