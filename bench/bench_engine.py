@@ -16,7 +16,7 @@ ratio compares numbers taken minutes apart on the same machine:
    dependency, the section is skipped with a note when it is missing). Goal: flextensor >= 3x faster.
 4. The profile phase: the ``iters_before_inference`` forwards after ``ft.offload`` against ``profiling_iters``
    ordinary (resident) forwards plus one transfer sweep (every offloaded byte once at the pinned peak). The
-   ordinary forward is a resident twin of the model on the same input, run after each profile pass (paired).
+   ordinary forward is a resident twin of the model on the same input, run before each profile pass (paired).
    Goal: no more than that.
 
 Passes are timed whole, with ``torch.cuda.synchronize`` on both sides (a benchmark may sync; the engine must
@@ -150,7 +150,7 @@ def offload_run(
 ) -> dict:
     """``ft.offload`` the model, time the profile phase pass by pass, then time inference passes on each input.
 
-    ``twin`` (a resident copy of the model on the device) runs an ordinary forward of the profile input after
+    ``twin`` (a resident copy of the model on the device) runs an ordinary forward of the profile input before
     each profile pass: the profile-phase goal compares against the median of those, taken in the same seconds,
     not minutes earlier, because the speed of a launch-bound pass drifts on this shared host (2.7-5.7 ms for the
     same resident pass within one process and minute).
@@ -170,10 +170,10 @@ def offload_run(
     manager = ft.get_offload_manager(name)
     out["iters_before_inference"] = iters = manager.iters_before_inference
     profile, ordinary = [], []
-    for _ in range(iters):  # each profile pass, then an ordinary forward of the resident twin: paired samples
-        profile += pass_times(lambda: proxy(profile_input), device, repeat=1, warmup=0)
-        if twin is not None:
+    for _ in range(iters):  # an ordinary forward of the resident twin, then a profile pass: paired samples
+        if twin is not None:  # (before, not after: after the last one the host-block build would get a head start)
             ordinary += pass_times(lambda: twin(profile_input), device, repeat=1, warmup=0)
+        profile += pass_times(lambda: proxy(profile_input), device, repeat=1, warmup=0)
     if ordinary:
         out["resident_adjacent_s"] = median(ordinary)
     out["profile_s"], out["profile_last_s"] = sum(profile), profile[-1] if profile else 0.0

@@ -538,13 +538,14 @@ def device_block_allowance(group: dict, device: str) -> int:
 def resident_copy_on_critical_path(worker: dict) -> float:
     """What the goal excludes: the part of the follower's wall time spent on resident copies to the GPU.
 
-    The follower copies them on its attach thread while the model factory runs (``flextensor.attach_prefetch``),
-    as the thread's last work; so only the time the session then waited for that thread, and no more than the
-    copy took, is copy time on the critical path. Without that report (older sessions), the copy time estimated
-    by the worker itself."""
+    The follower copies them on its attach thread while the model factory runs (``flextensor.attach_prefetch``);
+    only the device-block allocations come after the copy on that thread. So of the time the session waited
+    for the thread, what is left after those allocations, and no more than the copy took, is copy time on the
+    critical path. Without that report (older sessions), the copy time estimated by the worker itself."""
     steps = worker.get("steps") or {}
     if "prefetch_wait" in steps:
-        return min(steps["prefetch_wait"], steps.get("prefetch_resident", 0.0))
+        after_copy = steps.get("prefetch_slots", 0.0)
+        return min(max(0.0, steps["prefetch_wait"] - after_copy), steps.get("prefetch_resident", 0.0))
     return worker["resident_copy_s"]
 
 
