@@ -8,6 +8,8 @@ data-dependent control flow. Everything is tiny so the CPU suite stays fast.
 from __future__ import annotations
 
 import math
+import threading
+from typing import Callable
 
 import pytest
 import torch
@@ -56,6 +58,24 @@ def cpu_config(**kwargs) -> ft.OffloadConfig:
     kwargs.setdefault("num_blocks", 2)
     kwargs.setdefault("min_blocks", 2)
     return ft.OffloadConfig(**kwargs)
+
+
+def errors_on_another_thread(*calls: Callable[[], object]) -> list[BaseException]:
+    """Run each call on one other thread and return what they raised (managers and sessions belong to the
+    thread that made them, so callers expect one RuntimeError per call)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        for call in calls:
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - handed back to the test
+                errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return errors
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

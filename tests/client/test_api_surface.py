@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 
 import pytest
 import torch
@@ -35,6 +34,7 @@ from tests.client.models import (  # noqa: F401  (release_managers: autouse fixt
     same,
     tiny_transformer,
     token_ids,
+    errors_on_another_thread,
 )
 
 # Every public name of the simplified-API spec (spec 002) that lives on ``flextensor`` itself.
@@ -264,17 +264,6 @@ def test_replan_status_dataclass_contract():
 
 def test_functions_keep_the_thread_contract():
     ft.init(cpu_config())
-    errors: list[BaseException] = []
-
-    def other() -> None:
-        for call in (update_offload_timing, update_state, request_strategy_replan, strategy_replan_status,
-                     offload_units, resident_units):
-            try:
-                call()
-            except RuntimeError as exc:
-                errors.append(exc)
-
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
-    assert len(errors) == 6 and all("single-threaded" in str(e) for e in errors)
+    errors = errors_on_another_thread(update_offload_timing, update_state, request_strategy_replan,
+                                      strategy_replan_status, offload_units, resident_units)
+    assert len(errors) == 6 and all(isinstance(e, RuntimeError) and "single-threaded" in str(e) for e in errors)

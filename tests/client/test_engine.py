@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from tests.client.models import (
     snapshot,
     tiny_transformer,
     token_ids,
+    errors_on_another_thread,
 )
 
 
@@ -220,19 +220,8 @@ def test_pinned_memory_without_cuda_raises():
 def test_manager_from_another_thread_raises():
     model = mlp_stack()
     ft.offload(model, cpu_config(), name="owned")
-    errors: list[BaseException] = []
-
-    def worker():
-        for call in (lambda: ft.get_offload_manager("owned"), lambda: model(torch.randn(1, 16))):
-            try:
-                call()
-            except RuntimeError as exc:
-                errors.append(exc)
-
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    assert len(errors) == 2 and all("thread" in str(e) for e in errors)
+    errors = errors_on_another_thread(lambda: ft.get_offload_manager("owned"), lambda: model(torch.randn(1, 16)))
+    assert len(errors) == 2 and all(isinstance(e, RuntimeError) and "thread" in str(e) for e in errors)
 
 
 def test_gpu_memory_usage_only_in_inference():

@@ -8,7 +8,6 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tests.client.models import (
     tiny_transformer,
     token_ids,
     TinyTransformer,
+    errors_on_another_thread,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -326,18 +326,8 @@ def test_close_with_preserve_models_keeps_the_model_usable(namespace: str, profi
 def test_session_used_from_another_thread_raises(namespace: str, profile: str) -> None:
     session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
     creator, follower = _factories()
-    errors: list[BaseException] = []
-
-    def use() -> None:
-        try:
-            session.offload_from_profile(profile, name="model", creator_model_factory=creator,
-                                         follower_model_factory=follower)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    thread = threading.Thread(target=use)
-    thread.start()
-    thread.join()
+    errors = errors_on_another_thread(lambda: session.offload_from_profile(
+        profile, name="model", creator_model_factory=creator, follower_model_factory=follower))
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "thread" in str(errors[0])
     session.close()
 
