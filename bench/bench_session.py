@@ -190,18 +190,6 @@ def worker_setup(p: Params) -> dict:
     return {"profile_s": profile_s, "max_abs_diff": diff}
 
 
-def _resident_copy_s(torch, device, nbytes: int) -> float:
-    """Time to copy ``nbytes`` from pageable host memory to the compute device: the resident-copy estimate."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src, device=device)
-    dst.copy_(src)  # warm-up
-    _sync(torch, device)
-    start = time.perf_counter()
-    dst.copy_(src)
-    _sync(torch, device)
-    return time.perf_counter() - start
-
-
 def _loaded_then_wait() -> None:
     """Tell the parent the imports are done, then wait for "go": timed work never competes with other workers'
     interpreter start-up (seconds of CPU each), only with their timed work."""
@@ -271,8 +259,6 @@ def worker_session(p: Params) -> tuple[dict, object]:
                         register_wait_s=share.get("register_wait_s"), registered=share.get("registered"),
                         shared_bytes=share["shared_bytes"],
                         steps=share.get("steps", {}))
-    resident_bytes = spec.total_bytes(dtype) - spec.layers * spec.block_bytes(dtype)
-    info["resident_copy_s"] = _resident_copy_s(torch, device, resident_bytes)
     return info, (torch, device, session, proxy, tokens)
 
 
@@ -541,12 +527,10 @@ def resident_copy_on_critical_path(worker: dict) -> float:
     The follower copies them on its attach thread while the model factory runs (``flextensor.attach_prefetch``);
     only the device-block allocations come after the copy on that thread. So of the time the session waited
     for the thread, what is left after those allocations, and no more than the copy took, is copy time on the
-    critical path. Without that report (older sessions), the copy time estimated by the worker itself."""
-    steps = worker.get("steps") or {}
-    if "prefetch_wait" in steps:
-        after_copy = steps.get("prefetch_slots", 0.0)
-        return min(max(0.0, steps["prefetch_wait"] - after_copy), steps.get("prefetch_resident", 0.0))
-    return worker["resident_copy_s"]
+    critical path."""
+    steps = worker["steps"]
+    after_copy = steps.get("prefetch_slots", 0.0)
+    return min(max(0.0, steps["prefetch_wait"] - after_copy), steps.get("prefetch_resident", 0.0))
 
 
 def ms(seconds: float | None) -> str:
