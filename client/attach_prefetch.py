@@ -19,14 +19,15 @@ Ordering and ownership
    other), then, on a CUDA device, copies every store record to the device and synchronizes its own stream, so
    the copies are complete before anyone can read them, whatever stream the caller uses, and last allocates
    and frees the loader's rotating device blocks, which leaves them in PyTorch's caching allocator for the
-   adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks).
+   adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks), and creates
+   PyTorch's pool of side streams, from which the loader takes its copy stream.
 2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
    everything it opened, *also when it failed or the factory failed*: the caller (``SharedOffloadSession._attach``) puts the store and segments into the manager's share
    first, so the session's cleanup closes them, and only then raises the thread's error. Nothing the thread
    opened is ever left without an owner.
 3. The thread never touches the model or the manager; it only reads the publication.
 
-``timings`` reports seconds per part on the thread (``store``, ``blocks``, ``resident``, ``slots``) for
+``timings`` reports seconds per part on the thread (``store``, ``blocks``, ``resident``, ``slots``, ``streams``) for
 ``session.report()``.
 """
 
@@ -125,7 +126,13 @@ class FollowerPrefetch:
                     cached = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device)
                               for _ in range(self._slots)]
                     del cached  # freed into PyTorch's cache, where the loader's same-sized allocations find them
-                self.timings["slots"] = time.monotonic() - copied
+                slotted = time.monotonic()
+                self.timings["slots"] = slotted - copied
+                # The loader's copy stream comes from PyTorch's per-device stream pool, which creates all of its
+                # streams on first use (tens of cudaStreamCreate; 35 ms measured while other followers register
+                # their blocks): take one now, so the pool exists when the adoption asks for its stream.
+                torch.cuda.Stream(device=self._device)
+                self.timings["streams"] = time.monotonic() - slotted
         except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()
             self.error = exc
 

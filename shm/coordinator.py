@@ -1,14 +1,14 @@
 """``ShmCoordinator``: one participant of a per-manager namespace — election, readiness, failure, leaving.
 
 Election (constructor), all under the coordinator ``FileLock`` ``{lockdir}/{ns}.lock``, whose acquisition
-is bounded by ``timeout``:
+is bounded by ``timeout`` (the participant's heartbeat thread starts right after the lock is released):
 
 1. ``/{ns}.c`` absent -> this handle is the **creator** of a new generation: if a journal is left over (a
    crash during creation or cleanup) its resources are reclaimed first and the new generation is its
    generation + 1, else 1. The journal header is written, then ``/{ns}.c`` created (O_EXCL), the creator's
-   lease claimed and the header written with state INITIALIZING (magic last), then the heartbeat starts.
-2. ``/{ns}.c`` present and valid, with at least one live lease -> **follower**: claim a lease slot and start
-   the heartbeat. Joining needs a live lease: it is what keeps the generation's resources alive.
+   lease claimed and the header written with state INITIALIZING (magic last).
+2. ``/{ns}.c`` present and valid, with at least one live lease -> **follower**: claim a lease slot. Joining
+   needs a live lease: it is what keeps the generation's resources alive.
 3. ``/{ns}.c`` present but no live lease (everyone died or was ended by ``ftd``), or an aborted creation ->
    reclaim that generation with the cleanup code (WARNING naming it) and become the creator of the next.
 
@@ -106,12 +106,19 @@ class ShmCoordinator:
         self._header: HeaderInfo | None = None
         with self._locked(self._timeout):
             self._elect()
-            assert self._header is not None and self._table is not None
-            self._heartbeat = Heartbeat(self._table, self._slot, self._identity, self._lease_ns)
-            self._heartbeat.start()
+        assert self._header is not None and self._table is not None
         self._is_creator = self._header.creator.token == self._identity.token
         self._generation = self._header.generation
         self._owner = ShmOwner(namespace, self._generation, self._is_creator, self._registration)
+        # The heartbeat starts after the lock is released: the lease claimed above runs for lease_seconds from
+        # now, and starting a thread (a millisecond or more on a busy host) under the lock would make every
+        # other worker joining at the same moment wait for it.
+        self._heartbeat = Heartbeat(self._table, self._slot, self._identity, self._lease_ns)
+        try:
+            self._heartbeat.start()
+        except BaseException:
+            self.close()  # leave the slot claimed above (and, if last, remove what the election created)
+            raise
         logger.info(
             "%s namespace %s generation %d as %s (lease slot %d, lease %.1f s)",
             "created" if self._is_creator else "joined", namespace, self._generation,

@@ -44,8 +44,20 @@ logger = logging.getLogger(__name__)
 
 LockBackend = Literal["file", "semaphore"]
 _BACKENDS = ("file", "semaphore")
-_POLL_START_S = 0.001
+#: Waiting for a held lock polls ``flock(LOCK_NB)`` (a blocking ``flock`` cannot time out). The sleep doubles from
+#: ``_POLL_START_S`` up to ``_POLL_FAST_MAX_S`` for the first ``_POLL_FAST_WINDOW_S`` of the wait, then up to
+#: ``_POLL_MAX_S``. The short cap matters when several workers join at once: each holds the coordinator lock for
+#: about a millisecond, and a waiter that slept 20 ms after the lock came free lost those 20 ms (measured: 7
+#: followers joining at once waited up to 56 ms). A try is one system call, so polling every 2 ms is cheap.
+_POLL_START_S = 0.0002
+_POLL_FAST_MAX_S = 0.002
+_POLL_FAST_WINDOW_S = 0.5
 _POLL_MAX_S = 0.02
+
+
+def _next_poll(delay: float, waited: float) -> float:
+    """The next sleep between two tries, after ``waited`` seconds of waiting (see the constants above)."""
+    return min(delay * 2, _POLL_FAST_MAX_S if waited < _POLL_FAST_WINDOW_S else _POLL_MAX_S)
 
 
 class FileLock:
@@ -89,7 +101,8 @@ class FileLock:
         timeout = check_seconds(timeout, "timeout", allow_none=True)
         if self._held:
             raise RuntimeError(f"file lock {self.path} is already held by this object; locks are not re-entrant")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         delay = _POLL_START_S
         while True:
             if self._fd is None:
@@ -121,7 +134,7 @@ class FileLock:
                 time.sleep(min(delay, remaining))
             else:
                 time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
+            delay = _next_poll(delay, time.monotonic() - started)
 
     def release(self) -> None:
         """Release the lock.  ``RuntimeError`` if this object does not hold it."""

@@ -45,6 +45,31 @@ def assert_gone(ns: str) -> None:
     assert sorted(p.name for p in lock_directory().iterdir()) == []
 
 
+def test_heartbeat_that_cannot_start_leaves_the_generation(ns, monkeypatch):
+    """The heartbeat starts after the coordinator lock is released; if it cannot start, the participant leaves
+    the slot it claimed (as the last one, removing the generation) before the error reaches the caller."""
+    from flextensor.shm import leases
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(leases.Heartbeat, "start", refuse)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            ShmCoordinator(ns, lease_seconds=LEASE)
+    assert_gone(ns)
+    creator = ShmCoordinator(ns, lease_seconds=LEASE)  # a later worker starts a fresh generation
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(leases.Heartbeat, "start", refuse)
+            with pytest.raises(RuntimeError, match="can't start new thread"):
+                ShmCoordinator(ns, lease_seconds=LEASE)  # a follower: its slot is freed, the creator's stays
+        assert [slot.index for slot in creator._table.live_slots()] == [creator.lease_slot]
+    finally:
+        creator.close()
+    assert_gone(ns)
+
+
 def test_election_eight_processes_repeated(ns, children):
     procs = children(8)
     for round_ in range(3):

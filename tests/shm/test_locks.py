@@ -13,7 +13,7 @@ import time
 import posix_ipc
 import pytest
 
-from flextensor.shm.locks import FileLock, SemaphoreLock, make_lock
+from flextensor.shm.locks import _POLL_FAST_MAX_S, _POLL_MAX_S, FileLock, SemaphoreLock, _next_poll, make_lock
 from flextensor.shm.names import lock_directory
 
 
@@ -144,6 +144,20 @@ def test_file_lock_released_by_the_holder_wakes_the_waiter(lock_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_waiting_polls_at_most_every_2_ms_for_the_first_half_second():
+    """A waiter that sleeps long after the lock came free loses that time: joins of several workers at once
+    hold the coordinator lock about a millisecond each, so the first half second polls every 2 ms at most."""
+    delay, waited, sleeps = 0.0002, 0.0, []
+    while waited < 2.0:
+        sleeps.append((waited, delay))
+        waited += delay
+        delay = _next_poll(delay, waited)
+    fast = [d for w, d in sleeps if w < 0.5]
+    assert max(fast) == pytest.approx(_POLL_FAST_MAX_S) and min(fast) == pytest.approx(0.0002)
+    assert sleeps[-1][1] == pytest.approx(_POLL_MAX_S)  # a long wait backs off to 20 ms
+    assert all(d <= _POLL_MAX_S for _, d in sleeps)
 
 
 def test_unlink_if_held_never_gives_two_holders(lock_path):
