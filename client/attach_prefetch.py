@@ -2,47 +2,47 @@
 
 Why
 ---
-A follower's time to ready is the sum of its steps, and two of them do not need the model at all: opening the
-shared tensor store and the host-block segments (a ``shm_open`` + ``mmap`` each: 0.3-1 ms per segment on a
-virtualised host, more when several followers attach at once), and copying the resident tensors (embeddings,
-norms, head) from the store to the device. The factory, on the other hand (normally a model built on ``meta``),
-is pure Python and touches neither. So once the published plan is read, :class:`FollowerPrefetch` does the
-former on a thread (``ft-attach``) while the caller's thread runs the factory; the session joins it before it
-validates the model against the publication. The system calls and the device copy release the GIL, so the two
-really overlap.
+A follower's time to ready is the sum of its steps, and two of them do not need the model at all: mapping the
+shared tensor store and the host-block arena (a ``shm_open`` + ``mmap`` each: 0.3-1.5 ms on a virtualised host,
+more when several followers attach at once), and copying the resident tensors (embeddings, norms, head) from
+the store to the device. The factory, on the other hand (normally a model built on ``meta``), is pure Python
+and touches neither. So once the published plan is read, :class:`FollowerPrefetch` does the former on a thread
+(``ft-attach``) while the caller's thread runs the factory; the session joins it before it validates the model
+against the publication. The system calls and the device copy release the GIL, so the two really overlap; the
+thread keeps its own Python work small (one arena instead of a segment per block), because every bytecode it
+runs is time the factory waits for the GIL.
 
 Ordering and ownership
 ----------------------
-1. ``start()``: the thread checks every host block name of the plan against this generation (a plan from
-   another namespace or generation is refused), attaches the store, opens the host blocks (from a pool of
-   :data:`OPEN_THREADS`: under contention each open waits on the kernel, and the opens do not depend on each
-   other), then, on a CUDA device, copies every store record to the device and synchronizes its own stream, so
-   the copies are complete before anyone can read them, whatever stream the caller uses, and last allocates
-   and frees the loader's rotating device blocks, which leaves them in PyTorch's caching allocator for the
-   adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks), and creates
-   PyTorch's pool of side streams, from which the loader takes its copy stream.
+1. ``start()``: the thread checks that every host block of the plan names this generation's arena (a plan from
+   another namespace or generation is refused), attaches the store, maps the arena, then, on a CUDA device,
+   copies every store record to the device and synchronizes its own stream, so the copies are complete before
+   anyone can read them, whatever stream the caller uses; allocates and frees the loader's rotating device
+   blocks, which leaves them in PyTorch's caching allocator for the adoption to take (``cudaMalloc`` calls are
+   slow while other followers register their blocks); and last creates PyTorch's pool of side streams, from
+   which the loader takes its copy stream.
 2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
-   everything it opened, *also when it failed or the factory failed*: the caller (``SharedOffloadSession._attach``) puts the store and segments into the manager's share
-   first, so the session's cleanup closes them, and only then raises the thread's error. Nothing the thread
-   opened is ever left without an owner.
+   everything it opened, *also when it failed or the factory failed*: the caller
+   (``SharedOffloadSession._attach``) puts the store and the arena into the manager's share first, so the
+   session's cleanup closes them, and only then raises the thread's error. Nothing the thread opened is ever
+   left without an owner.
 3. The thread never touches the model or the manager; it only reads the publication.
 
-``timings`` reports seconds per part on the thread (``store``, ``blocks``, ``resident``, ``slots``, ``streams``) for
-``session.report()``.
+``timings`` reports seconds per part on the thread (``store``, ``blocks``, ``resident``, ``slots``, ``streams``)
+for ``session.report()``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
 
 from flextensor.loader import slot_count
 from flextensor.plan_model import effective_blocks
-from flextensor.shm.blocks import SharedBlockAllocator
+from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator
 from flextensor.shm.tensor_store import SharedTensorStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,10 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.shm.segment import SharedSegment
     from flextensor.state import TensorManagerState
 
-__all__ = ["FollowerPrefetch", "OPEN_THREADS"]
-
-#: Threads that open host-block segments at once.
-OPEN_THREADS = 4
+__all__ = ["FollowerPrefetch"]
 
 
 class FollowerPrefetch:
@@ -97,12 +94,12 @@ class FollowerPrefetch:
     # ------------------------------------------------------------------------------------------ the thread
     def _run(self) -> None:
         try:
+            arena = self._owner.resource_name(ARENA_KIND)
             for position, block in enumerate(self._blocks):
-                expected = self._owner.resource_name(f"b{block.index}")
-                if block.index != position or block.name != expected:
+                if block.index != position or block.name != arena:
                     raise ValueError(
                         f"published plan names host block {block.index} {block.name!r}, but this generation's "
-                        f"block is {expected!r}: the plan belongs to another namespace or generation; restart "
+                        f"blocks are in {arena!r}: the plan belongs to another namespace or generation; restart "
                         "the workers"
                     )
             start = time.monotonic()
@@ -137,13 +134,6 @@ class FollowerPrefetch:
             self.error = exc
 
     def _open_blocks(self) -> None:
-        """Open every host block; keep each one opened (for the caller to close) even when another fails."""
-        allocator = SharedBlockAllocator(self._owner)
-        if not self._blocks:
-            return
-        with ThreadPoolExecutor(min(OPEN_THREADS, len(self._blocks)), thread_name_prefix="ft-attach-open") as pool:
-            futures = [pool.submit(allocator.attach, b.index, b.nbytes) for b in self._blocks]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        self.segments = [f.result() for f in futures if f.exception() is None]
-        if errors:
-            raise errors[0]
+        """Map the arena holding every host block (one open: see ``flextensor.shm.blocks``)."""
+        if self._blocks:
+            self.segments = [SharedBlockAllocator(self._owner).attach([b.nbytes for b in self._blocks])]

@@ -22,8 +22,9 @@ Providers
   uses), so the blocks are ordinary torch-pinned memory, returned to PyTorch's pinned cache when freed;
 - ``host_register``: ``torch.empty``, filled, then ``cudaHostRegister`` in place (exact size) at
   :meth:`HostBlockProvider.finish`; falls back to ``torch`` with a WARNING when the cudart binding is unusable;
-- ``shm``: one POSIX shared-memory segment per block through ``flextensor.shm.blocks.SharedBlockAllocator``
-  (creator allocates, followers attach), registered in place with ``segment.pin()`` when pinning is asked for.
+- ``shm``: page-aligned ranges of one POSIX shared-memory segment (the generation's arena) through
+  ``flextensor.shm.blocks.SharedBlockAllocator`` (creator allocates, followers attach), registered in place with
+  ``segment.pin()`` when pinning is asked for.
 
 Arenas (the three private providers)
 ------------------------------------
@@ -354,10 +355,13 @@ class HostRegisterProvider(ArenaProvider):
 
 
 class ShmProvider(HostBlockProvider):
-    """Host blocks in POSIX shared memory, one segment per block, through ``SharedBlockAllocator``.
+    """Host blocks in POSIX shared memory: every block a page-aligned range of the generation's one arena segment
+    (``flextensor.shm.blocks``).
 
-    The creator of the sharing generation allocates (fresh blocks, ``prefilled=False``); a follower attaches the
-    creator's blocks (``prefilled=True``: the weights are already there). Pinned in place when ``pin``.
+    The creator of the sharing generation creates the arena (fresh blocks, ``prefilled=False``); a follower maps
+    the creator's (``prefilled=True``: the weights are already there). Both happen in :meth:`reserve`, which
+    gets every block size at once. When ``pin``, the creator registers the whole arena once in :meth:`finish`,
+    after the fill (pages populated); a follower registers right after mapping (nothing to fill).
     """
 
     kind = "shm"
@@ -368,23 +372,43 @@ class ShmProvider(HostBlockProvider):
         self.owner = owner
         self.pinned = pin
         self._allocator = SharedBlockAllocator(owner)
-        self._segments: list[Any] = []
+        self._arena: Any = None
+        self._views: list[torch.Tensor] = []
+
+    def reserve(self, sizes: Sequence[int]) -> None:
+        if self._arena is not None:
+            raise RuntimeError(f"the shared host blocks of {self.owner.namespace!r} were already reserved")
+        sizes = [int(n) for n in sizes]
+        if not sizes:
+            return
+        creator = bool(self.owner.is_creator)
+        arena = self._allocator.create(sizes) if creator else self._allocator.attach(sizes)
+        self._arena = arena
+        self._views = self._allocator.views(arena, sizes)
+        if self.pinned and not creator:  # the device only ever reads host blocks (host -> device copies)
+            arena.pin(read_only=True)
 
     def allocate(self, index: int, nbytes: int) -> HostBlock:
-        creator = bool(self.owner.is_creator)
-        segment = self._allocator.allocate(index, nbytes) if creator else self._allocator.attach(index, nbytes)
-        self._segments.append(segment)
-        if self.pinned:  # the device only ever reads host blocks (host -> device copies)
-            segment.pin(read_only=True)
-        return HostBlock(segment.tensor(torch.uint8, (nbytes,)), name=segment.name, prefilled=not creator)
+        if self._arena is None or not 0 <= index < len(self._views):
+            raise RuntimeError(f"shared host block {index} was not reserved: call reserve() with every block size "
+                               "first (one arena holds them all)")
+        view = self._views[index]
+        if view.numel() != nbytes:
+            raise ValueError(f"shared host block {index} was reserved with {view.numel()} bytes, not {nbytes}")
+        return HostBlock(view, name=self._arena.name, prefilled=not self.owner.is_creator)
+
+    def finish(self) -> None:
+        if self.pinned and self._arena is not None and not self._arena.pinned:
+            self._arena.pin(read_only=True)
 
     def close(self) -> None:
-        while self._segments:
-            segment = self._segments.pop()
+        arena, self._arena = self._arena, None
+        self._views = []
+        if arena is not None:
             try:
-                segment.close()
-            except Exception as exc:  # noqa: BLE001 - keep closing the others
-                logger.warning("could not close shared host block %s: %s", getattr(segment, "name", "?"), exc)
+                arena.close()
+            except Exception as exc:  # noqa: BLE001 - teardown goes on; the last participant unlinks the name
+                logger.warning("could not close the shared host blocks %s: %s", getattr(arena, "name", "?"), exc)
 
 
 def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None) -> HostBlockProvider:

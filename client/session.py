@@ -51,8 +51,8 @@ from flextensor.attach_prefetch import FollowerPrefetch
 from flextensor.config import OffloadConfig
 from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
-from flextensor.shm.background_pin import BackgroundPinner
-from flextensor.shm.blocks import block_kind
+from flextensor.shm.background_pin import BackgroundPinner, PinRange
+from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator, arena_layout
 from flextensor.shm.checks import check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator
@@ -123,7 +123,7 @@ class ManagerShare:
             "register_s": pinner.elapsed_s if pinner is not None else 0.0, "steps": dict(self.steps),
         }
         if pinner is not None:  # registration runs in the background: is it finished, how long did copies wait
-            report.update(registered=pinner.pinned_blocks == len(self.segments), register_wait_s=pinner.waited_s)
+            report.update(registered=pinner.pinned_blocks == pinner.block_count, register_wait_s=pinner.waited_s)
         return report
 
 
@@ -236,7 +236,9 @@ class SharedOffloadSession:
                     logger.warning("session %s: %s", share.namespace, shortfall)
             # The blocks' pages are allocated while the checkpoint loads: allocating tmpfs pages, not copying into
             # them, is what makes publishing slow (see flextensor.shm.owner, "Segments made ahead").
-            owner.prepare_segments({block_kind(b.index): b.nbytes for b in state.blocks})
+            if state.blocks:
+                sizes = [b.nbytes for b in sorted(state.blocks, key=lambda b: b.index)]
+                owner.prepare_segments({ARENA_KIND: arena_layout(sizes).total})
             t0 = time.monotonic()
             model = factory()
             if not isinstance(model, nn.Module):
@@ -300,16 +302,18 @@ class SharedOffloadSession:
             _check_offloaded_metadata(model, state)
         with _step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
             share.store.materialize(model, device, copies=prefetch.device_copies)
-        host_blocks = [segment.tensor(torch.uint8, (block.nbytes,))
-                       for segment, block in zip(share.segments, sorted(state.blocks, key=lambda b: b.index))]
-        share.shared_bytes = sum(b.nbytes for b in state.blocks) + share.store.nbytes
+        sizes = [b.nbytes for b in sorted(state.blocks, key=lambda b: b.index)]
+        host_blocks = SharedBlockAllocator.views(share.segments[0], sizes) if sizes else []
+        share.shared_bytes = sum(sizes) + share.store.nbytes
         gate = None
-        if cfg.pinned_memory and torch.cuda.is_available() and share.segments:
-            # Registration runs behind the follower's return and first forward, in schedule order; each copy from
-            # a block waits for that block only (see flextensor.shm.background_pin).
+        if cfg.pinned_memory and torch.cuda.is_available() and sizes:
+            # Registration runs behind the follower's return and first forward, block by block in schedule
+            # order; each copy from a block waits for that block only (see flextensor.shm.background_pin).
             index_of = {b.label: b.index for b in state.blocks}
             order = [index_of[label] for label in state.schedule if label in index_of]
-            share.pinner = BackgroundPinner(share.segments, order, device=_device_index(device),
+            layout = arena_layout(sizes)
+            ranges = [PinRange(share.segments[0], offset, size) for offset, size in zip(layout.offsets, sizes)]
+            share.pinner = BackgroundPinner(ranges, order, device=_device_index(device),
                                             label=f"session {share.namespace}")
             gate = share.pinner.wait
         with _step(steps, "adopt"):

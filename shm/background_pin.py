@@ -3,7 +3,7 @@
 Why
 ---
 CUDA registration is per process: every follower must ``cudaHostRegister`` its own mapping of the shared host
-blocks before the device can DMA from them at full speed. On the H200 host that costs 63-150 ms/GiB and grows
+blocks (page-aligned ranges of one arena segment, ``blocks.py``) before the device can DMA from them at full speed. On the H200 host that costs 63-150 ms/GiB and grows
 when several followers register at once (the driver serialises them), so registering everything before the
 model is handed back made a follower's time to ready 5-10x what the rest of attaching costs. Nothing needs a
 block registered before the first copy *from that block*: the pinner registers the blocks one by one on a
@@ -17,14 +17,14 @@ Threads and states
 - ``start()`` spawns the pinner thread (``ft-pin``). It sets the CUDA device of the caller first, so the
   registration never creates a context on another GPU.
 - For each block in ``order``: stop requested? -> quit; else wait for its pre-fault (pool of
-  :data:`PREFAULT_THREADS`, up to :data:`LOOKAHEAD` blocks ahead), ``segment.pin(read_only=True)``, then set the
-  block's event. Blocks never named in ``order`` are registered last.
+  :data:`PREFAULT_THREADS`, up to :data:`LOOKAHEAD` blocks ahead), ``segment.pin(read_only=True, offset=,
+  nbytes=)`` of the block's range, then set the block's event. Blocks never named in ``order`` are registered last.
 - A failure (driver refusal, often ``ulimit -l``) is logged once as a WARNING; the remaining blocks are left
   unregistered and every event is set, so copies proceed from pageable memory: correct, only slower.
 - ``wait(block)`` returns once that block's event is set (registered, failed or stopped); after the last block
   it is a single attribute check.
 - ``close()`` asks the thread to stop after the block in flight and joins it. Only then may the caller unpin
-  and unmap the segments (``SharedSegment.close`` unpins), so a registration never races an unmap.
+  and unmap the segment (``SharedSegment.close`` unpins every range), so a registration never races an unmap.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from .prefault import populate_read
 
 if TYPE_CHECKING:  # pragma: no cover
     from .segment import SharedSegment
 
-__all__ = ["BackgroundPinner"]
+__all__ = ["BackgroundPinner", "PinRange"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,22 +50,30 @@ PREFAULT_THREADS = 4
 LOOKAHEAD = 8
 
 
-class BackgroundPinner:
-    """Registers ``segments`` (indexed by host block) on a background thread, first the blocks in ``order``."""
+class PinRange(NamedTuple):
+    """One host block: ``nbytes`` at page-aligned ``offset`` of ``segment``."""
 
-    def __init__(self, segments: Sequence["SharedSegment"], order: Sequence[int], *, device: int | None = None,
+    segment: "SharedSegment"
+    offset: int
+    nbytes: int
+
+
+class BackgroundPinner:
+    """Registers ``blocks`` (indexed by host block) on a background thread, first the blocks in ``order``."""
+
+    def __init__(self, blocks: Sequence[PinRange], order: Sequence[int], *, device: int | None = None,
                  label: str = "") -> None:
-        self._segments = list(segments)
+        self._blocks = list(blocks)
         seen: set[int] = set()
-        self._order = [i for i in list(order) + list(range(len(self._segments))) if not (i in seen or seen.add(i))]
-        if any(i < 0 or i >= len(self._segments) for i in self._order):
-            raise ValueError(f"pin order {list(order)} names a block outside 0..{len(self._segments) - 1}")
+        self._order = [i for i in list(order) + list(range(len(self._blocks))) if not (i in seen or seen.add(i))]
+        if any(i < 0 or i >= len(self._blocks) for i in self._order):
+            raise ValueError(f"pin order {list(order)} names a block outside 0..{len(self._blocks) - 1}")
         self._device = device
         self._label = label
-        self._events = [threading.Event() for _ in self._segments]
+        self._events = [threading.Event() for _ in self._blocks]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._all_done = not self._segments
+        self._all_done = not self._blocks
         self.error: BaseException | None = None
         self.pinned_blocks = 0
         self.elapsed_s = 0.0
@@ -85,6 +93,10 @@ class BackgroundPinner:
         if thread is not None:
             thread.join()
         self._release_waiters()
+
+    @property
+    def block_count(self) -> int:
+        return len(self._blocks)
 
     @property
     def done(self) -> bool:
@@ -124,15 +136,17 @@ class BackgroundPinner:
             for position, block in enumerate(self._order):
                 for ahead in self._order[position:position + LOOKAHEAD]:
                     if ahead not in prefaults:
-                        segment = self._segments[ahead]
-                        prefaults[ahead] = pool.submit(populate_read, segment.address, segment.size)
+                        upcoming = self._blocks[ahead]
+                        prefaults[ahead] = pool.submit(populate_read, upcoming.segment.address + upcoming.offset,
+                                                       upcoming.nbytes)
                 if self._stop.is_set():
                     break
                 try:
                     prefaults.pop(block).result()
                 except OSError as exc:  # a speed-up only: register anyway
                     logger.debug("pre-fault of block %d failed (%s); registering without it", block, exc)
-                self._segments[block].pin(read_only=True)
+                target = self._blocks[block]
+                target.segment.pin(read_only=True, offset=target.offset, nbytes=target.nbytes)
                 self.pinned_blocks += 1
                 self.elapsed_s = time.monotonic() - start
                 self._events[block].set()

@@ -1,28 +1,71 @@
-"""Shared host blocks for the offload engine.
+"""Shared host blocks for the offload engine: every packed block of a generation in one segment, the arena.
 
-When sharing is on, each offloaded trap's packed host block is one segment ``/{ns}.g{gen}.b{index}`` created by
-the generation's creator through its ``ShmOwner`` (so it is journaled before it exists and unlinked by the last
-participant), and attached by followers by index. The allocator deals in segments; the engine wraps each as a
-``uint8`` tensor and pins it in place when pinned memory is asked for (``SharedSegment.pin``).
+Why one segment
+---------------
+A follower maps the creator's host blocks before it is ready, and each mapping is a ``shm_open`` + ``fstat`` +
+``mmap`` + ``close``: 0.8-1.5 ms per segment on the virtualised H200 host when several followers attach at
+once, so 24 blocks in 24 segments cost 20-37 ms of a follower's time to ready, and the Python around each open
+competed for the GIL with the model factory running beside it. One segment is one open and one mapping, and
+the last participant has one name to unlink.
+
+Layout (``/{ns}.g{gen}.h``, made by the generation's creator through its ``ShmOwner``, so journaled before it
+exists and unlinked by the last participant)::
+
+    block 0 at offset 0, block i at offset_(i-1) + nbytes_(i-1) rounded up to ARENA_ALIGN (4 KiB)
+    size: the end of the last block, rounded up to ARENA_ALIGN
+
+The layout is a pure function of the block sizes in index order (:func:`arena_layout`), which every participant
+reads from the published plan, so no offsets are published: every block of the plan names the arena segment,
+and a follower computes the same offsets the creator used. Each block starts on its own page, so CUDA can
+register the blocks one by one (``SharedSegment.pin(offset=, nbytes=)``, never two registrations on one page),
+the padding is less than ``ARENA_ALIGN`` bytes per block.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from flextensor.shm.owner import ShmOwner
     from flextensor.shm.segment import SharedSegment
 
+__all__ = ["ARENA_ALIGN", "ARENA_KIND", "ArenaLayout", "SharedBlockAllocator", "arena_layout"]
 
-def block_kind(index: int) -> str:
-    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
-        raise ValueError(f"host block index must be a non-negative int, got {index!r}")
-    return f"b{index}"
+#: Resource kind of the arena segment (``/{ns}.g{gen}.h``).
+ARENA_KIND = "h"
+#: Every block starts on a page boundary (pinning is per page; see the module docstring).
+ARENA_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Offsets of the blocks in the arena (index order) and the arena's size in bytes."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    total: int
+
+
+def _align(n: int) -> int:
+    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+
+
+def arena_layout(sizes: Sequence[int]) -> ArenaLayout:
+    """Where each block of ``sizes`` (bytes, by block index) lives in the arena; ``ValueError`` for a size <= 0."""
+    offsets, end = [], 0
+    for index, size in enumerate(sizes):
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"host block {index} must have a positive integer size, got {size!r}")
+        offsets.append(end)
+        end = _align(end + size)
+    return ArenaLayout(tuple(offsets), tuple(int(s) for s in sizes), end)
 
 
 class SharedBlockAllocator:
-    """Allocate (creator) or attach (followers) the engine's host blocks in one sharing generation."""
+    """Create (creator) or attach (followers) the arena of one sharing generation and view its blocks."""
 
     def __init__(self, owner: "ShmOwner") -> None:
         self.owner = owner
@@ -31,24 +74,41 @@ class SharedBlockAllocator:
     def namespace(self) -> str:
         return self.owner.namespace
 
-    def allocate(self, index: int, nbytes: int) -> "SharedSegment":
-        """Create block ``index`` of ``nbytes`` (creator only; the owner journals it first)."""
+    @property
+    def name(self) -> str:
+        """The arena segment's name, which every block of a published plan carries."""
+        return self.owner.resource_name(ARENA_KIND)
+
+    def create(self, sizes: Sequence[int]) -> "SharedSegment":
+        """Create the arena for blocks of ``sizes`` (creator only; the owner journals it first, and hands out a
+        segment prepared ahead with ``prepare_segments({ARENA_KIND: arena_layout(sizes).total})``)."""
         if not self.owner.is_creator:
             raise RuntimeError(
                 f"only the creator of {self.owner.namespace!r} allocates host blocks; followers call attach()"
             )
-        if nbytes <= 0:
-            raise ValueError(f"host block {index} must have a positive size, got {nbytes}")
-        return self.owner.create_segment(block_kind(index), nbytes)
+        layout = arena_layout(sizes)
+        if not layout.sizes:
+            raise ValueError("no host block to allocate: the arena needs at least one block")
+        return self.owner.create_segment(ARENA_KIND, layout.total)
 
-    def attach(self, index: int, nbytes: int) -> "SharedSegment":
-        """Open block ``index`` published by the creator; refuse one smaller than the plan says."""
-        segment = self.owner.open_segment(block_kind(index))
-        if segment.size < nbytes:
+    def attach(self, sizes: Sequence[int]) -> "SharedSegment":
+        """Map the creator's arena; refuse one smaller than the layout of ``sizes`` needs."""
+        layout = arena_layout(sizes)
+        segment = self.owner.open_segment(ARENA_KIND)
+        if segment.size < layout.total:
             size = segment.size
             segment.close()
             raise ValueError(
-                f"shared host block {index} of {self.owner.namespace!r} holds {size} bytes but the published plan "
-                f"needs {nbytes}: the plan and the blocks disagree; restart all workers of this namespace"
+                f"shared host blocks of {self.owner.namespace!r} hold {size} bytes but the published plan needs "
+                f"{layout.total}: the plan and the blocks disagree; restart all workers of this namespace"
             )
         return segment
+
+    @staticmethod
+    def views(segment: "SharedSegment", sizes: Sequence[int]) -> list["torch.Tensor"]:
+        """One zero-copy ``uint8`` tensor per block, at its arena offset."""
+        import torch
+
+        layout = arena_layout(sizes)
+        return [segment.tensor(torch.uint8, (size,), offset=offset)
+                for offset, size in zip(layout.offsets, layout.sizes)]

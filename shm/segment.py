@@ -24,8 +24,9 @@ object it was given, and a live memoryview holds a buffer export on the ``mmap``
 on the next access).  ``close()`` catches that and simply drops its own reference: the mapping is unmapped
 when the last view is garbage collected.
 
-Pinning (``pin``/``unpin``) registers the whole mapping with ``cudaHostRegister`` (see ``pinning.py``);
-``close`` always unregisters before it tries to unmap.
+Pinning (``pin``/``unpin``) registers the whole mapping, or page-aligned ranges of it one by one (the blocks of
+a host-block arena, ``blocks.py``), with ``cudaHostRegister`` (see ``pinning.py``); ranges never overlap, since
+the driver refuses to register a page twice. ``close`` always unregisters everything before it tries to unmap.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def format_bytes(n: int | None, digits: int = 1) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.{digits}f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def _page_end(n: int) -> int:
+    """``n`` rounded up to a page: the driver registers whole pages."""
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _validate_name(name: object) -> str:
@@ -117,7 +123,7 @@ class SharedSegment:
         self.created = created
         self._mmap: mmap.mmap | None = mapping
         self._buffer: memoryview | None = None
-        self._pinned_ptr: int | None = None
+        self._pinned: dict[int, int] = {}  # registered ranges: offset -> bytes
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -296,33 +302,58 @@ class SharedSegment:
     # ------------------------------------------------------------------ pinning
     @property
     def pinned(self) -> bool:
-        return self._pinned_ptr is not None
+        """True when any part of the mapping is registered."""
+        return bool(self._pinned)
 
-    def pin(self, *, read_only: bool = False, prefault: bool = False) -> None:
-        """Page-lock the whole mapping for fast DMA (``cudaHostRegister``, Portable).  Idempotent.
+    def pin(self, *, read_only: bool = False, prefault: bool = False, offset: int = 0,
+            nbytes: int | None = None) -> None:
+        """Page-lock ``[offset, offset + nbytes)`` (default: the whole mapping) for fast DMA
+        (``cudaHostRegister``, Portable).  Idempotent for the same range.
 
-        Every process that maps the segment and copies from it to a GPU pins its own mapping.  Raises
-        ``RuntimeError`` without CUDA or when the driver refuses (often ``ulimit -l``).
-        ``read_only``: the device only reads this segment (host -> device copies), which lets the driver pin
-        faster where supported. ``prefault``: first map every existing page into this process from several
-        threads (``MADV_POPULATE_READ``), for a fresh mapping of pages another process wrote. Each roughly halved
-        the registration of a fresh 1.5 GiB mapping on the H200 host (see ``pinning.py`` and ``prefault.py``).
+        Every process that maps the segment and copies from it to a GPU pins its own mapping.  ``offset`` must
+        be page aligned and the range inside the segment, not overlapping a range already pinned
+        (``ValueError``).  Raises ``RuntimeError`` without CUDA or when the driver refuses (often ``ulimit -l``).
+        ``read_only``: the device only reads this range (host -> device copies), which lets the driver pin
+        faster where supported. ``prefault``: first map every existing page of the range into this process from
+        several threads (``MADV_POPULATE_READ``), for a fresh mapping of pages another process wrote. Each
+        roughly halved the registration of a fresh 1.5 GiB mapping on the H200 host (see ``pinning.py`` and
+        ``prefault.py``).
         """
-        if self._pinned_ptr is not None:
+        nbytes = self.size - offset if nbytes is None else nbytes
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset % mmap.PAGESIZE:
+            raise ValueError(f"pin offset {offset!r} into segment {self.name!r} must be a page-aligned "
+                             f"({mmap.PAGESIZE} bytes) non-negative int")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or offset + nbytes > self.size:
+            raise ValueError(f"pin range [{offset}, {offset}+{nbytes!r}) is not inside segment {self.name!r} "
+                             f"({self.size} bytes)")
+        if self._pinned.get(offset) == nbytes:
             return
-        ptr = self.address
+        end = _page_end(offset + nbytes)
+        for start, length in self._pinned.items():
+            if offset < _page_end(start + length) and start < end:
+                raise ValueError(f"pin range [{offset}, {offset + nbytes}) of segment {self.name!r} overlaps the "
+                                 f"registered range [{start}, {start + length}); unpin() first")
+        ptr = self.address + offset
         if prefault:
-            populate_read(ptr, self.size)
-        host_register(ptr, self.size, read_only=read_only)
-        self._pinned_ptr = ptr
+            populate_read(ptr, nbytes)
+        host_register(ptr, nbytes, read_only=read_only)
+        self._pinned[offset] = nbytes
 
     def unpin(self) -> None:
-        """Undo :meth:`pin`.  Idempotent; a no-op on a segment that was never pinned."""
-        ptr = self._pinned_ptr
-        if ptr is None:
+        """Undo every :meth:`pin`.  Idempotent; a no-op on a segment that was never pinned.  A range the
+        driver fails to unregister is forgotten anyway (the unmap releases it) and the first error raised."""
+        if not self._pinned:
             return
-        host_unregister(ptr)
-        self._pinned_ptr = None
+        base = self.address
+        error: RuntimeError | None = None
+        while self._pinned:
+            offset, _nbytes = self._pinned.popitem()
+            try:
+                host_unregister(base + offset)
+            except RuntimeError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -337,7 +368,6 @@ class SharedSegment:
             self.unpin()
         except RuntimeError:
             logger.warning("could not unregister pinned segment %s; unmapping anyway", self.name, exc_info=True)
-            self._pinned_ptr = None
         self._buffer = None  # our memoryview: if nobody else holds it, this drops its export
         mapping, self._mmap = self._mmap, None
         try:

@@ -60,19 +60,19 @@ def test_blocks_are_opened_on_a_thread_while_the_factory_runs(namespace: str, pr
     threads: set[str] = set()
     original = SharedBlockAllocator.attach
 
-    def attach(self, index, nbytes):
+    def attach(self, sizes):
         threads.add(threading.current_thread().name)
         if factory_running.wait(timeout=30):  # run sequentially, the factory would only start after this
             opened_during_factory.set()
-        return original(self, index, nbytes)
+        return original(self, sizes)
 
     monkeypatch.setattr(SharedBlockAllocator, "attach", attach)
 
     def factory():
         factory_running.set()
-        # Opened sequentially, no block could be opened before this returns: the wait would run out.
+        # Opened sequentially, the arena could not be opened before this returns: the wait would run out.
         overlapped = opened_during_factory.wait(timeout=30)
-        assert overlapped, "no host block was opened while the model factory ran"
+        assert overlapped, "the host blocks were not opened while the model factory ran"
         return _meta_model()
 
     with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
@@ -104,12 +104,8 @@ def test_factory_failure_closes_what_the_thread_opened(namespace: str, profile: 
 
 
 def test_thread_failure_is_raised_and_nothing_stays_mapped(namespace: str, profile: str, creator, monkeypatch):
-    original = SharedBlockAllocator.attach
-
-    def attach(self, index, nbytes):
-        if index == 1:
-            raise OSError(24, "Too many open files")
-        return original(self, index, nbytes)
+    def attach(self, sizes):  # after the store was attached: the thread must hand the store over too
+        raise OSError(24, "Too many open files")
 
     session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
     with monkeypatch.context() as patch, pytest.raises(OSError, match="Too many open files"):
@@ -139,9 +135,9 @@ def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(name
 
     original_attach = SharedBlockAllocator.attach
 
-    def slow_attach(self, index, nbytes):
+    def slow_attach(self, sizes):
         time.sleep(0.2)  # the thread is still opening when the session starts waiting
-        return original_attach(self, index, nbytes)
+        return original_attach(self, sizes)
 
     class InterruptedOnce(threading.Thread):
         interrupted = False

@@ -1,4 +1,4 @@
-"""BackgroundPinner: order, waiting, failure fallback and teardown, with stand-in segments (no CUDA needed)."""
+"""BackgroundPinner: order, waiting, failure fallback and teardown, with a stand-in arena (no CUDA needed)."""
 
 from __future__ import annotations
 
@@ -9,32 +9,42 @@ import time
 
 import pytest
 
-from flextensor.shm.background_pin import BackgroundPinner
+from flextensor.shm.background_pin import BackgroundPinner, PinRange
 
 
-class FakeSegment:
-    """A real anonymous mapping (so the pre-fault has pages to map) whose ``pin`` only records the call."""
+BLOCK = 1 << 16
 
-    def __init__(self, index: int, log: list[int], *, delay: float = 0.0, fail: bool = False,
-                 gate: threading.Event | None = None) -> None:
-        self.index, self.log, self.delay, self.fail, self.gate = index, log, delay, fail, gate
-        self._mapping = mmap.mmap(-1, 1 << 16)
+
+class FakeArena:
+    """A real anonymous mapping of ``n`` 64 KiB blocks (so the pre-fault has pages to map) whose ``pin`` only
+    records which block's range was asked for; per-block ``delay``/``fail``/``gate`` as in ``kw``."""
+
+    def __init__(self, n: int, log: list[int], **kw) -> None:
+        self.log, self.kw = log, kw
+        self._mapping = mmap.mmap(-1, n * BLOCK)
         import ctypes
 
         anchor = ctypes.c_char.from_buffer(self._mapping)
         self.address = ctypes.addressof(anchor)
         del anchor
-        self.size = 1 << 16
-        self.read_only: bool | None = None
+        self.size = n * BLOCK
+        self.read_only: dict[int, bool] = {}
 
-    def pin(self, *, read_only: bool = False, prefault: bool = False) -> None:
-        if self.gate is not None:
-            assert self.gate.wait(10)
-        time.sleep(self.delay)
-        if self.fail:
+    def _option(self, name: str, index: int, default):
+        value = self.kw.get(name, default)
+        return value(index) if callable(value) else value
+
+    def pin(self, *, read_only: bool = False, prefault: bool = False, offset: int = 0, nbytes: int | None = None):
+        index = offset // BLOCK
+        assert offset % BLOCK == 0 and nbytes == BLOCK, (offset, nbytes)
+        gate = self._option("gate", index, None)
+        if gate is not None:
+            assert gate.wait(10)
+        time.sleep(self._option("delay", index, 0.0))
+        if self._option("fail", index, False):
             raise RuntimeError("cudaHostRegister of 65536 bytes failed: cudaErrorMemoryAllocation (2)")
-        self.read_only = read_only
-        self.log.append(self.index)
+        self.read_only[index] = read_only
+        self.log.append(index)
 
     def close(self) -> None:
         self._mapping.close()
@@ -42,16 +52,17 @@ class FakeSegment:
 
 @pytest.fixture
 def segments_factory():
-    made: list[FakeSegment] = []
+    """``make(n, log, **kw)``: the n blocks of one fake arena, as the session hands them to the pinner."""
+    made: list[FakeArena] = []
 
-    def make(n: int, log: list[int], **kw) -> list[FakeSegment]:
-        segs = [FakeSegment(i, log, **{k: (v(i) if callable(v) else v) for k, v in kw.items()}) for i in range(n)]
-        made.extend(segs)
-        return segs
+    def make(n: int, log: list[int], **kw) -> list[PinRange]:
+        arena = FakeArena(n, log, **kw)
+        made.append(arena)
+        return [PinRange(arena, i * BLOCK, BLOCK) for i in range(n)]
 
     yield make
-    for seg in made:
-        seg.close()
+    for arena in made:
+        arena.close()
 
 
 def test_blocks_are_registered_read_only_in_schedule_order_then_the_rest(segments_factory) -> None:
@@ -61,8 +72,8 @@ def test_blocks_are_registered_read_only_in_schedule_order_then_the_rest(segment
     assert pinner.wait_all(10)
     pinner.close()
     assert log == [3, 1, 0, 2, 4]
-    assert pinner.pinned_blocks == 5 and pinner.error is None and pinner.done
-    assert all(seg.read_only is True for seg in segs)
+    assert pinner.pinned_blocks == pinner.block_count == 5 and pinner.error is None and pinner.done
+    assert segs[0].segment.read_only == {i: True for i in range(5)}
 
 
 def test_wait_returns_once_that_block_is_registered_not_before(segments_factory) -> None:

@@ -348,6 +348,39 @@ def test_read_only_prefaulted_pin_of_a_fresh_mapping_serves_device_copies(seg_na
             del host
 
 
+@pytest.mark.parametrize("offset, nbytes, what", [
+    (100, 4096, "page-aligned"), (-4096, 4096, "page-aligned"), (0, 0, "not inside"), (4096, 1 << 20, "not inside"),
+])
+def test_pin_range_outside_or_unaligned_is_refused_before_the_driver(seg_name, offset, nbytes, what):
+    with SharedSegment.create(seg_name, 1 << 20) as seg:
+        with pytest.raises(ValueError, match=what):
+            seg.pin(offset=offset, nbytes=nbytes)
+        assert not seg.pinned
+
+
+@pytest.mark.cuda
+def test_page_aligned_ranges_pin_one_by_one_and_close_unpins_them_all(seg_name):
+    """An arena's blocks are registered one range at a time; a range over a registered page is refused."""
+    page = 4096
+    with SharedSegment.create(seg_name, 16 * page) as seg:
+        seg.tensor(torch.int32, (4 * page,)).copy_(torch.arange(4 * page, dtype=torch.int32))
+        seg.pin(read_only=True, offset=0, nbytes=3 * page + 10)  # ends inside page 3: that page is taken
+        seg.pin(read_only=True, offset=4 * page, nbytes=4 * page)
+        seg.pin(read_only=True, offset=4 * page, nbytes=4 * page)  # the same range again: a no-op
+        with pytest.raises(ValueError, match="overlaps"):
+            seg.pin(offset=3 * page, nbytes=page)
+        first = seg.tensor(torch.int32, (page,), offset=0)
+        second = seg.tensor(torch.int32, (page,), offset=4 * page)
+        last = seg.tensor(torch.int32, (page,), offset=12 * page)
+        assert seg.pinned and first.is_pinned() and second.is_pinned() and not last.is_pinned()
+        on_gpu = second.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on_gpu.cpu(), torch.arange(page, 2 * page, dtype=torch.int32))
+        seg.close()
+        assert not seg.pinned and not first.is_pinned() and not second.is_pinned()
+        del first, second, last
+
+
 @pytest.mark.cuda
 def test_close_with_live_views_unpins(seg_name):
     seg = SharedSegment.create(seg_name, 1 << 20)

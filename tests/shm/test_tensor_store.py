@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from flextensor.shm.blocks import SharedBlockAllocator
+from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator, arena_layout
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.manifest import StoreManifest, TensorRecord, decode_manifest, validate_manifest
@@ -187,23 +187,31 @@ def test_malformed_or_foreign_manifest_bytes_are_refused(ns: str) -> None:
                 SharedTensorStore.attach(ns, shm_owner=follower.memory_owner)
 
 
-def test_shared_host_blocks_allocate_attach_and_refuse_bad_use(ns: str) -> None:
+def test_shared_host_blocks_live_in_one_arena_at_page_aligned_offsets(ns: str) -> None:
+    sizes = [4096, 10, 5000]
+    layout = arena_layout(sizes)
+    assert layout.offsets == (0, 4096, 8192) and layout.total == 16384  # every block on its own page
     with ShmCoordinator(ns, lease_seconds=2.0) as creator:
         blocks = SharedBlockAllocator(creator.memory_owner)
-        block = blocks.allocate(0, 4096)
-        block.tensor(torch.uint8, (4096,)).copy_(torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8))
+        arena = blocks.create(sizes)
+        assert arena.name == blocks.name == creator.memory_owner.resource_name(ARENA_KIND)
+        mine = blocks.views(arena, sizes)
+        for i, view in enumerate(mine):
+            view.copy_(torch.full((sizes[i],), i + 1, dtype=torch.uint8))
         creator.notify_ready()
         with ShmCoordinator(ns, lease_seconds=2.0) as follower:
-            mine = SharedBlockAllocator(follower.memory_owner)
-            seen = mine.attach(0, 4096)
-            assert torch.equal(seen.tensor(torch.uint8, (4096,)), block.tensor(torch.uint8, (4096,)))
-            with pytest.raises(ValueError, match="needs 8192"):
-                mine.attach(0, 8192)
+            theirs = SharedBlockAllocator(follower.memory_owner)
+            seen = theirs.attach(sizes)
+            views = theirs.views(seen, sizes)
+            assert [v.numel() for v in views] == sizes
+            assert all(torch.equal(a, b) for a, b in zip(views, mine))
+            with pytest.raises(ValueError, match="needs 20480"):
+                theirs.attach([*sizes, 4096])
             with pytest.raises(RuntimeError, match="only the creator"):
-                mine.allocate(1, 64)
-            with pytest.raises(FileNotFoundError):
-                mine.attach(5, 64)
+                theirs.create(sizes)
+            del views
             seen.close()
-        with pytest.raises(ValueError):
-            blocks.allocate(-1, 64)
-        block.close()
+        with pytest.raises(ValueError, match="positive integer size"):
+            blocks.create([64, 0])
+        del mine
+        arena.close()
