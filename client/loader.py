@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from flextensor.host_memory import BlockLayout, block_view
-from flextensor.timing import TimingCollector
+from flextensor.timing import CurrentStream, TimingCollector
 
 __all__ = ["BlockLoader"]
 
@@ -107,6 +107,7 @@ class BlockLoader:
         self._active: tuple[int, int] | None = None  # (entry, slot) of the trap running now
         self._pending_timing: dict[int, Any] = {}
         if self.cuda:
+            self._compute_stream = CurrentStream(device)  # the caller's stream, looked up cheaply per trap
             self._side = torch.cuda.Stream(device=device)
             self._copy_done = [torch.cuda.Event() for _ in range(self.num_slots)]
             self._reader_done = [torch.cuda.Event() for _ in range(self.num_slots)]
@@ -210,7 +211,7 @@ class BlockLoader:
         timing = self.timing
         wait_span = None
         if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
+            compute = self._compute_stream()
             if timing is not None:
                 wait_span = timing.start_span(compute)
             compute.wait_event(self._copy_done[slot])
@@ -232,7 +233,7 @@ class BlockLoader:
             return
         _entry, slot = self._active
         if self.cuda:
-            self._reader_done[slot].record(torch.cuda.current_stream(self.device))
+            self._reader_done[slot].record(self._compute_stream())
         self._active = None
 
     def abort(self) -> None:

@@ -324,8 +324,8 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._compile_fn = compile_fn
         self._shm_owner = shm_owner
         use_cuda = self._device.type == "cuda"
-        self._clock = TimingCollector(use_cuda)
-        self._timing = TimingCollector(use_cuda) if cfg.offload_timing == "eager" else None
+        self._clock = TimingCollector(use_cuda, self._device)
+        self._timing = TimingCollector(use_cuda, self._device) if cfg.offload_timing == "eager" else None
         self._install_root(model)
 
     def _stage(self, candidates: set[str]) -> None:

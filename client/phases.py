@@ -231,8 +231,9 @@ class PhaseMixin:
         while len(self._pending_spans) > keep_last:
             spans = self._pending_spans.pop(0)
             sums: dict[str, float] = {}
-            for label, span in spans:
-                sums[label] = sums.get(label, 0.0) + span.ms() / 1e3
+            assert self._clock is not None
+            for (label, _span), ms in zip(spans, self._clock.read_ms([span for _label, span in spans])):
+                sums[label] = sums.get(label, 0.0) + ms / 1e3
             for label, seconds in sums.items():
                 self._durations.setdefault(label, []).append(seconds)
             self._recycle_spans(spans)

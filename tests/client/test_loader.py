@@ -157,19 +157,34 @@ def test_shm_provider_creator_then_follower(namespace):
     ns = manager_namespace(namespace, "m")
     creator = ShmCoordinator(ns, lease_seconds=1.0)
     follower = None
+    made = ShmProvider(creator.memory_owner, pin=False)
+    mine = None
     try:
         assert creator.is_creator
-        made = ShmProvider(creator.memory_owner, pin=False)
-        block = made.allocate(0, 4096)
-        assert not block.prefilled and block.name
+        with pytest.raises(RuntimeError, match="call reserve"):
+            made.allocate(0, 4096)  # one arena holds every block: all sizes first
+        made.reserve([4096, 100])
+        with pytest.raises(RuntimeError, match="already reserved"):
+            made.reserve([4096, 100])
+        block, small = made.allocate(0, 4096), made.allocate(1, 100)
+        assert not block.prefilled and block.name == small.name  # both in the one arena segment
+        assert small.tensor.data_ptr() - block.tensor.data_ptr() == 4096  # each block on its own page
+        with pytest.raises(ValueError, match="reserved with 100 bytes"):
+            made.allocate(1, 64)
         block.tensor.copy_(torch.arange(4096) % 251)
+        small.tensor.fill_(7)
         follower = ShmCoordinator(ns, lease_seconds=1.0)
         assert not follower.is_creator
-        attached = ShmProvider(follower.memory_owner, pin=False).allocate(0, 4096)
+        mine = ShmProvider(follower.memory_owner, pin=False)
+        mine.reserve([4096, 100])
+        attached, attached_small = mine.allocate(0, 4096), mine.allocate(1, 100)
         assert attached.prefilled and torch.equal(attached.tensor, block.tensor)
-        del attached, block
+        assert torch.equal(attached_small.tensor, small.tensor) and attached.name == block.name
+        del attached, attached_small, block, small
     finally:
         made.close()
+        if mine is not None:
+            mine.close()
         if follower is not None:
             follower.close()
         creator.close()

@@ -94,3 +94,36 @@ def test_cuda_overlap_through_engine():
     print(table)
     assert report.total_transfer_avg > 0
     assert report.total_wait_avg < 0.2 * report.total_transfer_avg, table
+
+
+@pytest.mark.cuda
+def test_cuda_current_stream_lookup_follows_a_stream_switch():
+    from flextensor.timing import CurrentStream
+
+    current = CurrentStream(torch.device("cuda"))
+    first = current()
+    assert first == torch.cuda.current_stream() and current() is first  # the same object while unchanged
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current() == side
+    assert current() == torch.cuda.current_stream()
+
+
+@pytest.mark.cuda
+def test_cuda_spans_read_in_one_wait_even_when_one_is_on_a_busy_stream():
+    """``read_ms`` waits for the last span only; a span on another stream still pending is waited for itself."""
+    from flextensor.timing import TimingCollector
+
+    clock = TimingCollector(True, torch.device("cuda"))
+    busy = torch.cuda.Stream()
+    spans = []
+    with torch.cuda.stream(busy):
+        spans.append(clock.start_span())
+        torch.cuda._sleep(200_000_000)  # well over 50 ms on any current GPU: still running when read
+        clock.end_span(spans[-1])
+    spans.append(clock.start_span())
+    torch.ones(1, device="cuda").add_(1)
+    clock.end_span(spans[-1])
+    ms = clock.read_ms(spans)
+    assert ms[0] > 20 and 0 <= ms[1] < ms[0]
+    assert ms == [span.ms() for span in spans]
