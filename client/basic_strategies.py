@@ -58,10 +58,10 @@ class _SubsetSums:
             if sizes[k] <= 0:
                 continue  # a zero-byte tensor gains nothing from offloading
             bit, size = 1 << k, sizes[k]
-            grown = dict(states)
-            for total, mask in states.items():
-                grown.setdefault(total + size, mask | bit)
-            states = grown
+            # In place over a snapshot of the items: the same keys, masks and insertion order as growing a copy
+            # (first subset to reach a total keeps it either way), without copying the dict per tensor.
+            for total, mask in list(states.items()):
+                states.setdefault(total + size, mask | bit)
             if len(states) > max_states:
                 self.exact = False
                 keep: dict[int, tuple[int, int]] = {}
@@ -79,10 +79,24 @@ class _SubsetSums:
 
 
 def _tables(inp: PlanInput, resolution: int, max_states: int) -> list[_SubsetSums | None]:
-    return [
-        _SubsetSums([t.nbytes for t in trap.tensors], resolution, max_states) if trap.total_bytes > 0 else None
-        for trap in inp.traps
-    ]
+    """One subset-sum table per trap (None without offloadable bytes).
+
+    Traps with the same tensor sizes in the same order (every layer of a transformer) share one table: a table
+    depends on nothing else and is never modified after it is built, so this only saves rebuilding it per layer
+    at the switch to INFERENCE.
+    """
+    built: dict[tuple[int, ...], _SubsetSums] = {}
+    out: list[_SubsetSums | None] = []
+    for trap in inp.traps:
+        if trap.total_bytes <= 0:
+            out.append(None)
+            continue
+        sizes = tuple(t.nbytes for t in trap.tensors)
+        table = built.get(sizes)
+        if table is None:
+            table = built[sizes] = _SubsetSums(sizes, resolution, max_states)
+        out.append(table)
+    return out
 
 
 def _hidden_chain(inp: PlanInput, tables: list[_SubsetSums | None]) -> list[tuple[int, int]]:

@@ -61,14 +61,21 @@ def plan_inference(m: "OffloadManager") -> None:
 
     cfg = m._config()
     order = list(dict.fromkeys(m._sequence))
+    tensors = m._tensors
     m._compute_s = {label: statistics.median(m._durations.get(label) or [0.0]) for label in order}
+    # This runs inside the last PROFILING pass, so each tensor's size is read once (not once to filter and once
+    # to cost it) and the offloadable set is collected on the way.
     costs = []
+    offloadable: set[str] = set()
     for label in order:
-        names = [n for n in m._exclusive.get(label, ()) if _nbytes(m._tensors[n].tensor) > 0]
-        costs.append(TrapCost(label, m._compute_s[label],
-                              tuple(TensorCost(n, _aligned(_nbytes(m._tensors[n].tensor))) for n in names)))
-    offloadable = {t.name for c in costs for t in c.tensors}
-    fixed = sum(_nbytes(e.tensor) for n, e in m._tensors.items() if n not in offloadable)
+        trap_tensors = []
+        for n in m._exclusive.get(label, ()):
+            nbytes = _nbytes(tensors[n].tensor)
+            if nbytes > 0:
+                trap_tensors.append(TensorCost(n, _aligned(nbytes)))
+                offloadable.add(n)
+        costs.append(TrapCost(label, m._compute_s[label], tuple(trap_tensors)))
+    fixed = sum(_nbytes(e.tensor) for n, e in tensors.items() if n not in offloadable)
     m._samples = m._warm_samples() or transfer_sweep(m._device, [c.total_bytes for c in costs],
                                                      pinned=cfg.pinned_memory)
     transfer = TransferModel.fit(m._samples) if m._samples else TransferModel(1e9)
@@ -95,15 +102,18 @@ def plan_inference(m: "OffloadManager") -> None:
     for label in order:
         names = offloaded.get(label)
         if names:
-            entries = [(n, m._tensors[n].tensor.dtype, tuple(m._tensors[n].tensor.shape),
-                        packed_stride(m._tensors[n].tensor)) for n in names]
+            entries = []
+            for n in names:
+                t = tensors[n].tensor
+                entries.append((n, t.dtype, tuple(t.shape), packed_stride(t)))
             layouts.append(pack_block(len(layouts), label, entries))
     if can_defer(m, layouts):  # every streamed weight is still on the device: run resident, build behind it
         defer_inference(m, layouts, list(m._sequence), num_slots)
     else:
         build_inference(m, layouts, list(m._sequence), num_slots)
-    for line in m._explanation:
-        logger.info("manager %r: %s", m.name, line)
+    if logger.isEnabledFor(logging.INFO):  # one check instead of one disabled logging call per line
+        for line in m._explanation:
+            logger.info("manager %r: %s", m.name, line)
 
 
 def _resolve_budget(m) -> int | None:

@@ -101,8 +101,9 @@ class TrapCost:
             raise ValueError(f"trap {self.label!r} lists tensor(s) {dup} more than once")
         object.__setattr__(self, "tensors", tensors)
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
+        # Cached: the strategies ask for it per trap many times while planning (the fields are frozen).
         return sum(t.nbytes for t in self.tensors)
 
 
@@ -246,6 +247,11 @@ class PlanInput:
     def offloadable_bytes(self) -> int:
         return sum(trap.total_bytes for trap in self.traps)
 
+    @cached_property
+    def _sizes(self) -> tuple[dict[str, int], ...]:
+        """Per trap, tensor name -> bytes: built once, not once per ``make_plan`` / ``simulate_overhead`` call."""
+        return tuple({t.name: t.nbytes for t in trap.tensors} for trap in self.traps)
+
     def window_capacity(self, start: int, trap: int) -> int:
         """Bytes trap ``trap``'s copy may carry while traps ``start..trap-1`` compute (scaled window)."""
         seconds = self.scale * (self.prefix_compute[trap] - self.prefix_compute[start])
@@ -307,7 +313,7 @@ def _per_trap_bytes(inp: PlanInput, offloaded: Mapping[str, Iterable[str]]) -> l
         i = inp.index.get(label)
         if i is None:
             raise ValueError(f"offload selection names trap {label!r}, which is not in the plan input")
-        sizes = {t.name: t.nbytes for t in inp.traps[i].tensors}
+        sizes = inp._sizes[i]
         seen: set[str] = set()
         for name in names:
             if name not in sizes:
@@ -345,23 +351,46 @@ class PipelineTrace:
 
     def _run(self, first: int, state: tuple[float, int, float], per: Sequence[int], used: list[float],
              record: bool) -> float:
+        """Simulate from trap ``first`` in ``state``; see the module docstring for the model.
+
+        Written for speed (BudgetFill's polish runs it thousands of times at the switch to INFERENCE), with the
+        very same float operations as the plain model: ``a if not b > a else b`` is what ``max(a, b)`` returns,
+        and a copy takes ``(latency + n / bandwidth) / scale`` as ``transfer.seconds(n) / scale`` does (the
+        bound method is called instead when a subclass overrides ``seconds``).
+
+        A re-run (``record=False``, from ``with_change``) stops early once it is back in the base run's state
+        before some later trap: same clock, copies and last copy end, and the same compute ends for every block
+        slot a later copy may still wait for. The traps after it are unchanged, so from there it would repeat
+        the base run's operations exactly and end with the base run's overhead, which it returns.
+        """
         inp, blocks = self.inp, self.num_blocks
-        seconds, scale, compute = inp.transfer.seconds, inp.scale, inp.compute
+        transfer, scale, compute = inp.transfer, inp.scale, inp.compute
+        inline = type(transfer).seconds is TransferModel.seconds
+        seconds, latency, bandwidth = transfer.seconds, transfer.latency_s, transfer.bandwidth_bytes_per_s
         clock, copies, last_end = state
         base = copies  # used[k] holds the compute end of offloaded trap base + k (when not recording)
         shared = self.used_until
+        before = self.before
         for i in range(first, len(compute)):
             if record:
-                self.before.append((clock, copies, last_end))
+                before.append((clock, copies, last_end))
+            elif i > first:
+                b_clock, b_copies, b_last = before[i]
+                if (clock == b_clock and copies == b_copies and last_end == b_last
+                        and all(used[k - base] == shared[k] for k in range(max(base, copies - blocks), copies))):
+                    return self.overhead
             nbytes = per[i]
             if nbytes > 0:
                 start = last_end
                 if copies >= blocks:
                     k = copies - blocks
                     release = shared[k] if record or k < base else used[k - base]
-                    start = max(start, release)
-                last_end = start + seconds(nbytes) / scale
-                clock = max(clock, last_end) + compute[i]
+                    if release > start:
+                        start = release
+                last_end = start + ((latency + nbytes / bandwidth) if inline else seconds(nbytes)) / scale
+                if last_end > clock:
+                    clock = last_end
+                clock += compute[i]
                 copies += 1
                 used.append(clock)
             else:

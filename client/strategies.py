@@ -251,36 +251,64 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> l
     assert budget is not None
     per = _per_trap(inp, masks)
     base_total = inp.fixed_resident_bytes + inp.offloadable_bytes
+    min_blocks, traps = inp.min_blocks, inp.traps
+    # The search runs at the switch to INFERENCE (inside the last PROFILING pass), so its loops are kept lean
+    # without changing a single decision: a trap's move list is rebuilt only when its mask changed (one trap per
+    # round), the two block counts a move can lead to are computed once per round, and the loops stop as soon as
+    # the evaluations are spent (the remaining iterations could only ``continue``).
+    move_cache: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
+
+    def moves(i: int) -> list[tuple[int, int, int]]:
+        """Trap i's moves as (gain, tensor given back, tensor taken instead or -1), in the search's order."""
+        mask = masks[i]
+        hit = move_cache.get(i)
+        if hit is not None and hit[0] == mask:
+            return hit[1]
+        tensors = traps[i].tensors
+        inside = {t.nbytes: k for k, t in enumerate(tensors) if mask >> k & 1}
+        outside = {t.nbytes: k for k, t in enumerate(tensors) if not mask >> k & 1 and t.nbytes > 0}
+        out = []
+        for size, k in inside.items():
+            out.append((size, k, -1))
+            out.extend((size - o, k, ko) for o, ko in outside.items() if o < size)
+        move_cache[i] = (mask, out)
+        return out
+
     while evaluations > 0:
         n_off = sum(1 for b in per if b > 0)
-        blocks = effective_blocks(count, inp.min_blocks, n_off)
+        blocks = effective_blocks(count, min_blocks, n_off)
+        # Blocks after a move: n_off - (left == 0) offloaded traps, 0 blocks when that is 0.
+        kept_blocks = blocks if n_off else 0
+        fewer_blocks = effective_blocks(count, min_blocks, n_off - 1) if n_off - 1 else 0
         trace = PipelineTrace(inp, per, blocks)
         current, off = trace.overhead, sum(per)
+        room = budget - base_total + off  # integers: "base_total - off + gain + peak_blocks > budget" rearranged
         order = sorted(range(len(per)), key=lambda j: -per[j])
         best: tuple[tuple[float, int], int, int, int] | None = None
-        for i, trap in enumerate(inp.traps):
+        for i in range(len(traps)):
+            if evaluations <= 0:
+                break
             if not masks[i]:
                 continue
             others_max = per[order[0]] if order[0] != i else (per[order[1]] if len(order) > 1 else 0)
-            inside = {t.nbytes: k for k, t in enumerate(trap.tensors) if masks[i] >> k & 1}
-            outside = {t.nbytes: k for k, t in enumerate(trap.tensors) if not masks[i] >> k & 1 and t.nbytes > 0}
-            for size, k in inside.items():
-                for gain, other in [(size, -1)] + [(size - o, ko) for o, ko in outside.items() if o < size]:
-                    left = per[i] - gain
-                    n_now = n_off - (left == 0)
-                    now_blocks = effective_blocks(count, inp.min_blocks, n_now) if n_now else 0
-                    if base_total - off + gain + now_blocks * max(others_max, left) > budget or evaluations <= 0:
-                        continue
-                    evaluations -= 1
-                    if now_blocks == blocks:
-                        overhead = trace.with_change(i, left)
-                    else:
-                        per[i] = left
-                        overhead = simulate_bytes(inp, per, max(now_blocks, 1))
-                        per[i] += gain
-                    key = (overhead, -gain)
-                    if overhead <= current and (best is None or key < best[0]):
-                        best = (key, i, k, other)
+            per_i = per[i]
+            for gain, k, other in moves(i):
+                left = per_i - gain
+                now_blocks = fewer_blocks if left == 0 else kept_blocks
+                if gain + now_blocks * (others_max if others_max >= left else left) > room:
+                    continue
+                if evaluations <= 0:
+                    break
+                evaluations -= 1
+                if now_blocks == blocks:
+                    overhead = trace.with_change(i, left)
+                else:
+                    per[i] = left
+                    overhead = simulate_bytes(inp, per, max(now_blocks, 1))
+                    per[i] += gain
+                key = (overhead, -gain)
+                if overhead <= current and (best is None or key < best[0]):
+                    best = (key, i, k, other)
         if best is None:
             break
         (_, neg_gain), i, k, other = best
