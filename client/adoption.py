@@ -73,7 +73,7 @@ def layouts_from_state(state: TensorManagerState) -> list[BlockLayout]:
         numel = 1
         for size in t.shape:
             numel *= size
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if t.nbytes != numel * itemsize:
             raise ValueError(f"offloaded tensor {t.name!r}: nbytes {t.nbytes} != numel {numel} x itemsize {itemsize}")
         if len(t.stride) != len(t.shape) or any(s < 0 for s in t.stride):

@@ -132,7 +132,7 @@ def pack_block(index: int, label: str, tensors: Iterable[tuple[str, torch.dtype,
         numel = 1
         for size in shape:
             numel *= int(size)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         placements.append(TensorPlacement(name, dtype, tuple(int(s) for s in shape), tuple(int(s) for s in stride),
                                           offset, nbytes))
         offset = _align(offset + nbytes)

@@ -98,7 +98,9 @@ class BlockLoader:
         self.slot_bytes = max((layout.nbytes for layout in self.layouts), default=0)
         self.num_slots = slot_count(num_slots, len(self.schedule)) if self.layouts else 0
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
-        self._host_views = [[block_view(h, p) for p in layout.tensors] for layout, h in zip(self.layouts, self.host_blocks)]
+        # Host views are only read by per-tensor copies (transfer_mode="strategy"); built on first use, since a
+        # view per tensor costs a few microseconds each and a shared-session follower's adoption waits for them.
+        self._host_views: dict[int, list[torch.Tensor]] = {}
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         L = len(self.schedule)
         self._depth = max(0, min(self.num_slots - 1, L - 1))
@@ -124,7 +126,11 @@ class BlockLoader:
     # -- views ---------------------------------------------------------------------------------------------------
     def host_views(self, block: int) -> list[torch.Tensor]:
         """Zero-copy host views of block ``block``'s tensors (layout order)."""
-        return self._host_views[block]
+        views = self._host_views.get(block)
+        if views is None:
+            views = [block_view(self.host_blocks[block], p) for p in self.layouts[block].tensors]
+            self._host_views[block] = views
+        return views
 
     def _device_views(self, block: int, slot: int) -> list[torch.Tensor]:
         key = (block, slot)
@@ -166,7 +172,7 @@ class BlockLoader:
             with torch.cuda.stream(side):
                 span = timing.start_span(side) if timing is not None else None
                 if self.per_tensor:
-                    for dst, src in zip(self._device_views(block, slot), self._host_views[block]):
+                    for dst, src in zip(self._device_views(block, slot), self.host_views(block)):
                         dst.copy_(src, non_blocking=True)
                 else:
                     self.slots[slot].narrow(0, 0, layout.nbytes).copy_(host.narrow(0, 0, layout.nbytes),
@@ -177,7 +183,7 @@ class BlockLoader:
         else:
             span = timing.start_span() if timing is not None else None
             if self.per_tensor:
-                for dst, src in zip(self._device_views(block, slot), self._host_views[block]):
+                for dst, src in zip(self._device_views(block, slot), self.host_views(block)):
                     dst.copy_(src)
             else:
                 self.slots[slot].narrow(0, 0, layout.nbytes).copy_(host.narrow(0, 0, layout.nbytes))
