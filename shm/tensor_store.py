@@ -281,11 +281,32 @@ class SharedTensorStore:
 
     def copies_on(self, device: Any) -> dict[str, "torch.Tensor"]:
         """Every published record copied to ``device``, by record name: made ahead (e.g. on a thread while the
-        model is built) and handed to :meth:`materialize`."""
+        model is built) and handed to :meth:`materialize`.
+
+        One copy of the bytes every record spans, then one view per record (same dtype, shape, strides and
+        relative placement as in the segment), rather than one copy per record: each copy from unregistered
+        memory makes the calling thread wait, and each call between them needs the GIL, which the model factory
+        running beside the attach thread holds most of the time. The records then share one device allocation.
+        """
         import torch
 
+        self._check_open()
         device = torch.device(device)
-        return {record.name: self.tensor(record).to(device, copy=True) for record in self.manifest.tensors}
+        spans = []
+        for record in self.manifest.tensors:
+            itemsize = DTYPE_SIZES[record.dtype]
+            start = record.byte_offset + record.storage_offset * itemsize
+            spans.append((record, start, span_bytes(record.shape, record.stride, 0, itemsize)))
+        if not spans:
+            return {}
+        low = min(start for _, start, _ in spans)
+        high = max(start + nbytes for _, start, nbytes in spans)
+        whole = self._segment.tensor(torch.uint8, (high - low,), offset=low).to(device, copy=True)
+        return {
+            record.name: whole.narrow(0, start - low, nbytes).view(_torch_dtype(record.dtype))
+            .as_strided(record.shape, record.stride)
+            for record, start, nbytes in spans
+        }
 
     def materialize(self, model: Any, device: Any = "cpu", *, copies: dict[str, "torch.Tensor"] | None = None) -> None:
         """Install every published tensor into ``model`` on ``device`` (all checks happen before any change).

@@ -91,6 +91,34 @@ def test_copies_made_ahead_are_installed_as_they_are_and_must_be_on_the_target_d
         store.close()
 
 
+def test_copies_are_one_transfer_viewed_per_record_with_the_records_strides(ns: str) -> None:
+    """The attach thread copies the store's bytes once; each record is a view of that one copy, with the dtype,
+    shape and strides it was published with (mixed dtypes and alignments, a transposed weight, an empty buffer)."""
+
+    class Mixed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(12, dtype=torch.float32).reshape(3, 4).t())  # strides (1, 4)
+            self.register_buffer("ids", torch.arange(5, dtype=torch.int64))
+            self.register_buffer("empty", torch.zeros(0, 3, dtype=torch.bfloat16))
+            self.h = torch.nn.Parameter(torch.linspace(-1, 1, 7).to(torch.bfloat16))
+
+    source = Mixed()
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        store = SharedTensorStore.create_from_model(ns, source, shm_owner=creator.memory_owner)
+        copies = store.copies_on("cpu")
+        published = store.tensors()
+        assert all(copies[n].stride() == published[n].stride() for n in copies)
+        assert torch.equal(copies["w"], source.w)
+        assert torch.equal(copies["ids"], source.ids) and torch.equal(copies["h"], source.h)
+        assert copies["empty"].shape == (0, 3) and copies["empty"].dtype == torch.bfloat16
+        storages = {t.untyped_storage().data_ptr() for t in copies.values() if t.numel()}
+        assert len(storages) == 1  # one allocation for every record
+        assert all(copies[n].data_ptr() != v.data_ptr() for n, v in published.items() if copies[n].numel())
+        del copies, published
+        store.close()
+
+
 def test_attach_from_another_process_sees_identical_bytes(ns: str) -> None:
     source = _model(seed=3)
     expected = {k: v.double().sum().item() for k, v in source.state_dict().items()}
