@@ -269,7 +269,7 @@ class TimingCollector:
     def __init__(self, use_cuda: bool, device: Any = None) -> None:
         self.use_cuda = use_cuda
         # Spans opened without a stream record on the device's current stream, looked up cheaply.
-        self._current = CurrentStream(device) if use_cuda and device is not None else None
+        self._stream_now = CurrentStream(device) if use_cuda and device is not None else None
         self._passes: list[list[_PendingRecord]] = []
         self._current: list[_PendingRecord] | None = None
         self._record: _PendingRecord | None = None
@@ -288,7 +288,7 @@ class TimingCollector:
         if self.use_cuda:
             span.start = self._event()
             span.end = self._event()
-            span.start.record(stream if stream is not None or self._current is None else self._current())
+            span.start.record(stream if stream is not None or self._stream_now is None else self._stream_now())
         else:
             span.seconds = time.perf_counter()
         return span
@@ -326,7 +326,7 @@ class TimingCollector:
 
     def end_span(self, span: _Span, stream: Any = None) -> None:
         if self.use_cuda:
-            span.end.record(stream if stream is not None or self._current is None else self._current())
+            span.end.record(stream if stream is not None or self._stream_now is None else self._stream_now())
         else:
             span.seconds = time.perf_counter() - span.seconds
 

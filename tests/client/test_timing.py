@@ -115,15 +115,16 @@ def test_cuda_spans_read_in_one_wait_even_when_one_is_on_a_busy_stream():
     from flextensor.timing import TimingCollector
 
     clock = TimingCollector(True, torch.device("cuda"))
-    busy = torch.cuda.Stream()
+    busy, other = torch.cuda.Stream(), torch.cuda.Stream()  # not the legacy default stream, which waits for both
     spans = []
     with torch.cuda.stream(busy):
         spans.append(clock.start_span())
         torch.cuda._sleep(200_000_000)  # well over 50 ms on any current GPU: still running when read
         clock.end_span(spans[-1])
-    spans.append(clock.start_span())
-    torch.ones(1, device="cuda").add_(1)
-    clock.end_span(spans[-1])
+    with torch.cuda.stream(other):
+        spans.append(clock.start_span())
+        torch.ones(1, device="cuda").add_(1)
+        clock.end_span(spans[-1])
     ms = clock.read_ms(spans)
     assert ms[0] > 20 and 0 <= ms[1] < ms[0]
     assert ms == [span.ms() for span in spans]
