@@ -524,13 +524,11 @@ def device_block_allowance(group: dict, device: str) -> int:
 def resident_copy_on_critical_path(worker: dict) -> float:
     """What the goal excludes: the part of the follower's wall time spent on resident copies to the GPU.
 
-    The follower copies them on its attach thread while the model factory runs (``flextensor.attach_prefetch``);
-    only the device-block allocations and the stream pool come after the copy on that thread. So of the time the
-    session waited for the thread, what is left after those, and no more than the copy took, is copy time on the
-    critical path."""
+    The follower copies them on its attach thread while the model factory runs (``flextensor.attach_prefetch``),
+    as the thread's last step. So of the time the session waited for the thread after the factory, no more than
+    the copy took is copy time on the critical path."""
     steps = worker["steps"]
-    after_copy = steps.get("prefetch_slots", 0.0) + steps.get("prefetch_streams", 0.0)
-    return min(max(0.0, steps["prefetch_wait"] - after_copy), steps.get("prefetch_resident", 0.0))
+    return min(steps["prefetch_wait"], steps.get("prefetch_resident", 0.0))
 
 
 def ms(seconds: float | None) -> str:

@@ -16,11 +16,11 @@ Ordering and ownership
 ----------------------
 1. ``start()``: the thread checks that every host block of the plan names this generation's arena (a plan from
    another namespace or generation is refused), attaches the store, maps the arena, then, on a CUDA device,
-   copies every store record to the device and synchronizes its own stream, so the copies are complete before
-   anyone can read them, whatever stream the caller uses; allocates and frees the loader's rotating device
-   blocks, which leaves them in PyTorch's caching allocator for the adoption to take (``cudaMalloc`` calls are
-   slow while other followers register their blocks); and last creates PyTorch's pool of side streams, from
-   which the loader takes its copy stream.
+   allocates and frees the loader's rotating device blocks, which leaves them in PyTorch's caching allocator
+   for the adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks),
+   creates PyTorch's pool of side streams, from which the loader takes its copy stream, and last copies every
+   store record to the device (:meth:`SharedTensorStore.copies_on`: one transfer) and synchronizes its own
+   stream, so the copies are complete before anyone can read them, whatever stream the caller uses.
 2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
    everything it opened, *also when it failed or the factory failed*: the caller
    (``SharedOffloadSession._attach``) puts the store and the arena into the manager's share first, so the
@@ -28,8 +28,8 @@ Ordering and ownership
    left without an owner.
 3. The thread never touches the model or the manager; it only reads the publication.
 
-``timings`` reports seconds per part on the thread (``store``, ``blocks``, ``resident``, ``slots``, ``streams``)
-for ``session.report()``.
+``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``streams``,
+``resident``), for ``session.report()``.
 """
 
 from __future__ import annotations
@@ -111,25 +111,26 @@ class FollowerPrefetch:
             self.timings["blocks"] = blocks_done - opened
             if self._stream is not None:
                 torch.cuda.set_device(self._device)
-                with torch.cuda.stream(self._stream):
-                    self.device_copies = self.store.copies_on(self._device)
-                    done = torch.cuda.Event()
-                    done.record(self._stream)
-                done.synchronize()  # the copies are complete before any stream reads them
-                copied = time.monotonic()
-                self.timings["resident"] = copied - blocks_done
                 slot_bytes = max((b.nbytes for b in self._blocks), default=0)
                 with torch.cuda.stream(self._stream):
                     cached = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device)
                               for _ in range(self._slots)]
                     del cached  # freed into PyTorch's cache, where the loader's same-sized allocations find them
                 slotted = time.monotonic()
-                self.timings["slots"] = slotted - copied
+                self.timings["slots"] = slotted - blocks_done
                 # The loader's copy stream comes from PyTorch's per-device stream pool, which creates all of its
                 # streams on first use (tens of cudaStreamCreate; 35 ms measured while other followers register
                 # their blocks): take one now, so the pool exists when the adoption asks for its stream.
                 torch.cuda.Stream(device=self._device)
-                self.timings["streams"] = time.monotonic() - slotted
+                pooled = time.monotonic()
+                self.timings["streams"] = pooled - slotted
+                # Last, the one long step (a copy from unregistered memory; the GIL is released meanwhile).
+                with torch.cuda.stream(self._stream):
+                    self.device_copies = self.store.copies_on(self._device)
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+                done.synchronize()  # the copies are complete before any stream reads them
+                self.timings["resident"] = time.monotonic() - pooled
         except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()
             self.error = exc
 

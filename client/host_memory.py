@@ -74,6 +74,7 @@ __all__ = [
     "PROGRESS_INTERVAL_S",
     "pack_block",
     "block_view",
+    "block_views",
     "packed_stride",
 ]
 
@@ -143,6 +144,29 @@ def block_view(block: torch.Tensor, placement: TensorPlacement) -> torch.Tensor:
     """The tensor ``placement`` describes, as a zero-copy view into the uint8 ``block`` (host or device)."""
     raw = block.narrow(0, placement.byte_offset, placement.nbytes)
     return raw.view(placement.dtype).as_strided(placement.shape, placement.stride)
+
+
+def block_views(block: torch.Tensor, placements: Sequence[TensorPlacement]) -> list[torch.Tensor]:
+    """``[block_view(block, p) for p in placements]`` in a third of the torch calls.
+
+    One typed view of the block per dtype, then one ``as_strided`` per tensor at its element offset, instead of
+    ``narrow`` + ``view`` + ``as_strided`` each: adopting a plan makes a host and a device view of every streamed
+    tensor (hundreds), and each torch call costs microseconds of dispatch. ``as_strided`` checks only the
+    storage's bounds, so each placement is checked against the block here (``ValueError``).
+    """
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    size = block.numel()
+    out = []
+    for p in placements:
+        itemsize = p.dtype.itemsize
+        if p.byte_offset < 0 or p.byte_offset + p.nbytes > size or p.byte_offset % itemsize:
+            raise ValueError(f"tensor {p.name!r} at bytes [{p.byte_offset}, {p.byte_offset + p.nbytes}) does not fit "
+                             f"(aligned for {p.dtype}) in a block of {size} bytes")
+        base = typed.get(p.dtype)
+        if base is None:
+            base = typed[p.dtype] = block.narrow(0, 0, size - size % itemsize).view(p.dtype)
+        out.append(base.as_strided(p.shape, p.stride, base.storage_offset() + p.byte_offset // itemsize))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

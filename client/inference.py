@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from flextensor.deferred_build import can_defer, defer_inference
-from flextensor.host_memory import (ALIGN, BlockLayout, FillProgress, HostBlock, block_view, make_provider, pack_block,
+from flextensor.host_memory import (ALIGN, BlockLayout, FillProgress, HostBlock, block_views, make_provider, pack_block,
                                     packed_stride)
 from flextensor.loader import BlockLoader
 from flextensor.traps import assign_data
@@ -188,9 +188,8 @@ def build_inference(
             assert m._provider is not None
             block = m._provider.allocate(layout.index, layout.nbytes)
         blocks.append(block)
-        for placement in layout.tensors:
+        for placement, view in zip(layout.tensors, block_views(block.tensor, layout.tensors)):
             tensor = m._tensors[placement.name].tensor
-            view = block_view(block.tensor, placement)
             if not block.prefilled:
                 source = _lookup_weight(m, placement.name, weights) if tensor.is_meta else tensor.data
                 view.copy_(source)

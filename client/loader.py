@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from flextensor.host_memory import BlockLayout, block_view
+from flextensor.host_memory import BlockLayout, block_views
 from flextensor.timing import CurrentStream, TimingCollector
 
 __all__ = ["BlockLoader"]
@@ -128,7 +128,7 @@ class BlockLoader:
         """Zero-copy host views of block ``block``'s tensors (layout order)."""
         views = self._host_views.get(block)
         if views is None:
-            views = [block_view(self.host_blocks[block], p) for p in self.layouts[block].tensors]
+            views = block_views(self.host_blocks[block], self.layouts[block].tensors)
             self._host_views[block] = views
         return views
 
@@ -136,7 +136,7 @@ class BlockLoader:
         key = (block, slot)
         views = self._views.get(key)
         if views is None:
-            views = [block_view(self.slots[slot], p) for p in self.layouts[block].tensors]
+            views = block_views(self.slots[slot], self.layouts[block].tensors)
             self._views[key] = views
         return views
 

@@ -327,3 +327,25 @@ def test_cuda_loader_overlaps_without_syncs():
     assert steady.total_transfer_ms > 0
     assert steady.total_wait_ms < 0.25 * steady.total_transfer_ms, ft.format_offload_timing_table(steady)
     loader.close()
+
+
+def test_block_views_equal_block_view_for_every_placement():
+    """One typed view per dtype + as_strided gives the very views narrow/view/as_strided gives, for a block that
+    starts inside a larger storage and for transposed and empty tensors; a placement outside is refused."""
+    from flextensor.host_memory import TensorPlacement, block_view, block_views
+
+    layout = pack_block(0, "t", [("a", torch.float32, (3, 4), (1, 3)), ("b", torch.bfloat16, (5,), (1,)),
+                                 ("c", torch.int64, (0, 2), (2, 1)), ("d", torch.float16, (2, 3), (3, 1))])
+    storage = torch.arange(layout.nbytes + 512, dtype=torch.int64).remainder(251).to(torch.uint8)
+    for block in (storage.narrow(0, 0, layout.nbytes), storage.narrow(0, 256, layout.nbytes)):
+        fast = block_views(block, layout.tensors)
+        for placement, view in zip(layout.tensors, fast):
+            slow = block_view(block, placement)
+            assert (view.dtype, view.shape, view.stride(), view.data_ptr()) == \
+                   (slow.dtype, slow.shape, slow.stride(), slow.data_ptr()), placement.name
+            assert torch.equal(view, slow)
+    outside = TensorPlacement("x", torch.float32, (4,), (1,), layout.nbytes - 8, 16)
+    misaligned = TensorPlacement("y", torch.float32, (2,), (1,), 2, 8)
+    for bad, name in ((outside, "'x' at bytes"), (misaligned, "'y' at bytes")):
+        with pytest.raises(ValueError, match=name):
+            block_views(storage.narrow(0, 0, layout.nbytes), [bad])
