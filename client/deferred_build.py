@@ -21,7 +21,9 @@ Sequence and threads
 1. Main thread, at the switch (:func:`defer_inference`): the tensors that stay resident keep their warm-up copy
    (committed); the streamed ones keep theirs too for now, and their host data (the staged originals, pinned in
    place) is handed to the build. Phase := INFERENCE with no loader and no block map, so traps run on the
-   device data they hold.
+   device data they hold. The build thread starts when the first INFERENCE pass begins (or when something
+   waits for the blocks): started inside the last PROFILING pass, its first pinned allocations held that pass
+   up in the driver, and a process that only profiles and saves never needs the blocks' memory that soon.
 2. Build thread (``ft-host-blocks``), :class:`HostBlockBuild`: reserve every block size with the provider, then
    block by block: allocate, copy each tensor from its host data, drop those sources and release their staging
    registration (so host RAM holds the originals and the blocks for about one arena at a time, as in the
@@ -82,21 +84,33 @@ class HostBlockBuild:
         self._cancel = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ft-host-blocks", daemon=True)
 
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     def start(self) -> HostBlockBuild:
-        self._thread.start()
+        """Start the build thread (idempotent)."""
+        if not self.started:
+            self._thread.start()
         return self
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        """Started and finished (built, failed or cancelled)."""
+        return self.started and not self._thread.is_alive()
 
     def wait(self) -> None:
+        """Start the build if nobody did yet, and wait for it."""
+        self.start()
         self._thread.join()
 
     def cancel(self) -> None:
-        """Stop after the block in flight and join (release during the build)."""
+        """Stop after the block in flight and join (release during the build); a build never started never runs."""
         self._cancel.set()
-        self._thread.join()
+        if self.started:
+            self._thread.join()
+        else:
+            self._sources = []
 
     def _run(self) -> None:
         start = time.monotonic()
@@ -160,9 +174,8 @@ def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: l
     m._deferred_plan = (layouts, list(schedule), num_slots, streamed)
     m._sequence = list(schedule)
     m._phase = Phase.INFERENCE
-    m._deferred.start()
     logger.debug("manager %r: INFERENCE starts resident (%d bytes committed); %d host blocks build in the "
-                 "background", m.name, kept, len(layouts))
+                 "background from the first inference pass", m.name, kept, len(layouts))
 
 
 def install_deferred(m: "OffloadManager") -> None:

@@ -73,6 +73,11 @@ from flextensor.timing import OffloadTimingReport, TimingCollector
 from flextensor.traps import Trap, UsageRecorder, WarmLoader
 from flextensor.warmup import WarmupDecision, choose_warmup
 
+# The modules the switch to INFERENCE uses are imported with the manager: imported on first use, they were
+# loaded inside the last PROFILING pass of a process's first model (milliseconds the profile phase should not pay).
+import flextensor.inference  # noqa: E402,F401  (plan_inference, build_inference, deferred_build)
+import flextensor.strategies  # noqa: E402,F401  (AdaptiveStrategy, plan_model, basic_strategies)
+
 __all__ = ["OffloadManager", "Phase", "GPUMemoryUsage", "compute_device"]
 
 logger = logging.getLogger(__name__)

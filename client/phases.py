@@ -156,10 +156,13 @@ class PhaseMixin:
             self._recorder.current = OUTSIDE
             self._recorder.__enter__()
         elif self._phase is Phase.INFERENCE:
-            if self._deferred is not None and self._deferred.done:  # host blocks ready: stream from this pass on
-                from flextensor.deferred_build import install_deferred
+            if self._deferred is not None:
+                if not self._deferred.started:  # the first inference pass: host blocks build behind it from now
+                    self._deferred.start()
+                elif self._deferred.done:  # host blocks ready: stream from this pass on
+                    from flextensor.deferred_build import install_deferred
 
-                install_deferred(self)  # type: ignore[arg-type]
+                    install_deferred(self)  # type: ignore[arg-type]
             if self._timing is not None and self._deferred is None:  # passes before the switch stream nothing
                 self._timing.begin_pass()
 

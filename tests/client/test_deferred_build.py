@@ -125,6 +125,28 @@ def test_inference_starts_resident_then_streams_from_the_next_pass_after_the_bui
     assert same(reference(model, ids), ref)
 
 
+def test_the_build_starts_with_the_first_inference_pass_not_inside_the_last_profiling_pass(provider_wrap):
+    """Its first pinned allocations would hold the last profiling pass up in the driver; and a model released
+    right after profiling never allocates host blocks at all."""
+    made = provider_wrap()
+    model, before, ids, ref, om = _profiled_resident()
+    assert om.phase is Phase.INFERENCE and not om._deferred.started and made[0].allocated == []
+    assert not any(t.name == "ft-host-blocks" for t in threading.enumerate())
+    with torch.no_grad():
+        assert same(model(ids), ref)  # resident; the build runs behind it from now on
+    assert om._deferred.started
+    om.wait_for_host_blocks()
+    assert made[0].allocated == list(range(len(om._layouts)))
+    ft.release()
+
+    made = provider_wrap()
+    model, before, ids, ref, om = _profiled_resident()
+    ft.release()  # straight after profiling: nothing was built
+    assert made[-1].allocated == [] and made[-1].closed
+    after = snapshot(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_reports_and_state_wait_for_the_build(provider_wrap):
     provider_wrap(delay=0.05)
     model, _before, ids, ref, om = _profiled_resident()
