@@ -151,6 +151,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._warm_pending: list[str] = []  # resident warm-up: names to copy at the start of the first pass
         self._warm_events: list[tuple[int, Any, Any]] = []  # resident warm-up copies per trap: (bytes, start, end)
         self._warm_ready: dict[str | None, Any] = {}  # trap label -> event of its overlapped warm-up copy
+        self._warm_settled: dict[str, int] = {}  # trap label -> WarmLoader.removals when all its tensors were kept
         self._warm_last: Any = None  # the last overlapped warm-up copy's event (orders everything after the pass)
         self._deferred: Any = None  # a HostBlockBuild running behind resident inference (flextensor.deferred_build)
         self._deferred_plan: Any = None
@@ -324,6 +325,7 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self.model = model
         self._device = self._compute_device()
         self._warm = WarmLoader(self._device)
+        self._warm_settled = {}
         self._tensors = tensors
         self._orig_device = {n: e.tensor.device for n, e in tensors.items()}
         self._compile_fn = compile_fn

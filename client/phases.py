@@ -78,6 +78,7 @@ class PhaseMixin:
     _recorder: "UsageRecorder | None"
     _warm: "WarmLoader"
     _warm_pending: list[str]
+    _warm_settled: dict[str, int]
     _warm_ready: dict[str | None, Any]
     _warm_last: Any
     _staging: "PinnedStaging"
@@ -273,7 +274,11 @@ class PhaseMixin:
             elif phase is Phase.PROFILING:
                 if self._warm_ready:  # the first pass after an overlapped preload: wait for this trap's copy
                     self._wait_warm_copy(trap.label)
-                self._warm.load(self._tensor_objs(self._exclusive.get(trap.label, ())))
+                warm = self._warm
+                if self._warm_settled.get(trap.label) != warm.removals:
+                    warm.load(self._tensor_objs(self._exclusive.get(trap.label, ())))
+                    if warm.keep and not warm.active:  # all of this trap's tensors hold kept copies: from now on,
+                        self._warm_settled[trap.label] = warm.removals  # skip the per-call check until one is given up
                 if not self._suspend:
                     self._pass_sequence.append(trap.label)
                     assert self._clock is not None

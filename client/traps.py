@@ -215,6 +215,9 @@ class WarmLoader:
         self.copies = 0
         self.copied_bytes = 0
         self.fell_back = False
+        #: Counts every time kept copies were given up (restore, commit, detach, fall-back): a caller that saw a
+        #: trap's tensors all kept at one value may skip :meth:`load` for that trap while it is unchanged.
+        self.removals = 0
 
     # ------------------------------------------------------------------------------------------------ copies
     def _needs_copy(self, tensor: torch.Tensor) -> bool:
@@ -280,6 +283,7 @@ class WarmLoader:
 
     # ------------------------------------------------------------------------------------------------ kept copies
     def _take(self, tensors: Iterable[torch.Tensor] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.removals += 1
         if tensors is None:
             taken = list(self._kept.values())
             self._kept.clear()
@@ -306,6 +310,7 @@ class WarmLoader:
         if missing:
             raise RuntimeError(f"{len(missing)} tensor(s) have no kept warm-up copy to detach")
         hosts = []
+        self.removals += 1
         for tensor in tensors:
             _tensor, host = self._kept.pop(id(tensor))
             self.same_device_copies.discard(id(tensor))
@@ -319,6 +324,7 @@ class WarmLoader:
         return sum(t.data.numel() * t.data.element_size() for t, _host in taken)
 
     def _fall_back(self, exc: BaseException) -> None:
+        self.removals += 1
         kept = self.restore()
         self.keep = False
         self.fell_back = True

@@ -282,6 +282,32 @@ def test_resident_copies_happen_before_every_timing_window():
     assert all(len(v) == 3 for v in om.profiling_durations.values())  # no pass excluded
 
 
+def test_resident_profiling_checks_a_trap_once_then_skips_the_load_until_a_copy_is_given_up():
+    """Once every tensor of a trap holds its kept copy, later PROFILING calls of that trap skip the loader (a
+    per-trap check that cost a few microseconds per tensor on every pass)."""
+    model = mlp_stack()
+    x = torch.randn(2, 16, device=DEVICE)
+    ref = reference(model, x)
+    om = _offload(model, cpu_config(load_strategy=ALL, skip_discovery=True, profiling_iters=4), "resident")
+    loads: list[int] = []
+    real_load = om._warm.load
+    om._warm.load = lambda tensors: (loads.append(len(list(tensors))), real_load(tensors))[1]
+    per_pass = []
+    with torch.no_grad():
+        for _ in range(3):
+            before = len(loads)
+            assert same(model(x), ref)
+            per_pass.append(len(loads) - before)
+    assert per_pass == [len(om._traps), 0, 0]
+    om._warm.commit(om._tensor_objs(om._exclusive[next(iter(om._traps))]))  # a trap's copies are given up...
+    with torch.no_grad():
+        before = len(loads)
+        assert same(model(x), ref)
+    assert len(loads) - before == len(om._traps)  # ...so every trap is checked again, once
+    _run(model, x, ref, om)
+    ft.release()
+
+
 def test_resident_kept_across_passes_freed_before_blocks_and_reused_when_resident(monkeypatch):
     model = tiny_transformer()
     ids = token_ids().to(DEVICE)
