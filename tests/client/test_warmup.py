@@ -268,12 +268,19 @@ def test_engine_exact_in_both_modes(case, mode):
     assert same(reference(model, x), ref)
 
 
-def test_resident_copies_happen_before_every_timing_window():
-    """skip_discovery: the first PROFILING pass is timed too, so the one sweep must precede its first trap."""
+def _resident_mlp_without_discovery(profiling_iters: int):
+    """An MLP stack offloaded with a resident warm-up and DISCOVERY skipped: (model, input, reference, manager)."""
     model = mlp_stack()
     x = torch.randn(2, 16, device=DEVICE)
     ref = reference(model, x)
-    om = _offload(model, cpu_config(load_strategy=ALL, skip_discovery=True, profiling_iters=3), "resident")
+    om = _offload(model, cpu_config(load_strategy=ALL, skip_discovery=True, profiling_iters=profiling_iters),
+                  "resident")
+    return model, x, ref, om
+
+
+def test_resident_copies_happen_before_every_timing_window():
+    """skip_discovery: the first PROFILING pass is timed too, so the one sweep must precede its first trap."""
+    model, x, ref, om = _resident_mlp_without_discovery(3)
     counts: list[int] = []
     start_span = om._clock.start_span
     om._clock.start_span = lambda: (counts.append(om._warm.copies), start_span())[1]
@@ -285,10 +292,7 @@ def test_resident_copies_happen_before_every_timing_window():
 def test_resident_profiling_checks_a_trap_once_then_skips_the_load_until_a_copy_is_given_up():
     """Once every tensor of a trap holds its kept copy, later PROFILING calls of that trap skip the loader (a
     per-trap check that cost a few microseconds per tensor on every pass)."""
-    model = mlp_stack()
-    x = torch.randn(2, 16, device=DEVICE)
-    ref = reference(model, x)
-    om = _offload(model, cpu_config(load_strategy=ALL, skip_discovery=True, profiling_iters=4), "resident")
+    model, x, ref, om = _resident_mlp_without_discovery(4)
     loads: list[int] = []
     real_load = om._warm.load
     om._warm.load = lambda tensors: (loads.append(len(list(tensors))), real_load(tensors))[1]
