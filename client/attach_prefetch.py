@@ -113,6 +113,9 @@ class FollowerPrefetch:
                 torch.cuda.set_device(self._device)
                 slot_bytes = max((b.nbytes for b in self._blocks), default=0)
                 with torch.cuda.stream(self._stream):
+                    # The resident copies' buffer first: allocated after the cached device blocks, it could be
+                    # carved out of one of them, and the loader would have to allocate that block again.
+                    resident = self.store.device_buffer(self._device)
                     cached = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device)
                               for _ in range(self._slots)]
                     del cached  # freed into PyTorch's cache, where the loader's same-sized allocations find them
@@ -126,7 +129,7 @@ class FollowerPrefetch:
                 self.timings["streams"] = pooled - slotted
                 # Last, the one long step (a copy from unregistered memory; the GIL is released meanwhile).
                 with torch.cuda.stream(self._stream):
-                    self.device_copies = self.store.copies_on(self._device)
+                    self.device_copies = self.store.copies_on(self._device, buffer=resident)
                     done = torch.cuda.Event()
                     done.record(self._stream)
                 done.synchronize()  # the copies are complete before any stream reads them

@@ -226,7 +226,8 @@ class SharedOffloadSession:
         owner = coordinator.memory_owner
         try:
             state = read_profile(profile_dir)
-            block_bytes = sum(b.nbytes for b in state.blocks)
+            sizes = [b.nbytes for b in sorted(state.blocks, key=lambda b: b.index)]
+            block_bytes = arena_layout(sizes).total  # what the arena occupies: blocks + page padding
             resident_bytes = sum(t.nbytes for t in state.tensors if not t.offloaded)
             check_shm_capacity(share.namespace, block_bytes + resident_bytes)
             pin = cfg.pinned_memory and torch.cuda.is_available()
@@ -236,9 +237,8 @@ class SharedOffloadSession:
                     logger.warning("session %s: %s", share.namespace, shortfall)
             # The blocks' pages are allocated while the checkpoint loads: allocating tmpfs pages, not copying into
             # them, is what makes publishing slow (see flextensor.shm.owner, "Segments made ahead").
-            if state.blocks:
-                sizes = [b.nbytes for b in sorted(state.blocks, key=lambda b: b.index)]
-                owner.prepare_segments({ARENA_KIND: arena_layout(sizes).total})
+            if sizes:
+                owner.prepare_segments({ARENA_KIND: block_bytes})
             t0 = time.monotonic()
             model = factory()
             if not isinstance(model, nn.Module):
@@ -304,7 +304,7 @@ class SharedOffloadSession:
             share.store.materialize(model, device, copies=prefetch.device_copies)
         sizes = [b.nbytes for b in sorted(state.blocks, key=lambda b: b.index)]
         host_blocks = SharedBlockAllocator.views(share.segments[0], sizes) if sizes else []
-        share.shared_bytes = sum(sizes) + share.store.nbytes
+        share.shared_bytes = (arena_layout(sizes).total if sizes else 0) + share.store.nbytes
         gate = None
         if cfg.pinned_memory and torch.cuda.is_available() and sizes:
             # Registration runs behind the follower's return and first forward, block by block in schedule

@@ -152,10 +152,12 @@ class BackgroundPinner:
                 self._events[block].set()
         except BaseException as exc:  # noqa: BLE001 - reported once, copies fall back to pageable memory
             self.error = exc
-            logger.warning("%sregistering the shared host blocks with CUDA stopped after %d of %d blocks: %s. "
-                           "The rest are copied from pageable memory (correct, slower); raise `ulimit -l` or "
-                           "set pinned_memory=False", f"{self._label}: " if self._label else "", self.pinned_blocks,
-                           len(self._order), exc)
+            remedy = ("if the driver refused, raise `ulimit -l` or set pinned_memory=False"
+                      if isinstance(exc, RuntimeError) else "this is a flextensor bug: please report it")
+            logger.warning("%sregistering the shared host blocks with CUDA stopped after %d of %d blocks: %s: %s. "
+                           "The rest are copied from pageable memory (correct, slower); %s",
+                           f"{self._label}: " if self._label else "", self.pinned_blocks, len(self._order),
+                           type(exc).__name__, exc, remedy)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             self.elapsed_s = time.monotonic() - start

@@ -11,7 +11,7 @@ the last participant has one name to unlink.
 Layout (``/{ns}.g{gen}.h``, made by the generation's creator through its ``ShmOwner``, so journaled before it
 exists and unlinked by the last participant)::
 
-    block 0 at offset 0, block i at offset_(i-1) + nbytes_(i-1) rounded up to ARENA_ALIGN (4 KiB)
+    block 0 at offset 0, block i at offset_(i-1) + nbytes_(i-1) rounded up to ARENA_ALIGN (4 KiB or the page)
     size: the end of the last block, rounded up to ARENA_ALIGN
 
 The layout is a pure function of the block sizes in index order (:func:`arena_layout`), which every participant
@@ -23,6 +23,7 @@ the padding is less than ``ARENA_ALIGN`` bytes per block.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -36,8 +37,10 @@ __all__ = ["ARENA_ALIGN", "ARENA_KIND", "ArenaLayout", "SharedBlockAllocator", "
 
 #: Resource kind of the arena segment (``/{ns}.g{gen}.h``).
 ARENA_KIND = "h"
-#: Every block starts on a page boundary (pinning is per page; see the module docstring).
-ARENA_ALIGN = 4096
+#: Every block starts on a page boundary (pinning is per page; see the module docstring). The host's page size
+#: where it is larger (64 KiB on some aarch64 kernels); every participant runs on the same host, so all of them
+#: compute the same layout.
+ARENA_ALIGN = max(4096, mmap.PAGESIZE)
 
 
 @dataclass(frozen=True)

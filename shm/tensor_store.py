@@ -279,34 +279,64 @@ class SharedTensorStore:
                         f"{where} has shape {tuple(record.shape)} in the store but {tuple(reg.tensor.shape)} in this model"
                     )
 
-    def copies_on(self, device: Any) -> dict[str, "torch.Tensor"]:
-        """Every published record copied to ``device``, by record name: made ahead (e.g. on a thread while the
-        model is built) and handed to :meth:`materialize`.
-
-        One copy of the bytes every record spans, then one view per record (same dtype, shape, strides and
-        relative placement as in the segment), rather than one copy per record: each copy from unregistered
-        memory makes the calling thread wait, and each call between them needs the GIL, which the model factory
-        running beside the attach thread holds most of the time. The records then share one device allocation.
-        """
-        import torch
-
-        self._check_open()
-        device = torch.device(device)
+    def _record_spans(self) -> tuple[list[tuple[TensorRecord, int, int]], int, int]:
+        """(record, first byte, bytes spanned) per record, and the byte range covering all of them; the range
+        starts 256-aligned so each record keeps its alignment inside a copy of the range."""
         spans = []
         for record in self.manifest.tensors:
             itemsize = DTYPE_SIZES[record.dtype]
             start = record.byte_offset + record.storage_offset * itemsize
             spans.append((record, start, span_bytes(record.shape, record.stride, 0, itemsize)))
         if not spans:
-            return {}
+            return spans, 0, 0
         low = min(start for _, start, _ in spans)
-        high = max(start + nbytes for _, start, nbytes in spans)
-        whole = self._segment.tensor(torch.uint8, (high - low,), offset=low).to(device, copy=True)
-        return {
-            record.name: whole.narrow(0, start - low, nbytes).view(_torch_dtype(record.dtype))
-            .as_strided(record.shape, record.stride)
-            for record, start, nbytes in spans
-        }
+        low -= low % 256
+        return spans, low, max(start + nbytes for _, start, nbytes in spans)
+
+    def device_buffer(self, device: Any) -> "torch.Tensor":
+        """Uninitialised device memory for :meth:`copies_on` (allocate it early, fill it later: see there)."""
+        import torch
+
+        self._check_open()
+        _spans, low, high = self._record_spans()
+        return torch.empty(high - low, dtype=torch.uint8, device=torch.device(device))
+
+    def copies_on(self, device: Any, *, buffer: "torch.Tensor | None" = None) -> dict[str, "torch.Tensor"]:
+        """Every published record copied to ``device``, by record name: made ahead (e.g. on a thread while the
+        model is built) and handed to :meth:`materialize`.
+
+        One copy of the bytes every record spans, then one view per record (same dtype, shape, strides and
+        relative placement as in the segment), rather than one copy per record: each copy from unregistered
+        memory makes the calling thread wait, and each call between them needs the GIL, which the model factory
+        running beside the attach thread holds most of the time. The records share that one device allocation,
+        so it is freed only when none of them is referenced any more. ``buffer`` (from :meth:`device_buffer`)
+        is filled instead of allocating: the attach thread allocates it before it warms PyTorch's cache with
+        the loader's device blocks, so that this allocation cannot be carved out of one of them.
+        """
+        import torch
+
+        self._check_open()
+        device = torch.device(device)
+        spans, low, high = self._record_spans()
+        if not spans:
+            return {}
+        host = self._segment.tensor(torch.uint8, (high - low,), offset=low)
+        if buffer is None:
+            whole = host.to(device, copy=True)
+        else:
+            if buffer.dtype != torch.uint8 or tuple(buffer.shape) != (high - low,) or buffer.device.type != device.type:
+                raise ValueError(f"copies_on: the buffer must be device_buffer({device}) of this store "
+                                 f"({high - low} bytes), got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+            whole = buffer.copy_(host)
+        copies = {}
+        for record, start, nbytes in spans:
+            itemsize = DTYPE_SIZES[record.dtype]
+            if (start - low) % itemsize:
+                raise ShmProtocolError(f"published tensor {record.name!r} starts at byte {start}, not aligned for "
+                                       f"{record.dtype}: the store's manifest is corrupt; restart the workers")
+            copies[record.name] = (whole.narrow(0, start - low, nbytes).view(_torch_dtype(record.dtype))
+                                   .as_strided(record.shape, record.stride))
+        return copies
 
     def materialize(self, model: Any, device: Any = "cpu", *, copies: dict[str, "torch.Tensor"] | None = None) -> None:
         """Install every published tensor into ``model`` on ``device`` (all checks happen before any change).

@@ -13,7 +13,7 @@ import time
 import posix_ipc
 import pytest
 
-from flextensor.shm.locks import _POLL_FAST_MAX_S, _POLL_MAX_S, FileLock, SemaphoreLock, _next_poll, make_lock
+from flextensor.shm.locks import _POLL_FAST_MAX_S, _POLL_MAX_S, FileLock, SemaphoreLock, make_lock
 from flextensor.shm.names import lock_directory
 
 
@@ -146,18 +146,32 @@ def test_file_lock_released_by_the_holder_wakes_the_waiter(lock_path):
         holder.wait()
 
 
-def test_waiting_polls_at_most_every_2_ms_for_the_first_half_second():
+def test_waiting_polls_at_most_every_2_ms_for_the_first_half_second(lock_path, monkeypatch):
     """A waiter that sleeps long after the lock came free loses that time: joins of several workers at once
-    hold the coordinator lock about a millisecond each, so the first half second polls every 2 ms at most."""
-    delay, waited, sleeps = 0.0002, 0.0, []
-    while waited < 2.0:
-        sleeps.append((waited, delay))
-        waited += delay
-        delay = _next_poll(delay, waited)
-    fast = [d for w, d in sleeps if w < 0.5]
-    assert max(fast) == pytest.approx(_POLL_FAST_MAX_S) and min(fast) == pytest.approx(0.0002)
-    assert sleeps[-1][1] == pytest.approx(_POLL_MAX_S)  # a long wait backs off to 20 ms
-    assert all(d <= _POLL_MAX_S for _, d in sleeps)
+    hold the coordinator lock about a millisecond each, so the first half second polls every 2 ms at most, and
+    only a longer wait backs off to 20 ms. Read from the sleeps acquire() really makes."""
+    import flextensor.shm.locks as locks_mod
+
+    holder, waiter = FileLock(lock_path), FileLock(lock_path)
+    holder.acquire(timeout=0)
+    sleeps: list[tuple[float, float]] = []
+    real_sleep, start = time.sleep, time.monotonic()
+
+    def recording_sleep(seconds: float) -> None:
+        sleeps.append((time.monotonic() - start, seconds))
+        real_sleep(seconds)
+
+    monkeypatch.setattr(locks_mod.time, "sleep", recording_sleep)
+    with pytest.raises(TimeoutError):
+        waiter.acquire(timeout=0.8)
+    holder.release()
+    early = [d for at, d in sleeps if at < 0.45]
+    late = [d for at, d in sleeps if at > 0.6]
+    assert early[0] == pytest.approx(0.0002) and max(early) <= _POLL_FAST_MAX_S
+    assert late and max(late) == pytest.approx(_POLL_MAX_S)
+    assert max(d for _, d in sleeps) <= _POLL_MAX_S
+    holder.close()
+    waiter.close()
 
 
 def test_unlink_if_held_never_gives_two_holders(lock_path):

@@ -92,13 +92,14 @@ def test_copies_made_ahead_are_installed_as_they_are_and_must_be_on_the_target_d
 
 
 def test_copies_are_one_transfer_viewed_per_record_with_the_records_strides(ns: str) -> None:
-    """The attach thread copies the store's bytes once; each record is a view of that one copy, with the dtype,
-    shape and strides it was published with (mixed dtypes and alignments, a transposed weight, an empty buffer)."""
+    """The attach thread copies the store's bytes once; each record is a view of that one copy with the dtype,
+    shape, strides and storage offset its record gives (mixed dtypes and alignments, an empty buffer, and a
+    record read as a transposed view with an offset, which the creator never writes but the format allows)."""
 
     class Mixed(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.w = torch.nn.Parameter(torch.arange(12, dtype=torch.float32).reshape(3, 4).t())  # strides (1, 4)
+            self.w = torch.nn.Parameter(torch.arange(12, dtype=torch.float32).reshape(3, 4))
             self.register_buffer("ids", torch.arange(5, dtype=torch.int64))
             self.register_buffer("empty", torch.zeros(0, 3, dtype=torch.bfloat16))
             self.h = torch.nn.Parameter(torch.linspace(-1, 1, 7).to(torch.bfloat16))
@@ -106,16 +107,29 @@ def test_copies_are_one_transfer_viewed_per_record_with_the_records_strides(ns: 
     source = Mixed()
     with ShmCoordinator(ns, lease_seconds=2.0) as creator:
         store = SharedTensorStore.create_from_model(ns, source, shm_owner=creator.memory_owner)
+        w = next(r for r in store.records if r.name == "w")
+        # the same bytes read as the transpose of its last 2x4 rows: shape (4, 2), strides (1, 4), offset 4
+        odd = msgspec.structs.replace(w, shape=[4, 2], stride=[1, 4], storage_offset=4, nbytes=32)
+        store.manifest = msgspec.structs.replace(
+            store.manifest, tensors=[odd if r.name == "w" else r for r in store.manifest.tensors])
         copies = store.copies_on("cpu")
-        published = store.tensors()
-        assert all(copies[n].stride() == published[n].stride() for n in copies)
-        assert torch.equal(copies["w"], source.w)
-        assert torch.equal(copies["ids"], source.ids) and torch.equal(copies["h"], source.h)
+        hosts = {r.name: store.tensor(r) for r in store.records}
+        for name, copy in copies.items():
+            assert (copy.dtype, copy.shape, copy.stride()) == (hosts[name].dtype, hosts[name].shape,
+                                                               hosts[name].stride()), name
+            assert torch.equal(copy, hosts[name]) and (copy.numel() == 0 or copy.data_ptr() != hosts[name].data_ptr())
+        assert torch.equal(copies["w"], source.w[1:].t())
         assert copies["empty"].shape == (0, 3) and copies["empty"].dtype == torch.bfloat16
         storages = {t.untyped_storage().data_ptr() for t in copies.values() if t.numel()}
         assert len(storages) == 1  # one allocation for every record
-        assert all(copies[n].data_ptr() != v.data_ptr() for n, v in published.items() if copies[n].numel())
-        del copies, published
+        buffer = store.device_buffer("cpu")  # what the attach thread allocates early and has filled last
+        filled = store.copies_on("cpu", buffer=buffer)
+        assert all(t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                   for t in filled.values() if t.numel())
+        assert all(torch.equal(filled[n], copies[n]) for n in copies)
+        with pytest.raises(ValueError, match="the buffer must be device_buffer"):
+            store.copies_on("cpu", buffer=torch.empty(buffer.numel() + 1, dtype=torch.uint8))
+        del copies, hosts, filled, buffer
         store.close()
 
 
