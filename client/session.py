@@ -4,11 +4,12 @@ Per manager name the session runs one sharing generation (see ``flextensor.shm.c
 
 creator (elected: the first to create the manager's coordinator segment)
     1. reads the disk profile and runs the preflight (``/dev/shm`` room, ``RLIMIT_MEMLOCK`` when pinning);
-    2. has the host blocks' segments created and populated on a background thread (sizes from the profile),
-       calls ``creator_model_factory()`` (the checkpoint load) meanwhile, and adopts the profile with those host
-       blocks through the coordinator's ``memory_owner`` (pinned in place with CUDA);
+    2. has the host blocks' segment (one arena, ``flextensor.shm.blocks``) created and populated on a background
+       thread (sizes from the profile), calls ``creator_model_factory()`` (the checkpoint load) meanwhile, and
+       adopts the profile with those host blocks through the coordinator's ``memory_owner`` (pinned in place
+       with CUDA);
     3. publishes the resident parameters and buffers (``SharedTensorStore``) and then the plan: the state
-       rebuilt from the live allocation (``export_state()``, with the SHM block names), never the disk profile;
+       rebuilt from the live allocation (``export_state()``, every block naming the arena), never the disk profile;
     4. flips the coordinator to READY. Publishing is ordered: blocks, store, plan, then state.
     Any failure before READY is published first (``mark_failed``), so followers raise
     ``ShmCreatorFailedError`` with the creator's message, and only then cleaned up.
@@ -16,10 +17,10 @@ creator (elected: the first to create the manager's coordinator segment)
 follower
     waits for READY (``ShmCreatorDiedError`` when the creator's lease ends first, ``TimeoutError`` after
     ``wait_timeout``), decodes the plan, calls ``follower_model_factory()`` (normally a ``meta`` model) while a
-    thread attaches the tensor store and the host blocks and copies the resident tensors to the device
+    thread attaches the tensor store and maps the arena and copies the resident tensors to the device
     (``flextensor.attach_prefetch``), checks the published metadata against the model (naming the offending
-    tensor), installs the resident tensors and adopts the plan over the creator's host blocks, attached by
-    name: no private copy. ``session.report()["steps"]`` times each step, the thread's parts included.
+    tensor), installs the resident tensors and adopts the plan over the creator's host blocks, views of the
+    arena: no private copy. ``session.report()["steps"]`` times each step, the thread's parts included.
     With pinning on CUDA the follower registers its mappings of the blocks in the background, in schedule order
     (``flextensor.shm.background_pin``): it is ready as soon as the plan is adopted, and a copy from a block
     waits only until that block is registered.
