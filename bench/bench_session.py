@@ -53,7 +53,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gib, median, percentile, pss_bytes, report, table  # noqa: E402
+from common import RESULTS_DIR, gib, median, percentile, pss_bytes, report, table  # noqa: E402
 
 MANAGER = "bench"
 GOAL_PSS_RATIO = 1.05
@@ -271,9 +271,8 @@ def _write_cprofile(profiler, tag: str) -> None:
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("cumulative").print_stats(40)
     stats.sort_stats("tottime").print_stats(25)
-    directory = os.environ.get("FLEXTENSOR_BENCH_OUT", os.path.join(os.path.dirname(__file__), "results"))
-    with open(os.path.join(directory, f"cprofile-{tag}.txt"), "w") as f:
-        f.write(out.getvalue())
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"cprofile-{tag}.txt").write_text(out.getvalue())
 
 
 def worker_private(p: Params) -> tuple[dict, object]:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from flextensor.host_memory import BlockLayout, FillProgress, HostBlock, HostBlockProvider, block_view, make_provider
+from flextensor.host_memory import BlockLayout, FillProgress, HostBlock, HostBlockProvider, block_views, make_provider
 from flextensor.traps import assign_data
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,8 +123,9 @@ class HostBlockBuild:
                 if self._cancel.is_set():
                     return
                 block = self.provider.allocate(layout.index, layout.nbytes)
-                for placement, source in zip(layout.tensors, self._sources[layout.index]):
-                    block_view(block.tensor, placement).copy_(source)
+                views = block_views(block.tensor, layout.tensors)
+                for placement, view, source in zip(layout.tensors, views, self._sources[layout.index]):
+                    view.copy_(source)
                     progress.add(placement.nbytes)
                 self.blocks.append(block)
                 self._sources[layout.index] = []
@@ -202,8 +203,8 @@ def install_deferred(m: "OffloadManager") -> None:
     m._deferred_plan = None
     m._provider = build.provider
     for layout, block, tensors in zip(layouts, build.blocks, streamed):
-        for placement, tensor in zip(layout.tensors, tensors):
-            assign_data(tensor, block_view(block.tensor, placement))  # frees the warm-up device copy
+        for placement, view, tensor in zip(layout.tensors, block_views(block.tensor, layout.tensors), tensors):
+            assign_data(tensor, view)  # frees the warm-up device copy
             m._placement[placement.name] = (layout.index, placement)
     if m._device.type == "cuda":
         torch.cuda.empty_cache()  # the device copies just freed: GiBs other processes may want

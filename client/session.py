@@ -304,15 +304,15 @@ class SharedOffloadSession:
         with _step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
             share.store.materialize(model, device, copies=prefetch.device_copies)
         sizes = [b.nbytes for b in sorted(state.blocks, key=lambda b: b.index)]
+        layout = arena_layout(sizes)
         host_blocks = SharedBlockAllocator.views(share.segments[0], sizes) if sizes else []
-        share.shared_bytes = (arena_layout(sizes).total if sizes else 0) + share.store.nbytes
+        share.shared_bytes = layout.total + share.store.nbytes
         gate = None
         if cfg.pinned_memory and torch.cuda.is_available() and sizes:
             # Registration runs behind the follower's return and first forward, block by block in schedule
             # order; each copy from a block waits for that block only (see flextensor.shm.background_pin).
             index_of = {b.label: b.index for b in state.blocks}
             order = [index_of[label] for label in state.schedule if label in index_of]
-            layout = arena_layout(sizes)
             ranges = [PinRange(share.segments[0], offset, size) for offset, size in zip(layout.offsets, sizes)]
             share.pinner = BackgroundPinner(ranges, order, device=_device_index(device),
                                             label=f"session {share.namespace}")

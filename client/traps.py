@@ -324,8 +324,7 @@ class WarmLoader:
         return sum(t.data.numel() * t.data.element_size() for t, _host in taken)
 
     def _fall_back(self, exc: BaseException) -> None:
-        self.removals += 1
-        kept = self.restore()
+        kept = self.restore()  # counts as a removal (restore -> _take)
         self.keep = False
         self.fell_back = True
         if self.device.type == "cuda":

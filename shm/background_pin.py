@@ -3,14 +3,15 @@
 Why
 ---
 CUDA registration is per process: every follower must ``cudaHostRegister`` its own mapping of the shared host
-blocks (page-aligned ranges of one arena segment, ``blocks.py``) before the device can DMA from them at full speed. On the H200 host that costs 63-150 ms/GiB and grows
-when several followers register at once (the driver serialises them), so registering everything before the
-model is handed back made a follower's time to ready 5-10x what the rest of attaching costs. Nothing needs a
-block registered before the first copy *from that block*: the pinner registers the blocks one by one on a
-thread of its own, in schedule order, while the follower returns its model and starts its first forward; the
-engine waits for a block only when it is about to copy it (:meth:`BackgroundPinner.wait`). Threads do not make
-registration itself faster (measured: 1, 4, 8 and 16 threads took the same time), but pre-faulting the pages
-from several threads does, so a small pool pre-faults the next blocks while the pinner registers the current one.
+blocks (page-aligned ranges of one arena segment, ``blocks.py``) before the device can DMA from them at full
+speed. On the H200 host that costs 63-150 ms/GiB and grows when several followers register at once (the driver
+serialises them), so registering everything before the model is handed back made a follower's time to ready
+5-10x what the rest of attaching costs. Nothing needs a block registered before the first copy *from that
+block*: the pinner registers the blocks one by one on a thread of its own, in schedule order, while the follower
+returns its model and starts its first forward; the engine waits for a block only when it is about to copy it
+(:meth:`BackgroundPinner.wait`). Threads do not make registration itself faster (measured: 1, 4, 8 and 16
+threads took the same time), but pre-faulting the pages from several threads does, so a small pool pre-faults
+the next blocks while the pinner registers the current one.
 
 Threads and states
 ------------------
@@ -18,7 +19,8 @@ Threads and states
   registration never creates a context on another GPU.
 - For each block in ``order``: stop requested? -> quit; else wait for its pre-fault (pool of
   :data:`PREFAULT_THREADS`, up to :data:`LOOKAHEAD` blocks ahead), ``segment.pin(read_only=True, offset=,
-  nbytes=)`` of the block's range, then set the block's event. Blocks never named in ``order`` are registered last.
+  nbytes=)`` of the block's range, then set the block's event. Blocks never named in ``order`` are registered
+  last.
 - A failure (driver refusal, often ``ulimit -l``) is logged once as a WARNING; the remaining blocks are left
   unregistered and every event is set, so copies proceed from pageable memory: correct, only slower.
 - ``wait(block)`` returns once that block's event is set (registered, failed or stopped); after the last block

@@ -17,7 +17,7 @@ exists and unlinked by the last participant)::
 The layout is a pure function of the block sizes in index order (:func:`arena_layout`), which every participant
 reads from the published plan, so no offsets are published: every block of the plan names the arena segment,
 and a follower computes the same offsets the creator used. Each block starts on its own page, so CUDA can
-register the blocks one by one (``SharedSegment.pin(offset=, nbytes=)``, never two registrations on one page),
+register the blocks one by one (``SharedSegment.pin(offset=, nbytes=)``, never two registrations on one page);
 the padding is less than ``ARENA_ALIGN`` bytes per block.
 """
 
