@@ -28,6 +28,17 @@ Ordering and ownership
    left without an owner.
 3. The thread never touches the model or the manager; it only reads the publication.
 
+Joining on the thread
+---------------------
+When a READY generation already exists (``peek_ready``, read without the coordinator lock), the caller is
+almost certainly a follower, so the session starts the factory at once and lets the thread join the generation
+first (``elect``: the election under the coordinator lock, the daemon registration, the plan), then do the
+above. With several followers arriving together the lock is taken in turn, and that wait now overlaps the
+factory instead of preceding it. The thread waits for the lock a short while only (``ELECT_LOCK_WAIT_S``) so
+that its work stays bounded; if it gives up, or the join made this process the creator (the generation ended
+between the peek and the join), or the generation is not READY, the session continues on its own thread with
+what the thread returned (the model the factory built is then used as it is, or dropped for the creator's).
+
 ``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``streams``,
 ``resident``), for ``session.report()``.
 """
@@ -36,7 +47,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -46,28 +57,43 @@ from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator
 from flextensor.shm.tensor_store import SharedTensorStore
 
 if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.shm.coordinator import ShmCoordinator
     from flextensor.shm.owner import ShmOwner
     from flextensor.shm.segment import SharedSegment
     from flextensor.state import TensorManagerState
 
-__all__ = ["FollowerPrefetch"]
+__all__ = ["FollowerPrefetch", "ELECT_LOCK_WAIT_S"]
+
+#: How long the thread waits for the coordinator lock before it leaves the join to the caller's thread.
+ELECT_LOCK_WAIT_S = 2.0
 
 
 class FollowerPrefetch:
-    """Attach the store, open the host blocks and copy the resident tensors, on a thread (see module docs)."""
+    """Attach the store, open the host blocks and copy the resident tensors, on a thread (see module docs).
 
-    def __init__(self, namespace: str, owner: "ShmOwner", state: "TensorManagerState", device: torch.device, *,
-                 num_blocks: int, min_blocks: int) -> None:
+    Given ``owner`` and ``state``, the generation is joined and its plan read. Given ``elect`` instead, the
+    thread first calls it to join the generation (see "Joining on the thread" in the module docs): it returns the
+    coordinator and, for a follower of a READY generation, the published plan, or ``(None, None)`` when it gave
+    up waiting for the coordinator lock; the thread continues only with a plan.
+    """
+
+    def __init__(self, namespace: str, device: torch.device, *, num_blocks: int, min_blocks: int,
+                 owner: "ShmOwner | None" = None, state: "TensorManagerState | None" = None,
+                 elect: "Callable[[], tuple[ShmCoordinator | None, TensorManagerState | None]] | None" = None) -> None:
+        if (elect is None) == (state is None or owner is None):
+            raise ValueError("FollowerPrefetch needs either owner and state, or elect")
         self._namespace = namespace
         self._owner = owner
-        self._blocks = sorted(state.blocks, key=lambda b: b.index)
-        streamed = {b.label for b in self._blocks}
-        slots = effective_blocks(num_blocks, min_blocks, len(self._blocks))
-        self._slots = slot_count(slots, sum(label in streamed for label in state.schedule)) if self._blocks else 0
+        self._elect = elect
+        self._num_blocks, self._min_blocks = num_blocks, min_blocks
+        self._blocks: list[Any] = []
+        self._slots = 0
         self._device = device
         # The caller's current stream: copies and cached allocations land in its pool, where the caller's
         # later allocations (the loader's device blocks) look for them.
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.coordinator: "ShmCoordinator | None" = None  # joined by the thread (``elect``)
+        self.state = state  # the published plan (None until read when electing on the thread)
         self.store: SharedTensorStore | None = None
         self.segments: list["SharedSegment"] = []
         self.device_copies: dict[str, torch.Tensor] | None = None  # record name -> copy (CUDA device only)
@@ -81,7 +107,8 @@ class FollowerPrefetch:
 
     def join(self) -> None:
         """Wait for the thread to finish, even through an interrupt (re-raised afterwards): only then may the
-        caller take over what it opened, and the thread's work is bounded (opens and copies, no waiting)."""
+        caller take over what it opened, and the thread's work is bounded (opens and copies, and at most
+        ``ELECT_LOCK_WAIT_S`` of waiting for the coordinator lock)."""
         interrupted: BaseException | None = None
         while self._thread.is_alive():
             try:
@@ -94,6 +121,19 @@ class FollowerPrefetch:
     # ------------------------------------------------------------------------------------------ the thread
     def _run(self) -> None:
         try:
+            if self._elect is not None:
+                start = time.monotonic()
+                self.coordinator, self.state = self._elect()
+                self.timings["elect"] = time.monotonic() - start
+                if self.coordinator is None or self.state is None:
+                    return  # the caller takes over: the lock was busy, or this is no follower of a READY generation
+                self._owner = self.coordinator.memory_owner
+            assert self._owner is not None and self.state is not None
+            self._blocks = sorted(self.state.blocks, key=lambda b: b.index)
+            streamed = {b.label for b in self._blocks}
+            slots = effective_blocks(self._num_blocks, self._min_blocks, len(self._blocks))
+            self._slots = slot_count(slots, sum(label in streamed for label in self.state.schedule)) \
+                if self._blocks else 0
             arena = self._owner.resource_name(ARENA_KIND)
             for position, block in enumerate(self._blocks):
                 if block.index != position or block.name != arena:

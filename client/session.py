@@ -48,7 +48,7 @@ from torch import nn
 import flextensor.adoption  # noqa: F401
 import flextensor.inference  # noqa: F401
 from flextensor.api import get_offload_manager
-from flextensor.attach_prefetch import FollowerPrefetch
+from flextensor.attach_prefetch import ELECT_LOCK_WAIT_S, FollowerPrefetch
 from flextensor.config import OffloadConfig
 from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
@@ -56,7 +56,8 @@ from flextensor.shm.background_pin import BackgroundPinner, PinRange
 from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator, arena_layout
 from flextensor.shm.checks import check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
-from flextensor.shm.coordinator import ShmCoordinator
+from flextensor.shm.coordinator import ShmCoordinator, peek_ready
+from flextensor.shm.header import State
 from flextensor.shm.ftd_client import register_participant
 from flextensor.shm.names import lock_directory, manager_namespace, validate_base_namespace, validate_manager_name
 from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
@@ -183,25 +184,38 @@ class SharedOffloadSession:
         cfg = self._session_config(config, ns)
         deadline = _Deadline(self.wait_timeout)
         start = time.monotonic()
+        share: ManagerShare | None = None
+        built: nn.Module | None = None  # a follower's model, built while its thread joined (see _join_while_building)
+        prefetch: FollowerPrefetch | None = None
         try:
-            coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining())
+            if peek_ready(ns):
+                share, built, prefetch = self._join_while_building(name, ns, cfg, deadline, follower_model_factory)
+            if share is None:
+                coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining())
+                share = self._new_share(name, ns, coordinator, joined_s=time.monotonic() - start)
+                with _step(share.steps, "daemon"):
+                    _register_with_daemon(coordinator, self.namespace, name)
         except BaseException:
-            self._unreserve(name)
+            share = share or self._shares.get(name)  # _join_while_building registers one before it raises
+            if share is None:
+                self._unreserve(name)
+            else:
+                self._abandon(share, manager)
             raise
-        share = ManagerShare(name=name, namespace=ns, coordinator=coordinator, generation=coordinator.generation)
-        share.steps["join"] = time.monotonic() - start  # the election, under the coordinator's lock
-        self._shares[name] = share
         try:
-            with _step(share.steps, "daemon"):
-                _register_with_daemon(coordinator, self.namespace, name)
-            if coordinator.is_creator:
+            if share.coordinator.is_creator:
                 share.role = "creator"
                 logger.info("session %s/%s: elected creator of generation %d", self.namespace, name, share.generation)
                 model = self._publish(share, manager, cfg, profile_dir, creator_model_factory)
+            elif prefetch is not None and built is not None and prefetch.state is not None:
+                logger.info("session %s/%s: follower of generation %d (joined while the model was built)",
+                            self.namespace, name, share.generation)
+                model = self._adopt_published(share, manager, cfg, built, prefetch.state, prefetch.device_copies)
             else:
                 logger.info("session %s/%s: follower of generation %d; waiting for the creator",
                             self.namespace, name, share.generation)
-                model = self._attach(share, manager, cfg, deadline, follower_model_factory)
+                factory = follower_model_factory if built is None else (lambda: built)
+                model = self._attach(share, manager, cfg, deadline, factory)
         except BaseException:
             self._abandon(share, manager)
             raise
@@ -210,6 +224,70 @@ class SharedOffloadSession:
         logger.info("session %s/%s: %s ready in %.3f s (%.1f MiB shared)", self.namespace, name, share.role,
                     share.ready_s, share.shared_bytes / 2**20)
         return model
+
+    def _new_share(self, name: str, ns: str, coordinator: ShmCoordinator, *, joined_s: float) -> ManagerShare:
+        """Register what this session now holds for manager ``name`` (from here, a failure is cleaned up)."""
+        share = ManagerShare(name=name, namespace=ns, coordinator=coordinator, generation=coordinator.generation)
+        share.steps["join"] = joined_s  # the election, under the coordinator's lock
+        self._shares[name] = share
+        return share
+
+    def _join_while_building(self, name: str, ns: str, cfg: OffloadConfig, deadline: _Deadline,
+                             factory: Callable[[], nn.Module]) -> tuple[ManagerShare | None, nn.Module | None,
+                                                                        FollowerPrefetch | None]:
+        """A READY generation exists: build the follower's model while a thread joins it and attaches.
+
+        Returns the share (None when the thread gave up waiting for the coordinator lock: the caller joins on
+        its own thread), the model the factory built, and the thread's results (see
+        ``flextensor.attach_prefetch``, "Joining on the thread"). Whatever the thread joined or opened belongs
+        to the share before any error is raised, so the caller's cleanup covers it.
+        """
+        steps: dict[str, float] = {}
+
+        def elect() -> tuple[ShmCoordinator | None, TensorManagerState | None]:
+            begin = time.monotonic()
+            wait = ELECT_LOCK_WAIT_S if deadline.remaining() is None else min(ELECT_LOCK_WAIT_S, deadline.remaining())
+            try:
+                coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=wait)
+            except TimeoutError:
+                return None, None
+            steps["join"] = time.monotonic() - begin
+            try:
+                with _step(steps, "daemon"):
+                    _register_with_daemon(coordinator, self.namespace, name)
+                if coordinator.is_creator or coordinator.state is not State.READY:
+                    return coordinator, None
+                with _step(steps, "plan"):
+                    state = TensorManagerState.from_json(coordinator.memory_owner.read_blob(PLAN_KIND),
+                                                         source=f"published plan of {ns}")
+            except BaseException:
+                coordinator.close()
+                raise
+            return coordinator, state
+
+        prefetch = FollowerPrefetch(ns, compute_device(cfg), num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
+                                    elect=elect).start()
+        model = None
+        share = None
+        try:
+            with _step(steps, "factory"):
+                model = factory()
+        finally:
+            try:
+                with _step(steps, "prefetch_wait"):
+                    prefetch.join()  # waits for the thread even when interrupted
+            finally:  # the share owns what the thread joined and opened before any error goes on
+                if prefetch.coordinator is not None:
+                    share = self._new_share(name, ns, prefetch.coordinator, joined_s=steps.pop("join", 0.0))
+                    share.store = prefetch.store
+                    share.segments.extend(prefetch.segments)
+                    share.steps.update(steps)
+                    share.steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
+        if prefetch.error is not None:
+            raise prefetch.error
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"follower_model_factory returned {type(model).__name__}, not an nn.Module")
+        return share, model, prefetch
 
     def _session_config(self, config: OffloadConfig | None, ns: str) -> OffloadConfig:
         """A copy of the caller's config with the SHM fields set (the caller's object is never changed)."""
@@ -282,8 +360,8 @@ class SharedOffloadSession:
                                                  source=f"published plan of {share.namespace}")
         device = compute_device(cfg)
         # Store, host blocks and resident copies are opened on a thread while the factory builds the model.
-        prefetch = FollowerPrefetch(share.namespace, owner, state, device, num_blocks=cfg.num_blocks,
-                                    min_blocks=cfg.min_blocks).start()
+        prefetch = FollowerPrefetch(share.namespace, device, num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
+                                    owner=owner, state=state).start()
         try:
             with _step(steps, "factory"):
                 model = factory()
@@ -299,10 +377,17 @@ class SharedOffloadSession:
             raise prefetch.error
         if not isinstance(model, nn.Module):
             raise TypeError(f"follower_model_factory returned {type(model).__name__}, not an nn.Module")
+        return self._adopt_published(share, manager, cfg, model, state, prefetch.device_copies)
+
+    def _adopt_published(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, model: nn.Module,
+                         state: TensorManagerState, device_copies: dict[str, torch.Tensor] | None) -> nn.Module:
+        """The follower's last steps, with the store and arena attached: check, install, adopt, register."""
+        steps = share.steps
+        device = compute_device(cfg)
         with _step(steps, "validate"):
             _check_offloaded_metadata(model, state)
         with _step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
-            share.store.materialize(model, device, copies=prefetch.device_copies)
+            share.store.materialize(model, device, copies=device_copies)
         sizes = [b.nbytes for b in sorted(state.blocks, key=lambda b: b.index)]
         layout = arena_layout(sizes)
         host_blocks = SharedBlockAllocator.views(share.segments[0], sizes) if sizes else []

@@ -48,6 +48,7 @@ from flextensor.shm.cleanup import (
 from flextensor.shm.errors import ShmCreatorDiedError, ShmCreatorFailedError, ShmProtocolError
 from flextensor.shm.header import (
     DEFAULT_SLOT_COUNT,
+    open_coordinator_segment,
     LIBRARY_VERSION,
     HeaderInfo,
     State,
@@ -67,7 +68,7 @@ from flextensor.shm.names import coordinator_lock_path, coordinator_segment_name
 from flextensor.shm.owner import ShmOwner
 from flextensor.shm.segment import SharedSegment
 
-__all__ = ["ShmCoordinator"]
+__all__ = ["ShmCoordinator", "peek_ready"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,24 @@ def _describe_error(error: BaseException | str) -> str:
         text = str(error)
         return f"{type(error).__name__}: {text}" if text else type(error).__name__
     return str(error)
+
+
+def peek_ready(namespace: str) -> bool:
+    """A hint, read without the coordinator lock: does ``namespace`` have a generation that is READY?
+
+    A caller that sees one will almost certainly join it as a follower, and may start its follower work before
+    the join (``SharedOffloadSession``). Only the join, under the lock, decides: the generation may end between
+    the two. A header being written, or anything untrustworthy, reads as "no"."""
+    try:
+        segment, _header = open_coordinator_segment(validate_namespace(namespace))
+    except (FileNotFoundError, ShmProtocolError):
+        return False
+    try:
+        return read_state(segment.buffer, segment.name) == State.READY
+    except ShmProtocolError:
+        return False
+    finally:
+        segment.close()
 
 
 class ShmCoordinator:

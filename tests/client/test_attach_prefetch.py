@@ -158,3 +158,109 @@ def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(name
     assert InterruptedOnce.interrupted
     assert _mapped(namespace) == []
     session.close()
+
+
+# ------------------------------------------------------------------------------------------ joining on the thread
+def test_a_follower_of_a_ready_generation_joins_on_the_thread_while_its_factory_runs(namespace: str, profile: str,
+                                                                                   creator, monkeypatch):
+    """The election (the coordinator lock) overlaps the factory instead of preceding it."""
+    import flextensor.session as session_mod
+
+    factory_running, joined_during_factory = threading.Event(), threading.Event()
+    threads: set[str] = set()
+    real_coordinator = session_mod.ShmCoordinator
+
+    def coordinator(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        if factory_running.wait(timeout=30):  # joined first, the factory would only start after this
+            joined_during_factory.set()
+        return real_coordinator(*args, **kwargs)
+
+    monkeypatch.setattr(session_mod, "ShmCoordinator", coordinator)
+
+    def factory():
+        factory_running.set()
+        assert joined_during_factory.wait(timeout=30), "the generation was not joined while the factory ran"
+        return _meta_model()
+
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                             creator_model_factory=_unused_creator_factory,
+                                             follower_model_factory=factory)
+        assert session.role("model") == "follower"
+        with torch.no_grad():
+            assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
+        steps = session.report()[0]["steps"]
+        assert {"join", "plan", "factory", "prefetch_elect", "prefetch_blocks", "adopt"} <= set(steps)
+    assert threads == {"ft-attach"}
+    del model
+    gc.collect()
+    assert _mapped(namespace) == []
+
+
+def test_a_join_that_makes_this_process_the_creator_drops_the_follower_model_and_publishes(namespace: str,
+                                                                                        profile: str, monkeypatch):
+    """The READY generation seen without the lock may be gone by the join: then this process creates the next
+    one, with the creator's factory, and the model the follower factory built is dropped."""
+    import flextensor.session as session_mod
+
+    monkeypatch.setattr(session_mod, "peek_ready", lambda ns: True)  # as if a generation ended right after
+    calls: list[str] = []
+
+    def creator_factory():
+        calls.append("creator")
+        torch.manual_seed(0)
+        return TinyTransformer()
+
+    def follower_factory():
+        calls.append("follower")
+        return _meta_model()
+
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                             creator_model_factory=creator_factory,
+                                             follower_model_factory=follower_factory)
+        assert session.role("model") == "creator" and calls == ["follower", "creator"]
+        with torch.no_grad():
+            assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
+    del model
+    gc.collect()
+    assert _mapped(namespace) == [] and shm_names(manager_namespace(namespace, "model")) == []
+
+
+def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace: str, profile: str, creator,
+                                                                       monkeypatch):
+    """The thread waits for the lock only briefly (its work stays bounded); then the caller joins, with the
+    model already built: the factory still runs once."""
+    import flextensor.attach_prefetch as prefetch_mod
+    import flextensor.session as session_mod
+    from flextensor.shm.locks import FileLock
+    from flextensor.shm.names import coordinator_lock_path
+
+    monkeypatch.setattr(session_mod, "ELECT_LOCK_WAIT_S", 0.05)
+    assert prefetch_mod.ELECT_LOCK_WAIT_S == 2.0
+    held = FileLock(coordinator_lock_path(manager_namespace(namespace, "model")))
+    held.acquire(timeout=5)
+    release = threading.Timer(0.5, held.release)
+    release.start()
+    builds: list[int] = []
+
+    def factory():
+        builds.append(1)
+        return _meta_model()
+
+    try:
+        with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+            model = session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                                 creator_model_factory=_unused_creator_factory,
+                                                 follower_model_factory=factory)
+            assert session.role("model") == "follower" and builds == [1]
+            assert session.report()[0]["steps"]["join"] >= 0.2  # joined on this thread, once the lock came free
+            with torch.no_grad():
+                assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
+    finally:
+        release.join()
+        held.close()
+    del model
+    gc.collect()
+    assert _mapped(namespace) == []
