@@ -159,8 +159,8 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._staging = PinnedStaging()
         self._sequence: list[str] = []
         self._pass_sequence: list[str] = []
-        self._pass_spans: list[tuple[str, Any]] = []
-        self._pending_spans: list[list[tuple[str, Any]]] = []  # counted PROFILING passes not read yet
+        self._pass_spans: list[list[Any]] = []  # this pass's trap windows: [label, start mark, end mark or None]
+        self._pending_spans: list[list[list[Any]]] = []  # counted PROFILING passes not read yet
         self._durations: dict[str, list[float]] = {}
         self._compute_s: dict[str, float] = {}
         self._samples: list[tuple[int, float]] = []
@@ -176,7 +176,6 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._clock: TimingCollector | None = None
         self._active: Trap | None = None
         self._active_phase: Phase | None = None
-        self._open_span: Any = None
         self._depth = 0
         self._root_previous: Any = None
         self._root_had_forward = False

@@ -16,12 +16,18 @@ depends on the phase:
   parameter passed to a torch function while it runs. After ``discovery_iters`` passes, tensors used by several
   traps or outside traps become resident (a kept warm-up copy becomes their device data) and leave the pinned
   staging (``flextensor.staging``).
-- PROFILING: a trap's exclusive weights are put on the device, then its timing window opens (CUDA events or
-  ``perf_counter``), so copies are never timed. With resident warm-up nothing is copied in any PROFILING pass,
-  so no pass is excluded from the medians (with ``skip_discovery`` the preload is issued at the start of the
-  first PROFILING pass on a side stream, and each trap's compute waits for its own copy before its timing
-  window opens, so that pass's compute overlaps the sweep). A pass's events are read at the end of the next
-  pass (reading them at once would make the host wait for the device every pass) and then reused.
+- PROFILING: a trap's exclusive weights are put on the device, then its timing window opens, so copies are
+  never timed. A trap's *window* is what INFERENCE can hide the next block's copy behind: the loader issues
+  that copy when the trap is entered, and the compute stream waits for it when the next trap is entered. So a
+  window runs from one trap's entry to the next trap's entry (the last one's to the end of the pass), and one
+  mark per entry (a CUDA event on the compute stream, or ``perf_counter``) times it: half the events of a span
+  per call, which on a launch-bound pass is host time saved (``TimingCollector.mark``). An entry that copies
+  weights or waits for them first closes the window before it with a mark of its own, so the copy is in no
+  window. With resident warm-up nothing is copied in any PROFILING pass, so no pass is excluded from the medians
+  (with ``skip_discovery`` the preload is issued at the start of the first PROFILING pass on a side stream,
+  and each trap's compute waits for its own copy before its window opens, so that pass's compute overlaps the
+  sweep). A pass's marks are read at the end of the next pass (reading them at once would make the host wait
+  for the device every pass) and then reused.
   Suspended passes (``suspend_profiling``) record nothing and are not counted. After the last counted pass,
   ``flextensor.inference.plan_inference`` plans and builds INFERENCE.
 - INFERENCE: the :class:`~flextensor.loader.BlockLoader` makes the trap's block resident and prefetches the next.
@@ -84,8 +90,8 @@ class PhaseMixin:
     _staging: "PinnedStaging"
     _sequence: list[str]
     _pass_sequence: list[str]
-    _pass_spans: list[tuple[str, Any]]
-    _pending_spans: list[list[tuple[str, Any]]]
+    _pass_spans: list[list[Any]]
+    _pending_spans: list[list[list[Any]]]
     _durations: dict[str, list[float]]
     _loader: "BlockLoader | None"
     _deferred: Any  # flextensor.deferred_build.HostBlockBuild while host blocks are built behind inference
@@ -94,7 +100,6 @@ class PhaseMixin:
     _clock: "TimingCollector | None"
     _active: Trap | None
     _active_phase: Phase | None
-    _open_span: Any
     _depth: int
     _root_previous: Any
     _root_had_forward: bool
@@ -182,6 +187,8 @@ class PhaseMixin:
                 if self._iteration >= self._config().discovery_iters:
                     self._finish_discovery()
         elif phase is Phase.PROFILING:
+            if ok and not self._suspend:
+                self._close_window()  # the last trap's window ends with the pass
             if self._warm_last is not None:  # traps this pass did not enter: everything after waits for all copies
                 self._wait_warm_copy(None)
             if not ok or self._suspend:
@@ -230,22 +237,30 @@ class PhaseMixin:
         self._resolve_spans(keep_last=0)
         plan_inference(self)  # type: ignore[arg-type]
 
+    def _close_window(self, mark: Any = None) -> None:
+        """End the pass's open trap window (if any) at ``mark``, or at a mark recorded now."""
+        spans = self._pass_spans
+        if spans and spans[-1][2] is None:
+            assert self._clock is not None
+            spans[-1][2] = mark if mark is not None else self._clock.mark()
+
     def _resolve_spans(self, keep_last: int) -> None:
-        """Turn the pending PROFILING passes' spans (all but the last ``keep_last``) into duration samples."""
+        """Turn the pending PROFILING passes' windows (all but the last ``keep_last``) into duration samples."""
         while len(self._pending_spans) > keep_last:
             spans = self._pending_spans.pop(0)
             sums: dict[str, float] = {}
             assert self._clock is not None
-            for (label, _span), ms in zip(spans, self._clock.read_ms([span for _label, span in spans])):
+            for (label, _start, _end), ms in zip(spans, self._clock.read_windows_ms([(s[1], s[2]) for s in spans])):
                 sums[label] = sums.get(label, 0.0) + ms / 1e3
             for label, seconds in sums.items():
                 self._durations.setdefault(label, []).append(seconds)
             self._recycle_spans(spans)
 
-    def _recycle_spans(self, spans: Sequence[tuple[str, Any]]) -> None:
-        if self._clock is not None:
-            for _label, span in spans:
-                self._clock.recycle(span)
+    def _recycle_spans(self, spans: Sequence[list[Any]]) -> None:
+        """Give a pass's marks back to the clock's pool, each once (consecutive windows share a mark)."""
+        if self._clock is not None and spans:
+            marks = {id(m): m for span in spans for m in (span[1], span[2]) if m is not None}
+            self._clock.recycle_marks(list(marks.values()))
 
     # ------------------------------------------------------------------------------------------------ traps
     def _tensor_objs(self, names: Sequence[str]) -> list[torch.Tensor]:
@@ -272,17 +287,25 @@ class PhaseMixin:
                     rec.clear_copies()
                     rec.enabled = True
             elif phase is Phase.PROFILING:
-                if self._warm_ready:  # the first pass after an overlapped preload: wait for this trap's copy
-                    self._wait_warm_copy(trap.label)
+                timed = not self._suspend
                 warm = self._warm
-                if self._warm_settled.get(trap.label) != warm.removals:
-                    warm.load(self._tensor_objs(self._exclusive.get(trap.label, ())))
-                    if warm.keep and not warm.active:  # all of this trap's tensors hold kept copies: from now on,
-                        self._warm_settled[trap.label] = warm.removals  # skip the per-call check until one is given up
-                if not self._suspend:
+                unsettled = self._warm_settled.get(trap.label) != warm.removals
+                if self._warm_ready or unsettled:
+                    # Copies, or a wait for them, may go on the compute stream now: the window before ends first.
+                    if timed:
+                        self._close_window()
+                    if self._warm_ready:  # the first pass after an overlapped preload: wait for this trap's copy
+                        self._wait_warm_copy(trap.label)
+                    if unsettled:
+                        warm.load(self._tensor_objs(self._exclusive.get(trap.label, ())))
+                        if warm.keep and not warm.active:  # all of this trap's tensors hold kept copies: from now
+                            self._warm_settled[trap.label] = warm.removals  # on skip the check until one is given up
+                if timed:
                     self._pass_sequence.append(trap.label)
                     assert self._clock is not None
-                    self._open_span = self._clock.start_span()
+                    mark = self._clock.mark()
+                    self._close_window(mark)  # the window before (if still open) ends where this one starts
+                    self._pass_spans.append([trap.label, mark, None])
             elif phase is Phase.INFERENCE:
                 timing = self._timing if self._deferred is None else None
                 if timing is not None:
@@ -313,12 +336,7 @@ class PhaseMixin:
                     rec.clear_copies()
                     rec.enabled = True
             elif phase is Phase.PROFILING:
-                if self._open_span is not None:
-                    assert self._clock is not None
-                    self._clock.end_span(self._open_span)
-                    self._pass_spans.append((trap.label, self._open_span))
-                    self._open_span = None
-                self._warm.unload()
+                self._warm.unload()  # the trap's window stays open: it ends at the next entry or the pass's end
             elif phase is Phase.INFERENCE:
                 if self._timing is not None and self._deferred is None:
                     self._timing.end_trap()
@@ -396,7 +414,8 @@ class PhaseMixin:
 
     @property
     def profiling_durations(self) -> dict[str, list[float]]:
-        """Per-trap compute seconds of each counted PROFILING pass (copy)."""
+        """Per-trap seconds of each counted PROFILING pass (copy): each trap's window, from its entry to the next
+        trap's entry (the last trap's to the end of the pass), summed over its calls in the pass."""
         self._check_thread()  # reading the pending passes' events and reusing them is the manager's own work
         self._resolve_spans(keep_last=0)
         return {k: list(v) for k, v in self._durations.items()}

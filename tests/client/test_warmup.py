@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -282,11 +284,61 @@ def test_resident_copies_happen_before_every_timing_window():
     """skip_discovery: the first PROFILING pass is timed too, so the one sweep must precede its first trap."""
     model, x, ref, om = _resident_mlp_without_discovery(3)
     counts: list[int] = []
-    start_span = om._clock.start_span
-    om._clock.start_span = lambda: (counts.append(om._warm.copies), start_span())[1]
+    mark = om._clock.mark
+    om._clock.mark = lambda: (counts.append(om._warm.copies), mark())[1]
     _run(model, x, ref, om)
-    assert len(counts) == 3 * 4 and set(counts) == {16}
+    assert set(counts) == {16}
+    # One mark per trap entry and one at the pass's end; in the first pass each entry after the first also
+    # closes the window before it first (it may copy: the warm loader is asked once per trap), later passes not.
+    assert len(counts) == (1 + 3 * 2 + 1) + 2 * (4 + 1)
     assert all(len(v) == 3 for v in om.profiling_durations.values())  # no pass excluded
+
+
+class _SlowBlock(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8, 8), requires_grad=False)
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x @ self.weight
+
+
+class _GapModel(nn.Module):
+    """Two traps; 30 ms of work between them and 20 ms after the second (outside every trap)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _SlowBlock(0.01), _SlowBlock(0.01)
+
+    def forward(self, x):
+        x = self.a(x)
+        time.sleep(0.03)
+        x = self.b(x)
+        time.sleep(0.02)
+        return x
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="perf_counter windows with sleeps: the CPU clock")
+@pytest.mark.parametrize("mode", ["resident", "stream"])
+def test_profiling_windows_run_entry_to_entry_and_never_hold_a_copy(mode, monkeypatch):
+    """A trap's window is what can hide the next block's copy: from its entry to the next entry (the last
+    trap's to the pass's end), so work between traps counts; a warm-up copy (slowed to 50 ms here) never does."""
+    real_copy = WarmLoader._copy
+    monkeypatch.setattr(WarmLoader, "_copy", lambda self, host: (time.sleep(0.05), real_copy(self, host))[1])
+    model = _GapModel()
+    om = _offload(model, cpu_config(include_patterns=["a", "b"], load_strategy=ALL, skip_discovery=True,
+                                    profiling_iters=3), mode)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.ones(2, 8))
+    durations = om.profiling_durations
+    assert om._warm.copies == (2 if mode == "resident" else 6)  # the slow copies happened...
+    for seconds in durations["a"]:
+        assert 0.04 <= seconds < 0.085  # ...in no window: trap a (10 ms) + the gap (30 ms)
+    for seconds in durations["b"]:
+        assert 0.03 <= seconds < 0.075  # trap b (10 ms) + the tail of the pass (20 ms)
 
 
 def test_resident_profiling_checks_a_trap_once_then_skips_the_load_until_a_copy_is_given_up():
