@@ -10,7 +10,9 @@ What is measured, and why:
    weights). Goal: the sum of PSS growth is <= 1.05x the model bytes, plus, on a CPU host, every worker's
    rotating device blocks (host memory there; ``get_gpu_memory_usage().block_bytes``).
 2. Time to ready. A follower's ``offload_from_profile`` (open, join, meta model, validate, attach, copy resident
-   tensors), median and p95 over every follower of every N. The creator starts first and the followers only
+   tensors), median and p95 over every follower of every N: the group's n-1 followers, then ``--join-waves``
+   (default 2) more waves of n-1 fresh followers joining the same generation at once after the first ones left,
+   so the p95 rests on 33 samples rather than 11. The creator starts first and the followers only
    after it is ready, so follower times are attach times, not waits. Goal: < 50 ms + 10 us per tensor,
    excluding resident copies to the GPU: the follower makes them on its attach thread while its model factory
    runs, so only the part the session waited for is excluded (``resident_copy_on_critical_path``). The clock
@@ -435,11 +437,13 @@ def time_forwards(workers: list[Worker], reports: list[dict], rounds: int) -> No
         r["forward_s"] = median(out)
 
 
-def run_shared(params: Params, n: int, forward: bool, rounds: int = 3) -> dict:
+def run_shared(params: Params, n: int, forward: bool, rounds: int = 3, waves: int = 0) -> dict:
     """One sharing group of ``n`` workers (creator first, then n-1 followers at once) plus an idle baseline.
 
     With ``forward``, after the PSS reading, a single-process private offload of the same model starts beside
-    them and every worker's forward is timed against it."""
+    them and every worker's forward is timed against it. Then ``waves`` more times the followers leave and n-1
+    fresh ones join the creator's generation at once (``result["waves"]``): more time-to-ready samples under the
+    same contention, so that a p95 is not just the largest of a handful."""
     params = Params(**{**asdict(params), "namespace": f"bench{uuid.uuid4().hex[:10]}"})
     workers: list[Worker] = []
     ok = False
@@ -467,6 +471,17 @@ def run_shared(params: Params, n: int, forward: bool, rounds: int = 3) -> dict:
             workers.append(single)
             result["single"] = single.read()
             time_forwards([single, creator, *followers], [result["single"], *reports], rounds)
+        result["waves"] = []
+        for _ in range(waves if n > 1 else 0):
+            finish_all(followers)  # they close their sessions; the creator keeps the generation READY
+            workers = [w for w in workers if w not in followers]
+            followers = [Worker("session", params) for _ in range(n - 1)]
+            workers.extend(followers)
+            for f in followers:
+                f.read_stage()
+            for f in followers:
+                f.send("go")
+            result["waves"].append([f.read() for f in followers])
         ok = True
         return result
     finally:
@@ -546,8 +561,9 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
         n = g["n"]
         allowance = GOAL_PSS_RATIO + device_block_allowance(g, r["device"]) / model_bytes
         ratio = g["pss_growth_sum"] / model_bytes
-        follow = [w["ready_s"] - resident_copy_on_critical_path(w) for w in g["workers"] if w["role"] == "follower"]
-        first = [w["first_forward_s"] for w in g["workers"] if w["role"] == "follower"]
+        joined = [w for w in g["workers"] + [w for wave in g.get("waves", []) for w in wave] if w["role"] == "follower"]
+        follow = [w["ready_s"] - resident_copy_on_critical_path(w) for w in joined]
+        first = [w["first_forward_s"] for w in joined]
         all_follow += follow
         all_first += first
         creator = next(w for w in g["workers"] if w["role"] == "creator")
@@ -556,9 +572,8 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
                          f"{ratio:.3f}x", f"<= {allowance:.3f}x", "met" if ratio <= allowance else "MISSED",
                          f"{max(w['max_abs_diff'] for w in g['workers']):.3g}"])
         register = [w.get("register_s", 0.0) for w in g["workers"] if w["role"] == "follower"]
-        synced = [w.get("ready_synced_s", w["ready_s"]) - resident_copy_on_critical_path(w)
-                  for w in g["workers"] if w["role"] == "follower"]
-        ready_rows.append([n, _ms_median(follow), ms(percentile(follow, 95)) if follow else "-",
+        synced = [w.get("ready_synced_s", w["ready_s"]) - resident_copy_on_critical_path(w) for w in joined]
+        ready_rows.append([n, len(follow), _ms_median(follow), ms(percentile(follow, 95)) if follow else "-",
                            ms(percentile(synced, 95)) if synced else "-",
                            _ms_median(register), _ms_median(first), ms(creator["first_forward_s"]),
                            ms(creator["factory_s"]),
@@ -585,7 +600,7 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
             ["N", "creator / followers", "sum of PSS growth", "x model bytes", "goal", "status",
              "max |out - reference|"], pss_rows)),
         ("Time to ready per N", table(
-            ["N", "follower median (excl. resident copy)", "follower p95", "p95 with a device synchronize",
+            ["N", "follower samples", "follower median (excl. resident copy)", "follower p95", "p95 with a device synchronize",
              "background cudaHostRegister (median)", "follower first forward (median)", "creator first forward",
              "creator checkpoint factory", "creator publish", "creator total"], ready_rows)),
         ("Follower attach vs private load", table(["measure", "median", "p95", "goal", "status"], summary_rows)),
@@ -618,6 +633,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--forward-workers", type=int, default=4, help="group whose forwards are timed one by one")
     p.add_argument("--private-workers", type=int, default=4)
+    p.add_argument("--join-waves", type=int, default=2,
+                   help="after each group's measurements, this many more waves of n-1 followers join (time to ready)")
     p.add_argument("--hidden", type=int)
     p.add_argument("--layers", type=int)
     p.add_argument("--vocab", type=int)
@@ -662,7 +679,7 @@ def main() -> None:
         r["groups"] = []
         for n in args.workers:
             print(f"shared group of {n} worker(s)", flush=True)
-            r["groups"].append(run_shared(params, n, forward=n == args.forward_workers))
+            r["groups"].append(run_shared(params, n, forward=n == args.forward_workers, waves=args.join_waves))
         print(f"{args.private_workers} private workers", flush=True)
         r["private"] = run_private(params, args.private_workers)
     finally:
