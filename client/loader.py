@@ -47,7 +47,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from flextensor.copy_stream import CopyStream
 from flextensor.host_memory import BlockLayout, block_views
 from flextensor.timing import CurrentStream, TimingCollector
 
@@ -111,9 +110,7 @@ class BlockLoader:
         self._pending_timing: dict[int, Any] = {}
         if self.cuda:
             self._compute_stream = CurrentStream(device)  # the caller's stream, looked up cheaply per trap
-            # One stream created for this loader, not one from PyTorch's pool: see flextensor.copy_stream.
-            self._copy_stream = CopyStream(device)
-            self._side = self._copy_stream.stream
+            self._side = torch.cuda.Stream(device=device)
             self._copy_done = [torch.cuda.Event() for _ in range(self.num_slots)]
             self._reader_done = [torch.cuda.Event() for _ in range(self.num_slots)]
         self.copies_issued = 0
@@ -254,7 +251,7 @@ class BlockLoader:
     def close(self) -> None:
         """Wait for in-flight copies (teardown, not the hot path), then drop the device slots."""
         if self.cuda:
-            self._copy_stream.close()
+            self._side.synchronize()
         self.slots = []
         self._views.clear()
         self._pending_timing.clear()
