@@ -97,6 +97,30 @@ def _step(steps: dict[str, float], name: str) -> Iterator[None]:
         steps[name] = time.monotonic() - start
 
 
+def _build_beside(prefetch: FollowerPrefetch, factory: Callable[[], Any], steps: dict[str, float],
+                  take_over: Callable[[], None]) -> nn.Module:
+    """Run the follower's model factory on this thread while the attach thread works, then join the thread.
+
+    The thread is joined even when the factory fails or the caller is interrupted, and ``take_over`` gives
+    whatever the thread opened an owner before any error propagates; then the thread's error, then the factory's
+    result is checked."""
+    model = None
+    try:
+        with _step(steps, "factory"):
+            model = factory()
+    finally:
+        try:
+            with _step(steps, "prefetch_wait"):
+                prefetch.join()  # waits for the thread even when interrupted
+        finally:
+            take_over()
+    if prefetch.error is not None:
+        raise prefetch.error
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"follower_model_factory returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
 @dataclass
 class ManagerShare:
     """What one manager of the session holds, and how it got there (reported by ``session.report()``)."""
@@ -267,26 +291,18 @@ class SharedOffloadSession:
 
         prefetch = FollowerPrefetch(ns, compute_device(cfg), num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
                                     elect=elect).start()
-        model = None
         share = None
-        try:
-            with _step(steps, "factory"):
-                model = factory()
-        finally:
-            try:
-                with _step(steps, "prefetch_wait"):
-                    prefetch.join()  # waits for the thread even when interrupted
-            finally:  # the share owns what the thread joined and opened before any error goes on
-                if prefetch.coordinator is not None:
-                    share = self._new_share(name, ns, prefetch.coordinator, joined_s=steps.pop("join", 0.0))
-                    share.store = prefetch.store
-                    share.segments.extend(prefetch.segments)
-                    share.steps.update(steps)
-                    share.steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
-        if prefetch.error is not None:
-            raise prefetch.error
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"follower_model_factory returned {type(model).__name__}, not an nn.Module")
+
+        def take_over() -> None:  # the share owns what the thread joined and opened before any error goes on
+            nonlocal share
+            if prefetch.coordinator is not None:
+                share = self._new_share(name, ns, prefetch.coordinator, joined_s=steps.pop("join", 0.0))
+                share.store = prefetch.store
+                share.segments.extend(prefetch.segments)
+                share.steps.update(steps)
+                share.steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
+
+        model = _build_beside(prefetch, factory, steps, take_over)
         return share, model, prefetch
 
     def _session_config(self, config: OffloadConfig | None, ns: str) -> OffloadConfig:
@@ -362,21 +378,13 @@ class SharedOffloadSession:
         # Store, host blocks and resident copies are opened on a thread while the factory builds the model.
         prefetch = FollowerPrefetch(share.namespace, device, num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
                                     owner=owner, state=state).start()
-        try:
-            with _step(steps, "factory"):
-                model = factory()
-        finally:
-            try:
-                with _step(steps, "prefetch_wait"):
-                    prefetch.join()  # waits for the thread even when interrupted
-            finally:
-                share.store = prefetch.store  # owned by the share from here, so any failure cleans them up
-                share.segments.extend(prefetch.segments)
-                steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
-        if prefetch.error is not None:
-            raise prefetch.error
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"follower_model_factory returned {type(model).__name__}, not an nn.Module")
+
+        def take_over() -> None:  # owned by the share from here, so any failure cleans them up
+            share.store = prefetch.store
+            share.segments.extend(prefetch.segments)
+            steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
+
+        model = _build_beside(prefetch, factory, steps, take_over)
         return self._adopt_published(share, manager, cfg, model, state, prefetch.device_copies)
 
     def _adopt_published(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, model: nn.Module,

@@ -54,6 +54,22 @@ def _unused_creator_factory():
     raise AssertionError("the creator process publishes; this follower never creates")
 
 
+def _follow_and_check(namespace: str, profile: str, factory) -> dict[str, float]:
+    """Attach as a follower with ``factory``, check the output, close; the session's step times."""
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                             creator_model_factory=_unused_creator_factory,
+                                             follower_model_factory=factory)
+        assert session.role("model") == "follower"
+        with torch.no_grad():
+            assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
+        steps = session.report()[0]["steps"]
+    del model  # on a CPU host its resident tensors are views of the store's mapping
+    gc.collect()
+    assert _mapped(namespace) == []
+    return steps
+
+
 def test_blocks_are_opened_on_a_thread_while_the_factory_runs(namespace: str, profile: str, creator, monkeypatch):
     opened_during_factory = threading.Event()
     factory_running = threading.Event()
@@ -75,19 +91,9 @@ def test_blocks_are_opened_on_a_thread_while_the_factory_runs(namespace: str, pr
         assert overlapped, "the host blocks were not opened while the model factory ran"
         return _meta_model()
 
-    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
-        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                             creator_model_factory=_unused_creator_factory,
-                                             follower_model_factory=factory)
-        assert session.role("model") == "follower"
-        with torch.no_grad():
-            assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
-        steps = session.report()[0]["steps"]
-        assert {"factory", "prefetch_wait", "prefetch_store", "prefetch_blocks", "adopt"} <= set(steps)
+    steps = _follow_and_check(namespace, profile, factory)
+    assert {"factory", "prefetch_wait", "prefetch_store", "prefetch_blocks", "adopt"} <= set(steps)
     assert threads and all(name.startswith("ft-attach") for name in threads)
-    del model  # on a CPU host its resident tensors are views of the store's mapping
-    gc.collect()
-    assert _mapped(namespace) == []
 
 
 def test_factory_failure_closes_what_the_thread_opened(namespace: str, profile: str, creator):
@@ -183,19 +189,9 @@ def test_a_follower_of_a_ready_generation_joins_on_the_thread_while_its_factory_
         assert joined_during_factory.wait(timeout=30), "the generation was not joined while the factory ran"
         return _meta_model()
 
-    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
-        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                             creator_model_factory=_unused_creator_factory,
-                                             follower_model_factory=factory)
-        assert session.role("model") == "follower"
-        with torch.no_grad():
-            assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
-        steps = session.report()[0]["steps"]
-        assert {"join", "plan", "factory", "prefetch_elect", "prefetch_blocks", "adopt"} <= set(steps)
+    steps = _follow_and_check(namespace, profile, factory)
+    assert {"join", "plan", "factory", "prefetch_elect", "prefetch_blocks", "adopt"} <= set(steps)
     assert threads == {"ft-attach"}
-    del model
-    gc.collect()
-    assert _mapped(namespace) == []
 
 
 def test_a_join_that_makes_this_process_the_creator_drops_the_follower_model_and_publishes(namespace: str,
