@@ -265,7 +265,8 @@ def worker_session(p: Params) -> tuple[dict, object]:
 
 
 def _write_cprofile(profiler, tag: str) -> None:
-    """The attach's cProfile, by cumulative and by own time, as text under the results directory."""
+    """The attach's cProfile, by cumulative and by own time, as text under the results directory (and the raw
+    ``.prof`` beside it, for ``pstats`` or snakeviz: the text rounds to milliseconds)."""
     import io
     import pstats
 
@@ -275,6 +276,7 @@ def _write_cprofile(profiler, tag: str) -> None:
     stats.sort_stats("tottime").print_stats(25)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"cprofile-{tag}.txt").write_text(out.getvalue())
+    profiler.dump_stats(str(RESULTS_DIR / f"cprofile-{tag}.prof"))
 
 
 def worker_private(p: Params) -> tuple[dict, object]:
