@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterator
 
 import msgspec
 import torch
@@ -151,21 +150,24 @@ class ModelTensor:
         return f"{self.name}|{self.kind}|{dtype_name(t.dtype)}|{list(t.shape)}|{','.join(self.aliases)}"
 
 
-def _iter_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for buf_name, buf in module._buffers.items():
-            if buf is None:
-                continue
-            full = f"{mod_name}.{buf_name}" if mod_name else buf_name
-            yield full, buf, buf_name not in module._non_persistent_buffers_set
-
-
 def model_tensors(model: nn.Module) -> dict[str, ModelTensor]:
-    """Every parameter and buffer once, by canonical name (``named_parameters`` order first), with aliases."""
+    """Every parameter and buffer once, by canonical name (``named_parameters`` order first), with aliases.
+
+    One walk of the module tree collects both kinds (``named_parameters`` and ``named_buffers`` would walk it
+    twice, in the same module order): a follower's adoption calls this on its critical path."""
     out: dict[str, ModelTensor] = {}
     by_id: dict[int, ModelTensor] = {}
-    registered = [("parameter", name, param, True) for name, param in model.named_parameters(remove_duplicate=False)]
-    registered += [("buffer", name, buf, persistent) for name, buf, persistent in _iter_buffers(model)]
+    registered: list[tuple[str, str, torch.Tensor, bool]] = []
+    buffers: list[tuple[str, str, torch.Tensor, bool]] = []
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, param in module._parameters.items():
+            if param is not None:
+                registered.append(("parameter", prefix + attr, param, True))
+        for attr, buf in module._buffers.items():
+            if buf is not None:
+                buffers.append(("buffer", prefix + attr, buf, attr not in module._non_persistent_buffers_set))
+    registered += buffers
     for kind, name, tensor, persistent in registered:
         entry = by_id.get(id(tensor))
         if entry is not None:

@@ -256,9 +256,11 @@ class SharedTensorStore:
                 out[name] = view
         return out
 
-    def validate_against(self, model: Any) -> None:
-        """Check every record against ``model``'s registrations; raise ``ValueError`` naming the tensor."""
-        registrations = model_registrations(model)
+    def validate_against(self, model: Any, registrations: dict[str, _Registration] | None = None) -> None:
+        """Check every record against ``model``'s registrations (``model_registrations(model)``, walked here
+        unless given); raise ``ValueError`` naming the tensor."""
+        if registrations is None:
+            registrations = model_registrations(model)
         for record in self.manifest.tensors:
             for name in record.all_names:
                 reg = registrations.get(name)
@@ -344,18 +346,18 @@ class SharedTensorStore:
         ``copies`` (from :meth:`copies_on` for the same device) are installed instead of copying again."""
         import torch
 
-        self.validate_against(model)
+        registrations = model_registrations(model)  # one walk of the model for the checks and the installs
+        self.validate_against(model, registrations)
         device = torch.device(device)
         copies = copies or {}
         for name, value in copies.items():
             if value.device != device and not (device.index is None and value.device.type == device.type):
                 raise ValueError(f"the copy of {name!r} is on {value.device}, not on {device}")
-        registrations = model_registrations(model)
         for record in self.manifest.tensors:
-            view = self.tensor(record)
             if record.name in copies:
                 value = copies[record.name]
             else:
+                view = self.tensor(record)
                 value = view if device.type == "cpu" else view.to(device, copy=True)
             if record.kind == "parameter":
                 value = torch.nn.Parameter(value, requires_grad=record.requires_grad)
