@@ -24,6 +24,10 @@ follower
     With pinning on CUDA the follower registers its mappings of the blocks in the background, in schedule order
     (``flextensor.shm.background_pin``): it is ready as soon as the plan is adopted, and a copy from a block
     waits only until that block is registered.
+    When the generation is already READY on arrival (``peek_ready``: a lock-free read of the header, a hint
+    only), the thread also does the join itself (the election under the coordinator lock, the daemon
+    registration, the plan) while the factory runs; if the lock stays busy, or the join elected this process
+    creator after all, the session goes on along the paths above (the model built is used, or dropped).
 
 The session copies the caller's config and sets its SHM fields; strategy replanning is off because published
 blocks are fixed. A session is used from the thread that created it and reserves its manager names (process

@@ -48,11 +48,11 @@ from flextensor.shm.cleanup import (
 from flextensor.shm.errors import ShmCreatorDiedError, ShmCreatorFailedError, ShmProtocolError
 from flextensor.shm.header import (
     DEFAULT_SLOT_COUNT,
-    open_coordinator_segment,
     LIBRARY_VERSION,
     HeaderInfo,
     State,
     coordinator_segment_size,
+    open_coordinator_segment,
     read_failure,
     read_state,
     store_state,
