@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from flextensor.plan_model import Plan, PlanInput, effective_blocks, make_plan
+from flextensor.plan_model import Plan, PlanInput, _finish_plan, effective_blocks
 
 
 
@@ -106,27 +106,38 @@ def _hidden_chain(inp: PlanInput, tables: list[_SubsetSums | None]) -> list[tupl
     offload when trap ``i`` is its last offloaded trap, maximised over the previous one ``p`` (whose choice
     sets trap ``i``'s window ``p..i-1``) or none (window from time 0). Offloading a small slice of a trap can
     shrink the next trap's window, which is why a trap-by-trap greedy walk is not optimal and this is.
+
+    Trap ``i``'s candidates are, in the DP's order, the window from time 0, then ``p = 0, 1, ..., i-1``; the
+    first with the most bytes wins. They are visited in reverse (``p`` from ``i-1`` down, time 0 last), with
+    ``>=`` keeping that same winner, because ``value[p]`` mostly grows with ``p``: the latest ``p`` sets a high
+    bound early, a candidate that cannot reach it even with the trap's whole table (``full``) is skipped without
+    computing its window, and the scan stops once ``max(value[:p + 1])`` cannot reach it either. A trap then
+    costs a few window computations instead of one per earlier trap.
     """
     n = len(inp.traps)
     value = [0] * n
+    value_max = [0] * n  # value_max[p] = max(value[:p + 1])
     choice: list[tuple[int, int, int]] = [(0, 0, -1)] * n  # (bytes, mask, previous offloaded trap)
     for i in range(n):
         table = tables[i]
-        if table is None:
-            continue
-        full = table.sums[-1]
-        best_value, best = 0, None
-        s, m = table.best(inp.window_capacity(0, i))
-        if s > 0:
-            best_value, best = s, (s, m, -1)
-        for p in range(i):
-            if value[p] <= 0 or value[p] + full <= best_value:
-                continue
-            s, m = table.best(inp.window_capacity(p, i))
-            if s > 0 and value[p] + s > best_value:
-                best_value, best = value[p] + s, (s, m, p)
-        if best is not None:
-            value[i], choice[i] = best_value, best
+        if table is not None:
+            full = table.sums[-1]
+            best_value, best = 0, None
+            for p in range(i - 1, -1, -1):
+                if value_max[p] + full < best_value:
+                    break
+                if value[p] <= 0 or value[p] + full < best_value:
+                    continue
+                s, m = table.best(inp.window_capacity(p, i))
+                if s > 0 and value[p] + s >= best_value:
+                    best_value, best = value[p] + s, (s, m, p)
+            if full >= best_value:
+                s, m = table.best(inp.window_capacity(0, i))
+                if s > 0 and s >= best_value:
+                    best_value, best = s, (s, m, -1)
+            if best is not None:
+                value[i], choice[i] = best_value, best
+        value_max[i] = max(value[i], value_max[i - 1]) if i else value[i]
     out = [(0, 0)] * n
     last = max(range(n), key=lambda k: value[k], default=-1)
     while last >= 0 and value[last] > 0:
@@ -136,13 +147,27 @@ def _hidden_chain(inp: PlanInput, tables: list[_SubsetSums | None]) -> list[tupl
     return out
 
 
-def _selection(inp: PlanInput, masks: Sequence[int]) -> dict[str, tuple[str, ...]]:
-    out: dict[str, tuple[str, ...]] = {}
-    for trap, mask in zip(inp.traps, masks):
-        names = tuple(t.name for k, t in enumerate(trap.tensors) if mask >> k & 1)
+def _plan_from_masks(inp: PlanInput, strategy: str, masks: Sequence[int], num_blocks: int,
+                     explanation: Sequence[str]) -> Plan:
+    """``make_plan`` for a selection given as one bitmask per trap (bit ``k``: the trap's tensor ``k``).
+
+    Names taken from the traps themselves need none of make_plan's validation and reordering: the selection is
+    built directly in the form it normalises to (trap order, no zero-byte tensors, no trap without a name).
+    """
+    offloaded: dict[str, tuple[str, ...]] = {}
+    per_trap = [0] * len(inp.traps)
+    for i, (trap, mask) in enumerate(zip(inp.traps, masks)):
+        if not mask:
+            continue
+        names, nbytes = [], 0
+        for k, tensor in enumerate(trap.tensors):
+            if mask >> k & 1 and tensor.nbytes > 0:
+                names.append(tensor.name)
+                nbytes += tensor.nbytes
         if names:
-            out[trap.label] = names
-    return out
+            offloaded[trap.label] = tuple(names)
+            per_trap[i] = nbytes
+    return _finish_plan(inp, strategy, offloaded, per_trap, num_blocks, explanation)
 
 
 def _per_trap(inp: PlanInput, masks: Sequence[int]) -> list[int]:
@@ -173,13 +198,9 @@ class NthLayerStrategy(Strategy):
         return f"NthLayerStrategy(n={self.n})"
 
     def plan(self, inp: PlanInput) -> Plan:
-        selection = {
-            trap.label: tuple(t.name for t in trap.tensors)
-            for i, trap in enumerate(inp.traps)
-            if i % self.n == 0 and trap.total_bytes > 0
-        }
+        every_tensor = [(1 << len(trap.tensors)) - 1 if i % self.n == 0 else 0 for i, trap in enumerate(inp.traps)]
         why = f"{self.name}: offload all tensors of every trap whose index is a multiple of {self.n}"
-        return make_plan(inp, self.name, selection, inp.num_blocks, [why])
+        return _plan_from_masks(inp, self.name, every_tensor, inp.num_blocks, [why])
 
 
 class GreedyStrategy(Strategy):
@@ -194,20 +215,20 @@ class GreedyStrategy(Strategy):
     name = "greedy"
 
     def plan(self, inp: PlanInput) -> Plan:
-        selection: dict[str, tuple[str, ...]] = {}
+        masks: list[int] = []
         start = 0
         for i, trap in enumerate(inp.traps):
             cap = inp.window_capacity(start, i)
-            taken, used = [], 0
-            for tensor in sorted(trap.tensors, key=lambda t: -t.nbytes):
+            mask, used = 0, 0
+            for k, tensor in sorted(enumerate(trap.tensors), key=lambda kt: -kt[1].nbytes):
                 if 0 < tensor.nbytes <= cap - used:
-                    taken.append(tensor.name)
+                    mask |= 1 << k
                     used += tensor.nbytes
-            if taken:
-                selection[trap.label] = tuple(taken)
+            masks.append(mask)
+            if mask:
                 start = i
         why = "greedy: per trap, largest tensors first while the copy fits the compute since the last offloaded trap"
-        return make_plan(inp, self.name, selection, inp.num_blocks, [why])
+        return _plan_from_masks(inp, self.name, masks, inp.num_blocks, [why])
 
 
 class KnapsackStrategy(Strategy):
@@ -238,7 +259,7 @@ class KnapsackStrategy(Strategy):
         if any(t is not None and not t.exact for t in tables):
             why.append(f"knapsack: some traps had > {self.max_states} subset totals; merged into "
                        f"{self.resolution} buckets (still hidden, possibly a little less than optimal)")
-        return make_plan(inp, self.name, _selection(inp, [m for _, m in chain]), inp.num_blocks, why)
+        return _plan_from_masks(inp, self.name, [m for _, m in chain], inp.num_blocks, why)
 
 
 def _gap_windows(inp: PlanInput) -> list[float]:

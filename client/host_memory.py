@@ -47,7 +47,9 @@ storage alive); the provider drops its own references at :meth:`HostBlockProvide
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -89,16 +91,24 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+@functools.lru_cache(maxsize=1024)
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``contiguous_stride`` as a tuple, cached: a model's layers repeat the same few shapes, and every streamed
+    tensor asks at the switch to INFERENCE."""
+    return tuple(contiguous_stride(shape))
+
+
 def packed_stride(tensor: torch.Tensor) -> tuple[int, ...]:
     """The stride a tensor keeps in a packed block: its own when non-overlapping and dense, else contiguous."""
-    shape, stride = tuple(tensor.shape), tuple(tensor.stride())
+    shape = tensor.shape
     if tensor.is_contiguous():
-        return tuple(contiguous_stride(shape))
+        return _contiguous_stride(shape)
+    stride = tuple(tensor.stride())
     dims = sorted((s, n) for s, n in zip(stride, shape) if n != 1)
     expected = 1
     for s, n in dims:
         if s != expected:
-            return tuple(contiguous_stride(shape))
+            return _contiguous_stride(shape)
         expected *= n
     return stride
 
@@ -130,12 +140,9 @@ def pack_block(index: int, label: str, tensors: Iterable[tuple[str, torch.dtype,
     offset = 0
     placements: list[TensorPlacement] = []
     for name, dtype, shape, stride in tensors:
-        numel = 1
-        for size in shape:
-            numel *= int(size)
-        nbytes = numel * dtype.itemsize
-        placements.append(TensorPlacement(name, dtype, tuple(int(s) for s in shape), tuple(int(s) for s in stride),
-                                          offset, nbytes))
+        shape = tuple(map(int, shape))
+        nbytes = math.prod(shape) * dtype.itemsize
+        placements.append(TensorPlacement(name, dtype, shape, tuple(map(int, stride)), offset, nbytes))
         offset = _align(offset + nbytes)
     return BlockLayout(index, label, max(_align(offset), ALIGN), tuple(placements))
 

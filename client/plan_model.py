@@ -420,8 +420,10 @@ def make_plan(
 ) -> Plan:
     """Build a consistent Plan (bytes, peak, simulated overhead, budget check) from a tensor selection.
 
-    Every strategy ends here, so the numbers of competing plans are computed the same way. Tensor names are
-    put in the trap's own order (the order the engine packs them) and traps in execution order.
+    Every plan is finished by ``_finish_plan`` (the strategies, which select by per-trap bitmasks over the
+    traps' own tensors, reach it through ``basic_strategies._plan_from_masks`` without the validation here), so
+    the numbers of competing plans are computed the same way. Tensor names are put in the trap's own order (the
+    order the engine packs them), without zero-byte tensors, and traps in execution order.
     """
     if num_blocks < 1:
         raise ValueError(f"make_plan: num_blocks must be >= 1, got {num_blocks}")
@@ -434,6 +436,20 @@ def make_plan(
             offloaded[trap.label] = names
         else:
             per_trap[i] = 0
+    return _finish_plan(inp, strategy, offloaded, per_trap, num_blocks, explanation)
+
+
+def _finish_plan(
+    inp: PlanInput,
+    strategy: str,
+    offloaded: dict[str, tuple[str, ...]],
+    per_trap: list[int],
+    num_blocks: int,
+    explanation: Iterable[str] = (),
+) -> Plan:
+    """``make_plan`` for a selection already in its normal form, which it neither validates nor reorders:
+    ``offloaded`` ordered like the traps, each trap's names in the trap's order and of non-zero size,
+    ``per_trap`` their bytes per trap (0 for traps not in ``offloaded``)."""
     blocks = effective_blocks(num_blocks, inp.min_blocks, len(offloaded))
     block_bytes = max(per_trap, default=0)
     offloaded_bytes = sum(per_trap)

@@ -41,7 +41,7 @@ from flextensor.basic_strategies import (  # noqa: F401 - the basic strategies a
     _hidden_chain,
     _peak,
     _per_trap,
-    _selection,
+    _plan_from_masks,
     _SubsetSums,
     _tables,
 )
@@ -155,7 +155,7 @@ class BudgetFillStrategy(Strategy):
             f"{len(polished)}; kept {count} blocks with cap {level} B, offloading {key[1]} B "
             "(lowest estimated overhead, then fewest offloaded bytes, then lowest peak)"
         ]
-        return make_plan(inp, self.name, _selection(inp, masks), count, why)
+        return _plan_from_masks(inp, self.name, masks, count, why)
 
     def _fill(self, inp: PlanInput, tables: list[_SubsetSums | None], hidden: list[tuple[int, int]],
               windows: list[float], count: int, level: int) -> list[int] | None:
@@ -225,7 +225,7 @@ class BudgetFillStrategy(Strategy):
         ]
         if inp.fixed_resident_bytes > budget:
             why.append(f"budget_fill: the non-offloadable tensors alone take {inp.fixed_resident_bytes} B")
-        return make_plan(inp, self.name, _selection(inp, masks), count, why)
+        return _plan_from_masks(inp, self.name, masks, count, why)
 
 
 def _key(inp: PlanInput, masks: Sequence[int], count: int) -> tuple[float, int, int]:

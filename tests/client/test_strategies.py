@@ -409,3 +409,69 @@ def test_block_assignment_and_candidates_tables():
     cand = rows_of(format_candidates(plan))
     assert [r[0] for r in cand[4:-1]] == ["knapsack", "greedy", "nth_layer(1)"]
     assert sum(r[-1] == "*" for r in cand[4:-1]) == 1
+
+
+# ------------------------------------------------------------------------ planner shortcuts vs their definitions
+
+from flextensor.basic_strategies import _hidden_chain, _plan_from_masks, _tables  # noqa: E402
+from flextensor.plan_model import make_plan  # noqa: E402
+
+
+def plain_hidden_chain(plan_in: PlanInput, tables) -> list[tuple[int, int]]:
+    """``_hidden_chain``'s DP as defined, without its pruning: trap ``i``'s candidates in order (window from time
+    0, then each earlier offloaded trap ``p`` ascending), the first with the most bytes wins."""
+    n = len(plan_in.traps)
+    value, choice = [0] * n, [(0, 0, -1)] * n
+    for i, table in enumerate(tables):
+        if table is None:
+            continue
+        best_value, best = 0, None
+        for p in [-1] + [p for p in range(i) if value[p] > 0]:
+            s, m = table.best(plan_in.window_capacity(max(p, 0), i))
+            total = s + (value[p] if p >= 0 else 0)
+            if s > 0 and total > best_value:
+                best_value, best = total, (s, m, p)
+        if best is not None:
+            value[i], choice[i] = best_value, best
+    out = [(0, 0)] * n
+    last = max(range(n), key=lambda k: value[k], default=-1)
+    while last >= 0 and value[last] > 0:
+        s, m, prev = choice[last]
+        out[last] = (s, m)
+        last = prev
+    return out
+
+
+# Up to 12 traps of small (often equal) sizes, some empty or zero-byte: many ties between candidates.
+tie_prone_traps = st.lists(
+    st.tuples(st.integers(0, 6), st.lists(st.integers(0, 9), max_size=4)), min_size=1, max_size=12
+).map(lambda rows: [trap(f"t{i}", float(c), *sizes) for i, (c, sizes) in enumerate(rows)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(traps=tie_prone_traps, latency=st.sampled_from([0.0, 0.5, 2.0]), scale=st.sampled_from([0.5, 1.0, 2.0]))
+def test_hidden_chain_matches_the_plain_dp(traps, latency, scale):
+    plan_in = inp(traps, transfer=TransferModel(1.0, latency), scale=scale)
+    tables = _tables(plan_in, 200, 4096)
+    assert _hidden_chain(plan_in, tables) == plain_hidden_chain(plan_in, tables)
+
+
+@settings(max_examples=200, deadline=None)
+@given(traps=tie_prone_traps, seed=st.integers(0, 2**32 - 1), blocks=st.integers(1, 4),
+       budget=st.one_of(st.none(), st.integers(0, 60)))
+def test_plan_from_masks_is_make_plan_of_the_masked_names(traps, seed, blocks, budget):
+    """The strategies' shortcut (no validation, no reordering) builds exactly the plan make_plan builds."""
+    import random
+
+    rng = random.Random(seed)
+    plan_in = inp(traps, budget)
+    masks = [rng.randrange(1 << len(t.tensors)) for t in plan_in.traps]
+    selection = {t.label: tuple(x.name for k, x in enumerate(t.tensors) if m >> k & 1)  # zero-byte names too
+                 for t, m in zip(plan_in.traps, masks)}
+    assert _plan_from_masks(plan_in, "s", masks, blocks, ["why"]) == make_plan(plan_in, "s", selection, blocks, ["why"])
+    strategies = [NthLayerStrategy(1), NthLayerStrategy(2), GreedyStrategy(), KnapsackStrategy()]
+    if budget is not None:  # without one, BudgetFill returns Knapsack's plan renamed
+        strategies.append(BudgetFillStrategy())
+    for strategy in strategies:
+        plan = strategy.plan(plan_in)
+        assert make_plan(plan_in, plan.strategy, plan.offloaded, plan.num_blocks, plan.explanation[:-2]) == plan
