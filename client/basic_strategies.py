@@ -138,8 +138,13 @@ def _hidden_chain(inp: PlanInput, tables: list[_SubsetSums | None]) -> list[tupl
             if best is not None:
                 value[i], choice[i] = best_value, best
         value_max[i] = max(value[i], value_max[i - 1]) if i else value[i]
-    out = [(0, 0)] * n
-    last = max(range(n), key=lambda k: value[k], default=-1)
+    return _chain_back(value, choice)
+
+
+def _chain_back(value: Sequence[int], choice: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The chain ending at the trap with the most hidden bytes, followed back through each trap's choice."""
+    out = [(0, 0)] * len(value)
+    last = max(range(len(value)), key=lambda k: value[k], default=-1)
     while last >= 0 and value[last] > 0:
         s, m, prev = choice[last]
         out[last] = (s, m)

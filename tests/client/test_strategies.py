@@ -10,13 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flextensor.basic_strategies import _chain_back, _hidden_chain, _plan_from_masks, _tables
 from flextensor.diagnostics import (
     format_block_assignment,
     format_candidates,
     format_transfer_stats,
     format_trap_durations,
 )
-from flextensor.plan_model import PipelineTrace, simulate_bytes
+from flextensor.plan_model import PipelineTrace, make_plan, simulate_bytes
 from flextensor.strategies import (
     MIN_GPU_BUDGET_BYTES,
     AdaptiveStrategy,
@@ -413,9 +414,6 @@ def test_block_assignment_and_candidates_tables():
 
 # ------------------------------------------------------------------------ planner shortcuts vs their definitions
 
-from flextensor.basic_strategies import _hidden_chain, _plan_from_masks, _tables  # noqa: E402
-from flextensor.plan_model import make_plan  # noqa: E402
-
 
 def plain_hidden_chain(plan_in: PlanInput, tables) -> list[tuple[int, int]]:
     """``_hidden_chain``'s DP as defined, without its pruning: trap ``i``'s candidates in order (window from time
@@ -433,13 +431,7 @@ def plain_hidden_chain(plan_in: PlanInput, tables) -> list[tuple[int, int]]:
                 best_value, best = total, (s, m, p)
         if best is not None:
             value[i], choice[i] = best_value, best
-    out = [(0, 0)] * n
-    last = max(range(n), key=lambda k: value[k], default=-1)
-    while last >= 0 and value[last] > 0:
-        s, m, prev = choice[last]
-        out[last] = (s, m)
-        last = prev
-    return out
+    return _chain_back(value, choice)  # the forward pass above is the reference; following it back is shared
 
 
 # Up to 12 traps of small (often equal) sizes, some empty or zero-byte: many ties between candidates.
