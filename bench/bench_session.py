@@ -12,8 +12,8 @@ What is measured, and why:
 2. Time to ready. A follower's ``offload_from_profile`` (open, join, meta model, validate, attach, copy resident
    tensors), median and p95 over every follower of every N: the group's n-1 followers, then ``--join-waves``
    (default 2) more waves of n-1 fresh followers joining the same generation at once after the first ones left,
-   so the p95 rests on 33 samples rather than 11. The creator starts first and the followers only
-   after it is ready, so follower times are attach times, not waits. Goal: < 50 ms + 10 us per tensor,
+   so the p95 rests on 33 samples rather than 11 with the default ``--workers 1 2 4 8``. The creator starts
+   first and the followers only after it is ready, so follower times are attach times, not waits. Goal: < 50 ms + 10 us per tensor,
    excluding resident copies to the GPU: the follower makes them on its attach thread while its model factory
    runs, so only the part the session waited for is excluded (``resident_copy_on_critical_path``). The clock
    stops when ``offload_from_profile`` returns, provided the compute stream is idle then (checked with
@@ -574,7 +574,7 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
         pss_rows.append([n, f"{roles.count('creator')} / {roles.count('follower')}", gib(g["pss_growth_sum"]),
                          f"{ratio:.3f}x", f"<= {allowance:.3f}x", "met" if ratio <= allowance else "MISSED",
                          f"{max(w['max_abs_diff'] for w in g['workers']):.3g}"])
-        register = [w.get("register_s", 0.0) for w in g["workers"] if w["role"] == "follower"]
+        register = [w.get("register_s", 0.0) for w in joined]
         synced = [w.get("ready_synced_s", w["ready_s"]) - resident_copy_on_critical_path(w) for w in joined]
         ready_rows.append([n, len(follow), _ms_median(follow), ms(percentile(follow, 95)) if follow else "-",
                            ms(percentile(synced, 95)) if synced else "-",

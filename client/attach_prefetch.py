@@ -22,9 +22,9 @@ Ordering and ownership
    store record to the device (:meth:`SharedTensorStore.copies_on`: one transfer) and synchronizes its own
    stream, so the copies are complete before anyone can read them, whatever stream the caller uses.
 2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
-   everything it opened, *also when it failed or the factory failed*: the caller
-   (``SharedOffloadSession._attach``) puts the store and the arena into the manager's share first, so the
-   session's cleanup closes them, and only then raises the thread's error. Nothing the thread opened is ever
+   everything it opened, *also when it failed or the factory failed*: the caller (``SharedOffloadSession``'s
+   ``_attach``, or ``_join_while_building`` for the coordinator too) puts it into the manager's share first, so
+   the session's cleanup closes it, and only then raises the thread's error. Nothing the thread opened is ever
    left without an owner.
 3. The thread never touches the model or the manager; it only reads the publication.
 
@@ -35,9 +35,11 @@ almost certainly a follower, so the session starts the factory at once and lets 
 first (``elect``: the election under the coordinator lock, the daemon registration, the plan), then do the
 above. With several followers arriving together the lock is taken in turn, and that wait now overlaps the
 factory instead of preceding it. The thread waits for the lock a short while only (``ELECT_LOCK_WAIT_S``) so
-that its work stays bounded; if it gives up, or the join made this process the creator (the generation ended
-between the peek and the join), or the generation is not READY, the session continues on its own thread with
-what the thread returned (the model the factory built is then used as it is, or dropped for the creator's).
+that its work stays bounded (that bound is the election's alone: the coordinator keeps the session's timeout
+for its later registrations and its close); if it gives up, or the join made this process the creator (the
+generation ended between the peek and the join), or the generation is not READY, the session continues on its
+own thread with what the thread returned (the model the factory built is then used as it is, or dropped for
+the creator's).
 
 ``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``streams``,
 ``resident``), for ``session.report()``.

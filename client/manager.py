@@ -159,8 +159,8 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._staging = PinnedStaging()
         self._sequence: list[str] = []
         self._pass_sequence: list[str] = []
-        self._pass_spans: list[list[Any]] = []  # this pass's trap windows: [label, start mark, end mark or None]
-        self._pending_spans: list[list[list[Any]]] = []  # counted PROFILING passes not read yet
+        self._pass_windows: list[list[Any]] = []  # this pass's trap windows: [label, start mark, end mark or None]
+        self._pending_windows: list[list[list[Any]]] = []  # counted PROFILING passes not read yet
         self._durations: dict[str, list[float]] = {}
         self._compute_s: dict[str, float] = {}
         self._samples: list[tuple[int, float]] = []

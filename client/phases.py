@@ -90,8 +90,8 @@ class PhaseMixin:
     _staging: "PinnedStaging"
     _sequence: list[str]
     _pass_sequence: list[str]
-    _pass_spans: list[list[Any]]
-    _pending_spans: list[list[list[Any]]]
+    _pass_windows: list[list[Any]]
+    _pending_windows: list[list[list[Any]]]
     _durations: dict[str, list[float]]
     _loader: "BlockLoader | None"
     _deferred: Any  # flextensor.deferred_build.HostBlockBuild while host blocks are built behind inference
@@ -157,7 +157,7 @@ class PhaseMixin:
         if self._warm_pending and self._phase in (Phase.DISCOVERY, Phase.PROFILING):
             self._preload_warmup()  # resident warm-up: the one copy of each candidate, ahead of everything
         self._pass_sequence = []
-        self._pass_spans = []
+        self._pass_windows = []
         if self._phase is Phase.DISCOVERY and self._recorder is not None:
             self._recorder.current = OUTSIDE
             self._recorder.__enter__()
@@ -192,12 +192,12 @@ class PhaseMixin:
             if self._warm_last is not None:  # traps this pass did not enter: everything after waits for all copies
                 self._wait_warm_copy(None)
             if not ok or self._suspend:
-                self._recycle_spans(self._pass_spans)
+                self._recycle_windows(self._pass_windows)
                 return
             # Read one pass late: this pass's events are still queued behind its kernels, and reading them now
             # would make the host wait for the device at the end of every PROFILING pass.
-            self._pending_spans.append(self._pass_spans)
-            self._resolve_spans(keep_last=1)
+            self._pending_windows.append(self._pass_windows)
+            self._resolve_windows(keep_last=1)
             self._sequence = list(self._pass_sequence)
             self._iteration += 1
             if self._iteration >= self.iters_before_inference:
@@ -234,32 +234,33 @@ class PhaseMixin:
     def _start_inference(self) -> None:
         from flextensor.inference import plan_inference
 
-        self._resolve_spans(keep_last=0)
+        self._resolve_windows(keep_last=0)
         plan_inference(self)  # type: ignore[arg-type]
 
     def _close_window(self, mark: Any = None) -> None:
         """End the pass's open trap window (if any) at ``mark``, or at a mark recorded now."""
-        spans = self._pass_spans
-        if spans and spans[-1][2] is None:
+        windows = self._pass_windows
+        if windows and windows[-1][2] is None:
             assert self._clock is not None
-            spans[-1][2] = mark if mark is not None else self._clock.mark()
+            windows[-1][2] = mark if mark is not None else self._clock.mark()
 
-    def _resolve_spans(self, keep_last: int) -> None:
+    def _resolve_windows(self, keep_last: int) -> None:
         """Turn the pending PROFILING passes' windows (all but the last ``keep_last``) into duration samples."""
-        while len(self._pending_spans) > keep_last:
-            spans = self._pending_spans.pop(0)
+        while len(self._pending_windows) > keep_last:
+            windows = self._pending_windows.pop(0)
             sums: dict[str, float] = {}
             assert self._clock is not None
-            for (label, _start, _end), ms in zip(spans, self._clock.read_windows_ms([(s[1], s[2]) for s in spans])):
+            readings = self._clock.read_windows_ms([(start, end) for _label, start, end in windows])
+            for (label, _start, _end), ms in zip(windows, readings):
                 sums[label] = sums.get(label, 0.0) + ms / 1e3
             for label, seconds in sums.items():
                 self._durations.setdefault(label, []).append(seconds)
-            self._recycle_spans(spans)
+            self._recycle_windows(windows)
 
-    def _recycle_spans(self, spans: Sequence[list[Any]]) -> None:
+    def _recycle_windows(self, windows: Sequence[list[Any]]) -> None:
         """Give a pass's marks back to the clock's pool, each once (consecutive windows share a mark)."""
-        if self._clock is not None and spans:
-            marks = {id(m): m for span in spans for m in (span[1], span[2]) if m is not None}
+        if self._clock is not None and windows:
+            marks = {id(m): m for window in windows for m in (window[1], window[2]) if m is not None}
             self._clock.recycle_marks(list(marks.values()))
 
     # ------------------------------------------------------------------------------------------------ traps
@@ -289,23 +290,24 @@ class PhaseMixin:
             elif phase is Phase.PROFILING:
                 timed = not self._suspend
                 warm = self._warm
+                names = self._exclusive.get(trap.label, ())
                 unsettled = self._warm_settled.get(trap.label) != warm.removals
-                if self._warm_ready or unsettled:
-                    # Copies, or a wait for them, may go on the compute stream now: the window before ends first.
-                    if timed:
-                        self._close_window()
-                    if self._warm_ready:  # the first pass after an overlapped preload: wait for this trap's copy
-                        self._wait_warm_copy(trap.label)
-                    if unsettled:
-                        warm.load(self._tensor_objs(self._exclusive.get(trap.label, ())))
-                        if warm.keep and not warm.active:  # all of this trap's tensors hold kept copies: from now
-                            self._warm_settled[trap.label] = warm.removals  # on skip the check until one is given up
+                if self._warm_ready or (unsettled and names) or not timed:
+                    # Copies, or a wait for them, may go on the compute stream now, or this trap is not timed
+                    # (paused inside a pass): the window before ends here, so it holds neither.
+                    self._close_window()
+                if self._warm_ready:  # the first pass after an overlapped preload: wait for this trap's copy
+                    self._wait_warm_copy(trap.label)
+                if unsettled:
+                    warm.load(self._tensor_objs(names))
+                    if warm.keep and not warm.active:  # all of this trap's tensors hold kept copies: from now on
+                        self._warm_settled[trap.label] = warm.removals  # skip the check until one is given up
                 if timed:
                     self._pass_sequence.append(trap.label)
                     assert self._clock is not None
                     mark = self._clock.mark()
                     self._close_window(mark)  # the window before (if still open) ends where this one starts
-                    self._pass_spans.append([trap.label, mark, None])
+                    self._pass_windows.append([trap.label, mark, None])
             elif phase is Phase.INFERENCE:
                 timing = self._timing if self._deferred is None else None
                 if timing is not None:
@@ -407,9 +409,9 @@ class PhaseMixin:
     def clear_profiling_durations(self) -> None:
         """Drop every duration sample so far (discovery mappings are kept)."""
         self._check_thread()
-        for spans in self._pending_spans:
-            self._recycle_spans(spans)
-        self._pending_spans.clear()
+        for windows in self._pending_windows:
+            self._recycle_windows(windows)
+        self._pending_windows.clear()
         self._durations.clear()
 
     @property
@@ -417,5 +419,5 @@ class PhaseMixin:
         """Per-trap seconds of each counted PROFILING pass (copy): each trap's window, from its entry to the next
         trap's entry (the last trap's to the end of the pass), summed over its calls in the pass."""
         self._check_thread()  # reading the pending passes' events and reusing them is the manager's own work
-        self._resolve_spans(keep_last=0)
+        self._resolve_windows(keep_last=0)
         return {k: list(v) for k, v in self._durations.items()}

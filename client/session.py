@@ -101,8 +101,8 @@ def _step(steps: dict[str, float], name: str) -> Iterator[None]:
         steps[name] = time.monotonic() - start
 
 
-def _build_beside(prefetch: FollowerPrefetch, factory: Callable[[], Any], steps: dict[str, float],
-                  take_over: Callable[[], None]) -> nn.Module:
+def _run_factory_while_attaching(prefetch: FollowerPrefetch, factory: Callable[[], Any], steps: dict[str, float],
+                                 take_over: Callable[[], None]) -> nn.Module:
     """Run the follower's model factory on this thread while the attach thread works, then join the thread.
 
     The thread is joined even when the factory fails or the caller is interrupted, and ``take_over`` gives
@@ -214,13 +214,16 @@ class SharedOffloadSession:
         start = time.monotonic()
         share: ManagerShare | None = None
         built: nn.Module | None = None  # a follower's model, built while its thread joined (see _join_while_building)
+        built_s = 0.0
         prefetch: FollowerPrefetch | None = None
         try:
             if peek_ready(ns):
-                share, built, prefetch = self._join_while_building(name, ns, cfg, deadline, follower_model_factory)
+                share, built, prefetch, built_s = self._join_while_building(name, ns, cfg, deadline,
+                                                                            follower_model_factory)
             if share is None:
+                begin = time.monotonic()
                 coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining())
-                share = self._new_share(name, ns, coordinator, joined_s=time.monotonic() - start)
+                share = self._new_share(name, ns, coordinator, joined_s=time.monotonic() - begin)
                 with _step(share.steps, "daemon"):
                     _register_with_daemon(coordinator, self.namespace, name)
         except BaseException:
@@ -235,15 +238,18 @@ class SharedOffloadSession:
                 share.role = "creator"
                 logger.info("session %s/%s: elected creator of generation %d", self.namespace, name, share.generation)
                 model = self._publish(share, manager, cfg, profile_dir, creator_model_factory)
-            elif prefetch is not None and built is not None and prefetch.state is not None:
+            elif prefetch is not None and prefetch.state is not None:
                 logger.info("session %s/%s: follower of generation %d (joined while the model was built)",
                             self.namespace, name, share.generation)
+                assert built is not None  # the thread's results come with the model built beside it
                 model = self._adopt_published(share, manager, cfg, built, prefetch.state, prefetch.device_copies)
             else:
                 logger.info("session %s/%s: follower of generation %d; waiting for the creator",
                             self.namespace, name, share.generation)
                 factory = follower_model_factory if built is None else (lambda: built)
                 model = self._attach(share, manager, cfg, deadline, factory)
+                if built is not None:  # the model was built beside the thread's join, not by _attach
+                    share.steps["factory"] = built_s
         except BaseException:
             self._abandon(share, manager)
             raise
@@ -261,37 +267,37 @@ class SharedOffloadSession:
         return share
 
     def _join_while_building(self, name: str, ns: str, cfg: OffloadConfig, deadline: _Deadline,
-                             factory: Callable[[], nn.Module]) -> tuple[ManagerShare | None, nn.Module | None,
-                                                                        FollowerPrefetch | None]:
+                             factory: Callable[[], nn.Module]) -> tuple[ManagerShare | None, nn.Module,
+                                                                        FollowerPrefetch, float]:
         """A READY generation exists: build the follower's model while a thread joins it and attaches.
 
         Returns the share (None when the thread gave up waiting for the coordinator lock: the caller joins on
-        its own thread), the model the factory built, and the thread's results (see
-        ``flextensor.attach_prefetch``, "Joining on the thread"). Whatever the thread joined or opened belongs
+        its own thread), the model the factory built, the thread's results (see
+        ``flextensor.attach_prefetch``, "Joining on the thread") and the factory's seconds. Whatever the thread
+        joined or opened belongs
         to the share before any error is raised, so the caller's cleanup covers it.
         """
         steps: dict[str, float] = {}
+        joined: ShmCoordinator | None = None  # set on the thread as soon as it joined: the share owns it then
 
         def elect() -> tuple[ShmCoordinator | None, TensorManagerState | None]:
+            nonlocal joined
             begin = time.monotonic()
-            wait = ELECT_LOCK_WAIT_S if deadline.remaining() is None else min(ELECT_LOCK_WAIT_S, deadline.remaining())
-            try:
-                coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=wait)
+            remaining = deadline.remaining()
+            wait = ELECT_LOCK_WAIT_S if remaining is None else min(ELECT_LOCK_WAIT_S, remaining)
+            try:  # only the election's wait is short; later registrations and the close keep the session's
+                joined = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=remaining, join_timeout=wait)
             except TimeoutError:
                 return None, None
             steps["join"] = time.monotonic() - begin
-            try:
-                with _step(steps, "daemon"):
-                    _register_with_daemon(coordinator, self.namespace, name)
-                if coordinator.is_creator or coordinator.state is not State.READY:
-                    return coordinator, None
-                with _step(steps, "plan"):
-                    state = TensorManagerState.from_json(coordinator.memory_owner.read_blob(PLAN_KIND),
-                                                         source=f"published plan of {ns}")
-            except BaseException:
-                coordinator.close()
-                raise
-            return coordinator, state
+            with _step(steps, "daemon"):  # a failure from here leaves ``joined`` to take_over, then _abandon
+                _register_with_daemon(joined, self.namespace, name)
+            if joined.is_creator or joined.state is not State.READY:
+                return joined, None
+            with _step(steps, "plan"):
+                state = TensorManagerState.from_json(joined.memory_owner.read_blob(PLAN_KIND),
+                                                     source=f"published plan of {ns}")
+            return joined, state
 
         prefetch = FollowerPrefetch(ns, compute_device(cfg), num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
                                     elect=elect).start()
@@ -299,15 +305,15 @@ class SharedOffloadSession:
 
         def take_over() -> None:  # the share owns what the thread joined and opened before any error goes on
             nonlocal share
-            if prefetch.coordinator is not None:
-                share = self._new_share(name, ns, prefetch.coordinator, joined_s=steps.pop("join", 0.0))
+            if joined is not None:
+                share = self._new_share(name, ns, joined, joined_s=steps.pop("join", 0.0))
                 share.store = prefetch.store
                 share.segments.extend(prefetch.segments)
                 share.steps.update(steps)
                 share.steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
 
-        model = _build_beside(prefetch, factory, steps, take_over)
-        return share, model, prefetch
+        model = _run_factory_while_attaching(prefetch, factory, steps, take_over)
+        return share, model, prefetch, steps["factory"]
 
     def _session_config(self, config: OffloadConfig | None, ns: str) -> OffloadConfig:
         """A copy of the caller's config with the SHM fields set (the caller's object is never changed)."""
@@ -388,7 +394,7 @@ class SharedOffloadSession:
             share.segments.extend(prefetch.segments)
             steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
 
-        model = _build_beside(prefetch, factory, steps, take_over)
+        model = _run_factory_while_attaching(prefetch, factory, steps, take_over)
         return self._adopt_published(share, manager, cfg, model, state, prefetch.device_copies)
 
     def _adopt_published(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, model: nn.Module,

@@ -261,9 +261,9 @@ class _PendingRecord:
 class TimingCollector:
     """Collects spans during INFERENCE passes; resolves them (possibly syncing) only in :meth:`collect`.
 
-    Also the PROFILING clock (:meth:`mark`: one mark per trap entry). CUDA events are reused: they go back to a
-    pool once read (:meth:`recycle`, :meth:`recycle_marks`), because creating an event is a driver call, costly on
-    virtualised hosts.
+    Also the PROFILING clock (:meth:`mark`: one mark per trap entry). Its CUDA events are reused: they go back to
+    a pool once read (:meth:`recycle_marks`), because creating an event is a driver call, costly on virtualised
+    hosts.
     """
 
     def __init__(self, use_cuda: bool, device: Any = None) -> None:
@@ -309,49 +309,27 @@ class TimingCollector:
 
     def read_windows_ms(self, windows: Sequence[tuple[Any, Any]]) -> list[float]:
         """Milliseconds between the two marks of each window, waiting for the device once (for the last end
-        mark; the marks of one pass are recorded on one stream in order, so all earlier ones are complete)."""
+        mark: marks recorded on one stream complete in order); a window with a mark on another stream that is
+        still pending then is waited for on its own."""
         if not windows:
             return []
         if not self.use_cuda:
             return [(end - start) * 1e3 for start, end in windows]
         windows[-1][1].synchronize()
-        return [float(start.elapsed_time(end)) for start, end in windows]
+        out = []
+        for start, end in windows:
+            try:
+                out.append(float(start.elapsed_time(end)))
+            except RuntimeError:  # a mark on another stream (the caller switched streams mid-pass): wait for it
+                start.synchronize()
+                end.synchronize()
+                out.append(float(start.elapsed_time(end)))
+        return out
 
     def recycle_marks(self, marks: Sequence[Any]) -> None:
         """Return marks' events to the pool (each mark once; windows share their marks)."""
         if self.use_cuda:
             self._free_events.extend(marks)
-
-    @staticmethod
-    def read_ms(spans: Sequence[_Span]) -> list[float]:
-        """Milliseconds of each span, in order, waiting for the device once instead of once per span.
-
-        Spans recorded on one stream complete in order, so once the last one's end event completed, the others
-        are readable without a wait of their own. A span recorded on another stream may still be pending then:
-        its ``elapsed_time`` refuses, and that span alone is waited for.
-        """
-        if not spans:
-            return []
-        last = spans[-1]
-        if last.start is None:
-            return [span.ms() for span in spans]
-        last.end.synchronize()
-        out = []
-        for span in spans:
-            if span.start is None:
-                out.append(span.seconds * 1e3)
-                continue
-            try:
-                out.append(float(span.start.elapsed_time(span.end)))
-            except RuntimeError:  # not complete yet (another stream): wait for this one
-                out.append(span.ms())
-        return out
-
-    def recycle(self, span: _Span) -> None:
-        """Return a span's events to the pool; the span must not be read again (its events will be re-recorded)."""
-        if span.start is not None:
-            self._free_events += (span.start, span.end)
-            span.start = span.end = None
 
     def end_span(self, span: _Span, stream: Any = None) -> None:
         if self.use_cuda:

@@ -104,13 +104,19 @@ class ShmCoordinator:
     """Join (or create) the sharing group of one per-manager namespace; see the module docstring.
 
     ``lease_seconds``: how long this participant stays counted without a heartbeat (heartbeats every quarter
-    of it). ``timeout``: bound on acquiring the coordinator lock (None: wait as long as it takes).
+    of it). ``timeout``: bound on acquiring the coordinator lock (None: wait as long as it takes), for the
+    election and every later registration and close. ``join_timeout``, when given, bounds the election's wait
+    alone (a caller that would rather do something else than wait long for the join, as a follower's attach
+    thread does); the later waits keep ``timeout``.
     """
 
-    def __init__(self, namespace: str, *, lease_seconds: float = 30.0, timeout: float | None = None) -> None:
+    def __init__(self, namespace: str, *, lease_seconds: float = 30.0, timeout: float | None = None,
+                 join_timeout: float | None = None) -> None:
         self._namespace = validate_namespace(namespace)
         lease = check_seconds(lease_seconds, "lease_seconds", allow_none=False, positive=True)
         self._timeout = check_seconds(timeout, "timeout", allow_none=True)
+        join_wait = self._timeout if join_timeout is None else check_seconds(join_timeout, "join_timeout",
+                                                                             allow_none=False)
         self._lease_ns = int(lease * 1e9)  # type: ignore[operator]
         self._identity = ParticipantIdentity.current()
         self._segment_name = coordinator_segment_name(namespace)
@@ -123,7 +129,7 @@ class ShmCoordinator:
         self._left = False
         self._closed = False
         self._header: HeaderInfo | None = None
-        with self._locked(self._timeout):
+        with self._locked(join_wait):
             self._elect()
         assert self._header is not None and self._table is not None
         self._is_creator = self._header.creator.token == self._identity.token

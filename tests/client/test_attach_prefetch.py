@@ -224,6 +224,31 @@ def test_a_join_that_makes_this_process_the_creator_drops_the_follower_model_and
     assert _mapped(namespace) == [] and shm_names(manager_namespace(namespace, "model")) == []
 
 
+def test_a_failure_after_the_join_on_the_thread_leaves_the_generation(namespace: str, profile: str, creator,
+                                                                      monkeypatch):
+    """The thread joined, then its next step failed (here the daemon registration): the session owns the
+    coordinator from the join on, so the error reaches the caller and this process leaves the generation."""
+    import flextensor.session as session_mod
+    from flextensor.shm.leases import LeaseTable
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("ftd refused the participant (test)")
+
+    monkeypatch.setattr(session_mod, "_register_with_daemon", refuse)
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    with pytest.raises(RuntimeError, match="refused the participant"):
+        session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                     creator_model_factory=_unused_creator_factory,
+                                     follower_model_factory=_meta_model)
+    table = LeaseTable.open(manager_namespace(namespace, "model"))
+    try:
+        assert table.live_count() == 1  # the creator alone: the follower's lease was given back
+    finally:
+        table.close()
+    assert _mapped(namespace) == []
+    session.close()
+
+
 def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace: str, profile: str, creator,
                                                                        monkeypatch):
     """The thread waits for the lock only briefly (its work stays bounded); then the caller joins, with the
@@ -243,6 +268,7 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace
 
     def factory():
         builds.append(1)
+        time.sleep(0.05)
         return _meta_model()
 
     try:
@@ -251,7 +277,10 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace
                                                  creator_model_factory=_unused_creator_factory,
                                                  follower_model_factory=factory)
             assert session.role("model") == "follower" and builds == [1]
-            assert session.report()[0]["steps"]["join"] >= 0.2  # joined on this thread, once the lock came free
+            steps = session.report()[0]["steps"]
+            assert "prefetch_elect" not in steps  # the thread gave up its join: this thread joined
+            assert steps["join"] >= 0.2  # once the lock came free
+            assert steps["factory"] >= 0.05  # the build beside the thread's attempt, not _attach's reuse of it
             with torch.no_grad():
                 assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
     finally:

@@ -110,21 +110,22 @@ def test_cuda_current_stream_lookup_follows_a_stream_switch():
 
 
 @pytest.mark.cuda
-def test_cuda_spans_read_in_one_wait_even_when_one_is_on_a_busy_stream():
-    """``read_ms`` waits for the last span only; a span on another stream still pending is waited for itself."""
+def test_cuda_windows_read_in_one_wait_even_when_one_is_on_a_busy_stream():
+    """``read_windows_ms`` waits for the last mark only; a window on another stream still pending is waited for
+    itself (a caller that switched streams inside a pass), and its marks go back to the pool once."""
     from flextensor.timing import TimingCollector
 
     clock = TimingCollector(True, torch.device("cuda"))
     busy, other = torch.cuda.Stream(), torch.cuda.Stream()  # not the legacy default stream, which waits for both
-    spans = []
     with torch.cuda.stream(busy):
-        spans.append(clock.start_span())
+        first = clock.mark()
         torch.cuda._sleep(200_000_000)  # well over 50 ms on any current GPU: still running when read
-        clock.end_span(spans[-1])
+        second = clock.mark()
     with torch.cuda.stream(other):
-        spans.append(clock.start_span())
+        third = clock.mark()
         torch.ones(1, device="cuda").add_(1)
-        clock.end_span(spans[-1])
-    ms = clock.read_ms(spans)
+        fourth = clock.mark()
+    ms = clock.read_windows_ms([(first, second), (third, fourth)])
     assert ms[0] > 20 and 0 <= ms[1] < ms[0]
-    assert ms == [span.ms() for span in spans]
+    clock.recycle_marks([first, second, third, fourth])
+    assert len(clock._free_events) == 4 and clock.mark() is fourth  # reused, last in first out

@@ -341,6 +341,35 @@ def test_profiling_windows_run_entry_to_entry_and_never_hold_a_copy(mode, monkey
         assert 0.03 <= seconds < 0.075  # trap b (10 ms) + the tail of the pass (20 ms)
 
 
+class _PausedMiddle(nn.Module):
+    """Three traps; the middle one runs with profiling paused, inside the pass."""
+
+    def __init__(self, manager_name: str) -> None:
+        super().__init__()
+        self.a, self.b, self.c = _SlowBlock(0.01), _SlowBlock(0.05), _SlowBlock(0.01)
+        self.manager_name = manager_name
+
+    def forward(self, x):
+        x = self.a(x)
+        with ft.pause_profiling(self.manager_name):
+            x = self.b(x)
+        return self.c(x)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="perf_counter windows with sleeps: the CPU clock")
+def test_a_pause_inside_a_pass_ends_the_open_window():
+    model = _PausedMiddle("paused")
+    om = _offload(model, cpu_config(include_patterns=["a", "b", "c"], load_strategy=ALL, skip_discovery=True,
+                                    profiling_iters=3), "resident", name="paused")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.ones(2, 8))
+    durations = om.profiling_durations
+    assert "b" not in durations and len(durations["a"]) == len(durations["c"]) == 3
+    assert all(s < 0.04 for s in durations["a"])  # trap a alone (10 ms), not the 50 ms of b run while paused
+    assert all(0.009 <= s < 0.04 for s in durations["c"])
+
+
 def test_resident_profiling_checks_a_trap_once_then_skips_the_load_until_a_copy_is_given_up():
     """Once every tensor of a trap holds its kept copy, later PROFILING calls of that trap skip the loader (a
     per-trap check that cost a few microseconds per tensor on every pass)."""

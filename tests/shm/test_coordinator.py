@@ -226,6 +226,28 @@ def test_lock_acquisition_is_bounded_by_timeout(ns, children):
     assert_gone(ns)
 
 
+def test_join_timeout_bounds_the_election_only(ns, children):
+    """A short ``join_timeout`` (a follower's attach thread) must not become the wait of later lock users."""
+    (holder,) = children(1)
+    holder.ok("hold_lock", ns=ns)
+    with pytest.raises(TimeoutError, match=r"\.lock"):
+        ShmCoordinator(ns, lease_seconds=LEASE, timeout=None, join_timeout=0.1)
+    holder.ok("release_lock")
+    c = ShmCoordinator(ns, lease_seconds=LEASE, timeout=None, join_timeout=0.1)
+    c.memory_owner.write_blob("p", b"x")
+    c.notify_ready()
+    holder.ok("hold_lock", ns=ns)
+    release = threading.Timer(0.6, lambda: holder.ok("release_lock"))
+    release.start()
+    start = time.monotonic()
+    try:
+        c.close()  # waits for the holder (timeout=None), where join_timeout would have given up after 0.1 s
+    finally:
+        release.join()
+    assert c.closed and time.monotonic() - start >= 0.5
+    assert_gone(ns)
+
+
 def test_failed_close_can_be_retried(ns, children):
     (holder,) = children(1)
     c = ShmCoordinator(ns, lease_seconds=LEASE)
