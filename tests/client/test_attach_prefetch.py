@@ -38,6 +38,17 @@ def creator(namespace: str, profile: str):
     assert shm_names(manager_namespace(namespace, "model")) == []
 
 
+@pytest.fixture(params=["join on the thread", "join first"])
+def join_path(request, monkeypatch) -> str:
+    """Both follower paths: a READY generation is joined on the attach thread while the factory runs, or (as
+    when the follower arrives before READY) the caller joins first and the thread only attaches."""
+    if request.param == "join first":
+        import flextensor.session as session_mod
+
+        monkeypatch.setattr(session_mod, "peek_ready", lambda _namespace: False)
+    return request.param
+
+
 def _mapped(namespace: str) -> list[str]:
     """This process's mappings of the namespace's shared-memory segments."""
     ns = manager_namespace(namespace, "model")
@@ -96,7 +107,7 @@ def test_blocks_are_opened_on_a_thread_while_the_factory_runs(namespace: str, pr
     assert threads and all(name.startswith("ft-attach") for name in threads)
 
 
-def test_factory_failure_closes_what_the_thread_opened(namespace: str, profile: str, creator):
+def test_factory_failure_closes_what_the_thread_opened(namespace: str, profile: str, creator, join_path):
     def factory():
         raise RuntimeError("checkpoint config not found")
 
@@ -109,7 +120,8 @@ def test_factory_failure_closes_what_the_thread_opened(namespace: str, profile: 
     session.close()
 
 
-def test_thread_failure_is_raised_and_nothing_stays_mapped(namespace: str, profile: str, creator, monkeypatch):
+def test_thread_failure_is_raised_and_nothing_stays_mapped(namespace: str, profile: str, creator, monkeypatch,
+                                                           join_path):
     def attach(self, sizes):  # after the store was attached: the thread must hand the store over too
         raise OSError(24, "Too many open files")
 
@@ -134,7 +146,7 @@ def test_thread_failure_is_raised_and_nothing_stays_mapped(namespace: str, profi
 
 
 def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(namespace: str, profile: str, creator,
-                                                                           monkeypatch):
+                                                                           monkeypatch, join_path):
     """A Ctrl-C that lands while the session waits for the attach thread: the wait finishes, the session owns
     what the thread opened, and the interrupt reaches the caller."""
     import flextensor.attach_prefetch as prefetch_mod

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flextensor.shm.cleanup import cleanup_manager_namespace
-from flextensor.shm.coordinator import ShmCoordinator
+from flextensor.shm.coordinator import ShmCoordinator, peek_ready
 from flextensor.shm.errors import ShmCreatorDiedError, ShmCreatorFailedError, ShmProtocolError, ShmSpaceError
 from flextensor.shm.header import (
     FAILURE_CAPACITY,
@@ -96,6 +96,29 @@ def test_election_eight_processes_repeated(ns, children):
             child.send("close")
         assert all(child.recv()["ok"] for child in procs)
         assert_gone(ns)
+
+
+def test_peek_ready_reads_the_state_without_the_lock(ns, children):
+    """A lock-free hint: True only while a generation is READY (missing, INITIALIZING, FAILED: False), also while
+    another process holds the coordinator lock."""
+    assert not peek_ready(ns)  # no generation
+    creator = ShmCoordinator(ns, lease_seconds=LEASE)
+    assert not peek_ready(ns)  # INITIALIZING
+    creator.memory_owner.write_blob("p", b"x")
+    creator.notify_ready()
+    (holder,) = children(1)
+    holder.ok("hold_lock", ns=ns)
+    try:
+        assert peek_ready(ns)
+    finally:
+        holder.ok("release_lock")
+    creator.close()
+    assert not peek_ready(ns)  # the last participant left: the generation is gone
+    failed = ShmCoordinator(ns, lease_seconds=LEASE)
+    failed.mark_failed(RuntimeError("checkpoint missing"))
+    assert not peek_ready(ns)
+    failed.close()
+    assert_gone(ns)
 
 
 def test_mark_failed_reaches_every_follower(ns, children):
