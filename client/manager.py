@@ -65,7 +65,7 @@ from flextensor.config import OffloadConfig
 from flextensor.host_memory import BlockLayout, HostBlock, HostBlockProvider
 from flextensor.loader import BlockLoader
 from flextensor.patterns import PatternSet
-from flextensor.phases import Phase, PhaseMixin
+from flextensor.phases import Phase, PhaseMixin, TrapWindow
 from flextensor.staging import PinnedStaging
 from flextensor.state import ModelTensor, TensorManagerState, model_tensors
 from flextensor.teardown import ReleaseMixin
@@ -159,8 +159,8 @@ class OffloadManager(PhaseMixin, ReleaseMixin):
         self._staging = PinnedStaging()
         self._sequence: list[str] = []
         self._pass_sequence: list[str] = []
-        self._pass_windows: list[list[Any]] = []  # this pass's trap windows: [label, start mark, end mark or None]
-        self._pending_windows: list[list[list[Any]]] = []  # counted PROFILING passes not read yet
+        self._pass_windows: list[TrapWindow] = []  # this pass's trap windows (flextensor.phases)
+        self._pending_windows: list[list[TrapWindow]] = []  # counted PROFILING passes not read yet
         self._durations: dict[str, list[float]] = {}
         self._compute_s: dict[str, float] = {}
         self._samples: list[tuple[int, float]] = []

@@ -56,9 +56,21 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.timing import TimingCollector
     from flextensor.traps import UsageRecorder, WarmLoader
 
-__all__ = ["Phase", "PhaseMixin"]
+__all__ = ["Phase", "PhaseMixin", "TrapWindow"]
 
 logger = logging.getLogger("flextensor.manager")
+
+
+class TrapWindow:
+    """One trap call's PROFILING window: its entry mark, and the mark that ends it (the next entry's, a closing
+    mark of its own, or the pass's end; None while open). Consecutive windows share a mark."""
+
+    __slots__ = ("label", "start", "end")
+
+    def __init__(self, label: str, start: Any) -> None:
+        self.label = label
+        self.start = start
+        self.end: Any = None
 
 
 class Phase(enum.Enum):
@@ -90,8 +102,8 @@ class PhaseMixin:
     _staging: "PinnedStaging"
     _sequence: list[str]
     _pass_sequence: list[str]
-    _pass_windows: list[list[Any]]
-    _pending_windows: list[list[list[Any]]]
+    _pass_windows: list[TrapWindow]
+    _pending_windows: list[list[TrapWindow]]
     _durations: dict[str, list[float]]
     _loader: "BlockLoader | None"
     _deferred: Any  # flextensor.deferred_build.HostBlockBuild while host blocks are built behind inference
@@ -240,9 +252,9 @@ class PhaseMixin:
     def _close_window(self, mark: Any = None) -> None:
         """End the pass's open trap window (if any) at ``mark``, or at a mark recorded now."""
         windows = self._pass_windows
-        if windows and windows[-1][2] is None:
+        if windows and windows[-1].end is None:
             assert self._clock is not None
-            windows[-1][2] = mark if mark is not None else self._clock.mark()
+            windows[-1].end = mark if mark is not None else self._clock.mark()
 
     def _resolve_windows(self, keep_last: int) -> None:
         """Turn the pending PROFILING passes' windows (all but the last ``keep_last``) into duration samples."""
@@ -250,17 +262,17 @@ class PhaseMixin:
             windows = self._pending_windows.pop(0)
             sums: dict[str, float] = {}
             assert self._clock is not None
-            readings = self._clock.read_windows_ms([(start, end) for _label, start, end in windows])
-            for (label, _start, _end), ms in zip(windows, readings):
-                sums[label] = sums.get(label, 0.0) + ms / 1e3
+            readings = self._clock.read_windows_ms([(window.start, window.end) for window in windows])
+            for window, ms in zip(windows, readings):
+                sums[window.label] = sums.get(window.label, 0.0) + ms / 1e3
             for label, seconds in sums.items():
                 self._durations.setdefault(label, []).append(seconds)
             self._recycle_windows(windows)
 
-    def _recycle_windows(self, windows: Sequence[list[Any]]) -> None:
+    def _recycle_windows(self, windows: Sequence[TrapWindow]) -> None:
         """Give a pass's marks back to the clock's pool, each once (consecutive windows share a mark)."""
         if self._clock is not None and windows:
-            marks = {id(m): m for window in windows for m in (window[1], window[2]) if m is not None}
+            marks = {id(m): m for window in windows for m in (window.start, window.end) if m is not None}
             self._clock.recycle_marks(list(marks.values()))
 
     # ------------------------------------------------------------------------------------------------ traps
@@ -290,9 +302,9 @@ class PhaseMixin:
             elif phase is Phase.PROFILING:
                 timed = not self._suspend
                 warm = self._warm
-                names = self._exclusive.get(trap.label, ())
                 unsettled = self._warm_settled.get(trap.label) != warm.removals
-                if self._warm_ready or (unsettled and names) or not timed:
+                names = self._exclusive.get(trap.label, ()) if unsettled else ()
+                if self._warm_ready or names or not timed:
                     # Copies, or a wait for them, may go on the compute stream now, or this trap is not timed
                     # (paused inside a pass): the window before ends here, so it holds neither.
                     self._close_window()
@@ -307,7 +319,7 @@ class PhaseMixin:
                     assert self._clock is not None
                     mark = self._clock.mark()
                     self._close_window(mark)  # the window before (if still open) ends where this one starts
-                    self._pass_windows.append([trap.label, mark, None])
+                    self._pass_windows.append(TrapWindow(trap.label, mark))
             elif phase is Phase.INFERENCE:
                 timing = self._timing if self._deferred is None else None
                 if timing is not None:
