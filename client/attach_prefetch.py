@@ -41,8 +41,8 @@ generation ended between the peek and the join), or the generation is not READY,
 own thread with what the thread returned (the model the factory built is then used as it is, or dropped for
 the creator's).
 
-``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``streams``,
-``resident``), for ``session.report()``.
+``timings`` reports seconds per part on the thread, in order (``elect`` when it joined, ``store``, ``blocks``,
+``slots``, ``streams``, ``resident``), for ``session.report()``.
 """
 
 from __future__ import annotations
