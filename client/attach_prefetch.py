@@ -131,7 +131,7 @@ class FollowerPrefetch:
                     return  # the caller takes over: the lock was busy, or this is no follower of a READY generation
                 self._owner = self.coordinator.memory_owner
             assert self._owner is not None and self.state is not None
-            self._blocks = sorted(self.state.blocks, key=lambda b: b.index)
+            self._blocks = self.state.blocks_in_order()
             streamed = {b.label for b in self._blocks}
             slots = effective_blocks(self._num_blocks, self._min_blocks, len(self._blocks))
             self._slots = slot_count(slots, sum(label in streamed for label in self.state.schedule)) \

@@ -274,8 +274,7 @@ class SharedOffloadSession:
         Returns the share (None when the thread gave up waiting for the coordinator lock: the caller joins on
         its own thread), the model the factory built, the thread's results (see
         ``flextensor.attach_prefetch``, "Joining on the thread") and the factory's seconds. Whatever the thread
-        joined or opened belongs
-        to the share before any error is raised, so the caller's cleanup covers it.
+        joined or opened belongs to the share before any error is raised, so the caller's cleanup covers it.
         """
         steps: dict[str, float] = {}
         joined: ShmCoordinator | None = None  # set on the thread as soon as it joined: the share owns it then
@@ -331,7 +330,7 @@ class SharedOffloadSession:
         owner = coordinator.memory_owner
         try:
             state = read_profile(profile_dir)
-            sizes = [b.nbytes for b in sorted(state.blocks, key=lambda b: b.index)]
+            sizes = [b.nbytes for b in state.blocks_in_order()]
             block_bytes = arena_layout(sizes).total  # what the arena occupies: blocks + page padding
             resident_bytes = sum(t.nbytes for t in state.tensors if not t.offloaded)
             check_shm_capacity(share.namespace, block_bytes + resident_bytes)
@@ -406,7 +405,7 @@ class SharedOffloadSession:
             _check_offloaded_metadata(model, state)
         with _step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
             share.store.materialize(model, device, copies=device_copies)
-        sizes = [b.nbytes for b in sorted(state.blocks, key=lambda b: b.index)]
+        sizes = [b.nbytes for b in state.blocks_in_order()]
         layout = arena_layout(sizes)
         host_blocks = SharedBlockAllocator.views(share.segments[0], sizes) if sizes else []
         share.shared_bytes = layout.total + share.store.nbytes

@@ -118,6 +118,10 @@ class TensorManagerState(msgspec.Struct, kw_only=True):
     def tensor_map(self) -> dict[str, TensorState]:
         return {t.name: t for t in self.tensors}
 
+    def blocks_in_order(self) -> list[BlockState]:
+        """The host blocks by index: the order of the arena that holds them (``flextensor.shm.blocks``)."""
+        return sorted(self.blocks, key=lambda b: b.index)
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

@@ -276,6 +276,12 @@ class TimingCollector:
         self._free_events: list[Any] = []
 
     # spans -------------------------------------------------------------------------------------------------------
+    def _on(self, stream: Any) -> Any:
+        """``stream``, or when None the device's current stream (looked up cheaply; None: the event's default)."""
+        if stream is not None or self._stream_now is None:
+            return stream
+        return self._stream_now()
+
     def _event(self) -> Any:
         if self._free_events:
             return self._free_events.pop()
@@ -288,7 +294,7 @@ class TimingCollector:
         if self.use_cuda:
             span.start = self._event()
             span.end = self._event()
-            span.start.record(stream if stream is not None or self._stream_now is None else self._stream_now())
+            span.start.record(self._on(stream))
         else:
             span.seconds = time.perf_counter()
         return span
@@ -304,7 +310,7 @@ class TimingCollector:
         if not self.use_cuda:
             return time.perf_counter()
         event = self._event()
-        event.record(self._stream_now() if self._stream_now is not None else None)
+        event.record(self._on(None))
         return event
 
     def read_windows_ms(self, windows: Sequence[tuple[Any, Any]]) -> list[float]:
@@ -333,7 +339,7 @@ class TimingCollector:
 
     def end_span(self, span: _Span, stream: Any = None) -> None:
         if self.use_cuda:
-            span.end.record(stream if stream is not None or self._stream_now is None else self._stream_now())
+            span.end.record(self._on(stream))
         else:
             span.seconds = time.perf_counter() - span.seconds
 
