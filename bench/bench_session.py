@@ -13,9 +13,10 @@ What is measured, and why:
    tensors), median and p95 over every follower of every N: the group's n-1 followers, then ``--join-waves``
    (default 2) more waves of n-1 fresh followers joining the same generation at once after the first ones left,
    so the p95 rests on 33 samples rather than 11 with the default ``--workers 1 2 4 8``. The creator starts
-   first and the followers only after it is ready, so follower times are attach times, not waits. Goal: < 50 ms + 10 us per tensor,
-   excluding resident copies to the GPU: the follower makes them on its attach thread while its model factory
-   runs, so only the part the session waited for is excluded (``resident_copy_on_critical_path``). The clock
+   first and the followers only after it is ready, so follower times are attach times, not waits. Goal:
+   < 50 ms + 10 us per tensor, excluding resident copies to the GPU: the follower makes them on its attach
+   thread while its model factory runs, so only the part the session waited for is excluded
+   (``resident_copy_on_critical_path``). The clock
    stops when ``offload_from_profile`` returns, provided the compute stream is idle then (checked with
    ``Stream.query()``, recorded as ``device_idle_at_return``); else after a device synchronize. The synchronized
    time is kept beside it (``ready_synced_s``): a synchronize right after attaching waits behind the first
@@ -409,6 +410,16 @@ class Worker:
         self.proc.wait()
 
 
+def start_together(workers: list[Worker]) -> list[dict]:
+    """Let every worker finish its imports, then start them all at once (concurrent attaches or loads, as when a
+    server's workers start together); their reports."""
+    for w in workers:
+        w.read_stage()
+    for w in workers:
+        w.send("go")
+    return [w.read() for w in workers]
+
+
 def finish_all(workers: list[Worker], failed: bool = False) -> None:
     """Ask every worker to exit at once (closing is concurrent, as in a real shutdown), then reap them.
 
@@ -458,11 +469,7 @@ def run_shared(params: Params, n: int, forward: bool, rounds: int = 3, waves: in
         reports = [creator.read()]
         followers = [Worker("session", params) for _ in range(n - 1)]
         workers.extend(followers)
-        for f in followers:  # all imported first, then all attach at once
-            f.read_stage()
-        for f in followers:
-            f.send("go")
-        reports += [f.read() for f in followers]
+        reports += start_together(followers)
         baseline = pss_bytes(idle.proc.pid)
         growth = [pss_bytes(w.proc.pid) - baseline for w in [creator, *followers]]
         for r, g in zip(reports, growth):
@@ -479,11 +486,7 @@ def run_shared(params: Params, n: int, forward: bool, rounds: int = 3, waves: in
             workers = [w for w in workers if w not in followers]
             followers = [Worker("session", params) for _ in range(n - 1)]
             workers.extend(followers)
-            for f in followers:
-                f.read_stage()
-            for f in followers:
-                f.send("go")
-            result["waves"].append([f.read() for f in followers])
+            result["waves"].append(start_together(followers))
         ok = True
         return result
     finally:
@@ -497,11 +500,7 @@ def run_private(params: Params, n: int) -> dict:
     ok = False
     try:
         workers[0].read()
-        for w in workers[1:]:
-            w.read_stage()
-        for w in workers[1:]:  # concurrent loads, as when private workers start together
-            w.send("go")
-        reports = [w.read() for w in workers[1:]]
+        reports = start_together(workers[1:])
         baseline = pss_bytes(workers[0].proc.pid)
         growth = [pss_bytes(w.proc.pid) - baseline for w in workers[1:]]
         ok = True
@@ -605,8 +604,8 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
             ["N", "creator / followers", "sum of PSS growth", "x model bytes", "goal", "status",
              "max |out - reference|"], pss_rows)),
         ("Time to ready per N", table(
-            ["N", "follower samples", "follower median (excl. resident copy)", "follower p95", "p95 with a device synchronize",
-             "background cudaHostRegister (median)", "follower first forward (median)", "creator first forward",
+            ["N", "follower samples", "follower median (excl. resident copy)", "follower p95",
+             "p95 with a device synchronize", "background cudaHostRegister (median)", "follower first forward (median)", "creator first forward",
              "creator checkpoint factory", "creator publish", "creator total"], ready_rows)),
         ("Follower attach vs private load", table(["measure", "median", "p95", "goal", "status"], summary_rows)),
         ("Shared vs private host copies", table(["layout", "sum of PSS growth", "x model bytes"], host_rows)),
@@ -647,8 +646,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profiling-iters", type=int, default=5)
     p.add_argument("--repeat", type=int, default=5, help="forward passes timed per worker")
     p.add_argument("--cprofile", action="store_true",
-                   help="each worker writes a cProfile table of its offload_from_profile (cprofile-*.txt in the "
-                        "results directory); the times then include the profiler's overhead")
+                   help="each worker writes a cProfile of its offload_from_profile (cprofile-*.txt and .prof in "
+                        "the results directory); the times then include the profiler's overhead")
     return p.parse_args()
 
 
