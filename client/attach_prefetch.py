@@ -41,8 +41,13 @@ generation ended between the peek and the join), or the generation is not READY,
 own thread with what the thread returned (the model the factory built is then used as it is, or dropped for
 the creator's).
 
-``timings`` reports seconds per part on the thread, in order (``elect`` when it joined, ``store``, ``blocks``,
-``slots``, ``streams``, ``resident``), for ``session.report()``.
+``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``streams``,
+``resident``), for ``session.report()``. The join is not among them: ``elect`` times its own parts (the session
+reports ``join``, ``daemon`` and ``plan``), and a part spanning those would count their time twice in a sum.
+
+The arena's layout (:func:`flextensor.shm.blocks.arena_layout`) is computed once, on the thread, from the plan's
+block sizes: the thread maps the arena with it and keeps it as ``layout``, from which the session makes the
+blocks' views and its registration ranges.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ import torch
 
 from flextensor.loader import slot_count
 from flextensor.plan_model import effective_blocks
-from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator
+from flextensor.shm.blocks import ARENA_KIND, ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.tensor_store import SharedTensorStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,17 +78,17 @@ ELECT_LOCK_WAIT_S = 2.0
 class FollowerPrefetch:
     """Attach the store, open the host blocks and copy the resident tensors, on a thread (see module docs).
 
-    Given ``owner`` and ``state``, the generation is joined and its plan read. Given ``elect`` instead, the
-    thread first calls it to join the generation (see "Joining on the thread" in the module docs): it returns the
-    coordinator and, for a follower of a READY generation, the published plan, or ``(None, None)`` when it gave
-    up waiting for the coordinator lock; the thread continues only with a plan.
+    Given ``owner`` and ``state``, the generation is joined and its plan read. Given ``elect`` instead (alone:
+    mixing the two roles is a ``ValueError``), the thread first calls it to join the generation (see "Joining on
+    the thread" in the module docs): it returns the coordinator and, for a follower of a READY generation, the
+    published plan, or ``(None, None)`` when it gave up waiting for the coordinator lock; the thread continues
+    only with a plan.
     """
 
     def __init__(self, namespace: str, device: torch.device, *, num_blocks: int, min_blocks: int,
                  owner: "ShmOwner | None" = None, state: "TensorManagerState | None" = None,
                  elect: "Callable[[], tuple[ShmCoordinator | None, TensorManagerState | None]] | None" = None) -> None:
-        if (elect is None) == (state is None or owner is None):
-            raise ValueError("FollowerPrefetch needs either owner and state, or elect")
+        _check_roles(owner, state, elect)
         self._namespace = namespace
         self._owner = owner
         self._elect = elect
@@ -96,6 +101,7 @@ class FollowerPrefetch:
         self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.coordinator: "ShmCoordinator | None" = None  # joined by the thread (``elect``)
         self.state = state  # the published plan (None until read when electing on the thread)
+        self.layout: ArenaLayout | None = None  # the arena's layout, computed once on the thread
         self.store: SharedTensorStore | None = None
         self.segments: list["SharedSegment"] = []
         self.device_copies: dict[str, torch.Tensor] | None = None  # record name -> copy (CUDA device only)
@@ -123,10 +129,8 @@ class FollowerPrefetch:
     # ------------------------------------------------------------------------------------------ the thread
     def _run(self) -> None:
         try:
-            if self._elect is not None:
-                start = time.monotonic()
+            if self._elect is not None:  # not timed here: elect times its parts (see "Joining on the thread")
                 self.coordinator, self.state = self._elect()
-                self.timings["elect"] = time.monotonic() - start
                 if self.coordinator is None or self.state is None:
                     return  # the caller takes over: the lock was busy, or this is no follower of a READY generation
                 self._owner = self.coordinator.memory_owner
@@ -180,6 +184,30 @@ class FollowerPrefetch:
             self.error = exc
 
     def _open_blocks(self) -> None:
-        """Map the arena holding every host block (one open: see ``flextensor.shm.blocks``)."""
+        """Lay out the arena holding every host block, once (the session reuses ``layout``), and map it (one open:
+        see ``flextensor.shm.blocks``)."""
+        self.layout = arena_layout([b.nbytes for b in self._blocks])
         if self._blocks:
-            self.segments = [SharedBlockAllocator(self._owner).attach([b.nbytes for b in self._blocks])]
+            self.segments = [SharedBlockAllocator(self._owner).attach(self.layout)]
+
+
+def _check_roles(owner: "ShmOwner | None", state: "TensorManagerState | None", elect: Callable[..., Any] | None
+                 ) -> None:
+    """Refuse a mix of the two roles: a follower that joined passes ``owner`` and ``state``; one joining on the
+    thread passes ``elect`` alone, whose coordinator supplies the owner and whose plan is the state, so an
+    ``owner`` or ``state`` given beside it would be silently replaced (``ValueError`` naming what to pass)."""
+    if elect is not None:
+        mixed = [name for name, value in (("owner", owner), ("state", state)) if value is not None]
+        if mixed:
+            raise ValueError(
+                f"FollowerPrefetch got elect together with {' and '.join(mixed)}: they are exclusive roles (elect "
+                "joins the generation on the thread and takes the owner and plan from it); pass elect alone, or "
+                "owner and state without elect"
+            )
+    elif owner is None or state is None:
+        missing = " and ".join(name for name, value in (("owner", owner), ("state", state)) if value is None)
+        raise ValueError(
+            f"FollowerPrefetch got no {missing}: pass owner and state (the joined generation's memory owner and "
+            "its published plan), or elect alone to join the generation on the thread"
+        )
+

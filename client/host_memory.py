@@ -52,7 +52,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -113,9 +113,13 @@ def packed_stride(tensor: torch.Tensor) -> tuple[int, ...]:
     return stride
 
 
-@dataclass(frozen=True)
-class TensorPlacement:
-    """Where one tensor lives inside a packed block (identical offsets in host and device blocks)."""
+class TensorPlacement(NamedTuple):
+    """Where one tensor lives inside a packed block (identical offsets in host and device blocks).
+
+    A named tuple rather than a frozen dataclass: one is made per streamed tensor inside the last PROFILING pass
+    (``pack_block``) and per record when a follower adopts a plan, and a frozen dataclass's ``__init__`` costs
+    three times as much (1.3 against 0.4 us each on the CPU VM).
+    """
 
     name: str
     dtype: torch.dtype

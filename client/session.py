@@ -20,7 +20,10 @@ follower
     thread attaches the tensor store and maps the arena and copies the resident tensors to the device
     (``flextensor.attach_prefetch``), checks the published metadata against the model (naming the offending
     tensor), installs the resident tensors and adopts the plan over the creator's host blocks, views of the
-    arena: no private copy. ``session.report()["steps"]`` times each step, the thread's parts included.
+    arena (laid out once, on the thread): no private copy. ``session.report()["steps"]`` times each step, the
+    thread's parts included. No step contains another, so the steps of one thread add up to at most that
+    thread's time: the caller's to at most ``ready_s``; the attach thread's (``join``, ``daemon`` and ``plan``
+    when it joined, every ``prefetch_*`` but ``prefetch_wait``) run beside ``factory`` and ``prefetch_wait``.
     With pinning on CUDA the follower registers its mappings of the blocks in the background, in schedule order
     (``flextensor.shm.background_pin``): it is ready as soon as the plan is adopted, and a copy from a block
     waits only until that block is registered.
@@ -242,7 +245,7 @@ class SharedOffloadSession:
                 logger.info("session %s/%s: follower of generation %d (joined while the model was built)",
                             self.namespace, name, share.generation)
                 assert built is not None  # the thread's results come with the model built beside it
-                model = self._adopt_published(share, manager, cfg, built, prefetch.state, prefetch.device_copies)
+                model = self._adopt_published(share, manager, cfg, built, prefetch)
             else:
                 logger.info("session %s/%s: follower of generation %d; waiting for the creator",
                             self.namespace, name, share.generation)
@@ -394,20 +397,24 @@ class SharedOffloadSession:
             steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
 
         model = _run_factory_while_attaching(prefetch, factory, steps, take_over)
-        return self._adopt_published(share, manager, cfg, model, state, prefetch.device_copies)
+        return self._adopt_published(share, manager, cfg, model, prefetch)
 
     def _adopt_published(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, model: nn.Module,
-                         state: TensorManagerState, device_copies: dict[str, torch.Tensor] | None) -> nn.Module:
-        """The follower's last steps, with the store and arena attached: check, install, adopt, register."""
+                         prefetch: FollowerPrefetch) -> nn.Module:
+        """The follower's last steps, with the store and arena attached: check, install, adopt, register.
+
+        ``prefetch`` is the attach thread, finished without error: its plan, resident copies and the arena's
+        layout, which it computed once to map the arena and which serves here for the views and the pinning."""
         steps = share.steps
         device = compute_device(cfg)
+        state, layout = prefetch.state, prefetch.layout
+        assert state is not None and layout is not None  # the thread read the plan and laid out the arena
         with _step(steps, "validate"):
             _check_offloaded_metadata(model, state)
         with _step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
-            share.store.materialize(model, device, copies=device_copies)
-        sizes = [b.nbytes for b in state.blocks_in_order()]
-        layout = arena_layout(sizes)
-        host_blocks = SharedBlockAllocator.views(share.segments[0], sizes) if sizes else []
+            share.store.materialize(model, device, copies=prefetch.device_copies)
+        sizes = layout.sizes
+        host_blocks = SharedBlockAllocator.views(share.segments[0], layout) if sizes else []
         share.shared_bytes = layout.total + share.store.nbytes
         gate = None
         if cfg.pinned_memory and torch.cuda.is_available() and sizes:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.shm.owner import ShmOwner
     from flextensor.shm.segment import SharedSegment
 
-__all__ = ["ARENA_ALIGN", "ARENA_KIND", "ArenaLayout", "SharedBlockAllocator", "arena_layout"]
+__all__ = ["ARENA_ALIGN", "ARENA_KIND", "ArenaLayout", "SharedBlockAllocator", "arena_layout", "as_layout"]
 
 #: Resource kind of the arena segment (``/{ns}.g{gen}.h``).
 ARENA_KIND = "h"
@@ -67,6 +67,11 @@ def arena_layout(sizes: Sequence[int]) -> ArenaLayout:
     return ArenaLayout(tuple(offsets), tuple(int(s) for s in sizes), end)
 
 
+def as_layout(blocks: "Sequence[int] | ArenaLayout") -> ArenaLayout:
+    """``blocks`` laid out, unless it is a layout already (a follower computes it once and passes it around)."""
+    return blocks if isinstance(blocks, ArenaLayout) else arena_layout(blocks)
+
+
 class SharedBlockAllocator:
     """Create (creator) or attach (followers) the arena of one sharing generation and view its blocks."""
 
@@ -94,9 +99,10 @@ class SharedBlockAllocator:
             raise ValueError("no host block to allocate: the arena needs at least one block")
         return self.owner.create_segment(ARENA_KIND, layout.total)
 
-    def attach(self, sizes: Sequence[int]) -> "SharedSegment":
-        """Map the creator's arena; refuse one smaller than the layout of ``sizes`` needs."""
-        layout = arena_layout(sizes)
+    def attach(self, blocks: "Sequence[int] | ArenaLayout") -> "SharedSegment":
+        """Map the creator's arena; refuse one smaller than the layout of ``blocks`` (sizes, or their layout
+        computed once by the caller) needs."""
+        layout = as_layout(blocks)
         segment = self.owner.open_segment(ARENA_KIND)
         if segment.size < layout.total:
             size = segment.size
@@ -108,10 +114,10 @@ class SharedBlockAllocator:
         return segment
 
     @staticmethod
-    def views(segment: "SharedSegment", sizes: Sequence[int]) -> list["torch.Tensor"]:
+    def views(segment: "SharedSegment", blocks: "Sequence[int] | ArenaLayout") -> list["torch.Tensor"]:
         """One zero-copy ``uint8`` tensor per block, at its arena offset."""
         import torch
 
-        layout = arena_layout(sizes)
+        layout = as_layout(blocks)
         return [segment.tensor(torch.uint8, (size,), offset=offset)
                 for offset, size in zip(layout.offsets, layout.sizes)]

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import flextensor as ft
-from flextensor.shm.blocks import SharedBlockAllocator
+import flextensor.attach_prefetch as prefetch_mod
+from flextensor.attach_prefetch import FollowerPrefetch
+from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
 from flextensor.shm.names import manager_namespace
 from tests.client.models import DEVICE, TinyTransformer, cpu_config, release_managers, token_ids  # noqa: F401
 from tests.client.test_session import LEASE, expected_output, finish, make_profile, matches, read_result, spawn
@@ -65,8 +67,8 @@ def _unused_creator_factory():
     raise AssertionError("the creator process publishes; this follower never creates")
 
 
-def _follow_and_check(namespace: str, profile: str, factory) -> dict[str, float]:
-    """Attach as a follower with ``factory``, check the output, close; the session's step times."""
+def _follow_and_check(namespace: str, profile: str, factory) -> dict:
+    """Attach as a follower with ``factory``, check the output, close; the session's report of the manager."""
     with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
         model = session.offload_from_profile(profile, config=cpu_config(), name="model",
                                              creator_model_factory=_unused_creator_factory,
@@ -74,11 +76,11 @@ def _follow_and_check(namespace: str, profile: str, factory) -> dict[str, float]
         assert session.role("model") == "follower"
         with torch.no_grad():
             assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
-        steps = session.report()[0]["steps"]
+        report = session.report()[0]
     del model  # on a CPU host its resident tensors are views of the store's mapping
     gc.collect()
     assert _mapped(namespace) == []
-    return steps
+    return report
 
 
 def test_blocks_are_opened_on_a_thread_while_the_factory_runs(namespace: str, profile: str, creator, monkeypatch):
@@ -87,13 +89,13 @@ def test_blocks_are_opened_on_a_thread_while_the_factory_runs(namespace: str, pr
     threads: set[str] = set()
     original = SharedBlockAllocator.attach
 
-    def attach(self, sizes):
+    def open_arena(self, layout):
         threads.add(threading.current_thread().name)
         if factory_running.wait(timeout=30):  # run sequentially, the factory would only start after this
             opened_during_factory.set()
-        return original(self, sizes)
+        return original(self, layout)
 
-    monkeypatch.setattr(SharedBlockAllocator, "attach", attach)
+    monkeypatch.setattr(SharedBlockAllocator, "attach", open_arena)
 
     def factory():
         factory_running.set()
@@ -102,7 +104,7 @@ def test_blocks_are_opened_on_a_thread_while_the_factory_runs(namespace: str, pr
         assert overlapped, "the host blocks were not opened while the model factory ran"
         return _meta_model()
 
-    steps = _follow_and_check(namespace, profile, factory)
+    steps = _follow_and_check(namespace, profile, factory)["steps"]
     assert {"factory", "prefetch_wait", "prefetch_store", "prefetch_blocks", "adopt"} <= set(steps)
     assert threads and all(name.startswith("ft-attach") for name in threads)
 
@@ -122,12 +124,12 @@ def test_factory_failure_closes_what_the_thread_opened(namespace: str, profile: 
 
 def test_thread_failure_is_raised_and_nothing_stays_mapped(namespace: str, profile: str, creator, monkeypatch,
                                                            join_path):
-    def attach(self, sizes):  # after the store was attached: the thread must hand the store over too
+    def open_arena(self, layout):  # after the store was attached: the thread must hand the store over too
         raise OSError(24, "Too many open files")
 
     session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
     with monkeypatch.context() as patch, pytest.raises(OSError, match="Too many open files"):
-        patch.setattr(SharedBlockAllocator, "attach", attach)
+        patch.setattr(SharedBlockAllocator, "attach", open_arena)
         session.offload_from_profile(profile, config=cpu_config(), name="model",
                                      creator_model_factory=_unused_creator_factory,
                                      follower_model_factory=_meta_model)
@@ -149,13 +151,11 @@ def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(name
                                                                            monkeypatch, join_path):
     """A Ctrl-C that lands while the session waits for the attach thread: the wait finishes, the session owns
     what the thread opened, and the interrupt reaches the caller."""
-    import flextensor.attach_prefetch as prefetch_mod
+    original_open = SharedBlockAllocator.attach
 
-    original_attach = SharedBlockAllocator.attach
-
-    def slow_attach(self, sizes):
+    def slow_open_arena(self, layout):
         time.sleep(0.2)  # the thread is still opening when the session starts waiting
-        return original_attach(self, sizes)
+        return original_open(self, layout)
 
     class InterruptedOnce(threading.Thread):
         interrupted = False
@@ -168,7 +168,7 @@ def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(name
 
     session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
-        patch.setattr(SharedBlockAllocator, "attach", slow_attach)
+        patch.setattr(SharedBlockAllocator, "attach", slow_open_arena)
         patch.setattr(prefetch_mod.threading, "Thread", InterruptedOnce)
         session.offload_from_profile(profile, config=cpu_config(), name="model",
                                      creator_model_factory=_unused_creator_factory,
@@ -201,8 +201,8 @@ def test_a_follower_of_a_ready_generation_joins_on_the_thread_while_its_factory_
         assert joined_during_factory.wait(timeout=30), "the generation was not joined while the factory ran"
         return _meta_model()
 
-    steps = _follow_and_check(namespace, profile, factory)
-    assert {"join", "plan", "factory", "prefetch_elect", "prefetch_blocks", "adopt"} <= set(steps)
+    steps = _follow_and_check(namespace, profile, factory)["steps"]
+    assert {"join", "daemon", "plan", "factory", "prefetch_blocks", "adopt"} <= set(steps)
     assert threads == {"ft-attach"}
 
 
@@ -265,12 +265,20 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace
                                                                        monkeypatch):
     """The thread waits for the lock only briefly (its work stays bounded); then the caller joins, with the
     model already built: the factory still runs once."""
-    import flextensor.attach_prefetch as prefetch_mod
     import flextensor.session as session_mod
     from flextensor.shm.locks import FileLock
     from flextensor.shm.names import coordinator_lock_path
 
     monkeypatch.setattr(session_mod, "ELECT_LOCK_WAIT_S", 0.05)
+    joined_on_main_thread: list[bool] = []  # one entry per coordinator joined (a join given up raises first)
+    real_coordinator = session_mod.ShmCoordinator
+
+    def coordinator(*args, **kwargs):
+        joined = real_coordinator(*args, **kwargs)
+        joined_on_main_thread.append(threading.current_thread() is threading.main_thread())
+        return joined
+
+    monkeypatch.setattr(session_mod, "ShmCoordinator", coordinator)
     assert prefetch_mod.ELECT_LOCK_WAIT_S == 2.0
     held = FileLock(coordinator_lock_path(manager_namespace(namespace, "model")))
     held.acquire(timeout=5)
@@ -290,7 +298,7 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace
                                                  follower_model_factory=factory)
             assert session.role("model") == "follower" and builds == [1]
             steps = session.report()[0]["steps"]
-            assert "prefetch_elect" not in steps  # the thread gave up its join: this thread joined
+            assert joined_on_main_thread == [True]  # the thread gave up its join: this thread joined
             assert steps["join"] >= 0.2  # once the lock came free
             assert steps["factory"] >= 0.05  # the build beside the thread's attempt, not _attach's reuse of it
             with torch.no_grad():
@@ -301,3 +309,79 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace
     del model
     gc.collect()
     assert _mapped(namespace) == []
+
+
+# ------------------------------------------------------------------------------------------ one layout, disjoint steps
+def test_a_follower_lays_out_the_arena_once(namespace: str, profile: str, creator, monkeypatch, join_path):
+    """The thread computes the arena's layout to map it and hands it on: the blocks' views, the registration
+    ranges and the shared bytes use that layout instead of computing it again from the plan's sizes."""
+    import flextensor.session as session_mod
+    import flextensor.shm.blocks as blocks_mod
+
+    laid_out: list[int] = []  # the number of blocks of each layout computed in this (the follower's) process
+
+    def counted(sizes):
+        laid_out.append(len(sizes))
+        return arena_layout(sizes)
+
+    for module in (blocks_mod, prefetch_mod, session_mod):  # wherever the follower's path could call it from
+        monkeypatch.setattr(module, "arena_layout", counted, raising=False)
+    _follow_and_check(namespace, profile, _meta_model)
+    assert len(laid_out) == 1 and laid_out[0] > 0
+
+
+def test_the_steps_of_each_thread_add_up_to_at_most_its_time(namespace: str, profile: str, creator, monkeypatch,
+                                                             join_path):
+    """No reported step contains another, so sums do not count time twice: the attach thread's steps add up to at
+    most the thread's run, the caller's to at most the time to ready."""
+    runs: list[float] = []
+    original = FollowerPrefetch._run
+
+    def timed_run(self):
+        start = time.monotonic()
+        try:
+            original(self)
+        finally:
+            runs.append(time.monotonic() - start)
+
+    monkeypatch.setattr(FollowerPrefetch, "_run", timed_run)
+    report = _follow_and_check(namespace, profile, _meta_model)
+    steps = report["steps"]
+    on_thread = {name for name in steps if name.startswith("prefetch_") and name != "prefetch_wait"}
+    if join_path == "join on the thread":
+        assert {"join", "daemon", "plan"} <= set(steps)
+        on_thread |= {"join", "daemon", "plan"}
+    assert len(runs) == 1 and {"prefetch_store", "prefetch_blocks"} <= on_thread
+    assert sum(steps[name] for name in on_thread) <= runs[0], steps
+    assert sum(seconds for name, seconds in steps.items() if name not in on_thread) <= report["ready_s"], steps
+
+
+# ------------------------------------------------------------------------------------------ arguments
+def _elect():  # never called: the constructor refuses or accepts before any thread runs
+    raise AssertionError("the thread was started")
+
+
+@pytest.mark.parametrize("given", [("owner",), ("state",), ("owner", "state")])
+def test_follower_prefetch_refuses_elect_beside_owner_or_state(given):
+    """``elect`` takes the owner and the plan from the generation it joins: an owner or state passed beside it
+    would be silently replaced, so the mix is refused, naming the arguments and what to pass."""
+    kwargs = {name: object() for name in given}
+    with pytest.raises(ValueError) as refused:
+        FollowerPrefetch("ns", torch.device("cpu"), num_blocks=2, min_blocks=1, elect=_elect, **kwargs)
+    message = str(refused.value)
+    assert f"elect together with {' and '.join(given)}" in message
+    assert "pass elect alone, or owner and state without elect" in message
+
+
+@pytest.mark.parametrize("given", [(), ("owner",), ("state",)])
+def test_follower_prefetch_without_elect_needs_owner_and_state(given):
+    kwargs = {name: object() for name in given}
+    missing = " and ".join(name for name in ("owner", "state") if name not in given)
+    with pytest.raises(ValueError, match=f"got no {missing}: pass owner and state .* or elect alone"):
+        FollowerPrefetch("ns", torch.device("cpu"), num_blocks=2, min_blocks=1, **kwargs)
+
+
+def test_follower_prefetch_accepts_either_role_alone():
+    for kwargs in ({"elect": _elect}, {"owner": object(), "state": object()}):
+        prefetch = FollowerPrefetch("ns", torch.device("cpu"), num_blocks=2, min_blocks=1, **kwargs)
+        assert prefetch.error is None and prefetch.state is kwargs.get("state")

@@ -668,6 +668,31 @@ def test_cuda_profiling_preload_runs_on_a_side_stream_and_each_trap_waits_for_it
 
 
 @pytest.mark.cuda
+def test_cuda_the_preload_stream_is_made_in_offload_not_in_the_first_pass(monkeypatch):
+    """The process's first stream creates PyTorch's stream pool (ms): offload() makes the overlapped preload's
+    stream, so the first pass makes none and its first copy is not held back by that set-up."""
+    streams = _spy_copy_streams(monkeypatch)
+    model, ids, ref, cfg = _cuda_setup(skip_discovery=True)
+    ft.offload(model, cfg)
+    om = ft.get_offload_manager()
+    made_in_offload = om._warm_stream
+    assert made_in_offload is not None
+    created: list[int] = []
+    real_stream = torch.cuda.Stream
+
+    def counting_stream(*args, **kwargs):  # a new stream; current_stream() wraps existing ones (stream_id=...)
+        if "stream_id" not in kwargs:
+            created.append(1)
+        return real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Stream", counting_stream)
+    with torch.no_grad():
+        _close(model(ids), ref)
+    assert created == [] and om._warm_stream is None
+    assert streams and all(s == made_in_offload for s in streams)
+
+
+@pytest.mark.cuda
 def test_cuda_preload_failing_part_way_still_orders_the_copies_it_made(monkeypatch):
     """An error other than out-of-memory in the middle of the overlapped preload: the pass fails, and the copies
     made before it (held back on the side stream) are still waited for by the next pass's traps."""
@@ -732,3 +757,48 @@ def test_cuda_profiling_clock_reuses_its_events(monkeypatch):
     assert 0 < len(created) <= 2 * 2 * traps, (len(created), traps)
     assert all(len(v) == 8 for v in om.profiling_durations.values())
     assert all(s > 0 for v in om.profiling_durations.values() for s in v)
+
+
+# ---------------------------------------------------------------------------------------------------- warm samples
+class _FakeStream:
+    """One CUDA stream's timing events as the GPU completes them: in the order recorded."""
+
+    def __init__(self) -> None:
+        self.events: list[_FakeEvent] = []
+        self.waits: list[_FakeEvent] = []  # the events synchronized on, in order
+
+    def record(self, at_ms: float) -> "_FakeEvent":
+        event = _FakeEvent(self, at_ms)
+        self.events.append(event)
+        return event
+
+
+class _FakeEvent:
+    """``synchronize`` completes every event recorded up to this one on its stream; ``elapsed_time`` needs both
+    ends complete (CUDA raises otherwise), so reading a pair before its wait fails here as it would there."""
+
+    def __init__(self, stream: _FakeStream, at_ms: float) -> None:
+        self.stream, self.at_ms, self.done = stream, at_ms, False
+
+    def synchronize(self) -> None:
+        self.stream.waits.append(self)
+        for event in self.stream.events[: self.stream.events.index(self) + 1]:
+            event.done = True
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        if not (self.done and end.done):
+            raise RuntimeError("elapsed_time of an event pair not yet complete")
+        return end.at_ms - self.at_ms
+
+
+def test_warm_samples_wait_once_for_the_last_copy_then_read_every_pair():
+    """The warm-up's event pairs are recorded on one stream: one wait, on the last end event, covers them all;
+    empty and zero-length pairs are still dropped, and the events are consumed."""
+    stream = _FakeStream()
+    pairs = [(1000, 0.0, 2.0), (0, 2.0, 3.0), (500, 3.0, 3.0), (2000, 3.0, 7.0)]  # (bytes, start ms, end ms)
+    om = ft.get_offload_manager("warm-samples")
+    om._warm_events = [(nbytes, stream.record(start), stream.record(end)) for nbytes, start, end in pairs]
+    last_end = om._warm_events[-1][2]
+    assert om._warm_samples() == [(1000, 0.002), (2000, 0.004)]
+    assert stream.waits == [last_end]
+    assert om._warm_events == [] and om._warm_samples() == [] and stream.waits == [last_end]
