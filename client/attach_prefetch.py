@@ -17,10 +17,10 @@ Ordering and ownership
 1. ``start()``: the thread checks that every host block of the plan names this generation's arena (a plan from
    another namespace or generation is refused), attaches the store, maps the arena, then, on a CUDA device,
    allocates and frees the loader's rotating device blocks, which leaves them in PyTorch's caching allocator
-   for the adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks),
-   creates PyTorch's pool of side streams, from which the loader takes its copy stream, and last copies every
-   store record to the device (:meth:`SharedTensorStore.copies_on`: one transfer) and synchronizes its own
-   stream, so the copies are complete before anyone can read them, whatever stream the caller uses.
+   for the adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks), and
+   last copies every store record to the device (:meth:`SharedTensorStore.copies_on`: one transfer) and
+   synchronizes its own stream, so the copies are complete before anyone can read them, whatever stream the
+   caller uses. It does not make PyTorch's stream pool (the loader takes its copy stream at its first copy).
 2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
    everything it opened, *also when it failed or the factory failed*: the caller (``SharedOffloadSession``'s
    ``_attach``, or ``_join_while_building`` for the coordinator too) puts it into the manager's share first, so
@@ -41,9 +41,9 @@ generation ended between the peek and the join), or the generation is not READY,
 own thread with what the thread returned (the model the factory built is then used as it is, or dropped for
 the creator's).
 
-``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``streams``,
-``resident``), for ``session.report()``. The join is not among them: ``elect`` times its own parts (the session
-reports ``join``, ``daemon`` and ``plan``), and a part spanning those would count their time twice in a sum.
+``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``resident``), for
+``session.report()``. The join is not among them: ``elect`` times its own parts (the session reports ``join``,
+``daemon`` and ``plan``), and a part spanning those would count their time twice in a sum.
 
 The arena's layout (:func:`flextensor.shm.blocks.arena_layout`) is computed once, on the thread, from the plan's
 block sizes: the thread maps the arena with it and keeps it as ``layout``, from which the session makes the
@@ -167,19 +167,14 @@ class FollowerPrefetch:
                     del cached  # freed into PyTorch's cache, where the loader's same-sized allocations find them
                 slotted = time.monotonic()
                 self.timings["slots"] = slotted - blocks_done
-                # The loader's copy stream comes from PyTorch's per-device stream pool, which creates all of its
-                # streams on first use (tens of cudaStreamCreate; 35 ms measured while other followers register
-                # their blocks): take one now, so the pool exists when the adoption asks for its stream.
-                torch.cuda.Stream(device=self._device)
-                pooled = time.monotonic()
-                self.timings["streams"] = pooled - slotted
+                # (PyTorch's stream pool is not made here: the loader takes its copy stream at its first copy.)
                 # Last, the one long step (a copy from unregistered memory; the GIL is released meanwhile).
                 with torch.cuda.stream(self._stream):
                     self.device_copies = self.store.copies_on(self._device, buffer=resident)
                     done = torch.cuda.Event()
                     done.record(self._stream)
                 done.synchronize()  # the copies are complete before any stream reads them
-                self.timings["resident"] = time.monotonic() - pooled
+                self.timings["resident"] = time.monotonic() - slotted
         except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()
             self.error = exc
 

@@ -110,7 +110,11 @@ class BlockLoader:
         self._pending_timing: dict[int, Any] = {}
         if self.cuda:
             self._compute_stream = CurrentStream(device)  # the caller's stream, looked up cheaply per trap
-            self._side = torch.cuda.Stream(device=device)
+            # The copy stream comes from PyTorch's stream pool, which creates all of its streams on first use
+            # (tens of cudaStreamCreate with the GIL held: 3-12 ms measured in a session follower). Taken at the
+            # first copy, not here: a follower's first copy waits for its blocks' background registration anyway,
+            # and its attach thread no longer competes with the user's model factory for the GIL to make the pool.
+            self._side: Any = None
             self._copy_done = [torch.cuda.Event() for _ in range(self.num_slots)]
             self._reader_done = [torch.cuda.Event() for _ in range(self.num_slots)]
         self.copies_issued = 0
@@ -164,6 +168,8 @@ class BlockLoader:
         layout = self.layouts[block]
         host = self.host_blocks[block]
         timing = self.timing
+        if self.cuda and self._side is None:  # before the gate: made while the registration proceeds
+            self._side = torch.cuda.Stream(device=self.device)
         if self._gate is not None:  # e.g. the block's background cudaHostRegister has not finished yet
             self._gate(block)
         if self.cuda:
@@ -250,7 +256,7 @@ class BlockLoader:
     # -- teardown ------------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Wait for in-flight copies (teardown, not the hot path), then drop the device slots."""
-        if self.cuda:
+        if self.cuda and self._side is not None:
             self._side.synchronize()
         self.slots = []
         self._views.clear()

@@ -349,3 +349,36 @@ def test_block_views_equal_block_view_for_every_placement():
     for bad, name in ((outside, "'x' at bytes"), (misaligned, "'y' at bytes")):
         with pytest.raises(ValueError, match=name):
             block_views(storage.narrow(0, 0, layout.nbytes), [bad])
+
+
+@pytest.mark.cuda
+def test_cuda_loader_takes_its_copy_stream_at_its_first_copy(monkeypatch):
+    """PyTorch's stream pool is made at the first copy, never while a follower attaches (it held the GIL for
+    3-12 ms beside the model factory); a loader closed before any copy has nothing to wait for."""
+    import flextensor.loader as loader_mod
+
+    made: list[int] = []
+    real_stream = torch.cuda.Stream
+    monkeypatch.setattr(loader_mod.torch.cuda, "Stream", lambda *a, **k: (made.append(1), real_stream(*a, **k))[1])
+    d = 256
+    params = [[nn.Parameter(torch.randn(d, d))] for _ in range(2)]
+    layouts, hosts = [], []
+    for i, ps in enumerate(params):
+        layout = pack_block(i, f"t{i}", [(f"t{i}.w", torch.float32, (d, d), (d, 1))])
+        host = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+        block_view(host, layout.tensors[0]).copy_(ps[0].data)
+        layouts.append(layout)
+        hosts.append(host)
+    expected = [p[0].detach().clone().cuda() for p in params]
+    unused = BlockLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
+                         schedule=[0, 1], num_slots=2)
+    unused.close()
+    loader = BlockLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
+                         schedule=[0, 1], num_slots=2)
+    assert made == []
+    for i in range(2):
+        loader.enter(i)
+        assert torch.equal(params[i][0], expected[i])
+        loader.exit(i)
+    assert len(made) == 1  # one stream, taken at the first copy and kept
+    loader.close()
