@@ -359,7 +359,12 @@ def test_cuda_loader_takes_its_copy_stream_at_its_first_copy(monkeypatch):
 
     made: list[int] = []
     real_stream = torch.cuda.Stream
-    monkeypatch.setattr(loader_mod.torch.cuda, "Stream", lambda *a, **k: (made.append(1), real_stream(*a, **k))[1])
+    def counting_stream(*args, **kwargs):  # a new stream; current_stream() wraps existing ones (stream_id=...)
+        if "stream_id" not in kwargs:
+            made.append(1)
+        return real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(loader_mod.torch.cuda, "Stream", counting_stream)
     d = 256
     params = [[nn.Parameter(torch.randn(d, d))] for _ in range(2)]
     layouts, hosts = [], []
