@@ -72,6 +72,29 @@ def pass_times(fn: Callable[[], object], device: torch.device, repeat: int, warm
     return timed(one, repeat=repeat, warmup=warmup)
 
 
+class GcPauses:
+    """Python's cyclic-GC pauses (seconds each) while ``counting``, through ``gc.callbacks``: a full collection
+    in a process holding a model and torch's objects takes milliseconds, as much as a launch-bound pass."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.counting = False
+        self._start = 0.0
+
+    def _callback(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.counting:
+            self.seconds.append(time.perf_counter() - self._start)
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def pinned_peak_gbps(nbytes: int, device: torch.device, repeat: int) -> float:
     """H2D rate of a plain copy from a ``pin_memory()`` buffer of one layer's size: the ceiling to reach.
 
@@ -170,10 +193,15 @@ def offload_run(
     manager = ft.get_offload_manager(name)
     out["iters_before_inference"] = iters = manager.iters_before_inference
     profile, ordinary = [], []
-    for _ in range(iters):  # an ordinary forward of the resident twin, then a profile pass: paired samples
-        if twin is not None:  # (before, not after: after the last one the host-block build would get a head start)
-            ordinary += pass_times(lambda: twin(profile_input), device, repeat=1, warmup=0)
-        profile += pass_times(lambda: proxy(profile_input), device, repeat=1, warmup=0)
+    with GcPauses() as pauses:  # a cyclic-GC pause inside a pass lands in the phase's time: reported beside it
+        for _ in range(iters):  # an ordinary forward of the resident twin, then a profile pass: paired samples
+            if twin is not None:  # (before, not after: after the last one the host-block build gets a head start)
+                ordinary += pass_times(lambda: twin(profile_input), device, repeat=1, warmup=0)
+            pauses.counting = True
+            profile += pass_times(lambda: proxy(profile_input), device, repeat=1, warmup=0)
+            pauses.counting = False
+    out["profile_passes_s"] = profile
+    out["gc_pauses_s"] = pauses.seconds
     if ordinary:
         out["resident_adjacent_s"] = median(ordinary)
     out["profile_s"], out["profile_last_s"] = sum(profile), profile[-1] if profile else 0.0
@@ -310,8 +338,8 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
                                         forward_rows)),
         ("Host-to-device rate, transfer-bound", table(["measure", "rate", "x pinned peak"], h2d_rows)
          + f"\n\nEngine timing, {eager_text}."),
-        ("Profile phase (in run order)", table(["batch", "run", "iters_before_inference", "median pass",
-                                 "last pass (+ switch to INFERENCE)", "profile phase total", "first inference pass",
+        ("Profile phase (in run order)", table(["batch", "run", "iters_before_inference", "first pass (sweep)",
+                                 "median pass", "last pass (+ switch to INFERENCE)", "GC pauses in its passes", "profile phase total", "first inference pass",
                                  "host blocks built in the background (then waited for)",
                                  "resident twin pass (paired)", "goal: profiling_iters x that + one sweep", "phase / goal"],
                                 profile_rows)
@@ -345,8 +373,10 @@ def _profile_goal_s(resident_s: float, r: dict) -> float:
 
 def _profile_row(label: str, run: dict, resident_s: float, r: dict) -> list[str]:
     goal_s = _profile_goal_s(resident_s, r)
-    return [label, run["name"], str(run["iters_before_inference"]), ms(run["profile_pass_median_s"]),
-            ms(run["profile_last_s"]), ms(run["profile_s"]), ms(run["first_inference_s"]),
+    pauses = run.get("gc_pauses_s", [])
+    gc_text = f"{len(pauses)}, {sum(pauses) * 1e3:.1f} ms" if pauses else "none"
+    return [label, run["name"], str(run["iters_before_inference"]), ms(run["profile_passes_s"][0]),
+            ms(run["profile_pass_median_s"]), ms(run["profile_last_s"]), gc_text, ms(run["profile_s"]), ms(run["first_inference_s"]),
             f"{ms(run.get('host_blocks_build_s'))} ({ms(run.get('host_blocks_wait_s'))})", ms(resident_s), ms(goal_s),
             f"{run['profile_s'] / goal_s:.3f}x"]
 
