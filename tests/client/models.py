@@ -78,6 +78,21 @@ def errors_on_another_thread(*calls: Callable[[], object]) -> list[BaseException
     return errors
 
 
+def count_new_streams(monkeypatch) -> list[int]:
+    """Count the CUDA streams made from now on (one entry each). ``torch.cuda.current_stream()`` also builds
+    ``Stream`` objects, around streams that exist already (``stream_id=...``): those are not counted."""
+    made: list[int] = []
+    real_stream = torch.cuda.Stream
+
+    def counting_stream(*args, **kwargs):
+        if "stream_id" not in kwargs:
+            made.append(1)
+        return real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Stream", counting_stream)
+    return made
+
+
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """Detached clones of every state_dict entry (values to compare after release)."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

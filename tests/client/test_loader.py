@@ -20,7 +20,9 @@ from flextensor.host_memory import (
 )
 from flextensor.loader import BlockLoader
 from flextensor.timing import TimingCollector
-from tests.client.models import DEVICE, reference, same, cpu_config, mlp_stack, release_managers  # noqa: F401
+from tests.client.models import (  # noqa: F401
+    DEVICE, count_new_streams, cpu_config, mlp_stack, reference, release_managers, same,
+)
 
 
 def test_packed_stride():
@@ -286,19 +288,26 @@ def test_pinned_providers(mode):
         assert not any(b.tensor.is_pinned() for b in blocks)  # unregistered, still alive through the views
 
 
+def _pinned_square_blocks(params: list[list[nn.Parameter]]) -> tuple[list, list[torch.Tensor]]:
+    """One block per trap holding its one square float32 weight, in pinned host memory, filled from it."""
+    layouts, hosts = [], []
+    for i, ps in enumerate(params):
+        d = ps[0].shape[0]
+        layout = pack_block(i, f"t{i}", [(f"t{i}.w", torch.float32, (d, d), (d, 1))])
+        host = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+        block_view(host, layout.tensors[0]).copy_(ps[0].data)
+        layouts.append(layout)
+        hosts.append(host)
+    return layouts, hosts
+
+
 @pytest.mark.cuda
 def test_cuda_loader_overlaps_without_syncs():
     """The copy for trap N+1 runs on the side stream while trap N computes; values exact after rotation."""
     torch.manual_seed(0)
     n, d = 6, 1024
     params = [[nn.Parameter(torch.randn(d, d))] for _ in range(n)]
-    layouts, hosts = [], []
-    for i, ps in enumerate(params):
-        layout = pack_block(i, f"t{i}", [(f"t{i}.w", torch.float32, (d, d), (d, 1))])
-        host = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
-        block_view(host, layout.tensors[0]).copy_(ps[0].data)
-        layouts.append(layout)
-        hosts.append(host)
+    layouts, hosts = _pinned_square_blocks(params)
     expected = [p[0].detach().clone().cuda() for p in params]
     timing = TimingCollector(use_cuda=True)
     loader = BlockLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
@@ -355,25 +364,9 @@ def test_block_views_equal_block_view_for_every_placement():
 def test_cuda_loader_takes_its_copy_stream_at_its_first_copy(monkeypatch):
     """PyTorch's stream pool is made at the first copy, never while a follower attaches (it held the GIL for
     3-12 ms beside the model factory); a loader closed before any copy has nothing to wait for."""
-    import flextensor.loader as loader_mod
-
-    made: list[int] = []
-    real_stream = torch.cuda.Stream
-    def counting_stream(*args, **kwargs):  # a new stream; current_stream() wraps existing ones (stream_id=...)
-        if "stream_id" not in kwargs:
-            made.append(1)
-        return real_stream(*args, **kwargs)
-
-    monkeypatch.setattr(loader_mod.torch.cuda, "Stream", counting_stream)
-    d = 256
-    params = [[nn.Parameter(torch.randn(d, d))] for _ in range(2)]
-    layouts, hosts = [], []
-    for i, ps in enumerate(params):
-        layout = pack_block(i, f"t{i}", [(f"t{i}.w", torch.float32, (d, d), (d, 1))])
-        host = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
-        block_view(host, layout.tensors[0]).copy_(ps[0].data)
-        layouts.append(layout)
-        hosts.append(host)
+    made = count_new_streams(monkeypatch)
+    params = [[nn.Parameter(torch.randn(256, 256))] for _ in range(2)]
+    layouts, hosts = _pinned_square_blocks(params)
     expected = [p[0].detach().clone().cuda() for p in params]
     unused = BlockLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
                          schedule=[0, 1], num_slots=2)

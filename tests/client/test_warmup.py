@@ -28,6 +28,7 @@ from flextensor.warmup import WarmupMode, decide_warmup, warmup_margin
 from tests.client.models import (
     ALL,
     DEVICE,
+    count_new_streams,
     ManualBlockModel,
     SkippingModel,
     cpu_config,
@@ -677,15 +678,7 @@ def test_cuda_the_preload_stream_is_made_in_offload_not_in_the_first_pass(monkey
     om = ft.get_offload_manager()
     made_in_offload = om._warm_stream
     assert made_in_offload is not None
-    created: list[int] = []
-    real_stream = torch.cuda.Stream
-
-    def counting_stream(*args, **kwargs):  # a new stream; current_stream() wraps existing ones (stream_id=...)
-        if "stream_id" not in kwargs:
-            created.append(1)
-        return real_stream(*args, **kwargs)
-
-    monkeypatch.setattr(torch.cuda, "Stream", counting_stream)
+    created = count_new_streams(monkeypatch)
     with torch.no_grad():
         _close(model(ids), ref)
     assert created == [] and om._warm_stream is None
