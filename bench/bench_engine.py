@@ -338,11 +338,12 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
                                         forward_rows)),
         ("Host-to-device rate, transfer-bound", table(["measure", "rate", "x pinned peak"], h2d_rows)
          + f"\n\nEngine timing, {eager_text}."),
-        ("Profile phase (in run order)", table(["batch", "run", "iters_before_inference", "first pass (sweep)",
-                                 "median pass", "last pass (+ switch to INFERENCE)", "GC pauses in its passes", "profile phase total", "first inference pass",
-                                 "host blocks built in the background (then waited for)",
-                                 "resident twin pass (paired)", "goal: profiling_iters x that + one sweep", "phase / goal"],
-                                profile_rows)
+        ("Profile phase (in run order)", table(
+            ["batch", "run", "iters_before_inference", "first pass (sweep)", "median pass",
+             "last pass (+ switch to INFERENCE)", "GC pauses in its passes", "profile phase total",
+             "first inference pass", "host blocks built in the background (then waited for)",
+             "resident twin pass (paired)", "goal: profiling_iters x that + one sweep", "phase / goal"],
+            profile_rows)
          + f"\n\nWeights handed to ft.offload from: {r['offload_from']} memory. After a resident warm-up the host "
          "blocks are allocated and filled on a thread while the first inference passes run resident (the first "
          "run's build also pays this process's first pinned host allocations); the engine streams from the next "
@@ -375,8 +376,9 @@ def _profile_row(label: str, run: dict, resident_s: float, r: dict) -> list[str]
     goal_s = _profile_goal_s(resident_s, r)
     pauses = run.get("gc_pauses_s", [])
     gc_text = f"{len(pauses)}, {sum(pauses) * 1e3:.1f} ms" if pauses else "none"
-    return [label, run["name"], str(run["iters_before_inference"]), ms(run["profile_passes_s"][0]),
-            ms(run["profile_pass_median_s"]), ms(run["profile_last_s"]), gc_text, ms(run["profile_s"]), ms(run["first_inference_s"]),
+    passes = run.get("profile_passes_s") or [None]
+    return [label, run["name"], str(run["iters_before_inference"]), ms(passes[0]), ms(run["profile_pass_median_s"]),
+            ms(run["profile_last_s"]), gc_text, ms(run["profile_s"]), ms(run["first_inference_s"]),
             f"{ms(run.get('host_blocks_build_s'))} ({ms(run.get('host_blocks_wait_s'))})", ms(resident_s), ms(goal_s),
             f"{run['profile_s'] / goal_s:.3f}x"]
 

@@ -205,4 +205,3 @@ def _check_roles(owner: "ShmOwner | None", state: "TensorManagerState | None", e
             f"FollowerPrefetch got no {missing}: pass owner and state (the joined generation's memory owner and "
             "its published plan), or elect alone to join the generation on the thread"
         )
-

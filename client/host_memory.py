@@ -416,10 +416,13 @@ class ShmProvider(HostBlockProvider):
         sizes = [int(n) for n in sizes]
         if not sizes:
             return
+        from flextensor.shm.blocks import arena_layout
+
         creator = bool(self.owner.is_creator)
-        arena = self._allocator.create(sizes) if creator else self._allocator.attach(sizes)
+        layout = arena_layout(sizes)  # once, for the segment and the views
+        arena = self._allocator.create(layout) if creator else self._allocator.attach(layout)
         self._arena = arena
-        self._views = self._allocator.views(arena, sizes)
+        self._views = self._allocator.views(arena, layout)
         if self.pinned and not creator:  # the device only ever reads host blocks (host -> device copies)
             arena.pin(read_only=True)
 

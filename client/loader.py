@@ -111,10 +111,12 @@ class BlockLoader:
         if self.cuda:
             self._compute_stream = CurrentStream(device)  # the caller's stream, looked up cheaply per trap
             # The copy stream comes from PyTorch's stream pool, which creates all of its streams on first use
-            # (tens of cudaStreamCreate with the GIL held: 3-12 ms measured in a session follower). Taken at the
-            # first copy, not here: a follower's first copy waits for its blocks' background registration anyway,
-            # and its attach thread no longer competes with the user's model factory for the GIL to make the pool.
-            self._side: Any = None
+            # (tens of cudaStreamCreate with the GIL held: 3-12 ms measured in a session follower). With a gate
+            # (a follower whose blocks register in the background) it is taken at the first copy, which waits for
+            # its block's registration anyway, so making the pool no longer competes with the user's model
+            # factory for the GIL while the follower attaches. Without one it is taken here, at the switch to
+            # INFERENCE, as the engine's other set-up is.
+            self._side: Any = None if host_block_gate is not None else torch.cuda.Stream(device=device)
             self._copy_done = [torch.cuda.Event() for _ in range(self.num_slots)]
             self._reader_done = [torch.cuda.Event() for _ in range(self.num_slots)]
         self.copies_issued = 0

@@ -408,7 +408,11 @@ class SharedOffloadSession:
         steps = share.steps
         device = compute_device(cfg)
         state, layout = prefetch.state, prefetch.layout
-        assert state is not None and layout is not None  # the thread read the plan and laid out the arena
+        if state is None or layout is None:  # the thread finished without error, so it read both: a bug if not
+            raise RuntimeError(
+                f"internal error in session {self.namespace!r}: the attach thread finished without the published "
+                "plan or the arena layout; please report it (a fresh start of the worker joins again)"
+            )
         with _step(steps, "validate"):
             _check_offloaded_metadata(model, state)
         with _step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host

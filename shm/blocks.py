@@ -87,14 +87,15 @@ class SharedBlockAllocator:
         """The arena segment's name, which every block of a published plan carries."""
         return self.owner.resource_name(ARENA_KIND)
 
-    def create(self, sizes: Sequence[int]) -> "SharedSegment":
-        """Create the arena for blocks of ``sizes`` (creator only; the owner journals it first, and hands out a
-        segment prepared ahead with ``prepare_segments({ARENA_KIND: arena_layout(sizes).total})``)."""
+    def create(self, blocks: "Sequence[int] | ArenaLayout") -> "SharedSegment":
+        """Create the arena for ``blocks`` (sizes, or their layout) (creator only; the owner journals it first,
+        and hands out a segment prepared ahead with ``prepare_segments({ARENA_KIND: arena_layout(sizes).total})``).
+        """
         if not self.owner.is_creator:
             raise RuntimeError(
                 f"only the creator of {self.owner.namespace!r} allocates host blocks; followers call attach()"
             )
-        layout = arena_layout(sizes)
+        layout = as_layout(blocks)
         if not layout.sizes:
             raise ValueError("no host block to allocate: the arena needs at least one block")
         return self.owner.create_segment(ARENA_KIND, layout.total)

@@ -361,22 +361,28 @@ def test_block_views_equal_block_view_for_every_placement():
 
 
 @pytest.mark.cuda
-def test_cuda_loader_takes_its_copy_stream_at_its_first_copy(monkeypatch):
-    """PyTorch's stream pool is made at the first copy, never while a follower attaches (it held the GIL for
-    3-12 ms beside the model factory); a loader closed before any copy has nothing to wait for."""
+def test_cuda_a_gated_loader_takes_its_copy_stream_at_its_first_copy(monkeypatch):
+    """With a host-block gate (a follower's blocks register in the background) the loader takes its stream from
+    PyTorch's pool at its first copy, which waits for the gate anyway, never while the follower attaches (making
+    the pool held the GIL for 3-12 ms beside the model factory); without one, when it is built (the switch)."""
     made = count_new_streams(monkeypatch)
     params = [[nn.Parameter(torch.randn(256, 256))] for _ in range(2)]
     layouts, hosts = _pinned_square_blocks(params)
     expected = [p[0].detach().clone().cuda() for p in params]
-    unused = BlockLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
-                         schedule=[0, 1], num_slots=2)
-    unused.close()
-    loader = BlockLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
-                         schedule=[0, 1], num_slots=2)
+    gated: list[int] = []
+
+    def build(gate=None):
+        return BlockLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
+                           schedule=[0, 1], num_slots=2, host_block_gate=gate)
+
+    build(gate=gated.append).close()  # closed before any copy: no stream, nothing to wait for
+    loader = build(gate=gated.append)
     assert made == []
     for i in range(2):
         loader.enter(i)
         assert torch.equal(params[i][0], expected[i])
         loader.exit(i)
-    assert len(made) == 1  # one stream, taken at the first copy and kept
+    assert len(made) == 1 and gated[:2] == [0, 1]  # one stream, taken at the first copy and kept
     loader.close()
+    build().close()
+    assert len(made) == 2  # ungated: made in the constructor
