@@ -205,6 +205,57 @@ def test_engine_staging_lifecycle_with_recorded_cudart(warmup):
     assert same(reference(model, x), ref)
 
 
+class _KeepResident:
+    """A plan that streams nothing: every weight stays on the device."""
+
+    name = "keep_resident"
+
+    def plan(self, inp):
+        from flextensor.plan_model import make_plan
+
+        return make_plan(inp, self.name, {}, inp.num_blocks)
+
+
+def test_a_plan_that_streams_nothing_unregisters_the_staging_off_the_callers_thread():
+    """After a resident warm-up, a plan that keeps everything resident still switches at once: the staged
+    originals (the slow part: cudaHostUnregister of every offloadable weight) are unregistered by the
+    background build, not inside the last PROFILING pass, and the outputs stay exact."""
+    import threading
+
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    ptrs = _param_ptrs(model)
+    fake = FakeCudart()
+    threads: list[str] = []
+    unregister = fake.unregister
+
+    def recorded_unregister(ptr: int) -> None:
+        threads.append(threading.current_thread().name)
+        unregister(ptr)
+
+    om = ft.get_offload_manager()
+    om._staging = PinnedStaging(register=fake.register, unregister=recorded_unregister,
+                                synchronize=fake.synchronize, is_pinned=lambda s: False,
+                                policy=lambda cfg, dev: True)
+    om._warmup_override = "resident"
+    ft.offload(model, cpu_config(load_strategy=_KeepResident(), profiling_iters=2))
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference):
+            assert same(model(x), ref)
+    assert om.phase is Phase.INFERENCE and om._deferred is not None and fake.unregisters == []
+    with torch.no_grad():
+        assert same(model(x), ref)  # the first inference pass starts the build
+    om.wait_for_host_blocks()
+    assert sorted(fake.unregisters) == sorted(ptrs.values()) and not fake.live
+    assert set(threads) == {"ft-host-blocks"}
+    assert om.offloaded_tensors == {} and om.loader is not None and om.loader.layouts == []
+    with torch.no_grad():
+        assert same(model(x), ref)
+    ft.release()
+    assert same(reference(model, x), ref)
+
+
 @pytest.mark.parametrize("warmup", [None, "resident"])
 def test_engine_staging_released_early_for_resident_tensors_and_at_release(warmup):
     """Tensors made resident by DISCOVERY leave the staging then; an early release() unregisters the rest."""
