@@ -145,8 +145,9 @@ class HostBlockBuild:
             self.elapsed_s = time.monotonic() - start
             outcome = ("built" if self.finished else f"failed ({self.error})" if self.error is not None
                        else "cancelled")
-            logger.info("manager %r: host blocks %s in the background after %.2f s (%d of %d blocks)",
-                        self.manager_name, outcome, self.elapsed_s, len(self.blocks), len(self.layouts))
+            if self.layouts or not self.finished:  # an empty build that worked is reported at its install
+                logger.info("manager %r: host blocks %s in the background after %.2f s (%d of %d blocks)",
+                            self.manager_name, outcome, self.elapsed_s, len(self.blocks), len(self.layouts))
 
 
 def can_defer(m: "OffloadManager", layouts: Sequence[BlockLayout]) -> bool:
@@ -212,7 +213,7 @@ def install_deferred(m: "OffloadManager") -> None:
         for placement, view, tensor in zip(layout.tensors, block_views(block.tensor, layout.tensors), tensors):
             assign_data(tensor, view)  # frees the warm-up device copy
             m._placement[placement.name] = (layout.index, placement)
-    if m._device.type == "cuda":
+    if layouts and m._device.type == "cuda":
         torch.cuda.empty_cache()  # the device copies just freed: GiBs other processes may want
     start_loader(m, layouts, build.blocks, schedule, num_slots)
     if layouts:

@@ -277,7 +277,7 @@ class Plan:
     ``offloaded`` is ordered like the traps (execution order), so the ``j``-th key uses device block slot
     ``j % num_blocks`` (see ``block_slots``). ``num_blocks`` is the number of device blocks the loader should
     allocate: never more than there are offloaded traps (extra blocks would never be used), never below the
-    input's ``min_blocks``.
+    input's ``min_blocks`` (with nothing offloaded the loader allocates none).
     """
 
     strategy: str

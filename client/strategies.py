@@ -337,11 +337,11 @@ class AdaptiveStrategy(Strategy):
     Memory mode: the lowest estimated overhead among the plans that fit (ties: fewer offloaded bytes, then lower
     peak); when none fits, the plan with the lowest peak, marked ``fits_budget=False``.
     Latency mode: among the plans whose overhead is within 1% of the total compute of the best one, the lowest
-    peak device memory (ties: lower overhead, then more offloaded bytes), with keeping everything resident
+    peak device memory (ties: lower overhead, then fewer offloaded bytes), with keeping everything resident
     (``keep_resident``, no overhead) among them. The point of offloading at no material cost is to free device
     memory, and streaming frees less than it offloads: the rotating blocks hold copies too. One or two streamed
     blocks through two device blocks free nothing at all (they need as much room as they take off), yet most
-    offloaded bytes would choose them.
+    offloaded bytes would choose them; at equal peak, streaming only adds copies.
     """
 
     name = "adaptive"
@@ -371,7 +371,7 @@ class AdaptiveStrategy(Strategy):
             slack = 0.01 * inp.total_compute_s
             floor = min(p.estimated_overhead_s for p in plans)
             pool = [p for p in plans if p.estimated_overhead_s <= floor + slack]
-            chosen = min(pool, key=lambda p: (p.peak_device_bytes, p.estimated_overhead_s, -p.offloaded_bytes))
+            chosen = min(pool, key=lambda p: (p.peak_device_bytes, p.estimated_overhead_s, p.offloaded_bytes))
             rule = (f"latency mode: lowest peak device memory among plans within {slack * 1e3:.3f} ms (1% of "
                     f"compute) of the lowest overhead {floor * 1e3:.3f} ms")
         else:

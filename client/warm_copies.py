@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["WarmCopiesMixin"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("flextensor.manager")  # the manager's own lines, as in flextensor.phases
 
 
 def _nbytes(t: torch.Tensor) -> int:

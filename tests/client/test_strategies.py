@@ -190,15 +190,20 @@ def test_latency_mode_hides_everything_when_compute_covers_transfers():
 
 
 def test_latency_mode_keeps_resident_what_streaming_would_not_free():
-    """One streamed trap through the two device blocks a pipeline needs takes twice its room off the device:
-    Knapsack calls it hidden, but latency mode keeps everything resident (lower peak, no overhead); with
-    every layer streamed the blocks are a fraction of the weights, and it streams them."""
+    """One streamed trap through the two device blocks a pipeline needs takes twice its room off the device,
+    two take as much as they free: Knapsack calls them hidden, but latency mode keeps everything resident (lower
+    or equal peak, no copies); with every layer streamed the blocks are a fraction of the weights, and it
+    streams them."""
     few = [trap("embed", 10.0)] + [trap(f"l{i}", 0.001, 8) for i in range(3)] + [trap("head", 10.0, 8)]
     knap = KnapsackStrategy().plan(inp(few))
     assert knap.offloaded and knap.estimated_overhead_s == 0.0 and knap.peak_device_bytes > 32
     chosen = AdaptiveStrategy().plan(inp(few))
     assert chosen.strategy == "adaptive:keep_resident" and chosen.offloaded == {}
     assert chosen.peak_device_bytes == 32 and chosen.estimated_overhead_s == 0.0
+    two = [trap("embed", 10.0)] + [trap(f"l{i}", 10.0, 8) for i in range(2)]
+    both = KnapsackStrategy().plan(inp(two))
+    assert both.offloaded_bytes == 16 and both.peak_device_bytes == 16  # two blocks of 8 B: nothing freed
+    assert AdaptiveStrategy().plan(inp(two)).strategy == "adaptive:keep_resident"  # equal peak: no copies
     many = [trap("embed", 10.0)] + [trap(f"l{i}", 10.0, 8) for i in range(6)]
     streamed = AdaptiveStrategy().plan(inp(many))
     assert streamed.offloaded_bytes == 48 and streamed.peak_device_bytes == 16  # two blocks of 8 B
