@@ -605,8 +605,9 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
              "max |out - reference|"], pss_rows)),
         ("Time to ready per N", table(
             ["N", "follower samples", "follower median (excl. resident copy)", "follower p95",
-             "p95 with a device synchronize", "background cudaHostRegister (median)", "follower first forward (median)", "creator first forward",
-             "creator checkpoint factory", "creator publish", "creator total"], ready_rows)),
+             "p95 with a device synchronize", "background cudaHostRegister (median)",
+             "follower first forward (median)", "creator first forward", "creator checkpoint factory",
+             "creator publish", "creator total"], ready_rows)),
         ("Follower attach vs private load", table(["measure", "median", "p95", "goal", "status"], summary_rows)),
         ("Shared vs private host copies", table(["layout", "sum of PSS growth", "x model bytes"], host_rows)),
     ]

@@ -128,6 +128,11 @@ def _run_factory_while_attaching(prefetch: FollowerPrefetch, factory: Callable[[
     return model
 
 
+def _read_published_plan(owner: Any, namespace: str) -> TensorManagerState:
+    """The plan the creator of ``namespace``'s generation published (``PLAN_KIND``), validated."""
+    return TensorManagerState.from_json(owner.read_blob(PLAN_KIND), source=f"published plan of {namespace}")
+
+
 @dataclass
 class ManagerShare:
     """What one manager of the session holds, and how it got there (reported by ``session.report()``)."""
@@ -146,6 +151,13 @@ class ManagerShare:
     shared_bytes: int = 0
     pinner: BackgroundPinner | None = None  # a follower's background registration of its block mappings
     steps: dict[str, float] = field(default_factory=dict)  # seconds per follower step (see _attach)
+
+    def take_from(self, prefetch: FollowerPrefetch) -> None:
+        """Own what a follower's attach thread opened (store, arena), so the session's cleanup closes it, and
+        report the thread's parts as ``prefetch_*`` steps."""
+        self.store = prefetch.store
+        self.segments.extend(prefetch.segments)
+        self.steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
 
     def summary(self) -> dict[str, Any]:
         pinner = self.pinner
@@ -297,8 +309,7 @@ class SharedOffloadSession:
             if joined.is_creator or joined.state is not State.READY:
                 return joined, None
             with _step(steps, "plan"):
-                state = TensorManagerState.from_json(joined.memory_owner.read_blob(PLAN_KIND),
-                                                     source=f"published plan of {ns}")
+                state = _read_published_plan(joined.memory_owner, ns)
             return joined, state
 
         prefetch = FollowerPrefetch(ns, compute_device(cfg), num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
@@ -309,10 +320,8 @@ class SharedOffloadSession:
             nonlocal share
             if joined is not None:
                 share = self._new_share(name, ns, joined, joined_s=steps.pop("join", 0.0))
-                share.store = prefetch.store
-                share.segments.extend(prefetch.segments)
                 share.steps.update(steps)
-                share.steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
+                share.take_from(prefetch)
 
         model = _run_factory_while_attaching(prefetch, factory, steps, take_over)
         return share, model, prefetch, steps["factory"]
@@ -384,19 +393,13 @@ class SharedOffloadSession:
             coordinator.wait_for_ready(deadline.remaining())
         share.wait_s = steps["wait"]
         with _step(steps, "plan"):
-            state = TensorManagerState.from_json(owner.read_blob(PLAN_KIND),
-                                                 source=f"published plan of {share.namespace}")
+            state = _read_published_plan(owner, share.namespace)
         device = compute_device(cfg)
         # Store, host blocks and resident copies are opened on a thread while the factory builds the model.
         prefetch = FollowerPrefetch(share.namespace, device, num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
                                     owner=owner, state=state).start()
 
-        def take_over() -> None:  # owned by the share from here, so any failure cleans them up
-            share.store = prefetch.store
-            share.segments.extend(prefetch.segments)
-            steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
-
-        model = _run_factory_while_attaching(prefetch, factory, steps, take_over)
+        model = _run_factory_while_attaching(prefetch, factory, steps, lambda: share.take_from(prefetch))
         return self._adopt_published(share, manager, cfg, model, prefetch)
 
     def _adopt_published(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, model: nn.Module,
