@@ -43,6 +43,12 @@ __all__ = ["plan_inference", "build_inference"]
 
 logger = logging.getLogger(__name__)
 NOTICE = 25  # the spec logs the block assignment table at "NOTICE" level
+# What a streamed trap costs a pass beyond its copy (``PlanInput.trap_cost_s``): the loader's host work at its
+# entry and exit. Measured on the H200 host (2026-11-30) with plans streaming only each layer's norm weights
+# (16 KiB per trap) of a launch-bound 3.5 ms pass: +90 us per streamed trap before the copy issue was made
+# cheaper (the loader's host time alone: 105 us), +71-77 us after (40 us of it the loader's host time, the rest
+# the device ordering two streams). A constant, not a measurement per run: nothing streams before the plan exists.
+STREAMED_TRAP_COST_S = 70e-6
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -84,7 +90,8 @@ def plan_inference(m: "OffloadManager") -> None:
     if offloadable:
         plan_input = PlanInput(traps=tuple(costs), transfer=transfer, budget_bytes=budget,
                                num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
-                               scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed)
+                               scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed,
+                               trap_cost_s=STREAMED_TRAP_COST_S)
         plan = strategy.plan(plan_input)
         offloaded = {label: list(names) for label, names in plan.offloaded.items()}
         num_slots = plan.num_blocks

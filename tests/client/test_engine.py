@@ -383,6 +383,25 @@ def test_cuda_memory_mode_budget():
     assert ft.get_gpu_memory_usage().total_bytes <= 0.5 * total
 
 
+def test_the_plan_charges_each_streamed_trap_the_loaders_cost():
+    """The engine plans with ``STREAMED_TRAP_COST_S`` per streamed trap: NthLayer(1) over the four layers of the
+    stack is estimated at no less than four of them, and its explanation says so."""
+    from flextensor.inference import STREAMED_TRAP_COST_S
+
+    model = mlp_stack()
+    x = torch.randn(2, 16, device=DEVICE)
+    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
+    om = ft.get_offload_manager()
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference):
+            model(x)
+    assert om.phase is Phase.INFERENCE and len(om.offloaded_tensors) == 4
+    line = next(line for line in om._explanation if "estimated overhead" in line)
+    assert f"(with {STREAMED_TRAP_COST_S * 1e6:.0f} us per streamed trap)" in line
+    estimated_ms = float(line.split("estimated overhead ")[1].split(" ms")[0])
+    assert estimated_ms >= 4 * STREAMED_TRAP_COST_S * 1e3 - 1e-3
+
+
 def test_diagnostics_tables_logged(caplog):
     model = mlp_stack()
     x = torch.randn(2, 16, device=DEVICE)

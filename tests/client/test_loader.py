@@ -386,3 +386,31 @@ def test_cuda_a_gated_loader_takes_its_copy_stream_at_its_first_copy(monkeypatch
     loader.close()
     build().close()
     assert len(made) == 2  # ungated: made in the constructor
+
+
+@pytest.mark.cuda
+def test_cuda_copies_leave_the_callers_stream_and_device_current():
+    """The loader enqueues its copies with its side stream made current and sets the caller's stream back by id
+    (cheaper than ``with torch.cuda.stream``): after every enter the caller's own stream (here not the default
+    one) is current again, the weights are exact, and a copy that fails still restores it."""
+    params = [[nn.Parameter(torch.randn(128, 128))] for _ in range(3)]
+    layouts, hosts = _pinned_square_blocks(params)
+    expected = [p[0].detach().clone().cuda() for p in params]
+    loader = BlockLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
+                         schedule=[0, 1, 2], num_slots=2)
+    mine = torch.cuda.Stream()
+    device = torch.cuda.current_device()
+    with torch.cuda.stream(mine):
+        for _ in range(2):
+            for i in range(3):
+                loader.enter(i)
+                assert torch.cuda.current_stream() == mine and torch.cuda.current_device() == device
+                assert torch.equal(params[i][0], expected[i])
+                loader.exit(i)
+        # Entry 6 (block 0) was issued by entry 5; entering it issues entry 7 (block 1 into slot 1): make it fail.
+        loader._copy_pairs[(1, 1)] = (loader._copy_pairs[(1, 1)][0], torch.empty(3, dtype=torch.float64))
+        with pytest.raises(RuntimeError):
+            loader.enter(0)
+        assert torch.cuda.current_stream() == mine
+    mine.synchronize()
+    loader.close()

@@ -130,9 +130,24 @@ def test_simulator_latency_scale_and_bad_names():
         simulate_overhead(inp(traps), {"t1": ("x",)}, 2)
 
 
-def test_pipeline_trace_resumes_like_a_full_simulation():
+def test_simulator_charges_each_streamed_trap_its_cost():
+    traps = [trap("embed", 10.0), trap("t1", 1.0, 1), trap("t2", 1.0), trap("t3", 1.0, 1)]
+    hidden = everything(traps)  # 1 s copies behind 10 s of embed and 1 s of t1 / t2: hidden without a cost
+    assert simulate_overhead(inp(traps), hidden, 2) == 0.0
+    costly = PlanInput(tuple(traps), UNIT, None, 2, trap_cost_s=0.25)
+    assert simulate_overhead(costly, hidden, 2) == pytest.approx(0.5)  # two streamed traps, the gap trap free
+    assert simulate_overhead(costly, {"t3": ("t3.0",)}, 2) == pytest.approx(0.25)
+    assert simulate_overhead(costly, {}, 2) == 0.0
+    with pytest.raises(ValueError, match="trap_cost_s"):
+        PlanInput(tuple(traps), UNIT, None, 2, trap_cost_s=-1e-6)
+    with pytest.raises(ValueError, match="trap_cost_s"):
+        PlanInput(tuple(traps), UNIT, None, 2, trap_cost_s=float("nan"))
+
+
+@pytest.mark.parametrize("cost", [0.0, 0.3])
+def test_pipeline_trace_resumes_like_a_full_simulation(cost):
     traps = [trap("t0", 1.0, 9), trap("t1", 5.0, 9), trap("t2", 1.0, 9), trap("t3", 2.0, 9)]
-    plan_in = inp(traps, transfer=TransferModel(2.0, 0.25))
+    plan_in = PlanInput(tuple(traps), TransferModel(2.0, 0.25), None, 2, trap_cost_s=cost)
     per = [3, 9, 4, 6]
     for blocks in (1, 2, 3):
         trace = PipelineTrace(plan_in, per, blocks)
@@ -207,6 +222,27 @@ def test_latency_mode_keeps_resident_what_streaming_would_not_free():
     many = [trap("embed", 10.0)] + [trap(f"l{i}", 10.0, 8) for i in range(6)]
     streamed = AdaptiveStrategy().plan(inp(many))
     assert streamed.offloaded_bytes == 48 and streamed.peak_device_bytes == 16  # two blocks of 8 B
+
+
+def _launch_bound_layers(compute_s: float) -> list[TrapCost]:
+    """The bench model's shape: 16 layers of two 16 KiB norms and 240 MiB of matrices, at ``compute_s`` each."""
+    sizes = (16 << 10, 16 << 10, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 64 * MIB, 64 * MIB)
+    return [trap("embed", compute_s)] + [trap(f"l{i}", compute_s, *sizes) for i in range(16)]
+
+
+def test_latency_mode_does_not_stream_a_few_kib_a_trap_for_a_launch_bound_pass():
+    """At 0.2 ms per layer only the norms' copies fit behind compute: without a per-trap cost they simulate as
+    free and free 0.5 MiB, so latency mode streamed them (1.42x the resident pass on the H200). With the
+    loader's cost per streamed trap no streaming plan is within 1% of the pass: everything stays resident. A
+    compute-bound pass (16 ms per layer) hides that cost, and every layer streams."""
+    h200 = TransferModel(55e9, 2e-6)
+    small = _launch_bound_layers(0.2e-3)
+    free = AdaptiveStrategy().plan(PlanInput(tuple(small), h200, None, 4))
+    assert free.offloaded and free.offloaded_bytes < 1 * MIB and free.estimated_overhead_s == 0.0
+    costly = AdaptiveStrategy().plan(PlanInput(tuple(small), h200, None, 4, trap_cost_s=60e-6))
+    assert costly.strategy == "adaptive:keep_resident" and costly.offloaded == {}
+    large = AdaptiveStrategy().plan(PlanInput(tuple(_launch_bound_layers(16e-3)), h200, None, 4, trap_cost_s=60e-6))
+    assert len(large.offloaded) == 16 and large.estimated_overhead_s < 0.01 * 17 * 16e-3
 
 
 def test_latency_mode_offloads_more_with_larger_windows():

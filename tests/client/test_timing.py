@@ -117,13 +117,17 @@ def test_cuda_windows_read_in_one_wait_even_when_one_is_on_a_busy_stream():
 
     clock = TimingCollector(True, torch.device("cuda"))
     busy, other = torch.cuda.Stream(), torch.cuda.Stream()  # not the legacy default stream, which waits for both
+    with torch.cuda.stream(other):
+        # Allocated before the busy stream sleeps: a fresh cudaMalloc for this stream's pool may wait for the
+        # sleep, which would put the sleep inside the other window (seen once on the H200: 116 ms).
+        small = torch.ones(1, device="cuda")
     with torch.cuda.stream(busy):
         first = clock.mark()
         torch.cuda._sleep(200_000_000)  # well over 50 ms on any current GPU: still running when read
         second = clock.mark()
     with torch.cuda.stream(other):
         third = clock.mark()
-        torch.ones(1, device="cuda").add_(1)
+        small.add_(1)
         fourth = clock.mark()
     ms = clock.read_windows_ms([(first, second), (third, fourth)])
     assert ms[0] > 20 and 0 <= ms[1] < ms[0]
