@@ -6,10 +6,12 @@ With two or more device blocks, the copy for offloaded trap ``i`` can run while 
 where ``p`` is the previous *offloaded* trap (its own copy has finished by the time ``p`` starts, so the copy
 stream is free from then on); before the first offloaded trap the window reaches back to time 0. Gap traps
 (no offloadable tensors) and traps that keep everything resident therefore widen the next window. If every
-offloaded trap's copy fits its window (``scale * compute``), the simulator reports zero overhead: by
+offloaded trap's copy fits its window (``scale * compute``), the simulator reports no wait for a copy: by
 induction each copy ends before its trap starts, and the block slot it reuses was released by an earlier
-trap (slots rotate over >= 2 blocks). Windows are conservative: the simulator also credits slack that
-accumulates when copies finish early and more blocks allow running further ahead.
+trap (slots rotate over >= 2 blocks). What such a plan still costs is the streamed traps' own
+``TrapCost.stream_cost_s``, which the windows do not see: Adaptive weighs it when it compares plans. Windows
+are conservative: the simulator also credits slack that accumulates when copies finish early and more blocks
+allow running further ahead.
 """
 
 from __future__ import annotations
@@ -242,7 +244,8 @@ class KnapsackStrategy(Strategy):
     Per trap a 0/1 knapsack over its tensors (most bytes whose block copy fits the trap's window, see
     ``_SubsetSums`` for the ``resolution``-bucket discretisation used on traps with many distinct sizes), and
     over traps a DP on the previous offloaded trap, which fixes each window (see ``_hidden_chain``). The
-    result is hidden by construction: estimated overhead 0 (latency mode's goal). In memory mode it does not
+    result is hidden by construction: no copy is waited for (its estimated overhead is the streamed traps'
+    ``stream_cost_s`` alone). In memory mode it does not
     chase the budget; ``fits_budget`` just reports it (use BudgetFill / Adaptive for a hard budget).
     """
 

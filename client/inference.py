@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -43,11 +44,11 @@ __all__ = ["plan_inference", "build_inference"]
 
 logger = logging.getLogger(__name__)
 NOTICE = 25  # the spec logs the block assignment table at "NOTICE" level
-# What a streamed trap costs a pass beyond its copy (``PlanInput.trap_cost_s``): the loader's host work at its
-# entry and exit. Measured on the H200 host (2026-11-30) with plans streaming only each layer's norm weights
-# (16 KiB per trap) of a launch-bound 3.5 ms pass: +90 us per streamed trap before the copy issue was made
-# cheaper (the loader's host time alone: 105 us), +71-77 us after (40 us of it the loader's host time, the rest
-# the device ordering two streams). A constant, not a measurement per run: nothing streams before the plan exists.
+# What a streamed trap costs a launch-bound pass beyond its copy: the loader's host work at its entry and exit
+# (see ``TrapCost.stream_cost_s``). Measured on the H200 host (2026-11-30) with plans streaming only each layer's
+# norm weights (16 KiB per trap) of a 3.5 ms pass: +90 us per streamed trap before the copy issue was made
+# cheaper (the loader's host time alone: 105 us), +71-77 us after (40 us of it the loader's host time). A
+# constant, not a measurement per run: nothing streams before the plan exists.
 STREAMED_TRAP_COST_S = 70e-6
 
 
@@ -69,6 +70,7 @@ def plan_inference(m: "OffloadManager") -> None:
     order = list(dict.fromkeys(m._sequence))
     tensors = m._tensors
     m._compute_s = {label: statistics.median(m._durations.get(label) or [0.0]) for label in order}
+    calls = Counter(m._sequence)
     # This runs inside the last PROFILING pass, so each tensor's size is read once (not once to filter and once
     # to cost it) and the offloadable set is collected on the way.
     costs = []
@@ -80,7 +82,9 @@ def plan_inference(m: "OffloadManager") -> None:
             if nbytes > 0:
                 trap_tensors.append(TensorCost(n, _aligned(nbytes)))
                 offloadable.add(n)
-        costs.append(TrapCost(label, m._compute_s[label], tuple(trap_tensors)))
+        compute = m._compute_s[label]
+        cost = _stream_cost(compute, m._host_durations.get(label), calls[label]) if trap_tensors else 0.0
+        costs.append(TrapCost(label, compute, tuple(trap_tensors), cost))
     fixed = sum(_nbytes(e.tensor) for n, e in tensors.items() if n not in offloadable)
     m._samples = m._warm_samples() or transfer_sweep(m._device, [c.total_bytes for c in costs],
                                                      pinned=cfg.pinned_memory)
@@ -90,8 +94,7 @@ def plan_inference(m: "OffloadManager") -> None:
     if offloadable:
         plan_input = PlanInput(traps=tuple(costs), transfer=transfer, budget_bytes=budget,
                                num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
-                               scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed,
-                               trap_cost_s=STREAMED_TRAP_COST_S)
+                               scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed)
         plan = strategy.plan(plan_input)
         offloaded = {label: list(names) for label, names in plan.offloaded.items()}
         num_slots = plan.num_blocks
@@ -121,6 +124,18 @@ def plan_inference(m: "OffloadManager") -> None:
     if logger.isEnabledFor(logging.INFO):  # one check instead of one disabled logging call per line
         for line in m._explanation:
             logger.info("manager %r: %s", m.name, line)
+
+
+def _stream_cost(compute_s: float, host: Sequence[float] | None, calls: int) -> float:
+    """``TrapCost.stream_cost_s`` of a trap called ``calls`` times per pass: ``STREAMED_TRAP_COST_S`` per call,
+    less what the device's lag hides. Where the device took longer over the trap than the host did (median
+    windows: ``compute_s`` on the device, ``host`` on the host), the host is ahead by the difference and the
+    loader's work there only shortens the device's queue; a launch-bound trap (device time = host time, and on
+    a CPU compute device always) pays it in full. No host samples: taken as launch-bound."""
+    calls = max(calls, 1)
+    host_s = statistics.median(host) if host else compute_s
+    spare = max(0.0, compute_s - host_s) / calls
+    return calls * max(0.0, STREAMED_TRAP_COST_S - spare)
 
 
 def _resolve_budget(m) -> int | None:

@@ -86,6 +86,8 @@ class BlockLoader:
                     f"host block {layout.index} (trap {layout.label!r}) must be a 1-D uint8 tensor of at least "
                     f"{layout.nbytes} bytes, got dtype={host.dtype} shape={tuple(host.shape)}"
                 )
+        if device.type == "cuda" and device.index is None:  # its streams and the caller's: on one known device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.layouts = list(layouts)
         self.host_blocks = list(host_blocks)
@@ -181,9 +183,9 @@ class BlockLoader:
         ``compute`` is the caller's current stream when the caller already looked it up. On CUDA the copy is
         enqueued with the side stream made current and the caller's stream set back by id, instead of
         ``with torch.cuda.stream(side)``: the context manager resolves the device index twice and builds a
-        ``Stream`` object per copy, which measured ~25 us of the ~105 us host time a streamed trap cost a
-        launch-bound pass on the H200 host (2026-11-30; 105 -> 40 us per trap with the cached copy views). Setting a stream also makes its device current, so a
-        caller whose current device is another one gets it back.
+        ``Stream`` object per copy: with the copy views made once, the loader's host time per streamed trap
+        went from 105 to 40 us on the H200 host (2026-11-30). Setting a stream also makes its device current, so
+        a caller whose current device is another one gets it back.
         """
         slot = entry % self.num_slots
         block = self.schedule[entry % len(self.schedule)]

@@ -164,6 +164,7 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         self._pass_windows: list[TrapWindow] = []  # this pass's trap windows (flextensor.phases)
         self._pending_windows: list[list[TrapWindow]] = []  # counted PROFILING passes not read yet
         self._durations: dict[str, list[float]] = {}
+        self._host_durations: dict[str, list[float]] = {}  # the same windows on the host's clock
         self._compute_s: dict[str, float] = {}
         self._samples: list[tuple[int, float]] = []
         self._strategy_name = ""

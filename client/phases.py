@@ -27,7 +27,9 @@ depends on the phase:
   (with ``skip_discovery`` the preload is issued at the start of the first PROFILING pass on a side stream,
   and each trap's compute waits for its own copy before its window opens, so that pass's compute overlaps the
   sweep). A pass's marks are read at the end of the next pass (reading them at once would make the host wait
-  for the device every pass) and then reused.
+  for the device every pass) and then reused. Each window also keeps the host's ``perf_counter`` at both ends:
+  where the device takes longer than the host to get through a trap, the loader's host work at that trap
+  hides in the difference (``TrapCost.stream_cost_s``, ``flextensor.inference``).
   Suspended passes (``suspend_profiling``) record nothing and are not counted. After the last counted pass,
   ``flextensor.inference.plan_inference`` plans and builds INFERENCE.
 - INFERENCE: the :class:`~flextensor.loader.BlockLoader` makes the trap's block resident and prefetches the next.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -65,12 +68,14 @@ class TrapWindow:
     """One trap call's PROFILING window: its entry mark, and the mark that ends it (the next entry's, a closing
     mark of its own, or the pass's end; None while open). Consecutive windows share a mark."""
 
-    __slots__ = ("label", "start", "end")
+    __slots__ = ("label", "start", "end", "host", "host_end")
 
-    def __init__(self, label: str, start: Any) -> None:
+    def __init__(self, label: str, start: Any, host: float) -> None:
         self.label = label
         self.start = start
         self.end: Any = None
+        self.host = host  # perf_counter at the entry, and where the window closed
+        self.host_end = host
 
 
 class Phase(enum.Enum):
@@ -105,6 +110,7 @@ class PhaseMixin:
     _pass_windows: list[TrapWindow]
     _pending_windows: list[list[TrapWindow]]
     _durations: dict[str, list[float]]
+    _host_durations: dict[str, list[float]]
     _loader: "BlockLoader | None"
     _deferred: Any  # flextensor.deferred_build.HostBlockBuild while host blocks are built behind inference
     _block_of: dict[str, int]
@@ -249,24 +255,29 @@ class PhaseMixin:
         self._resolve_windows(keep_last=0)
         plan_inference(self)  # type: ignore[arg-type]
 
-    def _close_window(self, mark: Any = None) -> None:
-        """End the pass's open trap window (if any) at ``mark``, or at a mark recorded now."""
+    def _close_window(self, mark: Any = None, host: float | None = None) -> None:
+        """End the pass's open trap window (if any) at ``mark`` and host time ``host``, or at both taken now."""
         windows = self._pass_windows
         if windows and windows[-1].end is None:
             assert self._clock is not None
-            windows[-1].end = mark if mark is not None else self._clock.mark()
+            window = windows[-1]
+            window.end = mark if mark is not None else self._clock.mark()
+            window.host_end = host if host is not None else time.perf_counter()
 
     def _resolve_windows(self, keep_last: int) -> None:
         """Turn the pending PROFILING passes' windows (all but the last ``keep_last``) into duration samples."""
         while len(self._pending_windows) > keep_last:
             windows = self._pending_windows.pop(0)
             sums: dict[str, float] = {}
+            host: dict[str, float] = {}
             assert self._clock is not None
             readings = self._clock.read_windows_ms([(window.start, window.end) for window in windows])
             for window, ms in zip(windows, readings):
                 sums[window.label] = sums.get(window.label, 0.0) + ms / 1e3
+                host[window.label] = host.get(window.label, 0.0) + (window.host_end - window.host)
             for label, seconds in sums.items():
                 self._durations.setdefault(label, []).append(seconds)
+                self._host_durations.setdefault(label, []).append(host[label])
             self._recycle_windows(windows)
 
     def _recycle_windows(self, windows: Sequence[TrapWindow]) -> None:
@@ -317,9 +328,9 @@ class PhaseMixin:
                 if timed:
                     self._pass_sequence.append(trap.label)
                     assert self._clock is not None
-                    mark = self._clock.mark()
-                    self._close_window(mark)  # the window before (if still open) ends where this one starts
-                    self._pass_windows.append(TrapWindow(trap.label, mark))
+                    mark, now = self._clock.mark(), time.perf_counter()
+                    self._close_window(mark, now)  # the window before (if still open) ends where this one starts
+                    self._pass_windows.append(TrapWindow(trap.label, mark, now))
             elif phase is Phase.INFERENCE:
                 timing = self._timing if self._deferred is None else None
                 if timing is not None:
@@ -425,6 +436,7 @@ class PhaseMixin:
             self._recycle_windows(windows)
         self._pending_windows.clear()
         self._durations.clear()
+        self._host_durations.clear()
 
     @property
     def profiling_durations(self) -> dict[str, list[float]]:

@@ -15,12 +15,15 @@ single *copy stream*. Hence:
   before (offloaded trap ``j - num_blocks``) finished computing (a block is not overwritten before its last
   reader finished); the first ``num_blocks`` copies may start at time 0;
 - trap ``i`` starts computing when trap ``i-1`` finished and, if offloaded, when its copy finished;
+- an offloaded trap also costs its ``TrapCost.stream_cost_s`` (the loader's own work at a streamed trap that
+  the device does not hide, see there) on the compute path;
 - the estimated overhead is ``makespan - sum(compute)``: the time the compute stream waited for copies, plus
-  ``PlanInput.trap_cost_s`` per offloaded trap (the loader's own work at a streamed trap, on the compute path).
+  those per-trap costs.
 
 ``transfer_budget_scale`` (``PlanInput.scale``) is applied as "each second of compute hides ``scale`` seconds
 of copy": copy durations are divided by ``scale`` in the simulator, and strategies size their windows as
-``scale * compute``. Both views agree, so a plan a strategy calls "hidden" simulates to zero overhead.
+``scale * compute``. Both views agree, so a plan a strategy calls "hidden" simulates to no waiting for copies
+(its overhead is then the ``stream_cost_s`` of the traps it streams, 0 when they are zero).
 
 The model covers one forward pass starting with an idle copy stream, so the first offloaded trap's copy is
 exposed unless earlier traps compute while it runs (an engine that prefetches the next pass's first block at
@@ -79,11 +82,20 @@ class TrapCost:
 
     A trap without tensors is a *gap trap*: it offloads nothing but its compute still widens the transfer
     window of the next offloaded trap (spec "Gap Traps and Transfer Windows").
+
+    ``stream_cost_s``: what streaming this trap costs a pass beyond its copy, whatever its bytes: the loader's
+    work at its entry and exit (issuing the copy, ordering two streams with events, pointing the parameters at
+    the slot) that queued device work does not hide. A launch-bound trap pays all of it (the device waits for
+    the host anyway); one whose device time exceeds its host time hides it in the difference. Without it, a plan
+    streaming a few KiB from each of 15 traps of a launch-bound pass simulated as free and ran at 1.42x the
+    resident pass (H200, 2026-11-30). The engine derives it per trap (``flextensor.inference``); 0 keeps the pure
+    transfer model.
     """
 
     label: str
     compute_s: float
     tensors: tuple[TensorCost, ...] = ()
+    stream_cost_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.label, str) or not self.label:
@@ -92,6 +104,11 @@ class TrapCost:
         if not math.isfinite(compute) or compute < 0.0:
             raise ValueError(f"trap {self.label!r}: compute_s must be a finite float >= 0, got {self.compute_s!r}")
         object.__setattr__(self, "compute_s", compute)
+        cost = float(self.stream_cost_s)
+        if not math.isfinite(cost) or cost < 0.0:
+            raise ValueError(f"trap {self.label!r}: stream_cost_s must be a finite float >= 0, "
+                             f"got {self.stream_cost_s!r}")
+        object.__setattr__(self, "stream_cost_s", cost)
         tensors = tuple(self.tensors)  # accept lists (DESIGN.md's older spelling)
         for tensor in tensors:
             if not isinstance(tensor, TensorCost):
@@ -175,15 +192,7 @@ class TransferModel:
 
 @dataclass(frozen=True)
 class PlanInput:
-    """Everything a strategy needs. ``budget_bytes=None`` is latency mode (no memory cap).
-
-    ``trap_cost_s``: what streaming a trap costs beyond its copy, whatever its bytes: the loader's host work at
-    the trap's entry and exit (issuing a copy, ordering two streams with events, pointing the parameters at the
-    slot). A launch-bound pass pays it in full, since the device waits for the host anyway; without it a plan
-    streaming a few KiB from each of 15 traps simulated as free and ran 1.42x a resident pass (H200, 2026-11-30).
-    The simulator adds it to every offloaded trap's compute; the engine sets it from a measurement (0 here keeps
-    the pure transfer model).
-    """
+    """Everything a strategy needs. ``budget_bytes=None`` is latency mode (no memory cap)."""
 
     traps: tuple[TrapCost, ...]
     transfer: TransferModel
@@ -192,7 +201,6 @@ class PlanInput:
     min_blocks: int = 2
     scale: float = 1.0
     fixed_resident_bytes: int = 0  # bytes on the device regardless of the plan (non-offloadable tensors)
-    trap_cost_s: float = 0.0  # time a streamed trap adds to the compute path whatever its bytes (see below)
 
     def __post_init__(self) -> None:
         traps = tuple(self.traps)
@@ -211,10 +219,6 @@ class PlanInput:
         if not math.isfinite(scale) or scale <= 0.0:
             raise ValueError(f"PlanInput.scale (transfer_budget_scale) must be finite and > 0, got {self.scale!r}")
         object.__setattr__(self, "scale", scale)
-        cost = float(self.trap_cost_s)
-        if not math.isfinite(cost) or cost < 0.0:
-            raise ValueError(f"PlanInput.trap_cost_s must be a finite float >= 0, got {self.trap_cost_s!r}")
-        object.__setattr__(self, "trap_cost_s", cost)
         if not _is_int(self.fixed_resident_bytes) or self.fixed_resident_bytes < 0:
             raise ValueError(f"PlanInput.fixed_resident_bytes must be an int >= 0, got {self.fixed_resident_bytes!r}")
         labels: set[str] = set()
@@ -256,6 +260,11 @@ class PlanInput:
     def compute(self) -> tuple[float, ...]:
         """Per-trap compute seconds, in execution order."""
         return tuple(trap.compute_s for trap in self.traps)
+
+    @cached_property
+    def stream_costs(self) -> tuple[float, ...]:
+        """Per-trap ``stream_cost_s``, in execution order."""
+        return tuple(trap.stream_cost_s for trap in self.traps)
 
     @cached_property
     def offloadable_bytes(self) -> int:
@@ -378,7 +387,7 @@ class PipelineTrace:
         the base run's operations exactly and end with the base run's overhead, which it returns.
         """
         inp, blocks = self.inp, self.num_blocks
-        transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.trap_cost_s
+        transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
         inline = type(transfer).seconds is TransferModel.seconds
         seconds, latency, bandwidth = transfer.seconds, transfer.latency_s, transfer.bandwidth_bytes_per_s
         clock, copies, last_end = state
@@ -404,7 +413,7 @@ class PipelineTrace:
                 last_end = start + ((latency + nbytes / bandwidth) if inline else seconds(nbytes)) / scale
                 if last_end > clock:
                     clock = last_end
-                clock += compute[i] + cost
+                clock += compute[i] + cost[i]
                 copies += 1
                 used.append(clock)
             else:
@@ -420,8 +429,8 @@ def simulate_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> 
 
 
 def simulate_overhead(inp: PlanInput, offloaded: Mapping[str, Iterable[str]], num_blocks: int) -> float:
-    """Estimated seconds the compute stream waits for copies when ``offloaded`` is streamed through
-    ``num_blocks`` rotating device blocks (``makespan - sum(compute)``)."""
+    """Estimated seconds a pass takes longer when ``offloaded`` is streamed through ``num_blocks`` rotating device
+    blocks (``makespan - sum(compute)``: waits for copies plus the streamed traps' ``stream_cost_s``)."""
     return simulate_bytes(inp, _per_trap_bytes(inp, offloaded), num_blocks)
 
 
@@ -476,7 +485,8 @@ def _finish_plan(
         f"{strategy}: {len(offloaded)} of {len(inp.traps)} traps offload {offloaded_bytes} B "
         f"({_mib(offloaded_bytes)}) through {blocks} device blocks of {_mib(block_bytes)}; "
         f"estimated overhead {overhead * 1e3:.3f} ms over {inp.total_compute_s * 1e3:.3f} ms of compute"
-        + (f" (with {inp.trap_cost_s * 1e6:.0f} us per streamed trap)" if offloaded and inp.trap_cost_s else "")
+        + (f" (of which {_stream_cost(inp, per_trap) * 1e3:.3f} ms the streamed traps' own cost)"
+           if any(inp.stream_costs) and offloaded else "")
     )
     budget = "none (latency mode)" if inp.budget_bytes is None else f"{_mib(inp.budget_bytes)}"
     lines.append(
@@ -496,6 +506,10 @@ def _finish_plan(
         fits_budget=fits,
         explanation=lines,
     )
+
+
+def _stream_cost(inp: PlanInput, per_trap: Sequence[int]) -> float:
+    return sum(cost for cost, nbytes in zip(inp.stream_costs, per_trap) if nbytes > 0)
 
 
 def _mib(nbytes: int) -> str:

@@ -6,7 +6,8 @@ basic strategies (NthLayer, Greedy, Knapsack) and the transfer windows they shar
 ``flextensor.basic_strategies``; this module adds the budget search (BudgetFill), the default Adaptive choice
 and ``resolve_budget``, and is the public home of every strategy.
 
-Modes: ``budget_bytes=None`` is latency mode (offload only what hides: no material overhead); otherwise
+Modes: ``budget_bytes=None`` is latency mode (offload only what costs no material overhead: copies that hide
+behind compute, from traps whose own streaming cost hides too); otherwise
 memory mode (the peak device bytes must stay within the budget). ``resolve_budget`` turns
 ``max_gpu_mem_fraction`` into that budget.
 """
@@ -74,9 +75,10 @@ class BudgetFillStrategy(Strategy):
 
     Search over the number of device blocks ``B`` (``num_blocks`` down to ``min_blocks``, or exactly
     ``n_blocks``) and over a cap ``L`` on per-trap offloaded bytes (which bounds the device blocks at
-    ``B * L``). For each (B, L): start from the hidden (free) Knapsack offloads clipped to ``L``, then add
-    tensors ranked by exposed seconds per byte saved (exposure: the part of a trap's copy beyond its gap-aware
-    window, i.e. the compute since the previous trap that has offloadable tensors) until the peak fits; if the
+    ``B * L``). For each (B, L): start from the hidden Knapsack offloads (no copy waited for) clipped to ``L``,
+    then add tensors ranked by exposed seconds per byte saved (exposure: the part of a trap's copy beyond its
+    gap-aware window, i.e. the compute since the previous trap that has offloadable tensors, plus the trap's
+    ``stream_cost_s`` for its first tensor) until the peak fits; if the
     ranking runs dry, take each trap's largest subset <= L. Every fitting candidate is simulated; the best
     ``polish_candidates`` are polished by a simulator-driven local search that gives back offloads the budget
     does not need (``_polish``); the lowest overhead wins, ties go to fewer offloaded bytes, then the lower
@@ -150,7 +152,7 @@ class BudgetFillStrategy(Strategy):
             polished.append((_key(inp, masks, count), count, level, masks))
         key, count, level, masks = min(polished, key=lambda f: f[:3])
         why = [
-            f"budget_fill: budget {budget} B; hidden (free) offloads {sum(b for b, _ in hidden)} B; searched "
+            f"budget_fill: budget {budget} B; hidden offloads {sum(b for b, _ in hidden)} B; searched "
             f"{len(blocks)} block count(s) x {len(grid)} per-trap caps ({len(found)} fit); polished the best "
             f"{len(polished)}; kept {count} blocks with cap {level} B, offloading {key[1]} B "
             "(lowest estimated overhead, then fewest offloaded bytes, then lowest peak)"
@@ -181,8 +183,9 @@ class BudgetFillStrategy(Strategy):
         def exposed(i: int, nbytes: int) -> float:
             return max(0.0, transfer.seconds(nbytes) / scale - windows[i])
 
-        def score(i: int, nbytes: int) -> float:  # exposed seconds per byte saved
-            return (exposed(i, cur[i] + nbytes) - exposed(i, cur[i])) / nbytes
+        def score(i: int, nbytes: int) -> float:  # exposed seconds per byte saved (a first tensor: + the trap's cost)
+            extra = inp.traps[i].stream_cost_s if cur[i] == 0 else 0.0
+            return (exposed(i, cur[i] + nbytes) - exposed(i, cur[i]) + extra) / nbytes
 
         version = [0] * len(cur)
         heap = [

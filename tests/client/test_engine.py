@@ -384,8 +384,9 @@ def test_cuda_memory_mode_budget():
 
 
 def test_the_plan_charges_each_streamed_trap_the_loaders_cost():
-    """The engine plans with ``STREAMED_TRAP_COST_S`` per streamed trap: NthLayer(1) over the four layers of the
-    stack is estimated at no less than four of them, and its explanation says so."""
+    """The engine plans with a stream cost per trap: on the CPU (host time = device time, launch-bound) the whole
+    ``STREAMED_TRAP_COST_S`` each, so NthLayer(1) over the four layers of the stack is estimated at no less than
+    four of them, and its explanation says so; each trap's window was timed on the host's clock too."""
     from flextensor.inference import STREAMED_TRAP_COST_S
 
     model = mlp_stack()
@@ -396,8 +397,11 @@ def test_the_plan_charges_each_streamed_trap_the_loaders_cost():
         for _ in range(om.iters_before_inference):
             model(x)
     assert om.phase is Phase.INFERENCE and len(om.offloaded_tensors) == 4
+    assert sorted(om._host_durations) == sorted(om._durations) and all(len(v) == 2 for v in om._host_durations.values())
+    for label, seconds in om._durations.items():  # perf_counter on both sides on the CPU, read microseconds apart
+        assert om._host_durations[label] == pytest.approx(seconds, abs=10e-6)
     line = next(line for line in om._explanation if "estimated overhead" in line)
-    assert f"(with {STREAMED_TRAP_COST_S * 1e6:.0f} us per streamed trap)" in line
+    assert f"(of which {4 * STREAMED_TRAP_COST_S * 1e3:.3f} ms the streamed traps' own cost)" in line
     estimated_ms = float(line.split("estimated overhead ")[1].split(" ms")[0])
     assert estimated_ms >= 4 * STREAMED_TRAP_COST_S * 1e3 - 1e-3
 

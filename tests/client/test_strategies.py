@@ -131,23 +131,28 @@ def test_simulator_latency_scale_and_bad_names():
 
 
 def test_simulator_charges_each_streamed_trap_its_cost():
-    traps = [trap("embed", 10.0), trap("t1", 1.0, 1), trap("t2", 1.0), trap("t3", 1.0, 1)]
-    hidden = everything(traps)  # 1 s copies behind 10 s of embed and 1 s of t1 / t2: hidden without a cost
-    assert simulate_overhead(inp(traps), hidden, 2) == 0.0
-    costly = PlanInput(tuple(traps), UNIT, None, 2, trap_cost_s=0.25)
-    assert simulate_overhead(costly, hidden, 2) == pytest.approx(0.5)  # two streamed traps, the gap trap free
-    assert simulate_overhead(costly, {"t3": ("t3.0",)}, 2) == pytest.approx(0.25)
-    assert simulate_overhead(costly, {}, 2) == 0.0
-    with pytest.raises(ValueError, match="trap_cost_s"):
-        PlanInput(tuple(traps), UNIT, None, 2, trap_cost_s=-1e-6)
-    with pytest.raises(ValueError, match="trap_cost_s"):
-        PlanInput(tuple(traps), UNIT, None, 2, trap_cost_s=float("nan"))
+    def traps(cost):
+        return [trap("embed", 10.0), TrapCost("t1", 1.0, (TensorCost("t1.0", 1),), cost), trap("t2", 1.0),
+                TrapCost("t3", 1.0, (TensorCost("t3.0", 1),), cost)]
+
+    hidden = everything(traps(0.0))  # 1 s copies behind 10 s of embed and 1 s of t1 / t2: hidden without a cost
+    assert simulate_overhead(inp(traps(0.0)), hidden, 2) == 0.0
+    assert simulate_overhead(inp(traps(0.25)), hidden, 2) == pytest.approx(0.5)  # two streamed traps
+    assert simulate_overhead(inp(traps(0.25)), {"t3": ("t3.0",)}, 2) == pytest.approx(0.25)
+    assert simulate_overhead(inp(traps(0.25)), {}, 2) == 0.0  # a trap that streams nothing costs nothing
+    plan = make_plan(inp(traps(0.25)), "all", hidden, 2)
+    assert plan.estimated_overhead_s == pytest.approx(0.5)
+    assert any("(of which 500.000 ms the streamed traps' own cost)" in line for line in plan.explanation)
+    for bad in (-1e-6, float("nan")):
+        with pytest.raises(ValueError, match="stream_cost_s"):
+            TrapCost("t", 1.0, (), bad)
 
 
 @pytest.mark.parametrize("cost", [0.0, 0.3])
 def test_pipeline_trace_resumes_like_a_full_simulation(cost):
-    traps = [trap("t0", 1.0, 9), trap("t1", 5.0, 9), trap("t2", 1.0, 9), trap("t3", 2.0, 9)]
-    plan_in = PlanInput(tuple(traps), TransferModel(2.0, 0.25), None, 2, trap_cost_s=cost)
+    traps = [TrapCost(f"t{i}", c, (TensorCost(f"t{i}.0", 9),), cost * (i % 2 + 1))
+             for i, c in enumerate((1.0, 5.0, 1.0, 2.0))]
+    plan_in = PlanInput(tuple(traps), TransferModel(2.0, 0.25), None, 2)
     per = [3, 9, 4, 6]
     for blocks in (1, 2, 3):
         trace = PipelineTrace(plan_in, per, blocks)
@@ -224,25 +229,47 @@ def test_latency_mode_keeps_resident_what_streaming_would_not_free():
     assert streamed.offloaded_bytes == 48 and streamed.peak_device_bytes == 16  # two blocks of 8 B
 
 
-def _launch_bound_layers(compute_s: float) -> list[TrapCost]:
-    """The bench model's shape: 16 layers of two 16 KiB norms and 240 MiB of matrices, at ``compute_s`` each."""
+def _layers(compute_s: float, cost_s: float) -> list[TrapCost]:
+    """The bench model's shape: 16 layers of two 16 KiB norms and 240 MiB of matrices, at ``compute_s`` each,
+    streaming a layer costing ``cost_s`` beyond its copy."""
     sizes = (16 << 10, 16 << 10, 32 * MIB, 32 * MIB, 32 * MIB, 32 * MIB, 64 * MIB, 64 * MIB)
-    return [trap("embed", compute_s)] + [trap(f"l{i}", compute_s, *sizes) for i in range(16)]
+    return [trap("embed", compute_s)] + [
+        TrapCost(f"l{i}", compute_s, tuple(TensorCost(f"l{i}.{k}", n) for k, n in enumerate(sizes)), cost_s)
+        for i in range(16)
+    ]
 
 
 def test_latency_mode_does_not_stream_a_few_kib_a_trap_for_a_launch_bound_pass():
     """At 0.2 ms per layer only the norms' copies fit behind compute: without a per-trap cost they simulate as
     free and free 0.5 MiB, so latency mode streamed them (1.42x the resident pass on the H200). With the
-    loader's cost per streamed trap no streaming plan is within 1% of the pass: everything stays resident. A
-    compute-bound pass (16 ms per layer) hides that cost, and every layer streams."""
+    loader's cost per streamed trap (a launch-bound trap pays all of it) no streaming plan is within 1% of the
+    pass: everything stays resident."""
     h200 = TransferModel(55e9, 2e-6)
-    small = _launch_bound_layers(0.2e-3)
-    free = AdaptiveStrategy().plan(PlanInput(tuple(small), h200, None, 4))
+    free = AdaptiveStrategy().plan(PlanInput(tuple(_layers(0.2e-3, 0.0)), h200, None, 4))
     assert free.offloaded and free.offloaded_bytes < 1 * MIB and free.estimated_overhead_s == 0.0
-    costly = AdaptiveStrategy().plan(PlanInput(tuple(small), h200, None, 4, trap_cost_s=60e-6))
+    costly = AdaptiveStrategy().plan(PlanInput(tuple(_layers(0.2e-3, 70e-6)), h200, None, 4))
     assert costly.strategy == "adaptive:keep_resident" and costly.offloaded == {}
-    large = AdaptiveStrategy().plan(PlanInput(tuple(_launch_bound_layers(16e-3)), h200, None, 4, trap_cost_s=60e-6))
-    assert len(large.offloaded) == 16 and large.estimated_overhead_s < 0.01 * 17 * 16e-3
+
+
+@pytest.mark.parametrize("compute_ms", [2.0, 4.0, 6.0])
+def test_latency_mode_streams_device_bound_layers_whose_cost_hides(compute_ms):
+    """Layers whose device time exceeds the host's (the engine then sets their cost to 0, see
+    test_stream_cost_hides_in_the_device_lag) stream as before: every layer whose copy hides behind compute."""
+    h200 = TransferModel(55e9, 2e-6)
+    plan = AdaptiveStrategy().plan(PlanInput(tuple(_layers(compute_ms * 1e-3, 0.0)), h200, None, 4))
+    assert len(plan.offloaded) >= 14 and plan.estimated_overhead_s == 0.0
+
+
+def test_stream_cost_hides_in_the_device_lag():
+    """The engine's per-trap cost: all of it for a launch-bound trap (device time = host time, or no host
+    samples), none where the device lags the host by more than the cost, per call for a trap called twice."""
+    from flextensor.inference import STREAMED_TRAP_COST_S as C, _stream_cost
+
+    assert _stream_cost(1e-3, [1e-3, 1e-3], 1) == pytest.approx(C)
+    assert _stream_cost(1e-3, None, 1) == pytest.approx(C)
+    assert _stream_cost(5e-3, [0.2e-3], 1) == 0.0
+    assert _stream_cost(1e-3, [1e-3 - C / 2], 1) == pytest.approx(C / 2)
+    assert _stream_cost(2e-3, [2e-3 - C], 2) == pytest.approx(2 * C - C)  # C of lag shared by two calls
 
 
 def test_latency_mode_offloads_more_with_larger_windows():
