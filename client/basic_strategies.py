@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from flextensor.plan_model import Plan, PlanInput, _finish_plan, effective_blocks
+from flextensor.plan_model import Plan, PlanInput, _finish_plan
 
 
 
@@ -179,12 +179,6 @@ def _plan_from_masks(inp: PlanInput, strategy: str, masks: Sequence[int], num_bl
 
 def _per_trap(inp: PlanInput, masks: Sequence[int]) -> list[int]:
     return [sum(t.nbytes for k, t in enumerate(trap.tensors) if mask >> k & 1) for trap, mask in zip(inp.traps, masks)]
-
-
-def _peak(inp: PlanInput, per_trap: Sequence[int], blocks: int) -> int:
-    n_off = sum(1 for b in per_trap if b > 0)
-    block = effective_blocks(blocks, inp.min_blocks, n_off) * max(per_trap, default=0) if n_off else 0
-    return inp.fixed_resident_bytes + inp.offloadable_bytes - sum(per_trap) + block
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,11 @@ NOTICE = 25  # the spec logs the block assignment table at "NOTICE" level
 # cheaper (the loader's host time alone: 105 us), +71-77 us after (40 us of it the loader's host time). A
 # constant, not a measurement per run: nothing streams before the plan exists.
 STREAMED_TRAP_COST_S = 70e-6
+# What a streamed trap costs even where the device lags the host (the host's part then hides): the device's
+# own share, ordering the compute stream after the copy stream and sharing memory bandwidth with the copy.
+# Measured on the same host and day with the device ahead of nothing: 5 streamed layers of a 7.6 ms pass
+# (1x1024 tokens) +66 us each, 15 of a 60.5 ms pass (4x2048) +23 us each; the lower one is the floor.
+STREAMED_TRAP_DEVICE_S = 25e-6
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -128,14 +133,15 @@ def plan_inference(m: "OffloadManager") -> None:
 
 def _stream_cost(compute_s: float, host: Sequence[float] | None, calls: int) -> float:
     """``TrapCost.stream_cost_s`` of a trap called ``calls`` times per pass: ``STREAMED_TRAP_COST_S`` per call,
-    less what the device's lag hides. Where the device took longer over the trap than the host did (median
-    windows: ``compute_s`` on the device, ``host`` on the host), the host is ahead by the difference and the
-    loader's work there only shortens the device's queue; a launch-bound trap (device time = host time, and on
-    a CPU compute device always) pays it in full. No host samples: taken as launch-bound."""
+    less what the device's lag hides, never under ``STREAMED_TRAP_DEVICE_S``. Where the device took longer over
+    the trap than the host did (median windows: ``compute_s`` on the device, ``host`` on the host), the host is
+    ahead by the difference and the loader's host work there only shortens the device's queue; a launch-bound
+    trap (device time = host time, and on a CPU compute device always) pays it in full. No host samples: taken
+    as launch-bound."""
     calls = max(calls, 1)
     host_s = statistics.median(host) if host else compute_s
     spare = max(0.0, compute_s - host_s) / calls
-    return calls * max(0.0, STREAMED_TRAP_COST_S - spare)
+    return calls * max(STREAMED_TRAP_DEVICE_S, STREAMED_TRAP_COST_S - spare)
 
 
 def _resolve_budget(m) -> int | None:

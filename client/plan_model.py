@@ -53,6 +53,7 @@ __all__ = [
     "TrapCost",
     "effective_blocks",
     "make_plan",
+    "peak_device_bytes",
     "simulate_bytes",
     "simulate_overhead",
 ]
@@ -423,6 +424,15 @@ class PipelineTrace:
         return 0.0 if overhead <= 1e-9 * max(inp.total_compute_s, 1e-12) else overhead
 
 
+def peak_device_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> int:
+    """Device bytes a plan needs at its peak, from its offloaded bytes per trap: the fixed tensors, what stays
+    resident, and the rotating device blocks (``effective_blocks`` of them, each as large as the largest trap's
+    block; none when nothing is offloaded). Every plan's ``peak_device_bytes`` and the budget searches use it."""
+    offloaded = sum(1 for nbytes in per_trap if nbytes > 0)
+    blocks = effective_blocks(num_blocks, inp.min_blocks, offloaded) * max(per_trap) if offloaded else 0
+    return inp.fixed_resident_bytes + inp.offloadable_bytes - sum(per_trap) + blocks
+
+
 def simulate_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> float:
     """The simulator on per-trap offloaded byte counts (see the module docstring for the model)."""
     return PipelineTrace(inp, per_trap, num_blocks).overhead
@@ -477,7 +487,7 @@ def _finish_plan(
     block_bytes = max(per_trap, default=0)
     offloaded_bytes = sum(per_trap)
     resident = inp.offloadable_bytes - offloaded_bytes
-    peak = inp.fixed_resident_bytes + resident + (blocks * block_bytes if offloaded else 0)
+    peak = peak_device_bytes(inp, per_trap, num_blocks)
     overhead = simulate_bytes(inp, per_trap, blocks)
     fits = inp.budget_bytes is None or peak <= inp.budget_bytes
     lines = list(explanation)

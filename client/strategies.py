@@ -30,6 +30,7 @@ from flextensor.plan_model import (
     TrapCost,
     effective_blocks,
     make_plan,
+    peak_device_bytes,
     simulate_bytes,
     simulate_overhead,
 )
@@ -40,7 +41,6 @@ from flextensor.basic_strategies import (  # noqa: F401 - the basic strategies a
     Strategy,
     _gap_windows,
     _hidden_chain,
-    _peak,
     _per_trap,
     _plan_from_masks,
     _SubsetSums,
@@ -127,7 +127,7 @@ class BudgetFillStrategy(Strategy):
 
         levels = sorted({s for t in tables if t is not None for s in t.sums if s > 0})
         levels = _spread(levels, 2048)
-        peaks = {lv: _peak(inp, _per_trap(inp, widest(lv)), fewest) for lv in levels}
+        peaks = {lv: peak_device_bytes(inp, _per_trap(inp, widest(lv)), fewest) for lv in levels}
         floor_level = min(levels, key=lambda lv: (peaks[lv], lv), default=0)
         if not levels or peaks[floor_level] > budget:
             if not levels or fixed + inp.offloadable_bytes <= peaks[floor_level]:  # offloading only adds blocks
@@ -176,7 +176,7 @@ class BudgetFillStrategy(Strategy):
                 s, m = table.best(min(level, hb))
                 masks.append(m)
                 cur.append(s)
-        if _peak(inp, cur, count) <= budget:
+        if peak_device_bytes(inp, cur, count) <= budget:
             return masks
         transfer, scale = inp.transfer, inp.scale
 
@@ -214,7 +214,7 @@ class BudgetFillStrategy(Strategy):
             if fixed_total - off + effective_blocks(count, inp.min_blocks, n_off) * blk <= budget:
                 return masks
         masks = [0 if t is None else t.best(level)[1] for t in tables]
-        return masks if _peak(inp, _per_trap(inp, masks), count) <= budget else None
+        return masks if peak_device_bytes(inp, _per_trap(inp, masks), count) <= budget else None
 
     def _infeasible(self, inp: PlanInput, masks: list[int], count: int, peak: int) -> Plan:
         budget = inp.budget_bytes
@@ -236,7 +236,7 @@ def _key(inp: PlanInput, masks: Sequence[int], count: int) -> tuple[float, int, 
     per_trap = _per_trap(inp, masks)
     n_off = sum(1 for b in per_trap if b > 0)
     overhead = simulate_bytes(inp, per_trap, effective_blocks(count, inp.min_blocks, n_off))
-    return overhead, sum(per_trap), _peak(inp, per_trap, count)
+    return overhead, sum(per_trap), peak_device_bytes(inp, per_trap, count)
 
 
 def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> list[int]:
