@@ -348,8 +348,9 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
         ("Forward pass (median)", table(["run", "small batch (transfer-bound)", "large batch (compute-bound)",
                                          "small / resident", "large / resident", "bytes streamed per pass"],
                                         forward_rows)
-         + "\n\nThe offloaded rows' ratios are against a resident twin of the model timed alternately with them "
-           "(pass for pass, same input); the resident row is the pass measured at the start of the run."),
+         + "\n\nThe flextensor rows' ratios are against a resident twin of the model timed alternately with them "
+           "(pass for pass, same input); the resident row, and accelerate's ratio, use the pass measured at the "
+           "start of the run."),
         ("Host-to-device rate, transfer-bound", table(["measure", "rate", "x pinned peak"], h2d_rows)
          + f"\n\nEngine timing, {eager_text}."),
         ("Profile phase (in run order)", table(

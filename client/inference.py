@@ -52,8 +52,8 @@ NOTICE = 25  # the spec logs the block assignment table at "NOTICE" level
 STREAMED_TRAP_COST_S = 70e-6
 # What a streamed trap costs even where the device lags the host (the host's part then hides): the device's
 # own share, ordering the compute stream after the copy stream and sharing memory bandwidth with the copy.
-# Measured on the same host and day with the device ahead of nothing: 5 streamed layers of a 7.6 ms pass
-# (1x1024 tokens) +66 us each, 15 of a 60.5 ms pass (4x2048) +23 us each; the lower one is the floor.
+# Measured on the same host and day where the device lagged the host: 5 streamed layers of a 7.6 ms pass
+# (1x1024 tokens) +66 us each, 15 of a 60.5 ms pass (4x2048) +23 us each; the floor is about the lower one.
 STREAMED_TRAP_DEVICE_S = 25e-6
 
 

@@ -87,7 +87,8 @@ class TrapCost:
     ``stream_cost_s``: what streaming this trap costs a pass beyond its copy, whatever its bytes: the loader's
     work at its entry and exit (issuing the copy, ordering two streams with events, pointing the parameters at
     the slot) that queued device work does not hide. A launch-bound trap pays all of it (the device waits for
-    the host anyway); one whose device time exceeds its host time hides it in the difference. Without it, a plan
+    the host anyway); one whose device time exceeds its host time hides the host's part in the difference (the
+    device's own part stays). Without it, a plan
     streaming a few KiB from each of 15 traps of a launch-bound pass simulated as free and ran at 1.42x the
     resident pass (H200, 2026-11-30). The engine derives it per trap (``flextensor.inference``); 0 keeps the pure
     transfer model.

@@ -7,7 +7,7 @@ basic strategies (NthLayer, Greedy, Knapsack) and the transfer windows they shar
 and ``resolve_budget``, and is the public home of every strategy.
 
 Modes: ``budget_bytes=None`` is latency mode (offload only what costs no material overhead: copies that hide
-behind compute, from traps whose own streaming cost hides too); otherwise
+behind compute, and streamed traps' own costs that fit in 1% of the pass, see ``AdaptiveStrategy``); otherwise
 memory mode (the peak device bytes must stay within the budget). ``resolve_budget`` turns
 ``max_gpu_mem_fraction`` into that budget.
 """
