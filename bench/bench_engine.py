@@ -205,6 +205,7 @@ def offload_run(
     out["gc_pauses_s"] = pauses.seconds
     if ordinary:
         out["resident_adjacent_s"] = median(ordinary)
+        out["resident_adjacent_all_s"] = ordinary  # pass by pass: the one after the sweep ran slower in experiments
     out["profile_s"], out["profile_last_s"] = sum(profile), profile[-1] if profile else 0.0
     out["profile_pass_median_s"] = median(profile[:-1]) if len(profile) > 1 else None
     out["first_inference_s"] = pass_times(lambda: proxy(profile_input), device, repeat=1, warmup=0)[0]

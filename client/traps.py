@@ -321,7 +321,9 @@ class WarmLoader:
         """Kept tensors (all, or those given) keep their device copy for good; the host data is let go. Bytes."""
         taken = self._take(tensors)
         self.same_device_copies.difference_update(id(t) for t, _host in taken)  # on the device for good now
-        return sum(t.data.numel() * t.data.element_size() for t, _host in taken)
+        # Counted on the host tensors (same dtype and shape): ``.data`` builds a new tensor object per call, and
+        # this runs at the switch to INFERENCE for every tensor that stays resident.
+        return sum(host.numel() * host.element_size() for _t, host in taken)
 
     def _fall_back(self, exc: BaseException) -> None:
         kept = self.restore()  # counts as a removal (restore -> _take)
