@@ -194,37 +194,29 @@ class BlockLoader:
             self._side = torch.cuda.Stream(device=self.device)
         if self._gate is not None:  # e.g. the block's background cudaHostRegister has not finished yet
             self._gate(block)
-        if self.cuda:
-            side = self._side
+        side = self._side if self.cuda else None
+        if side is not None:
             back = compute if compute is not None else self._compute_stream()
             device = torch.cuda.current_device()
             side.wait_event(self._reader_done[slot])
             torch.cuda.set_stream(side)
-            try:
-                span = timing.start_span(side) if timing is not None else None
-                if self.per_tensor:
-                    for dst, src in zip(self._device_views(block, slot), self.host_views(block)):
-                        dst.copy_(src, non_blocking=True)
-                else:
-                    dst, src = self._whole_block(block, slot)
-                    dst.copy_(src, non_blocking=True)
-                if span is not None:
-                    timing.end_span(span, side)
+        try:
+            span = timing.start_span(side) if timing is not None else None
+            if self.per_tensor:
+                for dst, src in zip(self._device_views(block, slot), self.host_views(block)):
+                    dst.copy_(src, non_blocking=self.cuda)
+            else:
+                dst, src = self._whole_block(block, slot)
+                dst.copy_(src, non_blocking=self.cuda)
+            if span is not None:
+                timing.end_span(span, side)
+            if side is not None:
                 self._copy_done[slot].record(side)
-            finally:
+        finally:
+            if side is not None:
                 torch.cuda.set_stream(back)
                 if device != back.device_index:
                     torch.cuda.set_device(device)
-        else:
-            span = timing.start_span() if timing is not None else None
-            if self.per_tensor:
-                for dst, src in zip(self._device_views(block, slot), self.host_views(block)):
-                    dst.copy_(src)
-            else:
-                dst, src = self._whole_block(block, slot)
-                dst.copy_(src)
-            if span is not None:
-                timing.end_span(span)
         if span is not None:
             self._pending_timing[entry] = span
         self._issued = entry
