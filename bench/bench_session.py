@@ -16,9 +16,9 @@ What is measured, and why:
    first and the followers only after it is ready, so follower times are attach times, not waits. Goal:
    < 50 ms + 10 us per tensor, excluding resident copies to the GPU: the follower makes them on its attach
    thread while its model factory runs, so only the part the session waited for is excluded
-   (``resident_copy_on_critical_path``). The clock
-   stops when ``offload_from_profile`` returns, provided the compute stream is idle then (checked with
-   ``Stream.query()``, recorded as ``device_idle_at_return``); else after a device synchronize. The synchronized
+   (``resident_copy_on_critical_path``). The clock stops when ``offload_from_profile`` returns, provided the
+   compute stream is idle then (checked with ``Stream.query()``, recorded as ``device_idle_at_return``); else
+   after a device synchronize. The synchronized
    time is kept beside it (``ready_synced_s``): a synchronize right after attaching waits behind the first
    background registration, which the first forward pays anyway and which is reported there. Compared
    with what a private worker pays: loading the same weights from the safetensors file into a private host copy

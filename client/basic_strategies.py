@@ -239,8 +239,8 @@ class KnapsackStrategy(Strategy):
     ``_SubsetSums`` for the ``resolution``-bucket discretisation used on traps with many distinct sizes), and
     over traps a DP on the previous offloaded trap, which fixes each window (see ``_hidden_chain``). The
     result is hidden by construction: no copy is waited for (its estimated overhead is the streamed traps'
-    ``stream_cost_s`` alone). In memory mode it does not
-    chase the budget; ``fits_budget`` just reports it (use BudgetFill / Adaptive for a hard budget).
+    ``stream_cost_s`` alone). In memory mode it does not chase the budget; ``fits_budget`` just reports it
+    (use BudgetFill / Adaptive for a hard budget).
     """
 
     name = "knapsack"

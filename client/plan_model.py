@@ -88,10 +88,9 @@ class TrapCost:
     work at its entry and exit (issuing the copy, ordering two streams with events, pointing the parameters at
     the slot) that queued device work does not hide. A launch-bound trap pays all of it (the device waits for
     the host anyway); one whose device time exceeds its host time hides the host's part in the difference (the
-    device's own part stays). Without it, a plan
-    streaming a few KiB from each of 15 traps of a launch-bound pass simulated as free and ran at 1.42x the
-    resident pass (H200, 2026-11-30). The engine derives it per trap (``flextensor.inference``); 0 keeps the pure
-    transfer model.
+    device's own part stays). Without it, a plan streaming a few KiB from each of 15 traps of a launch-bound
+    pass simulated as free and ran at 1.42x the resident pass (H200, 2026-11-30). The engine derives it per trap
+    (``flextensor.inference``); 0 keeps the pure transfer model.
     """
 
     label: str

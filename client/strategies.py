@@ -78,8 +78,8 @@ class BudgetFillStrategy(Strategy):
     ``B * L``). For each (B, L): start from the hidden Knapsack offloads (no copy waited for) clipped to ``L``,
     then add tensors ranked by exposed seconds per byte saved (exposure: the part of a trap's copy beyond its
     gap-aware window, i.e. the compute since the previous trap that has offloadable tensors, plus the trap's
-    ``stream_cost_s`` for its first tensor) until the peak fits; if the
-    ranking runs dry, take each trap's largest subset <= L. Every fitting candidate is simulated; the best
+    ``stream_cost_s`` for its first tensor) until the peak fits; if the ranking runs dry, take each trap's
+    largest subset <= L. Every fitting candidate is simulated; the best
     ``polish_candidates`` are polished by a simulator-driven local search that gives back offloads the budget
     does not need (``_polish``); the lowest overhead wins, ties go to fewer offloaded bytes, then the lower
     peak. On random small cases checked against exhaustive search it finds the optimum in about 98% of them.
@@ -211,6 +211,7 @@ class BudgetFillStrategy(Strategy):
             version[i] += 1
             off += nbytes
             blk = max(blk, cur[i])
+            # peak_device_bytes, kept up to date from the running totals instead of recomputed per tensor
             if fixed_total - off + effective_blocks(count, inp.min_blocks, n_off) * blk <= budget:
                 return masks
         masks = [0 if t is None else t.best(level)[1] for t in tables]
