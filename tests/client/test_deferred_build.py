@@ -16,6 +16,7 @@ import flextensor as ft
 import flextensor.deferred_build as deferred_mod
 from flextensor.host_memory import block_view
 from flextensor.phases import Phase
+from tests.client.fake_cudart import FakeCudart
 from tests.client.models import (
     ALL,
     DEVICE,
@@ -145,6 +146,50 @@ def test_the_build_starts_with_the_first_inference_pass_not_inside_the_last_prof
     assert made[-1].allocated == [] and made[-1].closed
     after = snapshot(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_build_unregisters_the_staging_region_by_region_with_a_pause_between(provider_wrap, monkeypatch):
+    """cudaHostUnregister holds a driver lock the main thread's launches wait for: the build thread pauses between
+    two regions, so inference passes meanwhile are held up by one region at a time, not by the whole model."""
+    provider_wrap()
+    fake = FakeCudart()
+    pauses: list[str] = []
+
+    def pause() -> None:
+        pauses.append(threading.current_thread().name)
+        fake.calls.append(("pause",))
+
+    monkeypatch.setattr(deferred_mod, "_let_launches_through", pause)
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = ft.get_offload_manager()
+    om._staging = fake.staging(policy=lambda cfg, dev: True)
+    om._warmup_override = "resident"
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2))
+    staged = {p for _, p, _ in fake.registers}
+    assert len(staged) > 2
+    _warm_up(model, ids, ref, om)
+    assert om._deferred is not None and not om._deferred.started
+    with torch.no_grad():
+        assert same(model(ids), ref)  # the build starts behind this pass
+    om.wait_for_host_blocks()
+    assert set(fake.unregisters) == staged and not fake.live
+    assert pauses and set(pauses) == {"ft-host-blocks"}
+    # Within one release call, two unregistrations always have a pause between them.
+    groups, current = [], []
+    for call in fake.calls:
+        if call[0] == "sync":
+            current = []
+            groups.append(current)
+        elif call[0] in ("unregister", "pause"):
+            current.append(call[0])
+    for group in groups:
+        assert group == ["unregister"] + ["pause", "unregister"] * (len(group) // 2), group
+    with torch.no_grad():
+        assert same(model(ids), ref)
+    ft.release()
+    assert same(reference(model, ids), ref)
 
 
 def test_reports_and_state_wait_for_the_build(provider_wrap):

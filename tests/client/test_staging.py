@@ -21,6 +21,7 @@ from torch import nn
 import flextensor as ft
 from flextensor.phases import Phase
 from flextensor.staging import PinnedStaging, plan_regions
+from tests.client.fake_cudart import FakeCudart
 from tests.client.models import (
     ALL,
     DEVICE,
@@ -33,45 +34,6 @@ from tests.client.models import (
     tiny_transformer,
     token_ids,
 )
-
-
-class FakeCudart:
-    """Records register/unregister/synchronize calls in order; optionally fails the n-th call of a kind."""
-
-    def __init__(self, fail_register_at: int | None = None, fail_unregister: set[int] | None = None) -> None:
-        self.calls: list[tuple] = []
-        self.live: dict[int, int] = {}
-        self.fail_register_at = fail_register_at
-        self.fail_unregister = fail_unregister or set()
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        if self.fail_register_at is not None and len(self.registers) + 1 == self.fail_register_at:
-            raise RuntimeError("cudaHostRegister failed: cudaErrorMemoryAllocation (2)")
-        assert ptr not in self.live, "registered twice"
-        self.calls.append(("register", ptr, nbytes))
-        self.live[ptr] = nbytes
-
-    def unregister(self, ptr: int) -> None:
-        assert ptr in self.live, f"unregister of {ptr:#x}, which is not registered (twice?)"
-        del self.live[ptr]
-        self.calls.append(("unregister", ptr))
-        if ptr in self.fail_unregister:
-            raise RuntimeError("cudaHostUnregister failed")
-
-    def synchronize(self) -> None:
-        self.calls.append(("sync",))
-
-    @property
-    def registers(self) -> list[tuple]:
-        return [c for c in self.calls if c[0] == "register"]
-
-    @property
-    def unregisters(self) -> list[int]:
-        return [c[1] for c in self.calls if c[0] == "unregister"]
-
-    def staging(self, **kwargs) -> PinnedStaging:
-        return PinnedStaging(register=self.register, unregister=self.unregister, synchronize=self.synchronize,
-                             is_pinned=lambda s: False, **kwargs)
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -120,6 +82,27 @@ def test_staging_release_by_name_then_all_exactly_once():
         staging.stage({"y": y}, torch.device("cpu"))
     staging.release_all()
     assert not fake.live
+
+
+def test_staging_release_calls_between_once_between_two_unregistrations():
+    """A background release pauses between regions (the driver lock of each cudaHostUnregister), never before the
+    first or after the last, and not at all when there is only one."""
+    fake = FakeCudart()
+    staging = fake.staging()
+    a, b, c = torch.randn(8), torch.randn(8), torch.randn(8)
+    staging.stage({"a": a, "b": b, "c": c}, torch.device("cpu"))
+
+    def pause() -> None:
+        fake.calls.append(("pause",))
+
+    assert staging.release(["a", "b", "c"], between=pause) == 3
+    kinds = [call[0] for call in fake.calls if call[0] != "register"]
+    assert kinds == ["sync", "unregister", "pause", "unregister", "pause", "unregister"]
+    assert not fake.live
+    staging.stage({"a": a}, torch.device("cpu"))
+    fake.calls.clear()
+    assert staging.release(["a"], between=pause) == 1
+    assert [call[0] for call in fake.calls] == ["sync", "unregister"]
 
 
 def test_staging_registration_failure_undoes_and_warns_once(caplog):
