@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from flextensor.host_memory import BlockLayout, TensorPlacement
+from flextensor.inference import bypass_resident_traps
 from flextensor.plan_model import effective_blocks
 from flextensor.state import (
     BlockState,
@@ -187,6 +188,7 @@ def adopt_state(
                                  block_names=[b.name for b in state.blocks], host_block_gate=host_block_gate)
         for trap in manager._traps.values():
             trap.install(manager, compile_fn)
+        bypass_resident_traps(manager, set(manager._block_of))
     except BaseException:
         manager._teardown(preserve_model=True)
         raise

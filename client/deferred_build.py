@@ -176,6 +176,7 @@ def can_defer(m: "OffloadManager", layouts: Sequence[BlockLayout]) -> bool:
 
 def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: list[str], num_slots: int) -> None:
     """Enter INFERENCE resident now and start building the host blocks (step 1 of the module docs)."""
+    from flextensor.inference import bypass_resident_traps
     from flextensor.phases import Phase
 
     m._warm.unload()
@@ -194,6 +195,7 @@ def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: l
     m._deferred_plan = (layouts, list(schedule), num_slots, streamed)
     m._sequence = list(schedule)
     m._phase = Phase.INFERENCE
+    bypass_resident_traps(m, {layout.label for layout in layouts})
     logger.debug("manager %r: INFERENCE starts resident (%d bytes committed); %d host blocks build in the "
                  "background from the first inference pass", m.name, kept, len(layouts))
 

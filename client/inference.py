@@ -40,7 +40,7 @@ from flextensor.traps import assign_data
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.manager import OffloadManager
 
-__all__ = ["plan_inference", "build_inference"]
+__all__ = ["plan_inference", "build_inference", "bypass_resident_traps"]
 
 logger = logging.getLogger(__name__)
 NOTICE = 25  # the spec logs the block assignment table at "NOTICE" level
@@ -265,6 +265,18 @@ def start_loader(m: "OffloadManager", layouts: list[BlockLayout], blocks: list[H
     from flextensor.phases import Phase
 
     m._phase = Phase.INFERENCE
+    bypass_resident_traps(m, set(m._block_of))
+
+
+def bypass_resident_traps(m: "OffloadManager", streamed: set[str]) -> None:
+    """INFERENCE: module traps outside ``streamed`` call their forward directly (``Trap.bypass``), unless offload
+    timing is on (it times every trap call). Traps not installed yet (adoption installs them after the build)
+    are left alone; adoption calls this again once they are."""
+    if m._timing is not None:
+        return
+    for label, trap in m._traps.items():
+        if trap.kind == "module" and label not in streamed:
+            trap.bypass()
 
 
 def _settle_warmup(m: "OffloadManager", placed: set[str]) -> None:

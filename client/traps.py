@@ -97,6 +97,8 @@ class Trap:
         self._installed = False
         self._previous: Any = None
         self._had_instance_forward = False
+        self._target: Callable[..., Any] | None = None  # what the wrapper calls: the original or compiled forward
+        self.bypassed = False
 
     def install(self, manager: "OffloadManager", compile_fn: Callable[[nn.Module], nn.Module] | None = None) -> None:
         """Patch ``module.forward`` with the enter/exit wrapper (idempotent)."""
@@ -121,7 +123,25 @@ class Trap:
 
         forward.__flextensor_trap__ = self.label  # type: ignore[attr-defined]
         module.forward = forward  # instance attribute: the class stays untouched
+        self._target = target
         self._installed = True
+        self.bypassed = False
+
+    def bypass(self) -> None:
+        """From now on the module calls its original (or compiled) forward with no enter/exit around it.
+
+        For an INFERENCE trap that streams nothing and is not timed, the manager has nothing to do at entry or
+        exit, and the wrapper cost 2.6 us per call on the H200 host: 16 resident layers, 1.4% of a 3 ms pass.
+        The forward keeps this trap's mark (``flextensor.replan`` tells module traps by it); :meth:`uninstall`
+        restores the module's own forward as before. Traps are checked for nesting in the passes before.
+        """
+        module = self.module
+        if module is None or not self._installed or self.bypassed:
+            return
+        direct = functools.partial(self._target)
+        direct.__flextensor_trap__ = self.label  # type: ignore[attr-defined]
+        module.forward = direct
+        self.bypassed = True
 
     def uninstall(self) -> None:
         module = self.module
@@ -132,6 +152,8 @@ class Trap:
         else:
             module.__dict__.pop("forward", None)
         self._installed = False
+        self.bypassed = False
+        self._target = None
 
     def __repr__(self) -> str:
         return f"Trap({self.label!r}, kind={self.kind!r}, candidates={len(self.candidates)})"

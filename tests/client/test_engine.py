@@ -442,3 +442,51 @@ def test_filling_host_blocks_logs_progress_with_bytes_and_rate(monkeypatch, capl
     assert any("filling host blocks" in line for line in lines)
     assert lines[-1].startswith("manager 'default': filled host blocks") and "GB/s" in lines[-1]
     assert "(100%)" in lines[-1]
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """The trap's enter/exit wrapper (functools.wraps sets __wrapped__), as opposed to a bypass or no patch."""
+    return hasattr(module.__dict__.get("forward"), "__wrapped__")
+
+
+@pytest.mark.parametrize("resident_warmup", [False, True])
+def test_inference_calls_resident_traps_directly_and_streamed_ones_through_the_wrapper(resident_warmup):
+    """A trap that streams nothing has nothing to do at entry or exit in INFERENCE: its module calls the original
+    forward directly (marked as the trap's, so resident_units still finds it); release restores the class's."""
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    om = ft.get_offload_manager()
+    if resident_warmup:
+        om._warmup_override = "resident"  # the switch defers the build: traps are bypassed at the switch
+    ft.offload(model, cpu_config(load_strategy=ft.NthLayerStrategy(2)))
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference):
+            assert all(_is_wrapper(model[i]) for i in range(4))  # every trap is wrapped while profiling
+            assert same(model(x), ref)
+    assert om.phase is Phase.INFERENCE
+    assert [_is_wrapper(model[i]) for i in range(4)] == [True, False, True, False]
+    for i in (1, 3):
+        direct = model[i].__dict__["forward"]
+        assert direct.__flextensor_trap__ == str(i)
+    assert [n for n, _ in ft.resident_units()] == ["1", "3"]
+    om.wait_for_host_blocks()
+    with torch.no_grad():
+        for _ in range(2):
+            assert same(model(x), ref)
+    assert om.loader.copies_issued > 0
+    ft.release()
+    assert all("forward" not in model[i].__dict__ for i in range(4))
+    assert same(reference(model, x), ref)
+
+
+def test_offload_timing_keeps_every_trap_wrapped_in_inference():
+    """Offload timing times every trap call, the resident ones too: no trap is bypassed."""
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    ft.offload(model, cpu_config(load_strategy=ft.NthLayerStrategy(2), offload_timing="eager"))
+    run_phases(model, x, ref, ft.get_offload_manager())
+    assert all(_is_wrapper(model[i]) for i in range(4))
+    report = ft.collect_offload_timing()
+    assert {s.label for s in report.per_trap} == {"0", "1", "2", "3"}

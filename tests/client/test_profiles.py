@@ -73,6 +73,25 @@ def test_round_trip_in_process(tmp_path):
     assert [t for t in again.tensors if t.offloaded] == [t for t in first.tensors if t.offloaded]
 
 
+def test_a_profile_adopted_with_resident_traps_calls_them_directly(tmp_path):
+    """Adoption installs the traps after the build; the ones the profile keeps resident are bypassed then too."""
+    x = torch.randn(3, 16, device=DEVICE)
+    src = mlp_stack()
+    ref = reference(src, x)
+    _profiled(src, x, cpu_config(load_strategy=ft.NthLayerStrategy(2)))
+    ft.save_profile(str(tmp_path))
+    ft.release()
+    dst = mlp_stack()
+    ft.offload_from_profile(dst, str(tmp_path), cpu_config(), name="restored")
+    wrapped = [hasattr(dst[i].__dict__["forward"], "__wrapped__") for i in range(4)]
+    assert wrapped == [True, False, True, False]
+    with torch.no_grad():
+        for _ in range(2):
+            assert same(dst(x), ref)
+    ft.release("restored")
+    assert all("forward" not in dst[i].__dict__ for i in range(4))
+
+
 def test_storage_dir_and_manager_methods(tmp_path):
     x = torch.randn(2, 16, device=DEVICE)
     model = mlp_stack()
