@@ -29,8 +29,9 @@ Sequence and threads
 2. Build thread (``ft-host-blocks``), :class:`HostBlockBuild`: reserve every block size with the provider, then
    block by block: allocate, copy each tensor from its host data, drop those sources and release their staging
    registration (so host RAM holds the originals and the blocks for about one arena at a time, as in the
-   synchronous build), region by region with a pause between (``UNREGISTER_PAUSE_S``); finally ``provider.finish()`` (``host_register`` pins its arenas there). On CUDA the
-   thread first makes the manager's device current.
+   synchronous build), region by region with a pause between (``UNREGISTER_PAUSE_S``; none once cancelled);
+   finally ``provider.finish()`` (``host_register`` pins its arenas there). On CUDA the thread first makes the
+   manager's device current.
 3. Main thread, at the start of the first pass after the build finished (``PhaseMixin._begin_pass``), or at any
    call that needs the INFERENCE layout (``export_state``, ``get_gpu_memory_usage``, ``offloaded_tensors``,
    ``loader``, ``save_profile``: they wait for the build): :func:`install_deferred` points every streamed tensor
@@ -46,7 +47,6 @@ Sequence and threads
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -73,6 +73,7 @@ UNREGISTER_PAUSE_S = 0.001
 
 
 def _let_launches_through() -> None:
+    """The pause itself (a function of its own so tests can record the pauses instead of sleeping)."""
     time.sleep(UNREGISTER_PAUSE_S)
 
 
@@ -92,7 +93,9 @@ class HostBlockBuild:
         self.finished = False  # every block built and the provider finished (not cancelled, no error)
         self.elapsed_s = 0.0
         self._sources = sources
-        self._release_sources = release_sources  # callable(names): the staged originals of one block may go
+        # callable(names, between): the staged originals of one block may go; ``between`` runs between two
+        # unregistrations (PinnedStaging.release)
+        self._release_sources = release_sources
         self._release_after = list(release_after)  # staged names of the tensors that stay resident
         self._device = device
         self._cancel = threading.Event()
@@ -126,6 +129,12 @@ class HostBlockBuild:
         else:
             self._sources = []
 
+    def _pause(self) -> None:
+        """Between two unregistrations: let the main thread's launches through, unless the build is cancelled
+        (``release()`` joins it, and its teardown unregisters the rest anyway)."""
+        if not self._cancel.is_set():
+            _let_launches_through()
+
     def _run(self) -> None:
         start = time.monotonic()
         try:
@@ -143,9 +152,9 @@ class HostBlockBuild:
                     progress.add(placement.nbytes)
                 self.blocks.append(block)
                 self._sources[layout.index] = []
-                self._release_sources([p.name for p in layout.tensors])
+                self._release_sources([p.name for p in layout.tensors], self._pause)
             progress.finish()
-            self._release_sources(self._release_after)
+            self._release_sources(self._release_after, self._pause)
             if self._cancel.is_set():
                 return
             self.provider.finish()
@@ -190,8 +199,8 @@ def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: l
             m._to_device(entry)
     provider = make_provider(m._config(), m._device)
     # The build thread is the only user of the staging from here until install_deferred joined it.
-    release = functools.partial(m._staging.release, between=_let_launches_through)
-    m._deferred = HostBlockBuild(m.name, layouts, sources, provider, release, m._device, release_after=resident)
+    m._deferred = HostBlockBuild(m.name, layouts, sources, provider, m._staging.release, m._device,
+                                 release_after=resident)
     m._deferred_plan = (layouts, list(schedule), num_slots, streamed)
     m._sequence = list(schedule)
     m._phase = Phase.INFERENCE

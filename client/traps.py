@@ -97,7 +97,9 @@ class Trap:
         self._installed = False
         self._previous: Any = None
         self._had_instance_forward = False
+        self._original: Callable[..., Any] | None = None  # the module's forward when installed
         self._target: Callable[..., Any] | None = None  # what the wrapper calls: the original or compiled forward
+        self._wrapper: Callable[..., Any] | None = None  # the enter/exit forward installed on the module
         self.bypassed = False
 
     def install(self, manager: "OffloadManager", compile_fn: Callable[[nn.Module], nn.Module] | None = None) -> None:
@@ -123,7 +125,7 @@ class Trap:
 
         forward.__flextensor_trap__ = self.label  # type: ignore[attr-defined]
         module.forward = forward  # instance attribute: the class stays untouched
-        self._target = target
+        self._original, self._target, self._wrapper = original, target, forward
         self._installed = True
         self.bypassed = False
 
@@ -132,13 +134,20 @@ class Trap:
 
         For an INFERENCE trap that streams nothing and is not timed, the manager has nothing to do at entry or
         exit, and the wrapper cost 2.6 us per call on the H200 host: 16 resident layers, 1.4% of a 3 ms pass.
-        The forward keeps this trap's mark (``flextensor.replan`` tells module traps by it); :meth:`uninstall`
-        restores the module's own forward as before. Traps are checked for nesting in the passes before.
+        The direct forward keeps the original's name, signature and docstring, and this trap's mark
+        (``flextensor.replan`` tells module traps by it); :meth:`uninstall` restores the module's own forward as
+        before. A bypassed trap no longer refuses to nest (it never enters): nesting is refused in the warm-up
+        passes, and adoption, which runs none, installs the traps of a plan that was profiled. A forward that
+        someone replaced after :meth:`install` (a hook wrapping ours) is left alone: it may rely on the wrapper.
         """
         module = self.module
         if module is None or not self._installed or self.bypassed:
             return
-        direct = functools.partial(self._target)
+        if module.__dict__.get("forward") is not self._wrapper:
+            logger.debug("trap %r: the module's forward was replaced after the trap was installed; not bypassed",
+                         self.label)
+            return
+        direct = functools.update_wrapper(functools.partial(self._target), self._original)
         direct.__flextensor_trap__ = self.label  # type: ignore[attr-defined]
         module.forward = direct
         self.bypassed = True
@@ -153,7 +162,7 @@ class Trap:
             module.__dict__.pop("forward", None)
         self._installed = False
         self.bypassed = False
-        self._target = None
+        self._original = self._target = self._wrapper = None
 
     def __repr__(self) -> str:
         return f"Trap({self.label!r}, kind={self.kind!r}, candidates={len(self.candidates)})"

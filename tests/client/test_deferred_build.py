@@ -153,6 +153,7 @@ def test_the_build_unregisters_the_staging_region_by_region_with_a_pause_between
     two regions, so inference passes meanwhile are held up by one region at a time, not by the whole model."""
     provider_wrap()
     fake = FakeCudart()
+    fake.synchronize = lambda: fake.calls.append(("sync", threading.current_thread().name))
     pauses: list[str] = []
 
     def pause() -> None:
@@ -176,20 +177,36 @@ def test_the_build_unregisters_the_staging_region_by_region_with_a_pause_between
     om.wait_for_host_blocks()
     assert set(fake.unregisters) == staged and not fake.live
     assert pauses and set(pauses) == {"ft-host-blocks"}
-    # Within one release call, two unregistrations always have a pause between them.
-    groups, current = [], []
+    # Within each of the build thread's release calls (each starts with a sync), two unregistrations always have
+    # a pause between them; the main thread's releases (end of warm-up) do not pause.
+    groups: list[list[str]] = []
+    current: list[str] = []
     for call in fake.calls:
         if call[0] == "sync":
             current = []
-            groups.append(current)
+            if call[1] == "ft-host-blocks":
+                groups.append(current)
         elif call[0] in ("unregister", "pause"):
             current.append(call[0])
+    assert any(group.count("unregister") >= 2 for group in groups)
     for group in groups:
         assert group == ["unregister"] + ["pause", "unregister"] * (len(group) // 2), group
     with torch.no_grad():
         assert same(model(ids), ref)
     ft.release()
     assert same(reference(model, ids), ref)
+
+
+def test_a_cancelled_build_stops_pausing_between_unregistrations(monkeypatch):
+    """release() joins a cancelled build, and its teardown unregisters the rest anyway: no pause is worth it."""
+    pauses: list[int] = []
+    monkeypatch.setattr(deferred_mod, "_let_launches_through", lambda: pauses.append(1))
+    build = deferred_mod.HostBlockBuild("m", [], [], provider=None, release_sources=None,  # type: ignore[arg-type]
+                                        device=torch.device("cpu"))
+    build._pause()
+    build._cancel.set()
+    build._pause()
+    assert pauses == [1]
 
 
 def test_reports_and_state_wait_for_the_build(provider_wrap):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 
 import pytest
 import torch
@@ -445,8 +447,9 @@ def test_filling_host_blocks_logs_progress_with_bytes_and_rate(monkeypatch, capl
 
 
 def _is_wrapper(module: nn.Module) -> bool:
-    """The trap's enter/exit wrapper (functools.wraps sets __wrapped__), as opposed to a bypass or no patch."""
-    return hasattr(module.__dict__.get("forward"), "__wrapped__")
+    """The trap's enter/exit wrapper (a function), as opposed to a bypass (a partial) or no patch at all."""
+    forward = module.__dict__.get("forward")
+    return hasattr(forward, "__flextensor_trap__") and not isinstance(forward, functools.partial)
 
 
 @pytest.mark.parametrize("resident_warmup", [False, True])
@@ -490,3 +493,51 @@ def test_offload_timing_keeps_every_trap_wrapped_in_inference():
     assert all(_is_wrapper(model[i]) for i in range(4))
     report = ft.collect_offload_timing()
     assert {s.label for s in report.per_trap} == {"0", "1", "2", "3"}
+
+
+def test_a_bypassed_compiled_trap_keeps_the_original_signature_and_output():
+    """With compile_fn the trap calls the compiled shim; bypassed, it still does, under the original's name."""
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    signature = inspect.signature(model[1].forward)
+    compiled: list[nn.Module] = []
+
+    def compile_fn(module):
+        compiled.append(module)
+        return module
+
+    ft.offload(model, cpu_config(load_strategy=ft.NthLayerStrategy(2)), compile_fn=compile_fn)
+    run_phases(model, x, ref, ft.get_offload_manager())
+    direct = model[1].__dict__["forward"]
+    assert isinstance(direct, functools.partial) and direct.func is compiled[1]
+    assert inspect.signature(direct) == signature and direct.__name__ == "forward"
+    ft.release()
+    assert "forward" not in model[1].__dict__
+
+
+def test_a_forward_replaced_after_offload_is_not_bypassed_and_instance_forwards_come_back():
+    """A hook that wrapped the trap's forward after offload() keeps being called in INFERENCE; a module whose
+    forward was already an instance attribute before offload() gets exactly that one back at release."""
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    own = model[3].forward  # the bound method, set as an instance attribute by the user before offload()
+    model[3].forward = own
+    ft.offload(model, cpu_config(load_strategy=ft.NthLayerStrategy(2)))
+    calls = []
+    trap_forward = model[1].forward
+
+    def hook(*args, **kwargs):
+        calls.append(1)
+        return trap_forward(*args, **kwargs)
+
+    model[1].forward = hook
+    om = ft.get_offload_manager()
+    run_phases(model, x, ref, om, extra=2)
+    assert model[1].__dict__["forward"] is hook and not om._traps["1"].bypassed
+    assert len(calls) == om.iters_before_inference + 2  # called in every pass, INFERENCE too
+    assert om._traps["3"].bypassed
+    ft.release()
+    assert model[3].__dict__["forward"] is own
+    assert same(reference(model, x), ref)

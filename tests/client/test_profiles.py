@@ -83,8 +83,9 @@ def test_a_profile_adopted_with_resident_traps_calls_them_directly(tmp_path):
     ft.release()
     dst = mlp_stack()
     ft.offload_from_profile(dst, str(tmp_path), cpu_config(), name="restored")
-    wrapped = [hasattr(dst[i].__dict__["forward"], "__wrapped__") for i in range(4)]
-    assert wrapped == [True, False, True, False]
+    om = ft.get_offload_manager("restored")
+    assert [om._traps[str(i)].bypassed for i in range(4)] == [False, True, False, True]
+    assert all(dst[i].__dict__["forward"].__flextensor_trap__ == str(i) for i in range(4))
     with torch.no_grad():
         for _ in range(2):
             assert same(dst(x), ref)
