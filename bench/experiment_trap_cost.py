@@ -1,0 +1,202 @@
+"""Experiment (issue 3): what one trap costs a launch-bound pass, and what stalls the first inference pass.
+
+1. *Per-trap host cost.* 16 tiny layers (``Linear(64, 64)``) on the device, so a pass is launch-bound and any
+   host work the engine adds shows in the wall time. Offloaded passes alternate with passes of a resident twin
+   (300 pairs, medians); the difference over 16 traps is one trap's cost. Variants: PROFILING as the engine
+   runs it (one CUDA event per trap entry, read a pass later); the same with the event recorded through ctypes
+   on the raw handles (is it PyTorch's binding or the driver?); with host-clock marks instead of events (what
+   the Python bookkeeping alone costs); INFERENCE of a plan that streams nothing, with its traps bypassed
+   (``Trap.bypass``) and with the enter/exit wrapper kept.
+2. *Unregistering on a thread.* 64 regions of 64 MiB registered with ``cudaHostRegister``; a thread
+   unregisters them in one go, frees them, or does both region by region with a 1 ms pause, while the main
+   thread times launch-bound passes (``flextensor.deferred_build`` does the last after a resident warm-up).
+
+Run on the GPU host: ``python bench/experiment_trap_cost.py`` (under a minute). Prints JSON lines.
+
+Measured on the H200 host on 2026-11-30 (eighth session) by the scratch experiments this file gathers, with the
+same model, variants and loops (this file itself was only checked on the CPU: no device time was left). The
+runs differ by the host's speed (a pure-Python 20k-iteration loop took 0.55-0.96 ms):
+
+- PROFILING: 9.3-10.3 us per trap as the engine runs it; 9.1-9.8 us with ctypes records; 3.2-3.6 us with
+  host-clock marks. So 6-7 us per trap are the CUDA event's record and read in the driver, not the binding.
+- INFERENCE of a plan that streams nothing: 2.6 us per trap with the wrapper, 0.33 us bypassed.
+- Unregistering 4 GiB (64 regions) in one go: 85 ms on the thread, and the one main-thread pass meanwhile took
+  85 ms against 2.8 ms idle: ``cudaHostUnregister`` holds a lock the launches wait for (the same through
+  PyTorch's binding and through ctypes). Freeing the memory afterwards: 119 ms on the thread, main-thread
+  passes 4.1 ms median (no stall). Region by region with 1 ms pauses: 317 ms on the thread, passes 4.3 ms
+  median and 5.9 ms at most.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import json
+import statistics
+import threading
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+import flextensor as ft
+import flextensor.inference as inference
+import flextensor.timing as timing
+from flextensor.shm.pinning import _loaded_cudart, host_register, host_unregister
+
+LAYERS = 16
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64)) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def per_trap_us(proxy: nn.Module, twin: nn.Module, x: torch.Tensor, pairs: int = 300) -> dict:
+    """Median pass of the twin and of the proxy, alternated, and the difference per trap (microseconds)."""
+    mine, theirs = [], []
+    with torch.no_grad():
+        for _ in range(pairs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            twin(x)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            proxy(x)
+            torch.cuda.synchronize()
+            theirs.append(t1 - t0)
+            mine.append(time.perf_counter() - t1)
+    twin_us, proxy_us = statistics.median(theirs) * 1e6, statistics.median(mine) * 1e6
+    return {"twin_us": twin_us, "proxy_us": proxy_us, "per_trap_us": (proxy_us - twin_us) / LAYERS}
+
+
+def _ctypes_mark() -> Callable:
+    lib = _loaded_cudart()
+    lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cudaEventRecord.restype = ctypes.c_int
+
+    def mark(self):  # a TimingCollector method
+        event = self._event()
+        if not event.cuda_event:  # PyTorch creates the event (and its "recorded" state) at its first record
+            event.record()
+        else:
+            lib.cudaEventRecord(event.cuda_event, torch._C._cuda_getCurrentRawStream(0))
+        return event
+    return mark
+
+
+def _host_mark(self):
+    return time.perf_counter()
+
+
+def _host_read(self, windows):
+    return [(end - start) * 1e3 for start, end in windows]
+
+
+def trap_costs(device: torch.device) -> list[dict]:
+    x = torch.randn(1, 64, device=device)
+    real = (timing.TimingCollector.mark, timing.TimingCollector.read_windows_ms)
+    variants = [("PROFILING, as the engine runs it", real), ("PROFILING, events recorded through ctypes",
+                (_ctypes_mark(), real[1])), ("PROFILING, host-clock marks", (_host_mark, _host_read))]
+    out = []
+    try:
+        for label, (mark, read) in variants:
+            timing.TimingCollector.mark, timing.TimingCollector.read_windows_ms = mark, read
+            model = Tiny().to(device)
+            twin = copy.deepcopy(model)
+            proxy = ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], skip_discovery=True,
+                                                       profiling_iters=100_000), name="cost")
+            out.append({"variant": label, **per_trap_us(proxy, twin, x)})
+            ft.release("cost")
+    finally:
+        timing.TimingCollector.mark, timing.TimingCollector.read_windows_ms = real
+    bypass = inference.bypass_resident_traps
+    for label, patched in [("INFERENCE, nothing streamed, traps bypassed", bypass),
+                           ("INFERENCE, nothing streamed, wrapper kept", lambda m, streamed: None)]:
+        inference.bypass_resident_traps = patched
+        try:
+            model = Tiny().to(device)
+            twin = copy.deepcopy(model)
+            proxy = ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], skip_discovery=True,
+                                                       profiling_iters=3), name="cost")
+            manager = ft.get_offload_manager("cost")
+            with torch.no_grad():
+                for _ in range(manager.iters_before_inference + 2):
+                    proxy(x)
+            manager.wait_for_host_blocks()
+            streamed = sum(1 for names in manager.offloaded_tensors.values() if names)
+            out.append({"variant": label, "streamed_traps": streamed, **per_trap_us(proxy, twin, x)})
+            ft.release("cost")
+        finally:
+            inference.bypass_resident_traps = bypass
+    return out
+
+
+def unregister_stalls(device: torch.device) -> list[dict]:
+    x = torch.randn(1, 4096, device=device)
+    weights = [torch.randn(4096, 4096, device=device, dtype=torch.bfloat16) for _ in range(4)]
+
+    def work() -> float:  # about 200 small launches
+        t0 = time.perf_counter()
+        y = x.to(torch.bfloat16)
+        for _ in range(50):
+            for w in weights:
+                y = y @ w
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    def registered() -> list[torch.Tensor]:
+        regions = [torch.empty(64 << 20, dtype=torch.uint8) for _ in range(64)]
+        for r in regions:
+            r.fill_(1)
+            host_register(r.data_ptr(), r.numel())
+        return regions
+
+    def during(label: str, fn: Callable[[], None], idle: float) -> dict:
+        done, passes = threading.Event(), []
+        thread = threading.Thread(target=lambda: (fn(), done.set()))
+        t0 = time.perf_counter()
+        thread.start()
+        while not done.is_set():
+            passes.append(work())
+        thread.join()
+        return {"variant": label, "thread_ms": (time.perf_counter() - t0) * 1e3, "passes": len(passes),
+                "pass_median_ms": statistics.median(passes), "pass_max_ms": max(passes), "idle_ms": idle}
+
+    for _ in range(3):
+        work()
+    idle = statistics.median(work() for _ in range(20))
+    regions = registered()
+    out = [during("unregister 64 x 64 MiB in one go", lambda: [host_unregister(r.data_ptr()) for r in regions],
+                  idle),
+           during("free them afterwards", regions.clear, idle)]
+    regions = registered()
+
+    def paced() -> None:
+        while regions:
+            region = regions.pop()
+            host_unregister(region.data_ptr())
+            del region
+            time.sleep(0.001)
+
+    out.append(during("unregister + free region by region, 1 ms pauses", paced, idle))
+    return out
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("experiment_trap_cost needs a CUDA device: it measures CUDA events and cudaHostUnregister")
+    device = torch.device("cuda")
+    for row in trap_costs(device) + unregister_stalls(device):
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
