@@ -40,6 +40,7 @@ from flextensor.state import (
     dtype_name,
     model_fingerprint,
     model_tensors,
+    tensor_nbytes,
 )
 from flextensor.traps import Trap
 
@@ -47,10 +48,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.manager import OffloadManager
 
 __all__ = ["adopt_state", "export_state", "layouts_from_state"]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def layouts_from_state(state: TensorManagerState) -> list[BlockLayout]:
@@ -211,7 +208,7 @@ def export_state(m: "OffloadManager") -> TensorManagerState:
         t = entry.tensor
         placed = m._placement.get(name)
         common = dict(name=name, kind=entry.kind, dtype=dtype_name(t.dtype), shape=list(t.shape),
-                      nbytes=_nbytes(t), persistent=entry.persistent, aliases=list(entry.aliases),
+                      nbytes=tensor_nbytes(t), persistent=entry.persistent, aliases=list(entry.aliases),
                       trap=owner_of.get(name, ""))
         if placed is not None:
             index, p = placed

@@ -35,6 +35,7 @@ from flextensor.deferred_build import can_defer, defer_inference
 from flextensor.host_memory import (ALIGN, BlockLayout, FillProgress, HostBlock, block_views, make_provider, pack_block,
                                     packed_stride)
 from flextensor.loader import BlockLoader
+from flextensor.state import tensor_nbytes
 from flextensor.traps import assign_data
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,10 +56,6 @@ STREAMED_TRAP_COST_S = 70e-6
 # Measured on the same host and day where the device lagged the host: 5 streamed layers of a 7.6 ms pass
 # (1x1024 tokens) +66 us each, 15 of a 60.5 ms pass (4x2048) +23 us each; the floor is about the lower one.
 STREAMED_TRAP_DEVICE_S = 25e-6
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _aligned(n: int) -> int:
@@ -83,14 +80,14 @@ def plan_inference(m: "OffloadManager") -> None:
     for label in order:
         trap_tensors = []
         for n in m._exclusive.get(label, ()):
-            nbytes = _nbytes(tensors[n].tensor)
+            nbytes = tensor_nbytes(tensors[n].tensor)
             if nbytes > 0:
                 trap_tensors.append(TensorCost(n, _aligned(nbytes)))
                 offloadable.add(n)
         compute = m._compute_s[label]
         cost = _stream_cost(compute, m._host_durations.get(label), calls[label]) if trap_tensors else 0.0
         costs.append(TrapCost(label, compute, tuple(trap_tensors), cost))
-    fixed = sum(_nbytes(e.tensor) for n, e in tensors.items() if n not in offloadable)
+    fixed = sum(tensor_nbytes(e.tensor) for n, e in tensors.items() if n not in offloadable)
     m._samples = m._warm_samples() or transfer_sweep(m._device, [c.total_bytes for c in costs],
                                                      pinned=cfg.pinned_memory)
     transfer = TransferModel.fit(m._samples) if m._samples else TransferModel(1e9)
@@ -154,7 +151,7 @@ def _resolve_budget(m) -> int | None:
     from flextensor.strategies import resolve_budget
 
     total, free = device_memory(m._device)
-    held = sum(_nbytes(e.tensor) for e in m._tensors.values() if e.tensor.device == m._device)
+    held = sum(tensor_nbytes(e.tensor) for e in m._tensors.values() if e.tensor.device == m._device)
     if m._device.type == "cpu":
         held = 0  # host RAM is not "held" by moving tensors; the CPU device is only a stand-in
     budget, warning = resolve_budget(fraction, total, min(total, free + held))

@@ -67,7 +67,7 @@ from flextensor.loader import BlockLoader
 from flextensor.patterns import PatternSet
 from flextensor.phases import Phase, PhaseMixin, TrapWindow
 from flextensor.staging import PinnedStaging
-from flextensor.state import ModelTensor, TensorManagerState, model_tensors
+from flextensor.state import ModelTensor, TensorManagerState, model_tensors, tensor_nbytes
 from flextensor.teardown import ReleaseMixin
 from flextensor.timing import OffloadTimingReport, TimingCollector
 from flextensor.traps import Trap, UsageRecorder, WarmLoader
@@ -100,10 +100,6 @@ class GPUMemoryUsage:
         object.__setattr__(self, "block_mb", self.block_bytes / MB)
         object.__setattr__(self, "resident_mb", self.resident_bytes / MB)
         object.__setattr__(self, "total_mb", self.total_bytes / MB)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def compute_device(config: OffloadConfig) -> torch.device:
@@ -425,7 +421,7 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
                 f"({self.iters_before_inference} forward passes after offload())"
             )
         blocks = self._loader.device_bytes if self._loader is not None else 0
-        resident = sum(_nbytes(e.tensor) for n, e in self._tensors.items()
+        resident = sum(tensor_nbytes(e.tensor) for n, e in self._tensors.items()
                        if n not in self._placement and e.tensor.device == self._device)
         return GPUMemoryUsage(blocks, resident, blocks + resident)
 

@@ -36,6 +36,7 @@ __all__ = [
     "TensorManagerState",
     "ModelTensor",
     "model_tensors",
+    "tensor_nbytes",
     "model_fingerprint",
     "describe_mismatch",
     "dtype_name",
@@ -152,6 +153,11 @@ class ModelTensor:
     def signature(self) -> str:
         t = self.tensor
         return f"{self.name}|{self.kind}|{dtype_name(t.dtype)}|{list(t.shape)}|{','.join(self.aliases)}"
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements (not of its whole storage): what offloading the tensor moves."""
+    return t.numel() * t.element_size()
 
 
 def model_tensors(model: nn.Module) -> dict[str, ModelTensor]:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flextensor.phases import Phase
+from flextensor.state import tensor_nbytes
 from flextensor.warmup import choose_warmup
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,10 +41,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["WarmCopiesMixin"]
 
 logger = logging.getLogger("flextensor.manager")  # the manager's own lines, as in flextensor.phases
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class WarmCopiesMixin:
@@ -144,7 +141,7 @@ class WarmCopiesMixin:
                     return  # stream mode (out of device memory): the planner sweeps instead
                 if timed:
                     end.record(stream)
-                    self._warm_events.append((sum(_nbytes(self._tensors[n].tensor) for n in group), start, end))
+                    self._warm_events.append((sum(tensor_nbytes(self._tensors[n].tensor) for n in group), start, end))
                     ready[label] = end
             if stream is not compute and ready:
                 outside = ready.pop(None, None)

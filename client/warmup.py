@@ -159,18 +159,15 @@ def decide_warmup(
                           f"({detail}): copied before each trap call instead")
 
 
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
 def choose_warmup(m: "OffloadManager", candidates: Iterable[str]) -> WarmupDecision:
     """Decide for ``m`` (after ``offload()`` placed the non-candidates) and log the one INFO line."""
     from flextensor.profiling import device_memory
+    from flextensor.state import tensor_nbytes
 
     device = m._device
     entries = m._tensors
-    needed = sum(_nbytes(entries[n].tensor) for n in set(candidates) if entries[n].tensor.device != device)
-    resident = sum(_nbytes(e.tensor) for e in entries.values() if e.tensor.device == device)
+    needed = sum(tensor_nbytes(entries[n].tensor) for n in set(candidates) if entries[n].tensor.device != device)
+    resident = sum(tensor_nbytes(e.tensor) for e in entries.values() if e.tensor.device == device)
     total = free = 0
     budget: int | None = m._budget_override
     if device.type == "cuda" and m._warmup_override is None:
