@@ -33,6 +33,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from flextensor.state import tensor_nbytes
+
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.manager import OffloadManager
 
@@ -278,7 +280,7 @@ class WarmLoader:
             host = tensor.data
             tensor.data = self._copy(host)
             self.copies += 1
-            self.copied_bytes += host.numel() * host.element_size()
+            self.copied_bytes += tensor_nbytes(host)
             if keep:
                 self._kept[id(tensor)] = (tensor, host)
             else:
@@ -325,7 +327,7 @@ class WarmLoader:
         """Give kept tensors (all, or those given) their host data back, freeing their device copies; bytes freed."""
         freed = 0
         for tensor, host in self._take(tensors):
-            freed += tensor.data.numel() * tensor.data.element_size()
+            freed += tensor_nbytes(tensor.data)
             tensor.data = host
         return freed
 
@@ -354,7 +356,7 @@ class WarmLoader:
         self.same_device_copies.difference_update(id(t) for t, _host in taken)  # on the device for good now
         # Counted on the host tensors (same dtype and shape): ``.data`` builds a new tensor object per call, and
         # this runs at the switch to INFERENCE for every tensor that stays resident.
-        return sum(host.numel() * host.element_size() for _t, host in taken)
+        return sum(tensor_nbytes(host) for _t, host in taken)
 
     def _fall_back(self, exc: BaseException) -> None:
         kept = self.restore()  # counts as a removal (restore -> _take)
@@ -378,4 +380,4 @@ class WarmLoader:
 
     @property
     def kept_bytes(self) -> int:
-        return sum(t.data.numel() * t.data.element_size() for t, _host in self._kept.values())
+        return sum(tensor_nbytes(t.data) for t, _host in self._kept.values())
