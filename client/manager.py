@@ -163,6 +163,7 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         self._host_durations: dict[str, list[float]] = {}  # the same windows on the host's clock
         self._compute_s: dict[str, float] = {}
         self._samples: list[tuple[int, float]] = []
+        self._switch_inputs: Any = None  # flextensor.inference.SwitchInputs, prepared after the first counted pass
         self._strategy_name = ""
         self._explanation: list[str] = []
         self._layouts: list[BlockLayout] = []

@@ -30,8 +30,9 @@ depends on the phase:
   for the device every pass) and then reused. Each window also keeps the host's ``perf_counter`` at both ends:
   where the device takes longer than the host to get through a trap, the loader's host work at that trap
   hides in the difference (``TrapCost.stream_cost_s``, ``flextensor.inference``).
-  Suspended passes (``suspend_profiling``) record nothing and are not counted. After the last counted pass,
-  ``flextensor.inference.plan_inference`` plans and builds INFERENCE.
+  Suspended passes (``suspend_profiling``) record nothing and are not counted. After the first counted pass
+  (when more follow), ``flextensor.inference.prepare_switch`` does the switch's timing-free work while the device
+  still runs that pass; after the last, ``flextensor.inference.plan_inference`` plans and builds INFERENCE.
 - INFERENCE: the :class:`~flextensor.loader.BlockLoader` makes the trap's block resident and prefetches the next.
 
 :class:`PhaseMixin` holds only behaviour; the state it works on is created by ``OffloadManager._reset``.
@@ -112,6 +113,7 @@ class PhaseMixin:
     _durations: dict[str, list[float]]
     _host_durations: dict[str, list[float]]
     _loader: "BlockLoader | None"
+    _switch_inputs: Any  # flextensor.inference.SwitchInputs once prepared
     _deferred: Any  # flextensor.deferred_build.HostBlockBuild while host blocks are built behind inference
     _block_of: dict[str, int]
     _timing: "TimingCollector | None"
@@ -220,6 +222,12 @@ class PhaseMixin:
             self._iteration += 1
             if self._iteration >= self.iters_before_inference:
                 self._start_inference()
+            elif self._switch_inputs is None:
+                # While the device still runs this pass (the first one carries the warm-up sweep), the host does
+                # the switch's timing-free work, so the last pass does not (flextensor.inference.prepare_switch).
+                from flextensor.inference import prepare_switch
+
+                prepare_switch(self)  # type: ignore[arg-type]
         elif phase is Phase.INFERENCE and self._timing is not None and self._deferred is None:
             self._timing.end_pass()
 

@@ -1,0 +1,123 @@
+"""The switch to INFERENCE (``flextensor.inference``): its timing-free part is prepared after the first counted
+PROFILING pass, and the plan built from it equals one built from the model at the switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flextensor as ft
+from flextensor.host_memory import pack_block, packed_stride
+from flextensor.inference import prepare_switch
+from flextensor.manager import Phase
+from flextensor.plan_model import make_plan
+from tests.client.models import (
+    ALL,
+    DEVICE,
+    cpu_config,
+    reference,
+    release_managers,  # noqa: F401  (autouse fixture)
+    same,
+    tiny_transformer,
+    token_ids,
+)
+
+
+class FirstTensorOnly(ft.NthLayerStrategy):
+    """Streams only the first tensor of each trap: a plan that takes part of a trap."""
+
+    name = "first-tensor-only"
+
+    def plan(self, inp):
+        return make_plan(inp, self.name, {t.label: [t.tensors[0].name] for t in inp.traps if t.tensors},
+                         num_blocks=inp.num_blocks)
+
+
+def _fresh_layouts(om):
+    """The layouts packed from the model's tensors now, as the switch did before it was prepared ahead."""
+    out = []
+    for layout in om._layouts:
+        entries = []
+        for p in layout.tensors:
+            t = om._tensors[p.name].tensor
+            entries.append((p.name, t.dtype, tuple(t.shape), packed_stride(t)))
+        out.append(pack_block(layout.index, layout.label, entries))
+    return out
+
+
+def _passes(model, ids, ref, count):
+    with torch.no_grad():
+        for _ in range(count):
+            assert same(model(ids), ref)
+
+
+@pytest.mark.parametrize("skip_discovery", [True, False])
+def test_the_switch_is_prepared_after_the_first_counted_pass_and_consumed_by_it(skip_discovery):
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=3,
+                                 skip_discovery=skip_discovery))
+    warm_up = om.iters_before_inference - 3  # the DISCOVERY passes, when kept
+    _passes(model, ids, ref, warm_up)
+    assert om.phase is Phase.PROFILING and om._switch_inputs is None  # DISCOVERY prepares nothing
+    _passes(model, ids, ref, 1)
+    inputs = om._switch_inputs
+    assert inputs is not None
+    assert sorted(inputs.tensors) == sorted(om._exclusive)
+    for label, names in om._exclusive.items():
+        expected = [(n, (om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size() + 255) // 256 * 256)
+                    for n in names]
+        assert [(t.name, t.nbytes) for t in inputs.tensors[label]] == expected
+    assert inputs.total_raw_bytes == sum(t.numel() * t.element_size() for t in
+                                         (e.tensor for e in om._tensors.values()))
+    _passes(model, ids, ref, 2)  # the last one switches
+    assert om.phase is Phase.INFERENCE and om._switch_inputs is None
+    om.wait_for_host_blocks()
+    assert om._layouts and om._layouts == _fresh_layouts(om)
+    assert [layout.index for layout in om._layouts] == list(range(len(om._layouts)))
+    _passes(model, ids, ref, 3)
+
+
+def test_a_plan_streaming_part_of_a_trap_packs_that_part():
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=FirstTensorOnly(),
+                                 profiling_iters=2, skip_discovery=True))
+    _passes(model, ids, ref, om.iters_before_inference)
+    om.wait_for_host_blocks()
+    assert om._layouts
+    for layout in om._layouts:
+        assert [p.name for p in layout.tensors] == [om._exclusive[layout.label][0]]
+    assert om._layouts == _fresh_layouts(om)
+    _passes(model, ids, ref, 3)
+
+
+def test_one_profiling_pass_plans_without_a_prepared_switch():
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=1,
+                                 skip_discovery=True))
+    _passes(model, ids, ref, 1)
+    assert om.phase is Phase.INFERENCE and om._switch_inputs is None
+    om.wait_for_host_blocks()
+    assert om._layouts == _fresh_layouts(om) and len(om._layouts) == len(om._exclusive)
+    _passes(model, ids, ref, 3)
+
+
+def test_prepare_switch_skips_zero_byte_tensors():
+    """A zero-size exclusive tensor is neither costed nor packed (as the plan never streams it)."""
+    model = tiny_transformer()
+    model.blocks[0].register_parameter("empty", torch.nn.Parameter(torch.zeros(0)))
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, skip_discovery=True))
+    label = next(label for label, names in om._exclusive.items() if any(n.endswith(".empty") for n in names))
+    inputs = prepare_switch(om)
+    assert all(not t.name.endswith(".empty") for t in inputs.tensors[label])
+    names, layout = inputs.whole[label]
+    assert names == tuple(t.name for t in inputs.tensors[label]) == tuple(p.name for p in layout.tensors)
