@@ -65,11 +65,12 @@ from flextensor.config import OffloadConfig
 from flextensor.host_memory import BlockLayout, HostBlock, HostBlockProvider
 from flextensor.loader import BlockLoader
 from flextensor.patterns import PatternSet
-from flextensor.phases import Phase, PhaseMixin, TrapWindow
+from flextensor.phases import Phase, PhaseMixin
 from flextensor.staging import PinnedStaging
 from flextensor.state import ModelTensor, TensorManagerState, model_tensors, tensor_nbytes
 from flextensor.teardown import ReleaseMixin
 from flextensor.timing import OffloadTimingReport, TimingCollector
+from flextensor.trap_windows import PassWindows, TrapWindow
 from flextensor.traps import Trap, UsageRecorder, WarmLoader
 from flextensor.warm_copies import WarmCopiesMixin
 from flextensor.warmup import WarmupDecision
@@ -157,8 +158,10 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         self._staging = PinnedStaging()
         self._sequence: list[str] = []
         self._pass_sequence: list[str] = []
-        self._pass_windows: list[TrapWindow] = []  # this pass's trap windows (flextensor.phases)
-        self._pending_windows: list[list[TrapWindow]] = []  # counted PROFILING passes not read yet
+        self._pass_windows: list[TrapWindow] = []  # this pass's trap windows (flextensor.trap_windows)
+        self._pass_on_device = True  # this pass marks every trap entry on the device
+        self._pending_windows: list[PassWindows] = []  # counted PROFILING passes not read yet
+        self._device_kept_up = False  # the newest pass read kept up with the host: time traps on the host clock
         self._durations: dict[str, list[float]] = {}
         self._host_durations: dict[str, list[float]] = {}  # the same windows on the host's clock
         self._compute_s: dict[str, float] = {}

@@ -21,13 +21,16 @@ depends on the phase:
   that copy when the trap is entered, and the compute stream waits for it when the next trap is entered. So a
   window runs from one trap's entry to the next trap's entry (the last one's to the end of the pass), and one
   mark per entry (a CUDA event on the compute stream, or ``perf_counter``) times it: half the events of a span
-  per call, which on a launch-bound pass is host time saved (``TimingCollector.mark``). An entry that copies
+  per call, which on a launch-bound pass is host time saved (``TimingCollector.mark``). Once a pass has shown
+  that the device keeps up with the host, later passes time their traps on the host's clock and mark only their
+  span on the device, falling back to a mark per entry when the span disagrees (``flextensor.trap_windows``:
+  which clock, and why its windows are then the device's). An entry that copies
   weights or waits for them first closes the window before it with a mark of its own, so the copy is in no
   window. With resident warm-up nothing is copied in any PROFILING pass, so no pass is excluded from the medians
   (with ``skip_discovery`` the preload is issued at the start of the first PROFILING pass on a side stream,
   and each trap's compute waits for its own copy before its window opens, so that pass's compute overlaps the
-  sweep). A pass's marks are read at the end of the next pass (reading them at once would make the host wait
-  for the device every pass) and then reused. Each window also keeps the host's ``perf_counter`` at both ends:
+  sweep). A pass's marks are read at the end of the next pass, or at its start when the device is past them
+  (reading them at once would make the host wait for the device every pass), and then reused. Each window also keeps the host's ``perf_counter`` at both ends:
   where the device takes longer than the host to get through a trap, the loader's host work at that trap
   hides in the difference (``TrapCost.stream_cost_s``, ``flextensor.inference``).
   Suspended passes (``suspend_profiling``) record nothing and are not counted. After the first counted pass
@@ -50,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from flextensor.trap_windows import PassWindows, TrapWindow, read_pass
 from flextensor.traps import OUTSIDE, Trap
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,23 +64,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.timing import TimingCollector
     from flextensor.traps import UsageRecorder, WarmLoader
 
-__all__ = ["Phase", "PhaseMixin", "TrapWindow"]
+__all__ = ["Phase", "PhaseMixin"]
 
 logger = logging.getLogger("flextensor.manager")
-
-
-class TrapWindow:
-    """One trap call's PROFILING window: its entry mark, and the mark that ends it (the next entry's, a closing
-    mark of its own, or the pass's end; None while open). Consecutive windows share a mark."""
-
-    __slots__ = ("label", "start", "end", "host", "host_end")
-
-    def __init__(self, label: str, start: Any, host: float) -> None:
-        self.label = label
-        self.start = start
-        self.end: Any = None
-        self.host = host  # perf_counter at the entry, and where the window closed
-        self.host_end = host
 
 
 class Phase(enum.Enum):
@@ -109,7 +99,9 @@ class PhaseMixin:
     _sequence: list[str]
     _pass_sequence: list[str]
     _pass_windows: list[TrapWindow]
-    _pending_windows: list[list[TrapWindow]]
+    _pass_on_device: bool
+    _pending_windows: list[PassWindows]
+    _device_kept_up: bool
     _durations: dict[str, list[float]]
     _host_durations: dict[str, list[float]]
     _loader: "BlockLoader | None"
@@ -178,6 +170,12 @@ class PhaseMixin:
             self._preload_warmup()  # resident warm-up: the one copy of each candidate, ahead of everything
         self._pass_sequence = []
         self._pass_windows = []
+        if self._phase is Phase.PROFILING:
+            pending = self._pending_windows
+            if pending and self._clock is not None and self._clock.done(pending[-1].end):
+                self._resolve_windows(keep_last=0)  # the device is past them: reading waits for nothing
+            # Per-trap device marks until a pass showed the device keeping up with the host (flextensor.trap_windows)
+            self._pass_on_device = not self._device_kept_up
         if self._phase is Phase.DISCOVERY and self._recorder is not None:
             self._recorder.current = OUTSIDE
             self._recorder.__enter__()
@@ -207,16 +205,21 @@ class PhaseMixin:
                 if self._iteration >= self._config().discovery_iters:
                     self._finish_discovery()
         elif phase is Phase.PROFILING:
-            if ok and not self._suspend:
-                self._close_window()  # the last trap's window ends with the pass
+            counted = ok and not self._suspend
+            end = None
+            if counted and self._pass_windows:
+                assert self._clock is not None
+                end, now = self._clock.mark(), time.perf_counter()
+                self._close_window(end, now)  # the last trap's window ends with the pass
             if self._warm_last is not None:  # traps this pass did not enter: everything after waits for all copies
                 self._wait_warm_copy(None)
-            if not ok or self._suspend:
-                self._recycle_windows(self._pass_windows)
+            if not counted:
+                self._recycle_windows(PassWindows(self._pass_windows, True, None, 0.0))
                 return
-            # Read one pass late: this pass's events are still queued behind its kernels, and reading them now
-            # would make the host wait for the device at the end of every PROFILING pass.
-            self._pending_windows.append(self._pass_windows)
+            # Read one pass late (or at the next pass's start): this pass's marks are still queued behind its
+            # kernels, and reading them now would make the host wait for the device at the end of every pass.
+            if end is not None:
+                self._pending_windows.append(PassWindows(self._pass_windows, self._pass_on_device, end, now))
             self._resolve_windows(keep_last=1)
             self._sequence = list(self._pass_sequence)
             self._iteration += 1
@@ -264,35 +267,35 @@ class PhaseMixin:
         plan_inference(self)  # type: ignore[arg-type]
 
     def _close_window(self, mark: Any = None, host: float | None = None) -> None:
-        """End the pass's open trap window (if any) at ``mark`` and host time ``host``, or at both taken now."""
+        """End the pass's open trap window (if any) at ``mark`` and host time ``host``, or at both taken now (a
+        device mark only when this pass marks every entry on the device)."""
         windows = self._pass_windows
-        if windows and windows[-1].end is None:
-            assert self._clock is not None
+        if windows and windows[-1].host_end is None:
             window = windows[-1]
-            window.end = mark if mark is not None else self._clock.mark()
-            window.host_end = host if host is not None else time.perf_counter()
+            if host is None:
+                assert self._clock is not None
+                mark, host = (self._clock.mark() if self._pass_on_device else None), time.perf_counter()
+            window.end, window.host_end = mark, host
 
     def _resolve_windows(self, keep_last: int) -> None:
-        """Turn the pending PROFILING passes' windows (all but the last ``keep_last``) into duration samples."""
+        """Turn the pending PROFILING passes (all but the last ``keep_last``) into duration samples, and let the
+        newest of them say which clock the next pass marks its traps with (``flextensor.trap_windows``)."""
         while len(self._pending_windows) > keep_last:
-            windows = self._pending_windows.pop(0)
-            sums: dict[str, float] = {}
-            host: dict[str, float] = {}
+            record = self._pending_windows.pop(0)
             assert self._clock is not None
-            readings = self._clock.read_windows_ms([(window.start, window.end) for window in windows])
-            for window, ms in zip(windows, readings):
-                sums[window.label] = sums.get(window.label, 0.0) + ms / 1e3
-                host[window.label] = host.get(window.label, 0.0) + (window.host_end - window.host)
-            for label, seconds in sums.items():
+            reading = read_pass(self._clock, record)
+            for label, seconds in reading.device.items():
                 self._durations.setdefault(label, []).append(seconds)
-                self._host_durations.setdefault(label, []).append(host[label])
-            self._recycle_windows(windows)
+                self._host_durations.setdefault(label, []).append(reading.host[label])
+            self._device_kept_up = reading.kept_up
+            self._recycle_windows(record)
 
-    def _recycle_windows(self, windows: Sequence[TrapWindow]) -> None:
+    def _recycle_windows(self, record: PassWindows) -> None:
         """Give a pass's marks back to the clock's pool, each once (consecutive windows share a mark)."""
-        if self._clock is not None and windows:
-            marks = {id(m): m for window in windows for m in (window.start, window.end) if m is not None}
-            self._clock.recycle_marks(list(marks.values()))
+        if self._clock is not None:
+            marks = record.marks()
+            if marks:
+                self._clock.recycle_marks(marks)
 
     # ------------------------------------------------------------------------------------------------ traps
     def _tensor_objs(self, names: Sequence[str]) -> list[torch.Tensor]:
@@ -335,10 +338,13 @@ class PhaseMixin:
                         self._warm_settled[trap.label] = warm.removals  # skip the check until one is given up
                 if timed:
                     self._pass_sequence.append(trap.label)
+                    windows = self._pass_windows
                     assert self._clock is not None
-                    mark, now = self._clock.mark(), time.perf_counter()
+                    # A device mark at every entry, or only at the first (the pass's span: flextensor.trap_windows)
+                    mark = self._clock.mark() if self._pass_on_device or not windows else None
+                    now = time.perf_counter()
                     self._close_window(mark, now)  # the window before (if still open) ends where this one starts
-                    self._pass_windows.append(TrapWindow(trap.label, mark, now))
+                    windows.append(TrapWindow(trap.label, mark, now))
             elif phase is Phase.INFERENCE:
                 timing = self._timing if self._deferred is None else None
                 if timing is not None:
@@ -440,8 +446,8 @@ class PhaseMixin:
     def clear_profiling_durations(self) -> None:
         """Drop every duration sample so far (discovery mappings are kept)."""
         self._check_thread()
-        for windows in self._pending_windows:
-            self._recycle_windows(windows)
+        for record in self._pending_windows:
+            self._recycle_windows(record)
         self._pending_windows.clear()
         self._durations.clear()
         self._host_durations.clear()
@@ -449,7 +455,8 @@ class PhaseMixin:
     @property
     def profiling_durations(self) -> dict[str, list[float]]:
         """Per-trap seconds of each counted PROFILING pass (copy): each trap's window, from its entry to the next
-        trap's entry (the last trap's to the end of the pass), summed over its calls in the pass."""
+        trap's entry (the last trap's to the end of the pass), summed over its calls in the pass, on the device's
+        clock (the host's, for a pass timed on it: ``flextensor.trap_windows``)."""
         self._check_thread()  # reading the pending passes' events and reusing them is the manager's own work
         self._resolve_windows(keep_last=0)
         return {k: list(v) for k, v in self._durations.items()}

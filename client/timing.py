@@ -332,6 +332,10 @@ class TimingCollector:
                 out.append(float(start.elapsed_time(end)))
         return out
 
+    def done(self, mark: Any) -> bool:
+        """Whether the device has passed ``mark`` (a host-clock mark always has): reading it then waits for nothing."""
+        return not self.use_cuda or bool(mark.query())
+
     def recycle_marks(self, marks: Sequence[Any]) -> None:
         """Return marks' events to the pool (each mark once; windows share their marks)."""
         if self.use_cuda:

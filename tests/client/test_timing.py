@@ -133,3 +133,24 @@ def test_cuda_windows_read_in_one_wait_even_when_one_is_on_a_busy_stream():
     assert ms[0] > 20 and 0 <= ms[1] < ms[0]
     clock.recycle_marks([first, second, third, fourth])
     assert len(clock._free_events) == 4 and clock.mark() is fourth  # reused, last in first out
+
+
+def test_a_host_clock_mark_is_always_done():
+    from flextensor.timing import TimingCollector
+
+    clock = TimingCollector(False)
+    assert clock.done(clock.mark())
+
+
+@pytest.mark.cuda
+def test_cuda_mark_is_done_only_once_the_device_passed_it():
+    """``done`` asks without waiting: False while the stream is still busy before the mark, True after."""
+    from flextensor.timing import TimingCollector
+
+    clock = TimingCollector(True, torch.device("cuda"))
+    torch.cuda._sleep(200_000_000)  # well over 50 ms on any current GPU
+    mark = clock.mark()
+    assert not clock.done(mark)
+    torch.cuda.synchronize()
+    assert clock.done(mark)
+    clock.recycle_marks([mark])

@@ -289,9 +289,11 @@ def test_resident_copies_happen_before_every_timing_window():
     om._clock.mark = lambda: (counts.append(om._warm.copies), mark())[1]
     _run(model, x, ref, om)
     assert set(counts) == {16}
-    # One mark per trap entry and one at the pass's end; in the first pass each entry after the first also
-    # closes the window before it first (it may copy: the warm loader is asked once per trap), later passes not.
-    assert len(counts) == (1 + 3 * 2 + 1) + 2 * (4 + 1)
+    # The first pass: one mark per trap entry and one at its end, and each entry after the first also closes
+    # the window before it first (it may copy: the warm loader is asked once per trap). On the CPU both clocks
+    # are the host's, so that pass keeps up and the next two mark only their first entry and their end
+    # (flextensor.trap_windows).
+    assert len(counts) == (1 + 3 * 2 + 1) + 2 * 2
     assert all(len(v) == 3 for v in om.profiling_durations.values())  # no pass excluded
 
 
@@ -730,7 +732,8 @@ def test_cuda_discovery_preload_stays_on_the_compute_stream(monkeypatch):
 
 @pytest.mark.cuda
 def test_cuda_profiling_clock_reuses_its_events(monkeypatch):
-    """Two events per trap call and pass would be created without the pool; with it, two passes' worth."""
+    """Two events per trap call and pass would be created without the pool; with it, two passes' worth at most
+    (none at all once the passes after the first are timed on the host's clock: flextensor.trap_windows)."""
     created = []
 
     class CountingEvent(torch.cuda.Event):
@@ -747,7 +750,7 @@ def test_cuda_profiling_clock_reuses_its_events(monkeypatch):
         monkeypatch.setattr(torch.cuda, "Event", CountingEvent)
         while om.phase is not Phase.INFERENCE:
             _close(model(ids), ref)
-    assert 0 < len(created) <= 2 * 2 * traps, (len(created), traps)
+    assert len(created) <= 2 * 2 * traps, (len(created), traps)
     assert all(len(v) == 8 for v in om.profiling_durations.values())
     assert all(s > 0 for v in om.profiling_durations.values() for s in v)
 

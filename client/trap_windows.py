@@ -1,0 +1,122 @@
+"""PROFILING trap windows: what one counted pass records, which clock marks it, and how it is read.
+
+Windows
+-------
+A trap's *window* runs from its entry to the next trap's entry (the last one's to the end of the pass): the
+compute INFERENCE can hide the next block's copy behind (``flextensor.phases`` says why). Each window keeps two
+host times (``perf_counter`` at both ends) and, when its pass marks on the device, two device marks (CUDA events
+on the compute stream; consecutive windows share one). A pass is recorded as a :class:`PassWindows`: its windows,
+whether they carry device marks, and one device mark and host time taken at the pass's end.
+
+Which clock (``PassWindows.on_device``)
+---------------------------------------
+The planner needs each window's *device* time: where the device lags the host, a window lasts longer on the
+device than the host took to queue it, and that difference is compute a copy can hide behind. Where the device
+keeps up with the host (a launch-bound pass: the device waits for each launch), the device's windows are the
+host's, and a device mark per trap entry buys nothing but host time: recording and reading one CUDA event cost
+10-15 us of host time per trap in the eighth and ninth sessions' H200 runs, against 3 ms passes of 16 traps,
+so about 5% of every launch-bound PROFILING pass.
+
+So a pass marks every trap entry on the device until one pass has shown that the device kept up: each of its
+windows, and its whole span, agree on both clocks (:func:`clocks_agree`). The next passes mark only their first
+entry and their end on the device (two events a pass) and time the traps on the host clock; each of them checks
+its span on both clocks, and one whose span disagrees (the device fell behind) sends the next pass back to
+device marks. The windows of a host-marked pass are its device windows too, also when its own span check fails:
+the device took longer than the host there, so the host's windows are the shorter, cautious estimate (less
+compute to hide copies behind), and the passes after it are measured on the device again.
+
+Reading
+-------
+Marks are read one pass late, or at the start of the next pass when the device has already passed the end mark
+(``TimingCollector.done``): reading them at once would make the host wait for the device every pass. A CPU
+compute device has one clock: its marks are ``perf_counter`` readings, every pass agrees with itself, and the
+same code runs there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.timing import TimingCollector
+
+__all__ = ["TrapWindow", "PassWindows", "PassReading", "clocks_agree", "read_pass", "CLOCK_TOLERANCE_REL",
+           "CLOCK_TOLERANCE_ABS_S"]
+
+#: How far a device time may stray from the host time of the same window or pass and still count as the host's:
+#: 10% plus 20 us. The absolute part covers the launch latency that shifts each device mark behind its host
+#: reading (a few microseconds on the H200 host); the relative part is what the planner's estimate may be off by
+#: (its decisions turn on copies against compute, not on a few percent).
+CLOCK_TOLERANCE_REL = 0.10
+CLOCK_TOLERANCE_ABS_S = 20e-6
+
+
+class TrapWindow:
+    """One trap call's window: its entry (device mark or None, host time) and where it ended (``host_end`` None
+    while open). Consecutive windows of a device-marked pass share a mark."""
+
+    __slots__ = ("label", "start", "end", "host", "host_end")
+
+    def __init__(self, label: str, start: Any, host: float) -> None:
+        self.label = label
+        self.start = start
+        self.end: Any = None
+        self.host = host
+        self.host_end: float | None = None
+
+
+class PassWindows:
+    """One counted PROFILING pass: its windows, whether each entry has a device mark (``on_device``; otherwise
+    only the first entry has one), and the device mark and host time taken at the pass's end."""
+
+    __slots__ = ("windows", "on_device", "end", "host_end")
+
+    def __init__(self, windows: list[TrapWindow], on_device: bool, end: Any, host_end: float) -> None:
+        self.windows = windows
+        self.on_device = on_device
+        self.end = end
+        self.host_end = host_end
+
+    def marks(self) -> list[Any]:
+        """Every device mark of the pass, each once."""
+        found = {id(m): m for w in self.windows for m in (w.start, w.end) if m is not None}
+        if self.end is not None:
+            found.setdefault(id(self.end), self.end)
+        return list(found.values())
+
+
+class PassReading(NamedTuple):
+    """A pass read: per-label seconds on the device's clock and on the host's (a trap called twice in a pass
+    sums its windows), and whether the device kept up with the host over the whole pass."""
+
+    device: dict[str, float]
+    host: dict[str, float]
+    kept_up: bool
+
+
+def clocks_agree(device_s: float, host_s: float) -> bool:
+    """True when a device time is the host's within the tolerance above."""
+    return abs(device_s - host_s) <= CLOCK_TOLERANCE_REL * host_s + CLOCK_TOLERANCE_ABS_S
+
+
+def read_pass(clock: "TimingCollector", record: PassWindows) -> PassReading:
+    """Read one pass's windows (see the module docstring). A pass without windows reads as empty, not kept up."""
+    windows = record.windows
+    if not windows:
+        return PassReading({}, {}, False)
+    pairs = [(w.start, w.end) for w in windows] if record.on_device else []
+    pairs.append((windows[0].start, record.end))
+    readings = clock.read_windows_ms(pairs)
+    host_spans = [w.host_end - w.host for w in windows]  # every window of a recorded pass is closed
+    kept_up = clocks_agree(readings[-1] / 1e3, record.host_end - windows[0].host)
+    host: dict[str, float] = {}
+    for w, seconds in zip(windows, host_spans):
+        host[w.label] = host.get(w.label, 0.0) + seconds
+    if not record.on_device:
+        return PassReading(dict(host), host, kept_up)
+    device: dict[str, float] = {}
+    for w, ms, seconds in zip(windows, readings, host_spans):
+        device[w.label] = device.get(w.label, 0.0) + ms / 1e3
+        if kept_up and not clocks_agree(ms / 1e3, seconds):
+            kept_up = False
+    return PassReading(device, host, kept_up)
