@@ -30,7 +30,6 @@ runs differ by the host's speed (a pure-Python 20k-iteration loop took 0.55-0.96
 from __future__ import annotations
 
 import copy
-import ctypes
 import json
 import statistics
 import threading
@@ -42,8 +41,8 @@ from torch import nn
 
 import flextensor as ft
 import flextensor.inference as inference
-import flextensor.timing as timing
-from flextensor.shm.pinning import _loaded_cudart, host_register, host_unregister
+import flextensor.phases as phases
+from flextensor.shm.pinning import host_register, host_unregister
 
 LAYERS = 16
 
@@ -77,38 +76,20 @@ def per_trap_us(proxy: nn.Module, twin: nn.Module, x: torch.Tensor, pairs: int =
     return {"twin_us": twin_us, "proxy_us": proxy_us, "per_trap_us": (proxy_us - twin_us) / LAYERS}
 
 
-def _ctypes_mark() -> Callable:
-    lib = _loaded_cudart()
-    lib.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.cudaEventRecord.restype = ctypes.c_int
-
-    def mark(self):  # a TimingCollector method
-        event = self._event()
-        if not event.cuda_event:  # PyTorch creates the event (and its "recorded" state) at its first record
-            event.record()
-        else:
-            lib.cudaEventRecord(event.cuda_event, torch._C._cuda_getCurrentRawStream(0))
-        return event
-    return mark
-
-
-def _host_mark(self):
-    return time.perf_counter()
-
-
-def _host_read(self, windows):
-    return [(end - start) * 1e3 for start, end in windows]
+def _always_device_marks(real: Callable) -> Callable:
+    """``read_pass`` that never lets a pass count as kept up: every PROFILING entry keeps its CUDA event."""
+    return lambda clock, record: real(clock, record)._replace(kept_up=False)
 
 
 def trap_costs(device: torch.device) -> list[dict]:
     x = torch.randn(1, 64, device=device)
-    real = (timing.TimingCollector.mark, timing.TimingCollector.read_windows_ms)
-    variants = [("PROFILING, as the engine runs it", real), ("PROFILING, events recorded through ctypes",
-                (_ctypes_mark(), real[1])), ("PROFILING, host-clock marks", (_host_mark, _host_read))]
+    real = phases.read_pass
+    variants = [("PROFILING, a device mark per entry (forced)", _always_device_marks(real)),
+                ("PROFILING, as the engine runs it (host clock once a pass kept up)", real)]
     out = []
     try:
-        for label, (mark, read) in variants:
-            timing.TimingCollector.mark, timing.TimingCollector.read_windows_ms = mark, read
+        for label, read in variants:
+            phases.read_pass = read
             model = Tiny().to(device)
             twin = copy.deepcopy(model)
             proxy = ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], skip_discovery=True,
@@ -116,7 +97,7 @@ def trap_costs(device: torch.device) -> list[dict]:
             out.append({"variant": label, **per_trap_us(proxy, twin, x)})
             ft.release("cost")
     finally:
-        timing.TimingCollector.mark, timing.TimingCollector.read_windows_ms = real
+        phases.read_pass = real
     bypass = inference.bypass_resident_traps
     for label, patched in [("INFERENCE, nothing streamed, traps bypassed", bypass),
                            ("INFERENCE, nothing streamed, wrapper kept", lambda m, streamed: None)]:

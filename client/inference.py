@@ -85,7 +85,8 @@ def prepare_switch(m: "OffloadManager") -> SwitchInputs:
     on, so ``PhaseMixin._end_pass`` calls this at the end of that pass: with the resident warm-up's sweep in
     flight the device is busy for tens of milliseconds after the host has queued the pass, so this host work
     (0.3-0.5 ms on the H200 host for 16 traps) costs the phase nothing there. The exclusive sets do not change
-    after DISCOVERY, so the result stays valid until the switch consumes it.
+    after DISCOVERY, so the result stays valid until the switch consumes it. The traps' direct forwards for
+    ``Trap.bypass`` are built here too.
     """
     from flextensor.plan_model import TensorCost
 
@@ -100,6 +101,10 @@ def prepare_switch(m: "OffloadManager") -> SwitchInputs:
             whole[label] = (names, pack_block(0, label, [_layout_entry(tensors[n].tensor, n) for n in names]))
     inputs = SwitchInputs(per_trap, whole, raw, sum(raw.values()))
     m._switch_inputs = inputs
+    if m._timing is None:  # the traps INFERENCE may call directly (bypass_resident_traps)
+        for trap in m._traps.values():
+            if trap.kind == "module":
+                trap.prepare_bypass()
     return inputs
 
 

@@ -46,8 +46,8 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import time
 from contextlib import contextmanager
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
@@ -209,7 +209,7 @@ class PhaseMixin:
             end = None
             if counted and self._pass_windows:
                 assert self._clock is not None
-                end, now = self._clock.mark(), time.perf_counter()
+                end, now = self._clock.mark(), perf_counter()
                 self._close_window(end, now)  # the last trap's window ends with the pass
             if self._warm_last is not None:  # traps this pass did not enter: everything after waits for all copies
                 self._wait_warm_copy(None)
@@ -274,7 +274,7 @@ class PhaseMixin:
             window = windows[-1]
             if host is None:
                 assert self._clock is not None
-                mark, host = (self._clock.mark() if self._pass_on_device else None), time.perf_counter()
+                mark, host = (self._clock.mark() if self._pass_on_device else None), perf_counter()
             window.end, window.host_end = mark, host
 
     def _resolve_windows(self, keep_last: int) -> None:
@@ -284,9 +284,14 @@ class PhaseMixin:
             record = self._pending_windows.pop(0)
             assert self._clock is not None
             reading = read_pass(self._clock, record)
+            durations, host_durations, host = self._durations, self._host_durations, reading.host
             for label, seconds in reading.device.items():
-                self._durations.setdefault(label, []).append(seconds)
-                self._host_durations.setdefault(label, []).append(reading.host[label])
+                samples = durations.get(label)
+                if samples is None:
+                    durations[label], host_durations[label] = [seconds], [host[label]]
+                else:
+                    samples.append(seconds)
+                    host_durations[label].append(host[label])
             self._device_kept_up = reading.kept_up
             self._recycle_windows(record)
 
@@ -322,29 +327,21 @@ class PhaseMixin:
                     rec.clear_copies()
                     rec.enabled = True
             elif phase is Phase.PROFILING:
-                timed = not self._suspend
-                warm = self._warm
-                unsettled = self._warm_settled.get(trap.label) != warm.removals
-                names = self._exclusive.get(trap.label, ()) if unsettled else ()
-                if self._warm_ready or names or not timed:
-                    # Copies, or a wait for them, may go on the compute stream now, or this trap is not timed
-                    # (paused inside a pass): the window before ends here, so it holds neither.
-                    self._close_window()
-                if self._warm_ready:  # the first pass after an overlapped preload: wait for this trap's copy
-                    self._wait_warm_copy(trap.label)
-                if unsettled:
-                    warm.load(self._tensor_objs(names))
-                    if warm.keep and not warm.active:  # all of this trap's tensors hold kept copies: from now on
-                        self._warm_settled[trap.label] = warm.removals  # skip the check until one is given up
-                if timed:
-                    self._pass_sequence.append(trap.label)
+                label = trap.label
+                if self._suspend or self._warm_ready or self._warm_settled.get(label) != self._warm.removals:
+                    self._prepare_profiled_trap(trap)  # copies or waits for weights, or is not timed
+                if not self._suspend:
+                    # The common case runs inline: this is host time of every launch-bound PROFILING pass.
+                    self._pass_sequence.append(label)
                     windows = self._pass_windows
-                    assert self._clock is not None
                     # A device mark at every entry, or only at the first (the pass's span: flextensor.trap_windows)
-                    mark = self._clock.mark() if self._pass_on_device or not windows else None
-                    now = time.perf_counter()
-                    self._close_window(mark, now)  # the window before (if still open) ends where this one starts
-                    windows.append(TrapWindow(trap.label, mark, now))
+                    mark = self._clock.mark() if self._pass_on_device or not windows else None  # type: ignore[union-attr]
+                    now = perf_counter()
+                    if windows:  # the window before, if still open, ends where this one starts
+                        last = windows[-1]
+                        if last.host_end is None:
+                            last.end, last.host_end = mark, now
+                    windows.append(TrapWindow(label, mark, now))
             elif phase is Phase.INFERENCE:
                 timing = self._timing if self._deferred is None else None
                 if timing is not None:
@@ -359,6 +356,22 @@ class PhaseMixin:
             self._warm.unload()
             self._active = None
             raise
+
+    def _prepare_profiled_trap(self, trap: Trap) -> None:
+        """PROFILING entry of a trap whose weights may need copying or waiting for, or that is not timed (paused
+        inside a pass): the window before ends first, so it holds neither. (A trap whose weights all hold kept
+        warm-up copies, timed, needs none of this: ``_trap_enter`` skips it.)"""
+        warm = self._warm
+        unsettled = self._warm_settled.get(trap.label) != warm.removals
+        names = self._exclusive.get(trap.label, ()) if unsettled else ()
+        if self._warm_ready or names or self._suspend:
+            self._close_window()
+        if self._warm_ready:  # the first pass after an overlapped preload: wait for this trap's copy
+            self._wait_warm_copy(trap.label)
+        if unsettled:
+            warm.load(self._tensor_objs(names))
+            if warm.keep and not warm.active:  # all of this trap's tensors hold kept copies: from now on
+                self._warm_settled[trap.label] = warm.removals  # skip the check until one is given up
 
     def _trap_exit(self, trap: Trap) -> None:
         if self._active is not trap:

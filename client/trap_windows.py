@@ -78,7 +78,10 @@ class PassWindows:
         self.host_end = host_end
 
     def marks(self) -> list[Any]:
-        """Every device mark of the pass, each once."""
+        """Every device mark of the pass, each once (a host-marked pass has two: its first entry's and its end)."""
+        if not self.on_device and self.windows:
+            first = self.windows[0].start
+            return [m for m in (first, self.end) if m is not None]
         found = {id(m): m for w in self.windows for m in (w.start, w.end) if m is not None}
         if self.end is not None:
             found.setdefault(id(self.end), self.end)
@@ -100,23 +103,29 @@ def clocks_agree(device_s: float, host_s: float) -> bool:
 
 
 def read_pass(clock: "TimingCollector", record: PassWindows) -> PassReading:
-    """Read one pass's windows (see the module docstring). A pass without windows reads as empty, not kept up."""
+    """Read one pass's windows (see the module docstring). A pass without windows reads as empty, not kept up.
+
+    A host-marked pass returns one dict as both clocks' readings (callers only read them): this runs once per
+    PROFILING pass, on the host time of launch-bound passes.
+    """
     windows = record.windows
     if not windows:
         return PassReading({}, {}, False)
-    pairs = [(w.start, w.end) for w in windows] if record.on_device else []
-    pairs.append((windows[0].start, record.end))
-    readings = clock.read_windows_ms(pairs)
-    host_spans = [w.host_end - w.host for w in windows]  # every window of a recorded pass is closed
-    kept_up = clocks_agree(readings[-1] / 1e3, record.host_end - windows[0].host)
+    first = windows[0]
     host: dict[str, float] = {}
-    for w, seconds in zip(windows, host_spans):
-        host[w.label] = host.get(w.label, 0.0) + seconds
     if not record.on_device:
-        return PassReading(dict(host), host, kept_up)
+        span_ms = clock.read_windows_ms([(first.start, record.end)])[0]
+        for w in windows:  # every window of a recorded pass is closed
+            label = w.label
+            host[label] = host.get(label, 0.0) + (w.host_end - w.host)  # type: ignore[operator]
+        return PassReading(host, host, clocks_agree(span_ms / 1e3, record.host_end - first.host))
+    readings = clock.read_windows_ms([(w.start, w.end) for w in windows] + [(first.start, record.end)])
+    kept_up = clocks_agree(readings[-1] / 1e3, record.host_end - first.host)
     device: dict[str, float] = {}
-    for w, ms, seconds in zip(windows, readings, host_spans):
-        device[w.label] = device.get(w.label, 0.0) + ms / 1e3
-        if kept_up and not clocks_agree(ms / 1e3, seconds):
+    for w, ms in zip(windows, readings):
+        label, seconds, device_s = w.label, w.host_end - w.host, ms / 1e3  # type: ignore[operator]
+        host[label] = host.get(label, 0.0) + seconds
+        device[label] = device.get(label, 0.0) + device_s
+        if kept_up and not clocks_agree(device_s, seconds):
             kept_up = False
     return PassReading(device, host, kept_up)

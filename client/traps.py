@@ -102,6 +102,7 @@ class Trap:
         self._original: Callable[..., Any] | None = None  # the module's forward when installed
         self._target: Callable[..., Any] | None = None  # what the wrapper calls: the original or compiled forward
         self._wrapper: Callable[..., Any] | None = None  # the enter/exit forward installed on the module
+        self._direct: Callable[..., Any] | None = None  # what bypass() installs, once built
         self.bypassed = False
 
     def install(self, manager: "OffloadManager", compile_fn: Callable[[nn.Module], nn.Module] | None = None) -> None:
@@ -128,6 +129,7 @@ class Trap:
         forward.__flextensor_trap__ = self.label  # type: ignore[attr-defined]
         module.forward = forward  # instance attribute: the class stays untouched
         self._original, self._target, self._wrapper = original, target, forward
+        self._direct = None
         self._installed = True
         self.bypassed = False
 
@@ -149,10 +151,22 @@ class Trap:
             logger.debug("trap %r: the module's forward was replaced after the trap was installed; not bypassed",
                          self.label)
             return
-        direct = functools.update_wrapper(functools.partial(self._target), self._original)
-        direct.__flextensor_trap__ = self.label  # type: ignore[attr-defined]
-        module.forward = direct
+        module.forward = self._direct_forward()
         self.bypassed = True
+
+    def prepare_bypass(self) -> None:
+        """Build what :meth:`bypass` installs now, ahead of the switch to INFERENCE (where every microsecond is
+        the profile phase's; ``functools.update_wrapper`` costs a few per trap)."""
+        if self.module is not None and self._installed:
+            self._direct_forward()
+
+    def _direct_forward(self) -> Callable[..., Any]:
+        direct = self._direct
+        if direct is None:
+            direct = functools.update_wrapper(functools.partial(self._target), self._original)  # type: ignore[arg-type]
+            direct.__flextensor_trap__ = self.label  # type: ignore[attr-defined]
+            self._direct = direct
+        return direct
 
     def uninstall(self) -> None:
         module = self.module

@@ -121,3 +121,27 @@ def test_prepare_switch_skips_zero_byte_tensors():
     assert all(not t.name.endswith(".empty") for t in inputs.tensors[label])
     names, layout = inputs.whole[label]
     assert names == tuple(t.name for t in inputs.tensors[label]) == tuple(p.name for p in layout.tensors)
+
+
+def test_the_direct_forwards_of_bypassed_traps_are_built_ahead_and_installed_at_the_switch():
+    """``prepare_switch`` builds each module trap's direct forward; the switch installs those very objects on the
+    traps that stream nothing (NthLayer(100) streams the first block only)."""
+    model = tiny_transformer()
+    ids = token_ids().to(DEVICE)
+    ref = reference(model, ids)
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ft.NthLayerStrategy(100),
+                                 profiling_iters=3, skip_discovery=True))
+    _passes(model, ids, ref, 1)
+    prepared = {label: trap._direct for label, trap in om._traps.items()}
+    assert all(direct is not None for direct in prepared.values())
+    _passes(model, ids, ref, 2)
+    om.wait_for_host_blocks()
+    streamed = set(om._block_of)
+    assert len(streamed) == 1
+    for label, trap in om._traps.items():
+        if label in streamed:
+            assert not trap.bypassed and trap.module.forward is trap._wrapper
+        else:
+            assert trap.bypassed and trap.module.forward is prepared[label]
+    _passes(model, ids, ref, 3)
