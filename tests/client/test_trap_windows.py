@@ -22,7 +22,7 @@ from flextensor.trap_windows import (
     clocks_agree,
     read_pass,
 )
-from tests.client.models import ALL, cpu_config, release_managers  # noqa: F401  (autouse fixture)
+from tests.client.models import ALL, DEVICE, cpu_config, release_managers  # noqa: F401  (autouse fixture)
 
 
 class FakeMark:
@@ -130,7 +130,7 @@ def _profile(scales: list[float]):
     om = ft.get_offload_manager()
     clock = om._clock = FakeClock()
     per_pass = []
-    x = torch.ones(2, 8)
+    x = torch.ones(2, 8, device=DEVICE)
     with torch.no_grad():
         for scale in scales:
             assert om.phase is Phase.PROFILING
