@@ -2,29 +2,35 @@
 
 1. *Per-trap host cost.* 16 tiny layers (``Linear(64, 64)``) on the device, so a pass is launch-bound and any
    host work the engine adds shows in the wall time. Offloaded passes alternate with passes of a resident twin
-   (300 pairs, medians); the difference over 16 traps is one trap's cost. Variants: PROFILING as the engine
-   runs it (one CUDA event per trap entry, read a pass later); the same with the event recorded through ctypes
-   on the raw handles (is it PyTorch's binding or the driver?); with host-clock marks instead of events (what
-   the Python bookkeeping alone costs); INFERENCE of a plan that streams nothing, with its traps bypassed
-   (``Trap.bypass``) and with the enter/exit wrapper kept.
+   (300 pairs, medians); the difference over 16 traps is one trap's cost. Variants: PROFILING with a CUDA
+   event at every trap entry (forced: no pass may count as keeping up, ``flextensor.trap_windows``); PROFILING
+   as the engine runs it (traps timed on the host's clock once a pass showed the device keeping up);
+   INFERENCE of a plan that streams nothing, with its traps bypassed (``Trap.bypass``) and with the enter/exit
+   wrapper kept.
 2. *Unregistering on a thread.* 64 regions of 64 MiB registered with ``cudaHostRegister``; a thread
    unregisters them in one go, frees them, or does both region by region with a 1 ms pause, while the main
    thread times launch-bound passes (``flextensor.deferred_build`` does the last after a resident warm-up).
 
 Run on the GPU host: ``python bench/experiment_trap_cost.py`` (under a minute). Prints JSON lines.
 
-Measured on the H200 host on 2026-11-30 (eighth session) by the scratch experiments this file gathers, with the
-same model, variants and loops (this file itself was only checked on the CPU: no device time was left). The
-runs differ by the host's speed (a pure-Python 20k-iteration loop took 0.55-0.96 ms):
+Ninth session, H200 host, 2026-11-30 03:38 UTC (this file as it is):
 
-- PROFILING: 9.3-10.3 us per trap as the engine runs it; 9.1-9.8 us with ctypes records; 3.2-3.6 us with
-  host-clock marks. So 6-7 us per trap are the CUDA event's record and read in the driver, not the binding.
-- INFERENCE of a plan that streams nothing: 2.6 us per trap with the wrapper, 0.33 us bypassed.
-- Unregistering 4 GiB (64 regions) in one go: 85 ms on the thread, and the one main-thread pass meanwhile took
-  85 ms against 2.8 ms idle: ``cudaHostUnregister`` holds a lock the launches wait for (the same through
-  PyTorch's binding and through ctypes). Freeing the memory afterwards: 119 ms on the thread, main-thread
-  passes 4.1 ms median (no stall). Region by region with 1 ms pauses: 317 ms on the thread, passes 4.3 ms
-  median and 5.9 ms at most.
+- PROFILING: 11.4 us per trap with a device mark at every entry, 3.8 us as the engine runs it (twin passes
+  371 and 317 us: a slow host that minute).
+- INFERENCE of a plan that streams nothing: 1.76 us per trap with the wrapper, 0.25 us bypassed.
+- A microbenchmark beside it (scratch, same day): one ``Event.record`` cost 1.6-2.2 us and one
+  ``elapsed_time`` 0.7 us in a tight loop, but 6-11 us and 3.7 us per mark inside a pass of the engine
+  benchmark's model: the event's cost is paid in the pass, not in the driver call alone.
+
+Eighth session, same host (scratch experiments this file gathered; the ctypes and host-clock variants are gone
+since): PROFILING 9.3-10.3 us per trap with an event per entry, 9.1-9.8 us with the events recorded through
+ctypes on raw handles, 3.2-3.6 us with host-clock marks, so the cost is the event, not PyTorch's binding.
+INFERENCE 2.6 us per trap with the wrapper, 0.33 us bypassed. Unregistering 4 GiB (64 regions) in one go: 85 ms
+on the thread, and the one main-thread pass meanwhile took 85 ms against 2.8 ms idle: ``cudaHostUnregister``
+holds a lock the launches wait for (the same through PyTorch's binding and through ctypes). Freeing the memory
+afterwards: 119 ms on the thread, main-thread passes 4.1 ms median (no stall). Region by region with 1 ms
+pauses: 317 ms on the thread, passes 4.3 ms median and 5.9 ms at most. (Ninth session, unchanged: 75 ms in one
+go; 268 ms paced, passes 4.4 ms median and 6.7 ms at most against 2.9 ms idle.)
 """
 
 from __future__ import annotations
