@@ -1,0 +1,220 @@
+"""Experiment (issue 3, profile phase): where the small-batch profile phase's time goes, pass by pass.
+
+bench_engine holds the profile phase to ``profiling_iters`` ordinary forwards plus one transfer sweep and reports
+one ratio per run. This takes the same model and small batch apart:
+
+- every profile pass against a resident twin's pass run just before it (wall, host launch time, GPU time);
+- the first pass's copies (the sweep): their start after the pass began (lead), their span and busy time from the
+  warm-up copy events, the tail after the last copy, against the sweep at the pinned peak;
+- host time spent in the engine's functions, per pass: pass begin/end, trap entry/exit, CUDA marks, reading
+  marks (the wait and the ``elapsed_time`` calls apart), the switch to INFERENCE and its parts (planning, the
+  strategy, packing, entering INFERENCE, ``prepare_switch``);
+- one layer copied in one piece against tensor by tensor (the copy engine's per-copy cost).
+
+The functions are wrapped in place (``perf_counter`` around each call, about 0.3 us each), so the totals are a
+little high; compare passes and parts with each other, not with bench_engine. Three runs in one process:
+NthLayer(1), Adaptive, NthLayer(1) again. Prints JSON lines: one per run, one per pass, then the per-pass
+function totals for passes 0, 1, 5, 9 and the first inference pass.
+
+Run on the GPU host: ``python bench/experiment_profile_anatomy.py`` (about 30 s).
+
+Ninth session, H200 host, 2026-11-30, measured by the scratch version of this file (the same model, loops and
+wrappers, in six calls as the engine changed; this file itself was checked on the CPU only). The host's speed
+varied from call to call (twin passes 2.9-9 ms):
+
+- The first pass: lead 0.09-0.18 ms, tail 0.21 ms, the copies' span 78.1-83.3 ms for 4.0 GiB against
+  77.7-78.3 ms at the same run's pinned peak; one layer tensor by tensor ran at 54.4-55.0 GB/s against
+  55.2-55.5 GB/s in one piece.
+- With a CUDA event per trap entry: 17 marks cost 0.10-0.51 ms of host time per pass, reading a pass
+  0.12-0.2 ms (of which ``elapsed_time`` 0.06-0.1 ms, the wait 5-16 us). Timed on the host's clock after the
+  first pass that kept up: 2 marks, 21-30 us; reading 56-77 us (before the hot path was trimmed).
+- The switch: ``plan_inference`` for NthLayer(1) 1.1-1.5 ms before ``prepare_switch`` (pack_block 0.16-0.3 ms
+  of it, the per-tensor loops about 0.55 ms), 0.55-0.8 ms after in the quiet calls; for Adaptive, which
+  streams nothing on this batch (so packs nothing), 1.26 ms before and 1.19-1.2 ms after, 0.54-0.63 ms of it its
+  own planning; ``defer_inference`` 0.14-0.37 ms. ``prepare_switch`` itself took 0.39-0.84 ms at the end of the
+  first pass, hidden behind the sweep.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import flextensor as ft  # noqa: E402
+import flextensor.basic_strategies as basic  # noqa: E402
+import flextensor.deferred_build as deferred_build  # noqa: E402
+import flextensor.inference as inference  # noqa: E402
+import flextensor.phases as phases  # noqa: E402
+import flextensor.strategies as strategies  # noqa: E402
+import flextensor.timing as timing  # noqa: E402
+import flextensor.warm_copies as warm_copies  # noqa: E402
+from bench_engine import pinned_peak_gbps  # noqa: E402
+from models import BLOCK_PATTERN, ModelSpec, build_model, make_tokens  # noqa: E402
+
+SPENT: dict[tuple[Any, str], list[float]] = defaultdict(list)  # (pass, function) -> seconds per call
+CURRENT = {"pass": -1}
+
+
+def _wrap(owner: Any, name: str) -> None:
+    fn = getattr(owner, name)
+    key = f"{getattr(owner, '__name__', owner)}.{name}"
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPENT[(CURRENT["pass"], key)].append(time.perf_counter() - start)
+
+    setattr(owner, name, timed)
+
+
+def _read_windows_ms(self: Any, windows: list) -> list[float]:
+    """``TimingCollector.read_windows_ms`` (CUDA), its wait and its ``elapsed_time`` calls timed apart."""
+    if not windows:
+        return []
+    t0 = time.perf_counter()
+    windows[-1][1].synchronize()
+    t1 = time.perf_counter()
+    out = [float(start.elapsed_time(end)) for start, end in windows]
+    SPENT[(CURRENT["pass"], "read.wait")].append(t1 - t0)
+    SPENT[(CURRENT["pass"], "read.elapsed")].append(time.perf_counter() - t1)
+    return out
+
+
+def instrument() -> None:
+    # The traps bind _trap_enter/_trap_exit at offload(), so wrapping the class first reaches them too; phases
+    # imports plan_inference and prepare_switch from flextensor.inference at call time.
+    for owner, name in [(phases.PhaseMixin, "_begin_pass"), (phases.PhaseMixin, "_end_pass"),
+                        (phases.PhaseMixin, "_trap_enter"), (phases.PhaseMixin, "_trap_exit"),
+                        (phases.PhaseMixin, "_resolve_windows"), (phases.PhaseMixin, "_recycle_windows"),
+                        (phases.PhaseMixin, "_start_inference"), (timing.TimingCollector, "mark"),
+                        (warm_copies.WarmCopiesMixin, "_preload_warmup"), (warm_copies.WarmCopiesMixin, "_warm_samples"),
+                        (inference, "plan_inference"), (inference, "prepare_switch"), (inference, "pack_block"),
+                        (inference, "can_defer"), (inference, "defer_inference"), (inference, "_resolve_budget"),
+                        (inference, "bypass_resident_traps"), (deferred_build, "make_provider"),
+                        (strategies.AdaptiveStrategy, "plan"), (basic.NthLayerStrategy, "plan")]:
+        _wrap(owner, name)
+    timing.TimingCollector.read_windows_ms = _read_windows_ms
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def one_pass(fn: Callable, x: torch.Tensor) -> tuple[dict, Any, Any]:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    with torch.no_grad():
+        fn(x)
+    end.record()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return {"wall": time.perf_counter() - t0, "host": t1 - t0, "gpu": start.elapsed_time(end) / 1e3}, start, end
+
+
+def run(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, strategy: Any, label: str,
+        peak_gbps: float) -> None:
+    SPENT.clear()
+    config = ft.OffloadConfig(include_patterns=[BLOCK_PATTERN], pinned_memory=True, skip_discovery=True,
+                              profiling_iters=10, load_strategy=strategy)
+    proxy = ft.offload(model, config=config, name=label)
+    manager = ft.get_offload_manager(label)
+    rows = []
+    gc.disable()  # a collection inside a pass would be charged to whichever function it landed in
+    try:
+        for i in range(manager.iters_before_inference):
+            ordinary, _, _ = one_pass(twin, x)
+            CURRENT["pass"] = i
+            mine, start, end = one_pass(proxy, x)
+            row = {"pass": i, "twin_ms": _ms(ordinary["wall"]), "wall_ms": _ms(mine["wall"]),
+                   "host_ms": _ms(mine["host"]), "gpu_ms": _ms(mine["gpu"]),
+                   "excess_ms": _ms(mine["wall"] - ordinary["wall"])}
+            copies = manager._warm_events  # the sweep's (bytes, start, end) per trap, read at the switch
+            if i == 0 and copies:
+                nbytes = sum(b for b, _, _ in copies)
+                row.update(lead_ms=round(start.elapsed_time(copies[0][1]), 3),
+                           span_ms=round(copies[0][1].elapsed_time(copies[-1][2]), 3),
+                           busy_ms=round(sum(a.elapsed_time(b) for _, a, b in copies), 3),
+                           tail_ms=round(copies[-1][2].elapsed_time(end), 3),
+                           sweep_at_peak_ms=_ms(nbytes / (peak_gbps * 1e9)), bytes=nbytes)
+            rows.append(row)
+    finally:
+        gc.enable()
+    CURRENT["pass"] = "inference"
+    first, _, _ = one_pass(proxy, x)
+    manager.wait_for_host_blocks()
+    print(json.dumps({"run": label, "twin_median_ms": statistics.median(r["twin_ms"] for r in rows),
+                      "phase_ms": round(sum(r["wall_ms"] for r in rows), 3), "first_inference_ms": _ms(first["wall"])}))
+    for row in rows:
+        print(json.dumps(row))
+    for (index, key), seconds in sorted(SPENT.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        if index in (0, 1, 5, 9, "inference"):
+            print(json.dumps({"pass": index, "fn": key, "calls": len(seconds), "sum_ms": _ms(sum(seconds)),
+                              "max_ms": _ms(max(seconds))}))
+    ft.release(label)
+
+
+def copy_granularity(layer: torch.nn.Module, peak_gbps: float) -> None:
+    """One layer's bytes copied in one piece, and tensor by tensor, from one pinned buffer."""
+    sizes = [p.numel() * p.element_size() for p in layer.parameters()]
+    total = sum(sizes)
+    src = torch.empty(total, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(total, dtype=torch.uint8, device="cuda")
+    ms: dict[str, list[float]] = {"whole": [], "pieces": []}
+    for mode in ("whole", "pieces") * 2:
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            if mode == "whole":
+                dst.copy_(src, non_blocking=True)
+            else:
+                offset = 0
+                for n in sizes:
+                    dst[offset:offset + n].copy_(src[offset:offset + n], non_blocking=True)
+                    offset += n
+            end.record()
+            end.synchronize()
+            ms[mode].append(start.elapsed_time(end))
+    whole, pieces = statistics.median(ms["whole"]), statistics.median(ms["pieces"])
+    print(json.dumps({"copy_granularity": {"tensors": len(sizes), "bytes": total,
+                                           "gbps_whole": round(total / whole / 1e6, 2),
+                                           "gbps_pieces": round(total / pieces / 1e6, 2),
+                                           "pinned_peak_gbps": round(peak_gbps, 2)}}))
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("experiment_profile_anatomy needs a CUDA device: it times CUDA events and copies")
+    instrument()
+    spec = ModelSpec(hidden=4096, layers=16, vocab=32000, mlp_ratio=2)
+    device = torch.device("cuda")
+    model = build_model(spec, device, torch.bfloat16, seed=0)
+    x = make_tokens(spec, 1, 128, device)
+    twin = copy.deepcopy(model)
+    peak = pinned_peak_gbps(spec.block_bytes(torch.bfloat16), device, 5)
+    copy_granularity(model.layers[0], peak)
+    model.to("cpu")
+    gc.collect()
+    torch.cuda.empty_cache()
+    for _ in range(3):
+        one_pass(twin, x)
+    for label, strategy in [("nth1", ft.NthLayerStrategy(1)), ("adaptive", None), ("nth1_again", ft.NthLayerStrategy(1))]:
+        run(model, twin, x, strategy, label, peak)
+
+
+if __name__ == "__main__":
+    main()
