@@ -9,7 +9,9 @@ one ratio per run. This takes the same model and small batch apart:
 - host time spent in the engine's functions, per pass: pass begin/end, trap entry/exit, CUDA marks, reading
   marks (the wait and the ``elapsed_time`` calls apart), the switch to INFERENCE and its parts (planning, the
   strategy, packing, entering INFERENCE, ``prepare_switch``);
-- one layer copied in one piece against tensor by tensor (the copy engine's per-copy cost).
+- one layer copied in one piece against tensor by tensor, on one stream and alternating between two (the copy
+  engine's per-copy cost, and whether a second engine hides it; the two-stream variant is new since the runs
+  below).
 
 The functions are wrapped in place (``perf_counter`` around each call, about 0.3 us each), so the totals are a
 little high; compare passes and parts with each other, not with bench_engine. Three runs in one process:
@@ -168,13 +170,16 @@ def run(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, strategy
 
 
 def copy_granularity(layer: torch.nn.Module, peak_gbps: float) -> None:
-    """One layer's bytes copied in one piece, and tensor by tensor, from one pinned buffer."""
+    """One layer's bytes copied from one pinned buffer: in one piece, tensor by tensor on one stream (as the
+    warm-up sweep copies), and tensor by tensor alternating between two streams (can a second copy engine hide
+    the gap between two copies?)."""
     sizes = [p.numel() * p.element_size() for p in layer.parameters()]
     total = sum(sizes)
     src = torch.empty(total, dtype=torch.uint8).pin_memory()
     dst = torch.empty(total, dtype=torch.uint8, device="cuda")
-    ms: dict[str, list[float]] = {"whole": [], "pieces": []}
-    for mode in ("whole", "pieces") * 2:
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    ms: dict[str, list[float]] = {"whole": [], "pieces": [], "pieces_two_streams": []}
+    for mode in list(ms) * 2:
         for _ in range(5):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
@@ -182,18 +187,22 @@ def copy_granularity(layer: torch.nn.Module, peak_gbps: float) -> None:
             if mode == "whole":
                 dst.copy_(src, non_blocking=True)
             else:
+                used = streams if mode == "pieces_two_streams" else [torch.cuda.current_stream()]
+                for stream in used:
+                    stream.wait_event(start)
                 offset = 0
-                for n in sizes:
-                    dst[offset:offset + n].copy_(src[offset:offset + n], non_blocking=True)
+                for i, n in enumerate(sizes):
+                    with torch.cuda.stream(used[i % len(used)]):
+                        dst[offset:offset + n].copy_(src[offset:offset + n], non_blocking=True)
                     offset += n
+                for stream in used:
+                    torch.cuda.current_stream().wait_stream(stream)
             end.record()
             end.synchronize()
             ms[mode].append(start.elapsed_time(end))
-    whole, pieces = statistics.median(ms["whole"]), statistics.median(ms["pieces"])
-    print(json.dumps({"copy_granularity": {"tensors": len(sizes), "bytes": total,
-                                           "gbps_whole": round(total / whole / 1e6, 2),
-                                           "gbps_pieces": round(total / pieces / 1e6, 2),
-                                           "pinned_peak_gbps": round(peak_gbps, 2)}}))
+    print(json.dumps({"copy_granularity": {"tensors": len(sizes), "bytes": total, "pinned_peak_gbps": round(peak_gbps, 2),
+                                           **{f"gbps_{mode}": round(total / statistics.median(v) / 1e6, 2)
+                                              for mode, v in ms.items()}}}))
 
 
 def main() -> None:
