@@ -66,15 +66,16 @@ class SwitchInputs(NamedTuple):
 
     ``tensors``: the trap's exclusive tensors of non-zero size as the planner's ``TensorCost`` (aligned bytes, the
     trap's order); ``whole``: the packed block of all of them, with the names it packs, for the usual plan that
-    streams a trap whole (a plan streaming part of a trap packs that part at the switch); ``raw_bytes``: every
-    model tensor's unaligned bytes, and ``total_raw_bytes`` their sum (the fixed resident bytes are the total
-    less what the plan may offload).
+    streams a trap whole (a plan streaming part of a trap packs that part at the switch); ``exclusive_bytes``:
+    each exclusive tensor's unaligned bytes; ``others``: every other model tensor, whose bytes are counted at the
+    switch (a buffer may grow in place while the model is profiled; exclusive tensors are parameters, whose
+    shape, dtype and layout are taken as fixed from the first counted pass on).
     """
 
     tensors: dict[str, tuple[Any, ...]]
     whole: dict[str, tuple[tuple[str, ...], BlockLayout]]
-    raw_bytes: dict[str, int]
-    total_raw_bytes: int
+    exclusive_bytes: dict[str, int]
+    others: tuple[torch.Tensor, ...]
 
 
 def prepare_switch(m: "OffloadManager") -> SwitchInputs:
@@ -91,7 +92,7 @@ def prepare_switch(m: "OffloadManager") -> SwitchInputs:
     from flextensor.plan_model import TensorCost
 
     tensors = m._tensors
-    raw = {n: tensor_nbytes(e.tensor) for n, e in tensors.items()}
+    raw = {n: tensor_nbytes(tensors[n].tensor) for names in m._exclusive.values() for n in names}
     per_trap: dict[str, tuple[Any, ...]] = {}
     whole: dict[str, tuple[tuple[str, ...], BlockLayout]] = {}
     for label, exclusive in m._exclusive.items():
@@ -99,7 +100,8 @@ def prepare_switch(m: "OffloadManager") -> SwitchInputs:
         per_trap[label] = tuple(TensorCost(n, _aligned(raw[n])) for n in names)
         if names:
             whole[label] = (names, pack_block(0, label, [_layout_entry(tensors[n].tensor, n) for n in names]))
-    inputs = SwitchInputs(per_trap, whole, raw, sum(raw.values()))
+    others = tuple(e.tensor for n, e in tensors.items() if n not in raw)
+    inputs = SwitchInputs(per_trap, whole, raw, others)
     m._switch_inputs = inputs
     if m._timing is None:  # the traps INFERENCE may call directly (bypass_resident_traps)
         for trap in m._traps.values():
@@ -121,7 +123,7 @@ def plan_inference(m: "OffloadManager") -> None:
     cfg = m._config()
     order = list(dict.fromkeys(m._sequence))
     tensors = m._tensors
-    inputs = m._switch_inputs or prepare_switch(m)
+    inputs = m._switch_inputs if m._switch_inputs is not None else prepare_switch(m)
     m._switch_inputs = None  # used once: a later plan (after a release) starts from the model again
     m._compute_s = {label: statistics.median(m._durations.get(label) or [0.0]) for label in order}
     calls = Counter(m._sequence)
@@ -133,7 +135,8 @@ def plan_inference(m: "OffloadManager") -> None:
         compute = m._compute_s[label]
         cost = _stream_cost(compute, m._host_durations.get(label), calls[label]) if trap_tensors else 0.0
         costs.append(TrapCost(label, compute, trap_tensors, cost))
-    fixed = inputs.total_raw_bytes - sum(inputs.raw_bytes[n] for n in offloadable)
+    fixed = (sum(tensor_nbytes(t) for t in inputs.others)
+             + sum(nbytes for n, nbytes in inputs.exclusive_bytes.items() if n not in offloadable))
     m._samples = m._warm_samples() or transfer_sweep(m._device, [c.total_bytes for c in costs],
                                                      pinned=cfg.pinned_memory)
     transfer = TransferModel.fit(m._samples) if m._samples else TransferModel(1e9)

@@ -169,13 +169,20 @@ class PhaseMixin:
         if self._warm_pending and self._phase in (Phase.DISCOVERY, Phase.PROFILING):
             self._preload_warmup()  # resident warm-up: the one copy of each candidate, ahead of everything
         self._pass_sequence = []
-        self._pass_windows = []
+        if self._pass_windows:  # windows of trap calls made outside any pass: dropped, their marks reused
+            self._recycle_windows(PassWindows(self._pass_windows, True, None, 0.0))
+            self._pass_windows = []
         if self._phase is Phase.PROFILING:
             pending = self._pending_windows
-            if pending and self._clock is not None and self._clock.done(pending[-1].end):
-                self._resolve_windows(keep_last=0)  # the device is past them: reading waits for nothing
-            # Per-trap device marks until a pass showed the device keeping up with the host (flextensor.trap_windows)
-            self._pass_on_device = not self._device_kept_up
+            behind = False
+            if pending and self._clock is not None:
+                if self._clock.done(pending[-1].end):
+                    self._resolve_windows(keep_last=0)  # the device is past them: reading waits for nothing
+                else:
+                    behind = True
+            # Per-trap device marks until a pass showed the device keeping up with the host, and whenever the
+            # device has not finished the last pass when this one starts (flextensor.trap_windows)
+            self._pass_on_device = behind or not self._device_kept_up
         if self._phase is Phase.DISCOVERY and self._recorder is not None:
             self._recorder.current = OUTSIDE
             self._recorder.__enter__()
@@ -209,17 +216,19 @@ class PhaseMixin:
             end = None
             if counted and self._pass_windows:
                 assert self._clock is not None
-                end, now = self._clock.mark(), perf_counter()
+                now = perf_counter()
+                end = self._clock.mark_at(now)
                 self._close_window(end, now)  # the last trap's window ends with the pass
             if self._warm_last is not None:  # traps this pass did not enter: everything after waits for all copies
                 self._wait_warm_copy(None)
+            windows, self._pass_windows = self._pass_windows, []
             if not counted:
-                self._recycle_windows(PassWindows(self._pass_windows, True, None, 0.0))
+                self._recycle_windows(PassWindows(windows, True, None, 0.0))
                 return
             # Read one pass late (or at the next pass's start): this pass's marks are still queued behind its
             # kernels, and reading them now would make the host wait for the device at the end of every pass.
             if end is not None:
-                self._pending_windows.append(PassWindows(self._pass_windows, self._pass_on_device, end, now))
+                self._pending_windows.append(PassWindows(windows, self._pass_on_device, end, now))
             self._resolve_windows(keep_last=1)
             self._sequence = list(self._pass_sequence)
             self._iteration += 1
@@ -274,7 +283,8 @@ class PhaseMixin:
             window = windows[-1]
             if host is None:
                 assert self._clock is not None
-                mark, host = (self._clock.mark() if self._pass_on_device else None), perf_counter()
+                host = perf_counter()
+                mark = self._clock.mark_at(host) if self._pass_on_device else None
             window.end, window.host_end = mark, host
 
     def _resolve_windows(self, keep_last: int) -> None:
@@ -335,8 +345,8 @@ class PhaseMixin:
                     self._pass_sequence.append(label)
                     windows = self._pass_windows
                     # A device mark at every entry, or only at the first (the pass's span: flextensor.trap_windows)
-                    mark = self._clock.mark() if self._pass_on_device or not windows else None  # type: ignore[union-attr]
                     now = perf_counter()
+                    mark = self._clock.mark_at(now) if self._pass_on_device or not windows else None  # type: ignore[union-attr]
                     if windows:  # the window before, if still open, ends where this one starts
                         last = windows[-1]
                         if last.host_end is None:
@@ -462,6 +472,7 @@ class PhaseMixin:
         for record in self._pending_windows:
             self._recycle_windows(record)
         self._pending_windows.clear()
+        self._device_kept_up = False  # the passes after start over: a device mark per entry until one keeps up
         self._durations.clear()
         self._host_durations.clear()
 

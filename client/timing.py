@@ -332,6 +332,11 @@ class TimingCollector:
                 out.append(float(start.elapsed_time(end)))
         return out
 
+    def mark_at(self, now: float) -> Any:
+        """A mark for the host time ``now`` (a ``perf_counter`` reading just taken): on a host clock that very
+        reading, so a window's two clocks agree exactly there (``flextensor.trap_windows``); else :meth:`mark`."""
+        return now if not self.use_cuda else self.mark()
+
     def done(self, mark: Any) -> bool:
         """Whether the device has passed ``mark`` (a host-clock mark always has): reading it then waits for nothing."""
         return not self.use_cuda or bool(mark.query())

@@ -21,16 +21,19 @@ So a pass marks every trap entry on the device until one pass has shown that the
 windows, and its whole span, agree on both clocks (:func:`clocks_agree`). The next passes mark only their first
 entry and their end on the device (two events a pass) and time the traps on the host clock; each of them checks
 its span on both clocks, and one whose span disagrees (the device fell behind) sends the next pass back to
-device marks. The windows of a host-marked pass are its device windows too, also when its own span check fails:
-the device took longer than the host there, so the host's windows are the shorter, cautious estimate (less
-compute to hide copies behind), and the passes after it are measured on the device again.
+device marks. So does a pass that starts before the device has reached the last pass's end mark: the device is
+behind then, whatever the last pass read said, and that pass's own reading comes only later. The windows of a
+host-marked pass are its device windows too, also when its own span check fails: the device took longer than
+the host there, so the host's windows are the shorter, cautious estimate (less compute to hide copies behind),
+and the passes after it are measured on the device again. ``clear_profiling_durations`` starts over with
+device marks.
 
 Reading
 -------
 Marks are read one pass late, or at the start of the next pass when the device has already passed the end mark
 (``TimingCollector.done``): reading them at once would make the host wait for the device every pass. A CPU
-compute device has one clock: its marks are ``perf_counter`` readings, every pass agrees with itself, and the
-same code runs there.
+compute device has one clock: a window's mark is the very ``perf_counter`` reading of its host time
+(``TimingCollector.mark_at``), every pass agrees with itself, and the same code runs there.
 """
 
 from __future__ import annotations

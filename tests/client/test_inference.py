@@ -70,8 +70,10 @@ def test_the_switch_is_prepared_after_the_first_counted_pass_and_consumed_by_it(
         expected = [(n, (om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size() + 255) // 256 * 256)
                     for n in names]
         assert [(t.name, t.nbytes) for t in inputs.tensors[label]] == expected
-    assert inputs.total_raw_bytes == sum(t.numel() * t.element_size() for t in
-                                         (e.tensor for e in om._tensors.values()))
+    exclusive = {n for names in om._exclusive.values() for n in names}
+    assert inputs.exclusive_bytes == {n: om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size()
+                                      for n in exclusive}
+    assert [id(t) for t in inputs.others] == [id(e.tensor) for n, e in om._tensors.items() if n not in exclusive]
     _passes(model, ids, ref, 2)  # the last one switches
     assert om.phase is Phase.INFERENCE and om._switch_inputs is None
     om.wait_for_host_blocks()
@@ -145,3 +147,39 @@ def test_the_direct_forwards_of_bypassed_traps_are_built_ahead_and_installed_at_
         else:
             assert trap.bypassed and trap.module.forward is prepared[label]
     _passes(model, ids, ref, 3)
+
+
+class RecordingNthLayer(ft.NthLayerStrategy):
+    """NthLayer(1) that keeps the planner's input."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.inputs: list = []
+
+    def plan(self, inp):
+        self.inputs.append(inp)
+        return super().plan(inp)
+
+
+def test_a_buffer_that_grows_while_profiled_is_counted_at_its_size_at_the_switch():
+    """Only the exclusive parameters' sizes are taken at the first counted pass; every other tensor (here a
+    buffer resized in place after it) is counted when the plan is made."""
+    model = tiny_transformer()
+    model.register_buffer("cache", torch.zeros(4))
+    ids = token_ids().to(DEVICE)
+    strategy = RecordingNthLayer()
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=strategy, profiling_iters=3,
+                                 skip_discovery=True))
+    with torch.no_grad():
+        model(ids)
+        assert om._switch_inputs is not None
+        cache = om._tensors["cache"].tensor
+        assert cache is model.cache
+        cache.resize_(1024)  # 4 KiB now, 16 bytes when the switch was prepared
+        model(ids)
+        model(ids)
+    assert om.phase is Phase.INFERENCE and len(strategy.inputs) == 1
+    exclusive = {n for names in om._exclusive.values() for n in names}
+    expected = sum(e.tensor.numel() * e.tensor.element_size() for n, e in om._tensors.items() if n not in exclusive)
+    assert strategy.inputs[0].fixed_resident_bytes == expected and expected >= 4096

@@ -26,12 +26,14 @@ from tests.client.models import ALL, DEVICE, cpu_config, release_managers  # noq
 
 
 class FakeMark:
-    def __init__(self, device_s: float) -> None:
+    def __init__(self, device_s: float, behind: bool = False) -> None:
         self.device_s = device_s
+        self.behind = behind  # recorded while the device lagged: not done when the next pass starts
 
 
 class FakeClock:
-    """The ``TimingCollector`` surface PROFILING uses, with device times ``scale`` x the host's."""
+    """The ``TimingCollector`` surface PROFILING uses, with device times ``scale`` x the host's; a device
+    slower than the host (scale > 1) has not reached a mark by the next pass's start."""
 
     use_cuda = True
 
@@ -41,14 +43,17 @@ class FakeClock:
         self.recycled: list[FakeMark] = []
 
     def mark(self) -> FakeMark:
+        return self.mark_at(time.perf_counter())
+
+    def mark_at(self, now: float) -> FakeMark:
         self.marks += 1
-        return FakeMark(self.scale * time.perf_counter())
+        return FakeMark(self.scale * now, behind=self.scale > 1.0)
 
     def read_windows_ms(self, pairs):
         return [(end.device_s - start.device_s) * 1e3 for start, end in pairs]
 
     def done(self, mark) -> bool:
-        return True
+        return not mark.behind
 
     def recycle_marks(self, marks) -> None:
         self.recycled.extend(marks)
@@ -166,3 +171,50 @@ def test_a_host_marked_pass_whose_span_disagrees_sends_the_next_pass_back_to_dev
     om, _clock, per_pass = _profile([1.0, 1.0, 3.0, 1.0, 1.0])
     assert [n >= 4 + 1 for n in per_pass] == [True, False, False, True, False] and per_pass[1:3] == [2, 2]
     assert all(len(v) == 5 for v in om._durations.values())
+
+
+def test_a_pass_that_starts_before_the_device_finished_the_last_one_marks_every_entry():
+    """The device falls behind from pass 3 on: pass 3 cannot know it (host clock, its host windows are its
+    samples), but pass 4 starts while the device is still in pass 3, so it and pass 5 are marked on the device
+    and their samples are the device's (3x the host's), not the host's."""
+    om, _clock, per_pass = _profile([1.0, 1.0, 3.0, 3.0, 3.0])
+    assert [n >= 4 + 1 for n in per_pass] == [True, False, False, True, True]
+    for label, samples in om._durations.items():
+        ratios = [d / h for d, h in zip(samples, om._host_durations[label])]
+        assert ratios[:3] == pytest.approx([1.0] * 3, abs=0.05) and ratios[3:] == pytest.approx([3.0] * 2, rel=0.05)
+
+
+def test_clearing_the_durations_starts_over_with_device_marks():
+    model = Stack()
+    ft.offload(model, cpu_config(include_patterns=["layers.*"], load_strategy=ALL, skip_discovery=True,
+                                 profiling_iters=5))
+    om = ft.get_offload_manager()
+    clock = om._clock = FakeClock()
+    x = torch.ones(2, 8, device=DEVICE)
+    counts = []
+    with torch.no_grad():
+        for i in range(4):
+            if i == 2:
+                ft.clear_profiling_durations()
+            before = clock.marks
+            model(x)
+            counts.append(clock.marks - before)
+    assert [n >= 4 + 1 for n in counts] == [True, False, True, False]
+    assert all(len(v) == 2 for v in om.profiling_durations.values())  # the two passes after the clear
+
+
+def test_a_trap_called_outside_a_pass_during_profiling_is_not_timed_and_breaks_nothing():
+    model = Stack()
+    ft.offload(model, cpu_config(include_patterns=["layers.*"], load_strategy=ALL, skip_discovery=True,
+                                 profiling_iters=3))
+    om = ft.get_offload_manager()
+    clock = om._clock = FakeClock()
+    x = torch.ones(2, 8, device=DEVICE)
+    with torch.no_grad():
+        model(x)
+        model.layers[0](x)  # a trap module on its own, between two passes
+        model(x)
+        model(x)
+    assert om.phase is Phase.INFERENCE
+    assert all(len(v) == 3 for v in om._durations.values())
+    assert len(clock.recycled) == clock.marks  # its mark went back to the pool with the others

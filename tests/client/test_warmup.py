@@ -285,8 +285,8 @@ def test_resident_copies_happen_before_every_timing_window():
     """skip_discovery: the first PROFILING pass is timed too, so the one sweep must precede its first trap."""
     model, x, ref, om = _resident_mlp_without_discovery(3)
     counts: list[int] = []
-    mark = om._clock.mark
-    om._clock.mark = lambda: (counts.append(om._warm.copies), mark())[1]
+    mark_at = om._clock.mark_at
+    om._clock.mark_at = lambda now: (counts.append(om._warm.copies), mark_at(now))[1]
     _run(model, x, ref, om)
     assert set(counts) == {16}
     # The first pass: one mark per trap entry and one at its end, and each entry after the first also closes
