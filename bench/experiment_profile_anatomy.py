@@ -101,7 +101,8 @@ def instrument() -> None:
                         (phases.PhaseMixin, "_trap_enter"), (phases.PhaseMixin, "_trap_exit"),
                         (phases.PhaseMixin, "_resolve_windows"), (phases.PhaseMixin, "_recycle_windows"),
                         (phases.PhaseMixin, "_start_inference"), (timing.TimingCollector, "mark"),
-                        (warm_copies.WarmCopiesMixin, "_preload_warmup"), (warm_copies.WarmCopiesMixin, "_warm_samples"),
+                        (warm_copies.WarmCopiesMixin, "_preload_warmup"),
+                        (warm_copies.WarmCopiesMixin, "_warm_samples"),
                         (inference, "plan_inference"), (inference, "prepare_switch"), (inference, "pack_block"),
                         (inference, "can_defer"), (inference, "defer_inference"), (inference, "_resolve_budget"),
                         (inference, "bypass_resident_traps"), (deferred_build, "make_provider"),
@@ -200,9 +201,9 @@ def copy_granularity(layer: torch.nn.Module, peak_gbps: float) -> None:
             end.record()
             end.synchronize()
             ms[mode].append(start.elapsed_time(end))
-    print(json.dumps({"copy_granularity": {"tensors": len(sizes), "bytes": total, "pinned_peak_gbps": round(peak_gbps, 2),
-                                           **{f"gbps_{mode}": round(total / statistics.median(v) / 1e6, 2)
-                                              for mode, v in ms.items()}}}))
+    rates = {f"gbps_{mode}": round(total / statistics.median(v) / 1e6, 2) for mode, v in ms.items()}
+    print(json.dumps({"copy_granularity": {"tensors": len(sizes), "bytes": total,
+                                           "pinned_peak_gbps": round(peak_gbps, 2), **rates}}))
 
 
 def main() -> None:
@@ -221,7 +222,8 @@ def main() -> None:
     torch.cuda.empty_cache()
     for _ in range(3):
         one_pass(twin, x)
-    for label, strategy in [("nth1", ft.NthLayerStrategy(1)), ("adaptive", None), ("nth1_again", ft.NthLayerStrategy(1))]:
+    runs = [("nth1", ft.NthLayerStrategy(1)), ("adaptive", None), ("nth1_again", ft.NthLayerStrategy(1))]
+    for label, strategy in runs:
         run(model, twin, x, strategy, label, peak)
 
 

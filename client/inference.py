@@ -133,7 +133,7 @@ def plan_inference(m: "OffloadManager") -> None:
         trap_tensors = inputs.tensors.get(label, ())
         offloadable.update(t.name for t in trap_tensors)
         compute = m._compute_s[label]
-        cost = _stream_cost(compute, m._host_durations.get(label), calls[label]) if trap_tensors else 0.0
+        cost = _trap_stream_cost(compute, m._host_durations.get(label), calls[label]) if trap_tensors else 0.0
         costs.append(TrapCost(label, compute, trap_tensors, cost))
     fixed = (sum(tensor_nbytes(t) for t in inputs.others)
              + sum(nbytes for n, nbytes in inputs.exclusive_bytes.items() if n not in offloadable))
@@ -178,7 +178,7 @@ def plan_inference(m: "OffloadManager") -> None:
             logger.info("manager %r: %s", m.name, line)
 
 
-def _stream_cost(compute_s: float, host: Sequence[float] | None, calls: int) -> float:
+def _trap_stream_cost(compute_s: float, host: Sequence[float] | None, calls: int) -> float:
     """``TrapCost.stream_cost_s`` of a trap called ``calls`` times per pass: ``STREAMED_TRAP_COST_S`` per call,
     less what the device's lag hides, never under ``STREAMED_TRAP_DEVICE_S``. Where the device took longer over
     the trap than the host did (median windows: ``compute_s`` on the device, ``host`` on the host), the host is

@@ -30,9 +30,10 @@ depends on the phase:
   (with ``skip_discovery`` the preload is issued at the start of the first PROFILING pass on a side stream,
   and each trap's compute waits for its own copy before its window opens, so that pass's compute overlaps the
   sweep). A pass's marks are read at the end of the next pass, or at its start when the device is past them
-  (reading them at once would make the host wait for the device every pass), and then reused. Each window also keeps the host's ``perf_counter`` at both ends:
-  where the device takes longer than the host to get through a trap, the loader's host work at that trap
-  hides in the difference (``TrapCost.stream_cost_s``, ``flextensor.inference``).
+  (reading them at once would make the host wait for the device every pass), and then reused. Each window
+  also keeps the host's ``perf_counter`` at both ends: where the device takes longer than the host to get
+  through a trap, the loader's host work at that trap hides in the difference (``TrapCost.stream_cost_s``,
+  ``flextensor.inference``).
   Suspended passes (``suspend_profiling``) record nothing and are not counted. After the first counted pass
   (when more follow), ``flextensor.inference.prepare_switch`` does the switch's timing-free work while the device
   still runs that pass; after the last, ``flextensor.inference.plan_inference`` plans and builds INFERENCE.
@@ -346,7 +347,9 @@ class PhaseMixin:
                     windows = self._pass_windows
                     # A device mark at every entry, or only at the first (the pass's span: flextensor.trap_windows)
                     now = perf_counter()
-                    mark = self._clock.mark_at(now) if self._pass_on_device or not windows else None  # type: ignore[union-attr]
+                    clock = self._clock
+                    assert clock is not None
+                    mark = clock.mark_at(now) if self._pass_on_device or not windows else None
                     if windows:  # the window before, if still open, ends where this one starts
                         last = windows[-1]
                         if last.host_end is None:

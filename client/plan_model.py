@@ -495,7 +495,7 @@ def _finish_plan(
         f"{strategy}: {len(offloaded)} of {len(inp.traps)} traps offload {offloaded_bytes} B "
         f"({_mib(offloaded_bytes)}) through {blocks} device blocks of {_mib(block_bytes)}; "
         f"estimated overhead {overhead * 1e3:.3f} ms over {inp.total_compute_s * 1e3:.3f} ms of compute"
-        + (f" (of which {_stream_cost(inp, per_trap) * 1e3:.3f} ms the streamed traps' own cost)"
+        + (f" (of which {_streamed_traps_cost(inp, per_trap) * 1e3:.3f} ms the streamed traps' own cost)"
            if any(inp.stream_costs) and offloaded else "")
     )
     budget = "none (latency mode)" if inp.budget_bytes is None else f"{_mib(inp.budget_bytes)}"
@@ -518,7 +518,7 @@ def _finish_plan(
     )
 
 
-def _stream_cost(inp: PlanInput, per_trap: Sequence[int]) -> float:
+def _streamed_traps_cost(inp: PlanInput, per_trap: Sequence[int]) -> float:
     return sum(cost for cost, nbytes in zip(inp.stream_costs, per_trap) if nbytes > 0)
 
 

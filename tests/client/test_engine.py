@@ -390,7 +390,7 @@ def test_the_plan_charges_each_streamed_trap_the_loaders_cost():
     host's clocks: NthLayer(1) over the four layers of the stack is estimated at no less than their costs, and
     its explanation says so. On the CPU (both clocks are the host's: launch-bound) each pays the whole
     ``STREAMED_TRAP_COST_S``."""
-    from flextensor.inference import STREAMED_TRAP_COST_S, _stream_cost
+    from flextensor.inference import STREAMED_TRAP_COST_S, _trap_stream_cost
 
     model = mlp_stack()
     x = torch.randn(2, 16, device=DEVICE)
@@ -401,7 +401,7 @@ def test_the_plan_charges_each_streamed_trap_the_loaders_cost():
             model(x)
     assert om.phase is Phase.INFERENCE and len(om.offloaded_tensors) == 4
     assert sorted(om._host_durations) == sorted(om._durations) and all(len(v) == 2 for v in om._host_durations.values())
-    costs = [_stream_cost(om._compute_s[label], om._host_durations[label], 1) for label in om._compute_s]
+    costs = [_trap_stream_cost(om._compute_s[label], om._host_durations[label], 1) for label in om._compute_s]
     line = next(line for line in om._explanation if "estimated overhead" in line)
     assert f"(of which {sum(costs) * 1e3:.3f} ms the streamed traps' own cost)" in line
     estimated_ms = float(line.split("estimated overhead ")[1].split(" ms")[0])

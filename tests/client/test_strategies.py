@@ -269,13 +269,13 @@ def test_stream_cost_hides_in_the_device_lag():
     """The engine's per-trap cost: all of it for a launch-bound trap (device time = host time, or no host
     samples), the device's floor where the device lags the host by more than the host's part, per call for a
     trap called twice."""
-    from flextensor.inference import STREAMED_TRAP_COST_S as C, STREAMED_TRAP_DEVICE_S as D, _stream_cost
+    from flextensor.inference import STREAMED_TRAP_COST_S as C, STREAMED_TRAP_DEVICE_S as D, _trap_stream_cost
 
-    assert _stream_cost(1e-3, [1e-3, 1e-3], 1) == pytest.approx(C)
-    assert _stream_cost(1e-3, None, 1) == pytest.approx(C)
-    assert _stream_cost(5e-3, [0.2e-3], 1) == pytest.approx(D)
-    assert _stream_cost(1e-3, [1e-3 - (C - D) / 2], 1) == pytest.approx((C + D) / 2)
-    assert _stream_cost(2e-3, [2e-3 - (C - D)], 2) == pytest.approx(2 * C - (C - D))  # the lag shared by two calls
+    assert _trap_stream_cost(1e-3, [1e-3, 1e-3], 1) == pytest.approx(C)
+    assert _trap_stream_cost(1e-3, None, 1) == pytest.approx(C)
+    assert _trap_stream_cost(5e-3, [0.2e-3], 1) == pytest.approx(D)
+    assert _trap_stream_cost(1e-3, [1e-3 - (C - D) / 2], 1) == pytest.approx((C + D) / 2)
+    assert _trap_stream_cost(2e-3, [2e-3 - (C - D)], 2) == pytest.approx(2 * C - (C - D))  # the lag shared by two calls
 
 
 def test_latency_mode_offloads_more_with_larger_windows():
