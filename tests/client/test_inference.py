@@ -51,14 +51,19 @@ def _passes(model, ids, ref, count):
             assert same(model(ids), ref)
 
 
-@pytest.mark.parametrize("skip_discovery", [True, False])
-def test_the_switch_is_prepared_after_the_first_counted_pass_and_consumed_by_it(skip_discovery):
+def _offload_tiny(strategy, **cfg):
+    """The tiny transformer offloaded by its decoder blocks: (model, ids, reference output, manager)."""
     model = tiny_transformer()
     ids = token_ids().to(DEVICE)
     ref = reference(model, ids)
     om = ft.get_offload_manager()
-    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=3,
-                                 skip_discovery=skip_discovery))
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=strategy, **cfg))
+    return model, ids, ref, om
+
+
+@pytest.mark.parametrize("skip_discovery", [True, False])
+def test_the_switch_is_prepared_after_the_first_counted_pass_and_consumed_by_it(skip_discovery):
+    model, ids, ref, om = _offload_tiny(ALL, profiling_iters=3, skip_discovery=skip_discovery)
     warm_up = om.iters_before_inference - 3  # the DISCOVERY passes, when kept
     _passes(model, ids, ref, warm_up)
     assert om.phase is Phase.PROFILING and om._switch_inputs is None  # DISCOVERY prepares nothing
@@ -83,12 +88,7 @@ def test_the_switch_is_prepared_after_the_first_counted_pass_and_consumed_by_it(
 
 
 def test_a_plan_streaming_part_of_a_trap_packs_that_part():
-    model = tiny_transformer()
-    ids = token_ids().to(DEVICE)
-    ref = reference(model, ids)
-    om = ft.get_offload_manager()
-    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=FirstTensorOnly(),
-                                 profiling_iters=2, skip_discovery=True))
+    model, ids, ref, om = _offload_tiny(FirstTensorOnly(), profiling_iters=2, skip_discovery=True)
     _passes(model, ids, ref, om.iters_before_inference)
     om.wait_for_host_blocks()
     assert om._layouts
@@ -99,12 +99,7 @@ def test_a_plan_streaming_part_of_a_trap_packs_that_part():
 
 
 def test_one_profiling_pass_plans_without_a_prepared_switch():
-    model = tiny_transformer()
-    ids = token_ids().to(DEVICE)
-    ref = reference(model, ids)
-    om = ft.get_offload_manager()
-    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=1,
-                                 skip_discovery=True))
+    model, ids, ref, om = _offload_tiny(ALL, profiling_iters=1, skip_discovery=True)
     _passes(model, ids, ref, 1)
     assert om.phase is Phase.INFERENCE and om._switch_inputs is None
     om.wait_for_host_blocks()
@@ -128,12 +123,7 @@ def test_prepare_switch_skips_zero_byte_tensors():
 def test_the_direct_forwards_of_bypassed_traps_are_built_ahead_and_installed_at_the_switch():
     """``prepare_switch`` builds each module trap's direct forward; the switch installs those very objects on the
     traps that stream nothing (NthLayer(100) streams the first block only)."""
-    model = tiny_transformer()
-    ids = token_ids().to(DEVICE)
-    ref = reference(model, ids)
-    om = ft.get_offload_manager()
-    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ft.NthLayerStrategy(100),
-                                 profiling_iters=3, skip_discovery=True))
+    model, ids, ref, om = _offload_tiny(ft.NthLayerStrategy(100), profiling_iters=3, skip_discovery=True)
     _passes(model, ids, ref, 1)
     prepared = {label: trap._direct for label, trap in om._traps.items()}
     assert all(direct is not None for direct in prepared.values())

@@ -126,16 +126,22 @@ class Stack(nn.Module):
         return x
 
 
+def _offload_stack(profiling_iters: int):
+    """A 4-layer stack offloaded layer by layer, its manager timing on a fake device clock: (model, manager,
+    clock, input)."""
+    model = Stack()
+    ft.offload(model, cpu_config(include_patterns=["layers.*"], load_strategy=ALL, skip_discovery=True,
+                                 profiling_iters=profiling_iters))
+    om = ft.get_offload_manager()
+    clock = om._clock = FakeClock()
+    return model, om, clock, torch.ones(2, 8, device=DEVICE)
+
+
 def _profile(scales: list[float]):
     """Offload a 4-layer stack, then run one PROFILING pass per scale with the fake device clock at that scale;
     returns the manager, the clock and the marks each pass took."""
-    model = Stack()
-    ft.offload(model, cpu_config(include_patterns=["layers.*"], load_strategy=ALL, skip_discovery=True,
-                                 profiling_iters=len(scales)))
-    om = ft.get_offload_manager()
-    clock = om._clock = FakeClock()
+    model, om, clock, x = _offload_stack(len(scales))
     per_pass = []
-    x = torch.ones(2, 8, device=DEVICE)
     with torch.no_grad():
         for scale in scales:
             assert om.phase is Phase.PROFILING
@@ -185,12 +191,7 @@ def test_a_pass_that_starts_before_the_device_finished_the_last_one_marks_every_
 
 
 def test_clearing_the_durations_starts_over_with_device_marks():
-    model = Stack()
-    ft.offload(model, cpu_config(include_patterns=["layers.*"], load_strategy=ALL, skip_discovery=True,
-                                 profiling_iters=5))
-    om = ft.get_offload_manager()
-    clock = om._clock = FakeClock()
-    x = torch.ones(2, 8, device=DEVICE)
+    model, om, clock, x = _offload_stack(5)
     counts = []
     with torch.no_grad():
         for i in range(4):
@@ -204,12 +205,7 @@ def test_clearing_the_durations_starts_over_with_device_marks():
 
 
 def test_a_trap_called_outside_a_pass_during_profiling_is_not_timed_and_breaks_nothing():
-    model = Stack()
-    ft.offload(model, cpu_config(include_patterns=["layers.*"], load_strategy=ALL, skip_discovery=True,
-                                 profiling_iters=3))
-    om = ft.get_offload_manager()
-    clock = om._clock = FakeClock()
-    x = torch.ones(2, 8, device=DEVICE)
+    model, om, clock, x = _offload_stack(3)
     with torch.no_grad():
         model(x)
         model.layers[0](x)  # a trap module on its own, between two passes
