@@ -10,13 +10,14 @@ one ratio per run. This takes the same model and small batch apart:
   marks (the wait and the ``elapsed_time`` calls apart), the switch to INFERENCE and its parts (planning, the
   strategy, packing, entering INFERENCE, ``prepare_switch``);
 - one layer copied in one piece against tensor by tensor, on one stream and alternating between two (the copy
-  engine's per-copy cost, and whether a second engine hides it; the two-stream variant is new since the runs
-  below).
+  engine's per-copy cost, and whether a second engine hides it);
+- each PROFILING pass read: which clock marked it, its span on both clocks, and (device-marked) the largest
+  difference of one window between the clocks (``flextensor.trap_windows``).
 
 The functions are wrapped in place (``perf_counter`` around each call, about 0.3 us each), so the totals are a
 little high; compare passes and parts with each other, not with bench_engine. Three runs in one process:
-NthLayer(1), Adaptive, NthLayer(1) again. Prints JSON lines: one per run, one per pass, then the per-pass
-function totals for passes 0, 1, 5, 9 and the first inference pass.
+NthLayer(1), Adaptive, NthLayer(1) again. Prints JSON lines: one per run, one per pass, one per pass read, then
+the per-pass function totals for passes 0, 1, 5, 9 and the first inference pass.
 
 Run on the GPU host: ``python bench/experiment_profile_anatomy.py`` (about 30 s).
 
@@ -35,6 +36,22 @@ varied from call to call (twin passes 2.9-9 ms):
   streams nothing on this batch (so packs nothing), 1.26 ms before and 1.19-1.2 ms after, 0.54-0.63 ms of it its
   own planning; ``defer_inference`` 0.14-0.37 ms. ``prepare_switch`` itself took 0.39-0.84 ms at the end of the
   first pass, hidden behind the sweep.
+
+Tenth session, same host, 2026-11-30 (04:30-04:50 UTC), this file as it is (commit of the span-only clock rule):
+
+- Two streams for the sweep: one layer tensor by tensor 53.6 / 53.8 GB/s on one / two streams (53.0 in one
+  piece), and in a scratch engine change that alternated the sweep's copies over two side streams (paired runs,
+  one process), the copies' span was 78.1-78.5 ms against 78.05-78.14 ms on one stream, for a peak of 77.95 ms.
+  The sweep is at the peak already (0.1-0.6 ms over it); the change was dropped.
+- Which clock: with every window required to agree on both clocks, the quieter runs never left device marks
+  (17 marks a pass, their passes +0.3-0.45 ms over the twin). A device-marked pass read 30-50 us apart on its
+  windows (up to 312 us on the first, the sweep's) while its span agreed within 1.3%. With the span alone
+  deciding (``flextensor.trap_windows``), every run marks passes 3-9 on the host clock, and passes 2-8 cost
+  +0.15-0.27 ms over the twin in the quiet runs (engine functions about 0.15 ms of it: trap entries and exits
+  0.06-0.08, pass begin with reading 0.05, pass end 0.02).
+- The switch: ``_end_pass`` 0.74-0.93 ms for NthLayer(1) (``plan_inference`` 0.63-0.82: the strategy 0.13-0.15,
+  ``defer_inference`` 0.15-0.21, ``can_defer`` 0.05) and 1.33 ms for Adaptive (its planning 0.56, defer 0.28);
+  reading the last pass at the switch 0.12 ms.
 """
 
 from __future__ import annotations
@@ -59,6 +76,7 @@ import flextensor.inference as inference  # noqa: E402
 import flextensor.phases as phases  # noqa: E402
 import flextensor.strategies as strategies  # noqa: E402
 import flextensor.timing as timing  # noqa: E402
+import flextensor.trap_windows as trap_windows  # noqa: E402
 import flextensor.warm_copies as warm_copies  # noqa: E402
 from bench_engine import pinned_peak_gbps  # noqa: E402
 from models import BLOCK_PATTERN, ModelSpec, build_model, make_tokens  # noqa: E402
@@ -94,6 +112,24 @@ def _read_windows_ms(self: Any, windows: list) -> list[float]:
     return out
 
 
+READS: list[dict] = []  # one per PROFILING pass read: which clock marked it, how far its windows' clocks differ
+
+
+def _read_pass(clock: Any, record: Any) -> Any:
+    """``flextensor.trap_windows.read_pass``, noting for each pass read whether it was marked on the device, its
+    span on both clocks and (device-marked) the largest difference of one window between the clocks."""
+    reading = trap_windows.read_pass(clock, record)
+    row = {"read_at": CURRENT["pass"], "on_device": record.on_device, "kept_up": reading.kept_up,
+           "span_device_ms": _ms(sum(reading.device.values())), "span_host_ms": _ms(sum(reading.host.values()))}
+    if record.on_device and reading.device:
+        diffs = [reading.device[k] - reading.host[k] for k in reading.device]
+        row.update(max_window_diff_us=round(max(diffs, key=abs) * 1e6, 1),
+                   windows_agree=all(trap_windows.clocks_agree(reading.device[k], reading.host[k])
+                                     for k in reading.device))
+    READS.append(row)
+    return reading
+
+
 def instrument() -> None:
     # The traps bind _trap_enter/_trap_exit at offload(), so wrapping the class first reaches them too; phases
     # imports plan_inference and prepare_switch from flextensor.inference at call time.
@@ -109,6 +145,7 @@ def instrument() -> None:
                         (strategies.AdaptiveStrategy, "plan"), (basic.NthLayerStrategy, "plan")]:
         _wrap(owner, name)
     timing.TimingCollector.read_windows_ms = _read_windows_ms
+    phases.read_pass = _read_pass  # phases imported the name
 
 
 def _ms(seconds: float) -> float:
@@ -131,6 +168,7 @@ def one_pass(fn: Callable, x: torch.Tensor) -> tuple[dict, Any, Any]:
 def run(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, strategy: Any, label: str,
         peak_gbps: float) -> None:
     SPENT.clear()
+    READS.clear()
     config = ft.OffloadConfig(include_patterns=[BLOCK_PATTERN], pinned_memory=True, skip_discovery=True,
                               profiling_iters=10, load_strategy=strategy)
     proxy = ft.offload(model, config=config, name=label)
@@ -162,6 +200,8 @@ def run(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, strategy
     print(json.dumps({"run": label, "twin_median_ms": statistics.median(r["twin_ms"] for r in rows),
                       "phase_ms": round(sum(r["wall_ms"] for r in rows), 3), "first_inference_ms": _ms(first["wall"])}))
     for row in rows:
+        print(json.dumps(row))
+    for row in READS:
         print(json.dumps(row))
     for (index, key), seconds in sorted(SPENT.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         if index in (0, 1, 5, 9, "inference"):
