@@ -17,8 +17,8 @@ ratio compares numbers taken minutes apart on the same machine:
    dependency, the section is skipped with a note when it is missing). Goal: flextensor >= 3x faster.
 4. The profile phase: the ``iters_before_inference`` forwards after ``ft.offload`` against ``profiling_iters``
    ordinary (resident) forwards plus one transfer sweep (every offloaded byte once at the pinned peak). The
-   ordinary forward is a resident twin of the model on the same input, run before each profile pass (paired).
-   Goal: no more than that.
+   ordinary forwards are a resident twin of the model on the same input, one run before each profile pass
+   (paired), summed. Goal: no more than that.
 
 Passes are timed whole, with ``torch.cuda.synchronize`` on both sides (a benchmark may sync; the engine must
 not), medians over ``--repeat`` passes after a warm-up pass. ``--quick`` runs a tiny model on the CPU (float32,
@@ -327,8 +327,9 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
         f"per pass over {eager['passes']} passes: transfer {eager['transfer_ms']:.1f} ms, compute "
         f"{eager['compute_ms']:.1f} ms, wait {eager['wait_ms']:.1f} ms")
     profiled = [("small", nth), ("small", r["nth_eager"]), ("small", ada_s), ("large", ada_l)]
-    profile_rows = [_profile_row(batch, run, _ordinary_s(run, res, batch), r) for batch, run in profiled]
-    profile_ratios = [run["profile_s"] / _profile_goal_s(_ordinary_s(run, res, batch), r) for batch, run in profiled]
+    profile_rows = [_profile_row(batch, run, res, r) for batch, run in profiled]
+    profile_ratios = [run["profile_s"] / _profile_goal_s(_ordinary_total_s(run, res, batch), r)
+                      for batch, run in profiled]
     goals = [
         [f"transfer-bound H2D >= {GOAL_H2D_RATIO}x pinned peak", f"{achieved / peak:.3f}x",
          verdict(achieved / peak >= GOAL_H2D_RATIO)],
@@ -338,7 +339,7 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
         [f">= {GOAL_VS_ACCELERATE}x faster than accelerate cpu_offload (transfer-bound)",
          "skipped" if "skipped" in acc else f"{acc['small_s'] / nth['small_s']:.2f}x",
          verdict(None if "skipped" in acc else acc["small_s"] / nth["small_s"] >= GOAL_VS_ACCELERATE)],
-        ["profile phase <= profiling_iters forwards + one sweep (worst / best of the 4 runs)",
+        ["profile phase <= profiling_iters forwards (the paired twin passes) + one sweep (worst / best of 4 runs)",
          f"{max(profile_ratios):.3f}x / {min(profile_ratios):.3f}x", verdict(max(profile_ratios) <= 1.0)],
         ["offloaded outputs equal resident (max |diff|, small batch)",
          f"{max(v for v in (nth['max_abs_diff'], ada_s['max_abs_diff']) if v is not None):.3g}", "-"],
@@ -358,8 +359,15 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
             ["batch", "run", "iters_before_inference", "first pass (sweep)", "median pass",
              "last pass (+ switch to INFERENCE)", "GC pauses in its passes", "profile phase total",
              "first inference pass", "host blocks built in the background (then waited for)",
-             "resident twin pass (paired)", "goal: profiling_iters x that + one sweep", "phase / goal"],
+             "resident twin passes (paired): sum (median)", "goal: that sum + one sweep", "phase / goal",
+             "phase / (profiling_iters x median + one sweep)"],
             profile_rows)
+         + "\n\nThe goal holds the phase to the ordinary forwards that ran in the same seconds: each profile pass "
+           "follows a pass of the resident twin, and their sum is the profiling_iters ordinary forwards. The "
+           "last column holds it to profiling_iters times the median twin pass instead (this table's goal until "
+           "the tenth session), which assumes a steady host: on the H200 host both the twin and the profile "
+           "passes right after the sweep ran 0.5-3 ms slower than later ones, time the median leaves out of "
+           "the goal but not out of the phase."
          + f"\n\nWeights handed to ft.offload from: {r['offload_from']} memory. After a resident warm-up the host "
          "blocks are allocated and filled on a thread while the first inference passes run resident (the first "
          "run's build also pays this process's first pinned host allocations); the engine streams from the next "
@@ -389,24 +397,36 @@ def _bytes(run: dict, fallback: int | None) -> str:
 
 
 def _ordinary_s(run: dict, res: dict, batch: str) -> float:
-    """The ordinary forward a run's profile phase is held to: the twin's, paired with its passes, when run."""
+    """The median ordinary forward of a run's profile phase: the twin's, paired with its passes, when run."""
     return run.get("resident_adjacent_s") or res[f"{batch}_s"]
 
 
-def _profile_goal_s(resident_s: float, r: dict) -> float:
-    """profiling_iters ordinary forwards + one sweep of every streamed byte at the measured pinned peak."""
-    return r["profiling_iters"] * resident_s + r["stream_bytes"] / (r["pinned_peak_gbps"] * 1e9)
+def _ordinary_total_s(run: dict, res: dict, batch: str) -> float:
+    """The profiling_iters ordinary forwards a run's profile phase is held to: the paired twin passes' sum (one
+    before each profile pass, so the same seconds), else profiling_iters x the resident pass of the run's start."""
+    paired = run.get("resident_adjacent_all_s")
+    if paired and len(paired) == run["iters_before_inference"]:
+        return sum(paired)
+    return run["iters_before_inference"] * res[f"{batch}_s"]
 
 
-def _profile_row(label: str, run: dict, resident_s: float, r: dict) -> list[str]:
-    goal_s = _profile_goal_s(resident_s, r)
+def _profile_goal_s(ordinary_total_s: float, r: dict) -> float:
+    """The ordinary forwards + one sweep of every streamed byte at the measured pinned peak."""
+    return ordinary_total_s + r["stream_bytes"] / (r["pinned_peak_gbps"] * 1e9)
+
+
+def _profile_row(label: str, run: dict, res: dict, r: dict) -> list[str]:
+    total_s, median_s = _ordinary_total_s(run, res, label), _ordinary_s(run, res, label)
+    goal_s = _profile_goal_s(total_s, r)
+    median_goal_s = _profile_goal_s(run["iters_before_inference"] * median_s, r)
     pauses = run.get("gc_pauses_s", [])
     gc_text = f"{len(pauses)}, {sum(pauses) * 1e3:.1f} ms" if pauses else "none"
     passes = run.get("profile_passes_s") or [None]
     return [label, run["name"], str(run["iters_before_inference"]), ms(passes[0]), ms(run["profile_pass_median_s"]),
             ms(run["profile_last_s"]), gc_text, ms(run["profile_s"]), ms(run["first_inference_s"]),
-            f"{ms(run.get('host_blocks_build_s'))} ({ms(run.get('host_blocks_wait_s'))})", ms(resident_s), ms(goal_s),
-            f"{run['profile_s'] / goal_s:.3f}x"]
+            f"{ms(run.get('host_blocks_build_s'))} ({ms(run.get('host_blocks_wait_s'))})",
+            f"{ms(total_s)} ({ms(median_s)})", ms(goal_s), f"{run['profile_s'] / goal_s:.3f}x",
+            f"{run['profile_s'] / median_goal_s:.3f}x"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
