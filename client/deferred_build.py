@@ -193,7 +193,8 @@ def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: l
     sources = [m._warm.detach(tensors) for tensors in streamed]
     placed = {p.name for layout in layouts for p in layout.tensors}
     resident = [n for n, e in m._tensors.items() if n not in placed and m._warm.holds(e.tensor)]
-    kept = m._warm.commit()  # everything else the warm-up copied stays resident for good
+    debug = logger.isEnabledFor(logging.DEBUG)
+    kept = m._warm.commit(count=debug)  # everything else the warm-up copied stays resident for good
     for name, entry in m._tensors.items():
         if not entry.tensor.is_meta and entry.tensor.device != m._device and not m._warm.holds(entry.tensor):
             m._to_device(entry)
@@ -205,8 +206,9 @@ def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: l
     m._sequence = list(schedule)
     m._phase = Phase.INFERENCE
     bypass_resident_traps(m, {layout.label for layout in layouts})
-    logger.debug("manager %r: INFERENCE starts resident (%d bytes committed); %d host blocks build in the "
-                 "background from the first inference pass", m.name, kept, len(layouts))
+    if debug:
+        logger.debug("manager %r: INFERENCE starts resident (%d bytes committed); %d host blocks build in the "
+                     "background from the first inference pass", m.name, kept, len(layouts))
 
 
 def install_deferred(m: "OffloadManager") -> None:

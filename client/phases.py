@@ -273,7 +273,7 @@ class PhaseMixin:
     def _start_inference(self) -> None:
         from flextensor.inference import plan_inference
 
-        self._resolve_windows(keep_last=0)
+        self._resolve_windows(keep_last=0, last_span=False)  # no pass follows for the span check to steer
         plan_inference(self)  # type: ignore[arg-type]
 
     def _close_window(self, mark: Any = None, host: float | None = None) -> None:
@@ -288,13 +288,14 @@ class PhaseMixin:
                 mark = self._clock.mark_at(host) if self._pass_on_device else None
             window.end, window.host_end = mark, host
 
-    def _resolve_windows(self, keep_last: int) -> None:
+    def _resolve_windows(self, keep_last: int, last_span: bool = True) -> None:
         """Turn the pending PROFILING passes (all but the last ``keep_last``) into duration samples, and let the
-        newest of them say which clock the next pass marks its traps with (``flextensor.trap_windows``)."""
+        newest of them say which clock the next pass marks its traps with (``flextensor.trap_windows``); with
+        ``last_span=False`` the newest one read is not checked on the device's clock (``read_pass``)."""
         while len(self._pending_windows) > keep_last:
             record = self._pending_windows.pop(0)
             assert self._clock is not None
-            reading = read_pass(self._clock, record)
+            reading = read_pass(self._clock, record, check_span=last_span or len(self._pending_windows) > keep_last)
             durations, host_durations, host = self._durations, self._host_durations, reading.host
             for label, seconds in reading.device.items():
                 samples = durations.get(label)

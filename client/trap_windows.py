@@ -113,11 +113,13 @@ def clocks_agree(device_s: float, host_s: float) -> bool:
     return abs(device_s - host_s) <= CLOCK_TOLERANCE_REL * host_s + CLOCK_TOLERANCE_ABS_S
 
 
-def read_pass(clock: "TimingCollector", record: PassWindows) -> PassReading:
+def read_pass(clock: "TimingCollector", record: PassWindows, check_span: bool = True) -> PassReading:
     """Read one pass's windows (see the module docstring). A pass without windows reads as empty, not kept up.
 
     A host-marked pass returns one dict as both clocks' readings (callers only read them): this runs once per
-    PROFILING pass, on the host time of launch-bound passes.
+    PROFILING pass, on the host time of launch-bound passes. With ``check_span=False`` such a pass is read from
+    its host times alone, without waiting for the device to reach its end mark, and reads as not kept up (not
+    known): for the last pass before the switch to INFERENCE, which no pass follows whose clock it would choose.
     """
     windows = record.windows
     if not windows:
@@ -125,10 +127,12 @@ def read_pass(clock: "TimingCollector", record: PassWindows) -> PassReading:
     first = windows[0]
     host: dict[str, float] = {}
     if not record.on_device:
-        span_ms = clock.read_windows_ms([(first.start, record.end)])[0]
         for w in windows:  # every window of a recorded pass is closed
             label = w.label
             host[label] = host.get(label, 0.0) + (w.host_end - w.host)  # type: ignore[operator]
+        if not check_span:
+            return PassReading(host, host, False)
+        span_ms = clock.read_windows_ms([(first.start, record.end)])[0]
         return PassReading(host, host, clocks_agree(span_ms / 1e3, record.host_end - first.host))
     readings = clock.read_windows_ms([(w.start, w.end) for w in windows] + [(first.start, record.end)])
     device: dict[str, float] = {}

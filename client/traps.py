@@ -364,13 +364,14 @@ class WarmLoader:
             hosts.append(host)
         return hosts
 
-    def commit(self, tensors: Iterable[torch.Tensor] | None = None) -> int:
-        """Kept tensors (all, or those given) keep their device copy for good; the host data is let go. Bytes."""
+    def commit(self, tensors: Iterable[torch.Tensor] | None = None, count: bool = True) -> int:
+        """Kept tensors (all, or those given) keep their device copy for good; the host data is let go. Bytes
+        (0 with ``count=False``: the switch to INFERENCE counts them only for a debug line)."""
         taken = self._take(tensors)
         self.same_device_copies.difference_update(id(t) for t, _host in taken)  # on the device for good now
         # Counted on the host tensors (same dtype and shape): ``.data`` builds a new tensor object per call, and
         # this runs at the switch to INFERENCE for every tensor that stays resident.
-        return sum(tensor_nbytes(host) for _t, host in taken)
+        return sum(tensor_nbytes(host) for _t, host in taken) if count else 0
 
     def _fall_back(self, exc: BaseException) -> None:
         kept = self.restore()  # counts as a removal (restore -> _take)

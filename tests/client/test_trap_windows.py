@@ -107,6 +107,17 @@ def test_a_host_marked_pass_reads_its_host_windows_on_both_clocks_and_checks_its
     assert not late.kept_up
 
 
+class NoReadClock(FakeClock):
+    def read_windows_ms(self, pairs):
+        raise AssertionError("the device's marks were read")
+
+
+def test_a_host_marked_pass_read_without_its_span_check_waits_for_nothing_on_the_device():
+    windows = [_window("a", FakeMark(5.0), 1.0, None, 1.1), _window("b", None, 1.1, None, 1.3)]
+    reading = read_pass(NoReadClock(), PassWindows(windows, False, FakeMark(5.3), 1.3), check_span=False)
+    assert reading.device == reading.host == pytest.approx({"a": 0.1, "b": 0.2}) and not reading.kept_up
+
+
 def test_a_pass_without_windows_reads_empty_and_not_kept_up():
     assert read_pass(FakeClock(), PassWindows([], True, None, 0.0)) == ({}, {}, False)
 
@@ -208,6 +219,30 @@ def test_clearing_the_durations_starts_over_with_device_marks():
             counts.append(clock.marks - before)
     assert [n >= 4 + 1 for n in counts] == [True, False, True, False]
     assert all(len(v) == 2 for v in om.profiling_durations.values())  # the two passes after the clear
+
+
+def test_the_switch_reads_the_last_host_marked_pass_without_its_span_on_the_device():
+    """No pass follows the last one for its span check to steer, so the switch to INFERENCE takes its host
+    windows and never reads (so never waits for) its device marks; the marks still go back to the pool."""
+    model, om, clock, x = _offload_stack(4)
+    read: list = []
+    original = clock.read_windows_ms
+
+    def reading(pairs):
+        read.extend(pairs)
+        return original(pairs)
+
+    clock.read_windows_ms = reading
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        last_marks_before = clock.marks
+        model(x)  # the last PROFILING pass: host-marked, its first entry and end marked on the device
+    assert om.phase is Phase.INFERENCE and clock.marks - last_marks_before == 2
+    last = {id(m) for m in clock.recycled[-2:]}
+    assert not any(id(start) in last or id(end) in last for start, end in read)
+    assert all(len(v) == 4 for v in om._durations.values())
+    assert len(clock.recycled) == clock.marks
 
 
 def test_a_trap_called_outside_a_pass_during_profiling_is_not_timed_and_breaks_nothing():
