@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -249,6 +250,28 @@ def test_latency_mode_does_not_stream_a_few_kib_a_trap_for_a_launch_bound_pass()
     assert free.offloaded and free.offloaded_bytes < 1 * MIB and free.estimated_overhead_s == 0.0
     costly = AdaptiveStrategy().plan(PlanInput(tuple(_layers(0.2e-3, 70e-6)), h200, None, 4))
     assert costly.strategy == "adaptive:keep_resident" and costly.offloaded == {}
+
+
+def test_latency_mode_keeps_everything_resident_without_planning_when_no_streamed_trap_fits_the_slack():
+    """The launch-bound case above: the cheapest streamed trap (70 us) costs more than 1% of the pass, so no
+    candidate is planned; each of them, planned, streams nothing or costs more than that slack, so the full
+    comparison chooses the same. Where a trap's cost fits the slack (or costs are 0), the candidates are
+    planned as before."""
+    h200 = TransferModel(55e9, 2e-6)
+    plan_in = PlanInput(tuple(_layers(0.2e-3, 70e-6)), h200, None, 4)
+    plan = AdaptiveStrategy(extra_optimization=True).plan(plan_in)
+    assert plan.strategy == "adaptive:keep_resident" and plan.offloaded == {} and plan.estimated_overhead_s == 0.0
+    assert [c.strategy for c in plan.candidates] == ["keep_resident"] and plan.candidates[0].chosen
+    assert "the candidates were not planned" in plan.explanation[0]
+    assert plan.peak_device_bytes == plan_in.offloadable_bytes
+    slack = 0.01 * plan_in.total_compute_s
+    for candidate in AdaptiveStrategy(extra_optimization=True).candidates(plan_in):
+        planned = candidate.plan(plan_in)
+        assert not planned.offloaded or planned.estimated_overhead_s > slack
+    planned = AdaptiveStrategy().plan(PlanInput(tuple(_layers(8e-3, 25e-6)), h200, None, 4))
+    assert len(planned.candidates) == 4 and planned.offloaded
+    free = AdaptiveStrategy().plan(PlanInput(tuple(_layers(0.2e-3, 0.0)), h200, None, 4))
+    assert len(free.candidates) == 4
 
 
 @pytest.mark.parametrize("compute_ms", [1.0, 4.0, 8.0])
@@ -559,3 +582,17 @@ def test_plan_from_masks_is_make_plan_of_the_masked_names(traps, seed, blocks, b
     for strategy in strategies:
         plan = strategy.plan(plan_in)
         assert make_plan(plan_in, plan.strategy, plan.offloaded, plan.num_blocks, plan.explanation[:-2]) == plan
+
+
+@settings(max_examples=200, deadline=None)
+@given(traps=tie_prone_traps, cost=st.sampled_from([0.0, 0.01, 0.05, 0.2, 1.0]), blocks=st.integers(2, 4))
+def test_latency_mode_without_candidates_streams_what_the_full_comparison_streams(traps, cost, blocks):
+    """Deciding latency mode without the candidates never changes what streams (the chosen plan may differ
+    only in name, between plans that stream nothing)."""
+    costly = [TrapCost(t.label, t.compute_s, t.tensors, cost) for t in traps]
+    plan_in = inp(costly, num_blocks=blocks)
+    quick = AdaptiveStrategy().plan(plan_in)
+    with mock.patch.object(AdaptiveStrategy, "_resident_without_candidates", lambda self, i: None):
+        full = AdaptiveStrategy().plan(plan_in)
+    assert quick.offloaded == full.offloaded and quick.peak_device_bytes == full.peak_device_bytes
+    assert quick.estimated_overhead_s == full.estimated_overhead_s
