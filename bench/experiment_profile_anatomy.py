@@ -42,7 +42,9 @@ Tenth session, same host, 2026-11-30 (04:30-04:50 UTC), this file as it is (comm
 - Two streams for the sweep: one layer tensor by tensor 53.6 / 53.8 GB/s on one / two streams (53.0 in one
   piece), and in a scratch engine change that alternated the sweep's copies over two side streams (paired runs,
   one process), the copies' span was 78.1-78.5 ms against 78.05-78.14 ms on one stream, for a peak of 77.95 ms.
-  The sweep is at the peak already (0.1-0.6 ms over it); the change was dropped.
+  The sweep is at the peak already (0.1-0.6 ms over it); the change was dropped. (Later that morning
+  ``experiment_copy_granularity`` found 24 pieces as fast as one copy from a pinned buffer, and the model's
+  own registered memory 0.3% under it: the per-piece losses above were that call's noise.)
 - Which clock: with every window required to agree on both clocks, the quieter runs never left device marks
   (17 marks a pass, their passes +0.3-0.45 ms over the twin). A device-marked pass read 30-50 us apart on its
   windows (up to 312 us on the first, the sweep's) while its span agreed within 1.3%. With the span alone
