@@ -17,19 +17,21 @@ difference to the one-copy time divided by the number of extra copies. Prints on
 
 Run on the GPU host: ``python bench/experiment_copy_granularity.py`` (about 15 s).
 
-Tenth session, H200 host, 2026-11-30 05:20 UTC (1.0 GiB, four layers):
+Tenth session, H200 host, 2026-11-30, two calls minutes apart (05:20 and 05:27 UTC; 1.0 GiB, four layers):
 
-- One pinned buffer: one copy 19.48 ms (55.12 GB/s); the same bytes in 24 pieces 19.48 ms (0 us per extra
-  copy), on two streams 19.47 ms. Queued back to back, pieces cost the copy engine nothing.
-- The four large pieces a layer alone: 55.28 GB/s. The two norms a layer alone: 20.3 us per copy, which is the
-  host issuing them (a tiny copy takes well under 1 us on the engine): behind a large copy they are free.
-- Registered in place, tensor by tensor: 54.96 GB/s (0.3% under the pinned buffer, 2.5 us per copy), the same
-  on two streams; each tensor ``pin_memory()``'d: 54.54 GB/s.
+- One pinned buffer: one copy 55.12 / 55.22 GB/s; the same bytes in 24 pieces 55.12 / 54.90 GB/s (0 / 5 us per
+  extra copy), on two streams 55.14 / 54.76. Queued back to back, pieces cost the copy engine little or
+  nothing, and a second stream does not hide what they cost.
+- The two norms a layer alone: 20-30 us per copy, which is the host issuing them (a tiny copy takes well under
+  1 us on the engine): behind a large copy they are free.
+- Registered in place, tensor by tensor: 54.96 / 54.63 GB/s (0.3% / 1.0% under the one-copy rate), its very
+  first copy after registering as fast as the later ones (54.64: no first-touch cost); each tensor
+  ``pin_memory()``'d: 54.54 / 54.80 GB/s.
 
-So the warm-up sweep, which copies the model's own memory registered in place, runs about 0.3% under the pinned
-peak by its source alone (0.2-0.3 ms for 4.3 GB), and a second copy stream buys nothing. The 1-3% losses
-``experiment_profile_anatomy`` saw for one layer in pieces in other calls were the host's noise of those
-minutes, not the pieces.
+So the warm-up sweep, which copies the model's own memory registered in place, runs 0.3-1% under the pinned
+peak by its source alone (0.2-0.8 ms for 4.3 GB), and a second copy stream buys nothing. The 1-3% losses
+``experiment_profile_anatomy`` saw for one layer in pieces in other calls were mostly the host's noise of those
+minutes.
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ REPEAT = 10
 TOTAL = sum(LAYER) * LAYERS
 
 
-def timed(copies: list[tuple[torch.Tensor, torch.Tensor]], streams: list[torch.cuda.Stream]) -> float:
+def timed(copies: list[tuple[torch.Tensor, torch.Tensor]], streams: list[torch.cuda.Stream],
+          repeat: int = REPEAT) -> float:
     """Milliseconds from before the first copy to after the last, the copies taking turns on ``streams``."""
     current = torch.cuda.current_stream()
     times = []
-    for _ in range(REPEAT):
+    for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record(current)
@@ -106,7 +109,8 @@ def main() -> None:
     registered = [register_in_place(t) for t in tensors]
     if all(registered):
         model_like = list(zip(targets, tensors))
-        timed(model_like, one)
+        report("registered in place, tensor by tensor, the first copy after registering", timed(model_like, one, 1),
+               TOTAL, len(sizes), whole)
         report("registered in place, tensor by tensor", timed(model_like, one), TOTAL, len(sizes), whole)
         report("registered in place, tensor by tensor, two streams", timed(model_like, two), TOTAL, len(sizes), whole)
         for t, ok in zip(tensors, registered):
@@ -114,9 +118,9 @@ def main() -> None:
                 unregister_in_place(t)
     else:
         print(json.dumps({"variant": "registered in place", "skipped": "cudaHostRegister failed"}))
-    pinned = [t.pin_memory() for t in tensors]
-    report("pin_memory() per tensor, tensor by tensor", timed(list(zip(targets, pinned)), one), TOTAL, len(sizes),
-           whole)
+    pinned = list(zip(targets, [t.pin_memory() for t in tensors]))
+    report("pin_memory() per tensor, the first copy", timed(pinned, one, 1), TOTAL, len(sizes), whole)
+    report("pin_memory() per tensor, tensor by tensor", timed(pinned, one), TOTAL, len(sizes), whole)
 
 
 if __name__ == "__main__":
