@@ -175,8 +175,8 @@ def offload_run(
     """``ft.offload`` the model, time the profile phase pass by pass, then time inference passes on each input.
 
     ``twin`` (a resident copy of the model on the device) runs an ordinary forward of the profile input before
-    each profile pass: the profile-phase goal compares against the median of those, taken in the same seconds,
-    not minutes earlier, because the speed of a launch-bound pass drifts on this shared host (2.7-5.7 ms for the
+    each profile pass: the profile-phase goal compares against the sum of those, taken in the same seconds, not
+    minutes earlier, because the speed of a launch-bound pass drifts on this shared host (2.7-5.7 ms for the
     same resident pass within one process and minute).
 
     The last profile pass also carries the switch to INFERENCE (plan; host blocks when they are not built in
@@ -360,11 +360,12 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
              "last pass (+ switch to INFERENCE)", "GC pauses in its passes", "profile phase total",
              "first inference pass", "host blocks built in the background (then waited for)",
              "resident twin passes (paired): sum (median)", "goal: that sum + one sweep", "phase / goal",
-             "phase / (profiling_iters x median + one sweep)"],
+             "phase / (its passes x the median twin pass + one sweep)"],
             profile_rows)
          + "\n\nThe goal holds the phase to the ordinary forwards that ran in the same seconds: each profile pass "
-           "follows a pass of the resident twin, and their sum is the profiling_iters ordinary forwards. The "
-           "last column holds it to profiling_iters times the median twin pass instead (this table's goal until "
+           "follows a pass of the resident twin, and their sum is the profiling_iters ordinary forwards (with "
+           "--discovery, the discovery passes' too). The last column holds it to that many times the median twin "
+           "pass instead (this table's goal until "
            "the tenth session), which assumes a steady host: on the H200 host both the twin and the profile "
            "passes right after the sweep ran 0.5-3 ms slower than later ones, time the median leaves out of "
            "the goal but not out of the phase."

@@ -113,11 +113,11 @@ def main() -> None:
                TOTAL, len(sizes), whole)
         report("registered in place, tensor by tensor", timed(model_like, one), TOTAL, len(sizes), whole)
         report("registered in place, tensor by tensor, two streams", timed(model_like, two), TOTAL, len(sizes), whole)
-        for t, ok in zip(tensors, registered):
-            if ok:
-                unregister_in_place(t)
     else:
         print(json.dumps({"variant": "registered in place", "skipped": "cudaHostRegister failed"}))
+    for t, ok in zip(tensors, registered):
+        if ok:
+            unregister_in_place(t)
     pinned = list(zip(targets, [t.pin_memory() for t in tensors]))
     report("pin_memory() per tensor, the first copy", timed(pinned, one, 1), TOTAL, len(sizes), whole)
     report("pin_memory() per tensor, tensor by tensor", timed(pinned, one), TOTAL, len(sizes), whole)

@@ -53,7 +53,9 @@ Tenth session, same host, 2026-11-30 (04:30-04:50 UTC), this file as it is (comm
   0.06-0.08, pass begin with reading 0.05, pass end 0.02).
 - The switch: ``_end_pass`` 0.74-0.93 ms for NthLayer(1) (``plan_inference`` 0.63-0.82: the strategy 0.13-0.15,
   ``defer_inference`` 0.15-0.21, ``can_defer`` 0.05) and 1.33 ms for Adaptive (its planning 0.56, defer 0.28);
-  reading the last pass at the switch 0.12 ms.
+  reading the last pass at the switch 0.12 ms (before 518fbdc, which reads a host-marked last pass from the
+  host alone, and 8a6d139, which spares Adaptive its candidates on this batch). The span columns of the runs
+  above were then sums of the window durations; this file now reads the span itself.
 """
 
 from __future__ import annotations
@@ -117,12 +119,16 @@ def _read_windows_ms(self: Any, windows: list) -> list[float]:
 READS: list[dict] = []  # one per PROFILING pass read: which clock marked it, how far its windows' clocks differ
 
 
-def _read_pass(clock: Any, record: Any) -> Any:
+def _read_pass(clock: Any, record: Any, check_span: bool = True) -> Any:
     """``flextensor.trap_windows.read_pass``, noting for each pass read whether it was marked on the device, its
-    span on both clocks and (device-marked) the largest difference of one window between the clocks."""
-    reading = trap_windows.read_pass(clock, record)
+    span on both clocks (the device's only where the engine read it: not for the last, host-marked pass) and
+    (device-marked) the largest difference of one window between the clocks."""
+    reading = trap_windows.read_pass(clock, record, check_span)
+    first = record.windows[0] if record.windows else None
     row = {"read_at": CURRENT["pass"], "on_device": record.on_device, "kept_up": reading.kept_up,
-           "span_device_ms": _ms(sum(reading.device.values())), "span_host_ms": _ms(sum(reading.host.values()))}
+           "span_host_ms": _ms(record.host_end - first.host) if first else None}
+    if first is not None and (record.on_device or check_span):  # complete: read_pass waited for the end mark
+        row["span_device_ms"] = round(clock.read_windows_ms([(first.start, record.end)])[0], 3)
     if record.on_device and reading.device:
         diffs = [reading.device[k] - reading.host[k] for k in reading.device]
         row.update(max_window_diff_us=round(max(diffs, key=abs) * 1e6, 1),

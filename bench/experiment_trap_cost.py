@@ -84,7 +84,7 @@ def per_trap_us(proxy: nn.Module, twin: nn.Module, x: torch.Tensor, pairs: int =
 
 def _always_device_marks(real: Callable) -> Callable:
     """``read_pass`` that never lets a pass count as kept up: every PROFILING entry keeps its CUDA event."""
-    return lambda clock, record: real(clock, record)._replace(kept_up=False)
+    return lambda clock, record, check_span=True: real(clock, record, check_span)._replace(kept_up=False)
 
 
 def trap_costs(device: torch.device) -> list[dict]:

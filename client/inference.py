@@ -337,10 +337,11 @@ def _settle_warmup(m: "OffloadManager", placed: set[str]) -> None:
     """
     m._warm.unload()
     freed = m._warm.restore([m._tensors[n].tensor for n in sorted(placed)])
-    kept = m._warm.commit()
+    debug = logger.isEnabledFor(logging.DEBUG)
+    kept = m._warm.commit(count=debug)
     if freed and m._device.type == "cuda":
         torch.cuda.empty_cache()
-    if freed or kept:
+    if debug and (freed or kept):
         logger.debug("manager %r: warm-up copies freed: %d bytes (offloaded); kept as resident: %d bytes", m.name,
                      freed, kept)
 

@@ -260,7 +260,7 @@ class PhaseMixin:
             exclusive[label] = names
         keep = {n for names in exclusive.values() for n in names}
         made_resident = sorted(owned - keep)
-        self._warm.commit(self._tensor_objs(made_resident))  # a kept warm-up copy is their device data now
+        self._warm.commit(self._tensor_objs(made_resident), count=False)  # a kept warm-up copy is their device data now
         for name in made_resident:
             self._to_device(self._tensors[name])
         self._staging.release(owned - keep)  # their host copies are no longer read by the warm-up
@@ -291,7 +291,8 @@ class PhaseMixin:
     def _resolve_windows(self, keep_last: int, last_span: bool = True) -> None:
         """Turn the pending PROFILING passes (all but the last ``keep_last``) into duration samples, and let the
         newest of them say which clock the next pass marks its traps with (``flextensor.trap_windows``); with
-        ``last_span=False`` the newest one read is not checked on the device's clock (``read_pass``)."""
+        ``last_span=False`` a host-marked newest one is read from its host times alone, without waiting for
+        the device (``read_pass``; a device-marked one needs its device marks anyway)."""
         while len(self._pending_windows) > keep_last:
             record = self._pending_windows.pop(0)
             assert self._clock is not None

@@ -349,8 +349,9 @@ class AdaptiveStrategy(Strategy):
 
     Latency mode decided without the candidates: every plan that streams a trap costs at least that trap's
     ``stream_cost_s`` (the simulator adds it on the compute path, waits only add to it), so when the cheapest
-    streamable trap's cost is over the 1% slack, no streaming plan can be chosen and ``keep_resident`` is, as
-    the full comparison would find. Why bother: a short, launch-bound pass (a small batch) is exactly this
+    streamable trap's cost is over the 1% slack, no streaming plan can be chosen, and ``keep_resident`` streams
+    what the full comparison would choose (nothing; that comparison may name its choice after a candidate that
+    streams nothing instead). Why bother: a short, launch-bound pass (a small batch) is exactly this
     case, and there planning the candidates (0.5 ms of host time on the H200 host) is paid inside the last
     PROFILING pass, against 3 ms passes.
     """

@@ -22,24 +22,29 @@ agrees on both clocks (:func:`clocks_agree`). The next passes mark only their fi
 device (two events a pass) and time the traps on the host clock; each of them checks its span on both clocks,
 and one whose span disagrees (the device fell behind) sends the next pass back to device marks.
 
+A pass that starts before the device has reached the last pass's end mark marks every entry on the device too:
+the device is behind then, whatever the last pass read said, and that pass's own reading comes only later. The
+windows of a host-marked pass are its device windows too, also when its own span check fails: the device took
+longer than the host there, so the host's windows are the shorter, cautious estimate (less compute to hide
+copies behind), and the passes after it are measured on the device again. ``clear_profiling_durations`` starts
+over with device marks.
+
 Why the span and not each window: in a launch-bound pass the device still falls behind locally, inside a trap
 whose kernels outlast their launches, and catches up in the next trap, so single windows disagree while the
 pass does not. Demanding that every window agree kept the H200 host's small-batch passes on device marks for
 the whole phase in its quieter runs (0.15-0.2 ms a pass of event records and reads; 2026-11-30). The host's
-windows are what the planner needs there anyway: the copy for a trap is issued at a host entry and its reader
-cannot start on the device before the host launched it, so a host window is never more than the time a copy
-issued at its start has (the device's local lag only adds to it), and where the device's lag lasts to the pass's
-end the span check sends the passes back to device windows. So does a pass that starts before the device has reached the last pass's end mark: the device is
-behind then, whatever the last pass read said, and that pass's own reading comes only later. The windows of a
-host-marked pass are its device windows too, also when its own span check fails: the device took longer than
-the host there, so the host's windows are the shorter, cautious estimate (less compute to hide copies behind),
-and the passes after it are measured on the device again. ``clear_profiling_durations`` starts over with
-device marks.
+windows are close to what the planner needs there: a trap cannot start on the device before the host launched
+it, so the time between two host entries is time a copy issued at the first of them can use, unless the copy
+itself starts late (behind an earlier copy, or waiting for its block's last reader during a local lag). The span
+check bounds how far that can be off: the device ends the pass within 10% + 20 us of the host, and where its
+lag lasts to the end the passes go back to device windows.
 
 Reading
 -------
 Marks are read one pass late, or at the start of the next pass when the device has already passed the end mark
-(``TimingCollector.done``): reading them at once would make the host wait for the device every pass. A CPU
+(``TimingCollector.done``): reading them at once would make the host wait for the device every pass. The last
+pass before the switch to INFERENCE is read at once; if it is host-marked, from its host times alone
+(``read_pass(check_span=False)``), since no pass follows whose clock its span check would choose. A CPU
 compute device has one clock: a window's mark is the very ``perf_counter`` reading of its host time
 (``TimingCollector.mark_at``), every pass agrees with itself, and the same code runs there.
 """

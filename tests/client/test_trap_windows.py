@@ -182,6 +182,7 @@ def test_passes_after_one_that_kept_up_mark_only_their_span_on_the_device():
 
 
 def test_a_device_that_lags_keeps_every_pass_marked_on_the_device():
+    """Also the last pass: read at the switch, it still gives the device's windows."""
     om, _clock, per_pass = _profile([3.0] * 4)
     assert all(n >= 4 + 1 for n in per_pass)
     for label, samples in om._durations.items():  # the device's windows (3x the host's), not the host's
@@ -242,6 +243,7 @@ def test_the_switch_reads_the_last_host_marked_pass_without_its_span_on_the_devi
     last = {id(m) for m in clock.recycled[-2:]}
     assert not any(id(start) in last or id(end) in last for start, end in read)
     assert all(len(v) == 4 for v in om._durations.values())
+    assert all(om._durations[label][-1] == om._host_durations[label][-1] for label in om._durations)
     assert len(clock.recycled) == clock.marks
 
 
