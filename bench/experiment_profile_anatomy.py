@@ -56,6 +56,10 @@ Tenth session, same host, 2026-11-30 (04:30-04:50 UTC), this file as it is (comm
   reading the last pass at the switch 0.12 ms (before 518fbdc, which reads a host-marked last pass from the
   host alone, and 8a6d139, which spares Adaptive its candidates on this batch). The span columns of the runs
   above were then sums of the window durations; this file now reads the span itself.
+- This file as it is (05:45 UTC, a slower host: twin passes 3.4-5.2 ms): the spans of passes read on both
+  clocks agreed within 1.5%; the last pass, host-marked, read from the host alone. The switch: ``_end_pass``
+  0.95-1.16 ms for NthLayer(1) (the strategy 0.15-0.18, ``defer_inference`` 0.22-0.25) and 1.26 ms for
+  Adaptive, whose planning took 0.19 ms (0.56 before 8a6d139; ``defer_inference`` 0.45 in that call).
 """
 
 from __future__ import annotations
