@@ -17,7 +17,7 @@ difference to the one-copy time divided by the number of extra copies. Prints on
 
 Run on the GPU host: ``python bench/experiment_copy_granularity.py`` (about 15 s).
 
-Tenth session, H200 host, 2026-11-30, two calls minutes apart (05:20 and 05:27 UTC; 1.0 GiB, four layers):
+Tenth session, H200 host, 2026-11-30, two calls a minute apart (04:59 and 05:00 UTC; 1.0 GiB, four layers):
 
 - One pinned buffer: one copy 55.12 / 55.22 GB/s; the same bytes in 24 pieces 55.12 / 54.90 GB/s (0 / 5 us per
   extra copy), on two streams 55.14 / 54.76. Queued back to back, pieces cost the copy engine little or

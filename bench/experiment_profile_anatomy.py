@@ -37,7 +37,7 @@ varied from call to call (twin passes 2.9-9 ms):
   own planning; ``defer_inference`` 0.14-0.37 ms. ``prepare_switch`` itself took 0.39-0.84 ms at the end of the
   first pass, hidden behind the sweep.
 
-Tenth session, same host, 2026-11-30 (04:30-04:50 UTC), this file as it is (commit of the span-only clock rule):
+Tenth session, same host, 2026-11-30 (04:30-04:37 UTC), this file as it was at the span-only clock rule (19a1bcb):
 
 - Two streams for the sweep: one layer tensor by tensor 53.6 / 53.8 GB/s on one / two streams (53.0 in one
   piece), and in a scratch engine change that alternated the sweep's copies over two side streams (paired runs,
@@ -56,7 +56,7 @@ Tenth session, same host, 2026-11-30 (04:30-04:50 UTC), this file as it is (comm
   reading the last pass at the switch 0.12 ms (before 518fbdc, which reads a host-marked last pass from the
   host alone, and 8a6d139, which spares Adaptive its candidates on this batch). The span columns of the runs
   above were then sums of the window durations; this file now reads the span itself.
-- This file as it is (05:45 UTC, a slower host: twin passes 3.4-5.2 ms): the spans of passes read on both
+- This file as it is (05:07 UTC, a slower host: twin passes 3.4-5.2 ms): the spans of passes read on both
   clocks agreed within 1.5%; the last pass, host-marked, read from the host alone. The switch: ``_end_pass``
   0.95-1.16 ms for NthLayer(1) (the strategy 0.15-0.18, ``defer_inference`` 0.22-0.25) and 1.26 ms for
   Adaptive, whose planning took 0.19 ms (0.56 before 8a6d139; ``defer_inference`` 0.45 in that call).
