@@ -131,10 +131,10 @@ def read_pass(clock: "TimingCollector", record: PassWindows, check_span: bool = 
         return PassReading({}, {}, False)
     first = windows[0]
     host: dict[str, float] = {}
+    for w in windows:  # every window of a recorded pass is closed
+        label = w.label
+        host[label] = host.get(label, 0.0) + (w.host_end - w.host)  # type: ignore[operator]
     if not record.on_device:
-        for w in windows:  # every window of a recorded pass is closed
-            label = w.label
-            host[label] = host.get(label, 0.0) + (w.host_end - w.host)  # type: ignore[operator]
         if not check_span:
             return PassReading(host, host, False)
         span_ms = clock.read_windows_ms([(first.start, record.end)])[0]
@@ -142,7 +142,5 @@ def read_pass(clock: "TimingCollector", record: PassWindows, check_span: bool = 
     readings = clock.read_windows_ms([(w.start, w.end) for w in windows] + [(first.start, record.end)])
     device: dict[str, float] = {}
     for w, ms in zip(windows, readings):
-        label = w.label
-        host[label] = host.get(label, 0.0) + (w.host_end - w.host)  # type: ignore[operator]
-        device[label] = device.get(label, 0.0) + ms / 1e3
+        device[w.label] = device.get(w.label, 0.0) + ms / 1e3
     return PassReading(device, host, clocks_agree(readings[-1] / 1e3, record.host_end - first.host))
