@@ -71,6 +71,24 @@ def timed(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> list[fl
     return samples
 
 
+def cuda_forward(fn: Callable[[object], object], inputs: object) -> tuple[float, float, object, object]:
+    """One ``fn(inputs)`` under ``torch.no_grad`` on CUDA, synchronized before and after: (wall seconds, host
+    seconds to launch it, start event, end event). The events give its GPU time (``start.elapsed_time(end)``)
+    and let a caller place other events against the pass."""
+    import torch
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    with torch.no_grad():
+        fn(inputs)
+    end.record()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, t1 - t0, start, end
+
+
 def median(samples: Sequence[float]) -> float:
     return statistics.median(samples)
 

@@ -87,6 +87,7 @@ import flextensor.timing as timing  # noqa: E402
 import flextensor.trap_windows as trap_windows  # noqa: E402
 import flextensor.warm_copies as warm_copies  # noqa: E402
 from bench_engine import pinned_peak_gbps  # noqa: E402
+from common import cuda_forward  # noqa: E402
 from models import BLOCK_PATTERN, ModelSpec, build_model, make_tokens  # noqa: E402
 
 SPENT: dict[tuple[Any, str], list[float]] = defaultdict(list)  # (pass, function) -> seconds per call
@@ -165,16 +166,8 @@ def _ms(seconds: float) -> float:
 
 
 def one_pass(fn: Callable, x: torch.Tensor) -> tuple[dict, Any, Any]:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    with torch.no_grad():
-        fn(x)
-    end.record()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return {"wall": time.perf_counter() - t0, "host": t1 - t0, "gpu": start.elapsed_time(end) / 1e3}, start, end
+    wall, host, start, end = cuda_forward(fn, x)
+    return {"wall": wall, "host": host, "gpu": start.elapsed_time(end) / 1e3}, start, end
 
 
 def run(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, strategy: Any, label: str,

@@ -34,21 +34,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flextensor as ft  # noqa: E402
+from common import cuda_forward  # noqa: E402
 from models import BLOCK_PATTERN, ModelSpec, build_model, default_dtype, make_tokens  # noqa: E402
 
 
 def one_pass(fn, tokens) -> dict:
-    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    start_ev.record()
-    with torch.no_grad():
-        fn(tokens)
-    end_ev.record()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return {"wall_ms": (t2 - t0) * 1e3, "launch_ms": (t1 - t0) * 1e3, "gpu_ms": start_ev.elapsed_time(end_ev)}
+    wall, launch, start, end = cuda_forward(fn, tokens)
+    return {"wall_ms": wall * 1e3, "launch_ms": launch * 1e3, "gpu_ms": start.elapsed_time(end)}
 
 
 def host_profile(fn, tokens) -> list[tuple[str, float, int]]:
