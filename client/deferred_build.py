@@ -180,7 +180,8 @@ def can_defer(m: "OffloadManager", layouts: Sequence[BlockLayout]) -> bool:
     cfg = m._config()
     if cfg.shm_enabled or not m._warm.keep or m._warm.fell_back:
         return False
-    return all(m._warm.holds(m._tensors[p.name].tensor) for layout in layouts for p in layout.tensors)
+    tensors = m._tensors
+    return m._warm.holds_all(tensors[p.name].tensor for layout in layouts for p in layout.tensors)
 
 
 def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: list[str], num_slots: int) -> None:
@@ -190,7 +191,7 @@ def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: l
 
     m._warm.unload()
     streamed = [[m._tensors[p.name].tensor for p in layout.tensors] for layout in layouts]
-    sources = [m._warm.detach(tensors) for tensors in streamed]
+    sources = m._warm.detach(streamed)
     placed = {p.name for layout in layouts for p in layout.tensors}
     resident = [n for n, e in m._tensors.items() if n not in placed and m._warm.holds(e.tensor)]
     debug = logger.isEnabledFor(logging.DEBUG)

@@ -64,15 +64,15 @@ def _aligned(n: int) -> int:
 class SwitchInputs(NamedTuple):
     """What the switch to INFERENCE needs that no PROFILING timing changes, per trap label.
 
-    ``tensors``: the trap's exclusive tensors of non-zero size as the planner's ``TensorCost`` (aligned bytes, the
-    trap's order); ``whole``: the packed block of all of them, with the names it packs, for the usual plan that
+    ``traps``: the planner's ``TrapCost`` of each trap with its exclusive tensors of non-zero size (aligned
+    bytes, the trap's order) and no timings yet (the switch adds them with ``TrapCost.timed``); ``whole``: the packed block of all of them, with the names it packs, for the usual plan that
     streams a trap whole (a plan streaming part of a trap packs that part at the switch); ``exclusive_bytes``:
     each exclusive tensor's unaligned bytes; ``others``: every other model tensor, whose bytes are counted at the
     switch (a buffer may grow in place while the model is profiled; exclusive tensors are parameters, whose
     shape, dtype and layout are taken as fixed from the first counted pass on).
     """
 
-    tensors: dict[str, tuple[Any, ...]]
+    traps: dict[str, Any]
     whole: dict[str, tuple[tuple[str, ...], BlockLayout]]
     exclusive_bytes: dict[str, int]
     others: tuple[torch.Tensor, ...]
@@ -89,15 +89,15 @@ def prepare_switch(m: "OffloadManager") -> SwitchInputs:
     after DISCOVERY, so the result stays valid until the switch consumes it. The traps' direct forwards for
     ``Trap.bypass`` are built here too.
     """
-    from flextensor.plan_model import TensorCost
+    from flextensor.plan_model import TensorCost, TrapCost
 
     tensors = m._tensors
     raw = {n: tensor_nbytes(tensors[n].tensor) for names in m._exclusive.values() for n in names}
-    per_trap: dict[str, tuple[Any, ...]] = {}
+    per_trap: dict[str, Any] = {}
     whole: dict[str, tuple[tuple[str, ...], BlockLayout]] = {}
     for label, exclusive in m._exclusive.items():
         names = tuple(n for n in exclusive if raw[n] > 0)
-        per_trap[label] = tuple(TensorCost(n, _aligned(raw[n])) for n in names)
+        per_trap[label] = TrapCost(label, 0.0, tuple(TensorCost(n, _aligned(raw[n])) for n in names))
         if names:
             whole[label] = (names, pack_block(0, label, [_layout_entry(tensors[n].tensor, n) for n in names]))
     others = tuple(e.tensor for n, e in tensors.items() if n not in raw)
@@ -130,11 +130,13 @@ def plan_inference(m: "OffloadManager") -> None:
     costs = []
     offloadable: set[str] = set()
     for label in order:
-        trap_tensors = inputs.tensors.get(label, ())
-        offloadable.update(t.name for t in trap_tensors)
         compute = m._compute_s[label]
-        cost = _trap_stream_cost(compute, m._host_durations.get(label), calls[label]) if trap_tensors else 0.0
-        costs.append(TrapCost(label, compute, trap_tensors, cost))
+        template = inputs.traps.get(label)
+        if template is None or not template.tensors:  # a gap trap: its compute only widens the next window
+            costs.append(TrapCost(label, compute) if template is None else template.timed(compute))
+            continue
+        offloadable.update(t.name for t in template.tensors)
+        costs.append(template.timed(compute, _trap_stream_cost(compute, m._host_durations.get(label), calls[label])))
     fixed = (sum(tensor_nbytes(t) for t in inputs.others)
              + sum(nbytes for n, nbytes in inputs.exclusive_bytes.items() if n not in offloadable))
     m._samples = m._warm_samples() or transfer_sweep(m._device, [c.total_bytes for c in costs],

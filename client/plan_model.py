@@ -101,15 +101,8 @@ class TrapCost:
     def __post_init__(self) -> None:
         if not isinstance(self.label, str) or not self.label:
             raise ValueError(f"TrapCost.label must be a non-empty str, got {self.label!r}")
-        compute = float(self.compute_s)
-        if not math.isfinite(compute) or compute < 0.0:
-            raise ValueError(f"trap {self.label!r}: compute_s must be a finite float >= 0, got {self.compute_s!r}")
-        object.__setattr__(self, "compute_s", compute)
-        cost = float(self.stream_cost_s)
-        if not math.isfinite(cost) or cost < 0.0:
-            raise ValueError(f"trap {self.label!r}: stream_cost_s must be a finite float >= 0, "
-                             f"got {self.stream_cost_s!r}")
-        object.__setattr__(self, "stream_cost_s", cost)
+        object.__setattr__(self, "compute_s", self._seconds("compute_s", self.compute_s))
+        object.__setattr__(self, "stream_cost_s", self._seconds("stream_cost_s", self.stream_cost_s))
         tensors = tuple(self.tensors)  # accept lists (DESIGN.md's older spelling)
         for tensor in tensors:
             if not isinstance(tensor, TensorCost):
@@ -119,6 +112,24 @@ class TrapCost:
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"trap {self.label!r} lists tensor(s) {dup} more than once")
         object.__setattr__(self, "tensors", tensors)
+
+    def _seconds(self, field: str, value: object) -> float:
+        seconds = float(value)  # type: ignore[arg-type]
+        if not math.isfinite(seconds) or seconds < 0.0:
+            raise ValueError(f"trap {self.label!r}: {field} must be a finite float >= 0, got {value!r}")
+        return seconds
+
+    def timed(self, compute_s: float, stream_cost_s: float = 0.0) -> "TrapCost":
+        """This trap with other timings; only they are checked (its label and tensors were, when it was made).
+
+        Why: the switch to INFERENCE makes one per trap inside the last PROFILING pass, where every microsecond
+        is the profile phase's; the tensors are known from the first counted pass on, so the engine validates
+        them there (``flextensor.inference.prepare_switch``) and only the timings at the switch."""
+        trap = object.__new__(TrapCost)
+        trap.__dict__.update(self.__dict__)  # the fields, and total_bytes when computed (it depends on tensors)
+        trap.__dict__["compute_s"] = self._seconds("compute_s", compute_s)
+        trap.__dict__["stream_cost_s"] = self._seconds("stream_cost_s", stream_cost_s)
+        return trap
 
     @cached_property
     def total_bytes(self) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -349,19 +349,26 @@ class WarmLoader:
         """True while ``tensor``'s data is a kept warm-up copy."""
         return id(tensor) in self._kept
 
-    def detach(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """Stop keeping ``tensors`` (all must be kept); they keep their device copy as data for now, and their
-        host data is returned, in order, for whoever fills their host blocks (``flextensor.deferred_build``)."""
-        tensors = list(tensors)
-        missing = [t for t in tensors if id(t) not in self._kept]
+    def holds_all(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """True when every one of ``tensors`` holds a kept warm-up copy (one call for a whole plan's tensors)."""
+        kept = self._kept
+        return all(id(t) in kept for t in tensors)
+
+    def detach(self, groups: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Stop keeping the tensors of ``groups`` (all must be kept; one group per host block); they keep their
+        device copy as data for now, and their host data is returned, group by group in order, for whoever
+        fills their host blocks (``flextensor.deferred_build``). Nothing is detached when one is missing."""
+        kept = self._kept
+        missing = sum(1 for tensors in groups for t in tensors if id(t) not in kept)
         if missing:
-            raise RuntimeError(f"{len(missing)} tensor(s) have no kept warm-up copy to detach")
-        hosts = []
+            raise RuntimeError(f"{missing} tensor(s) have no kept warm-up copy to detach")
         self.removals += 1
-        for tensor in tensors:
-            _tensor, host = self._kept.pop(id(tensor))
-            self.same_device_copies.discard(id(tensor))
-            hosts.append(host)
+        pop, discard = kept.pop, self.same_device_copies.discard
+        hosts = []
+        for tensors in groups:
+            hosts.append([pop(id(t))[1] for t in tensors])
+            for t in tensors:
+                discard(id(t))
         return hosts
 
     def commit(self, tensors: Iterable[torch.Tensor] | None = None, count: bool = True) -> int:

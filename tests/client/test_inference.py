@@ -70,11 +70,13 @@ def test_the_switch_is_prepared_after_the_first_counted_pass_and_consumed_by_it(
     _passes(model, ids, ref, 1)
     inputs = om._switch_inputs
     assert inputs is not None
-    assert sorted(inputs.tensors) == sorted(om._exclusive)
+    assert sorted(inputs.traps) == sorted(om._exclusive)
     for label, names in om._exclusive.items():
         expected = [(n, (om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size() + 255) // 256 * 256)
                     for n in names]
-        assert [(t.name, t.nbytes) for t in inputs.tensors[label]] == expected
+        trap = inputs.traps[label]
+        assert [(t.name, t.nbytes) for t in trap.tensors] == expected
+        assert (trap.label, trap.compute_s, trap.stream_cost_s) == (label, 0.0, 0.0)  # timings come at the switch
     exclusive = {n for names in om._exclusive.values() for n in names}
     assert inputs.exclusive_bytes == {n: om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size()
                                       for n in exclusive}
@@ -115,9 +117,9 @@ def test_prepare_switch_skips_zero_byte_tensors():
     ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, skip_discovery=True))
     label = next(label for label, names in om._exclusive.items() if any(n.endswith(".empty") for n in names))
     inputs = prepare_switch(om)
-    assert all(not t.name.endswith(".empty") for t in inputs.tensors[label])
+    assert all(not t.name.endswith(".empty") for t in inputs.traps[label].tensors)
     names, layout = inputs.whole[label]
-    assert names == tuple(t.name for t in inputs.tensors[label]) == tuple(p.name for p in layout.tensors)
+    assert names == tuple(t.name for t in inputs.traps[label].tensors) == tuple(p.name for p in layout.tensors)
 
 
 def test_the_direct_forwards_of_bypassed_traps_are_built_ahead_and_installed_at_the_switch():

@@ -149,6 +149,18 @@ def test_simulator_charges_each_streamed_trap_its_cost():
             TrapCost("t", 1.0, (), bad)
 
 
+def test_a_timed_trap_cost_equals_one_built_whole_and_checks_its_timings():
+    template = TrapCost("t", 0.0, (TensorCost("t.0", 256), TensorCost("t.1", 512)))
+    assert template.total_bytes == 768  # cached before: the copy must carry the same value
+    timed = template.timed(2.5e-4, 1e-5)
+    assert timed == TrapCost("t", 2.5e-4, template.tensors, 1e-5) and timed.total_bytes == 768
+    assert (template.compute_s, template.stream_cost_s) == (0.0, 0.0)  # the template is unchanged
+    assert template.timed(1).compute_s == 1.0 and isinstance(template.timed(1).compute_s, float)
+    for field, args in (("compute_s", (-1.0,)), ("compute_s", (float("inf"),)), ("stream_cost_s", (1.0, -1e-6))):
+        with pytest.raises(ValueError, match=f"trap 't': {field}"):
+            template.timed(*args)
+
+
 @pytest.mark.parametrize("cost", [0.0, 0.3])
 def test_pipeline_trace_resumes_like_a_full_simulation(cost):
     traps = [TrapCost(f"t{i}", c, (TensorCost(f"t{i}.0", 9),), cost * (i % 2 + 1))

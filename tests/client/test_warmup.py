@@ -149,6 +149,24 @@ def test_loader_keeps_copies_then_restores_or_commits():
     assert loader.kept_count == 0 and loader.restore() == 0 and loader.commit() == 0
 
 
+def test_loader_detaches_whole_groups_in_order_or_nothing():
+    ps = _params(4)
+    hosts = [p.data for p in ps]
+    loader = WarmLoader(torch.device("cpu"), keep=True, same_device_copies=ps)
+    assert loader.preload(ps[:3]) and loader.holds_all(ps[:3]) and not loader.holds_all(ps)
+    copies = [p.data for p in ps[:3]]
+    removals = loader.removals
+    with pytest.raises(RuntimeError, match="1 tensor"):  # ps[3] is not kept: nothing is detached
+        loader.detach([[ps[0]], [ps[2], ps[3]]])
+    assert loader.kept_count == 3 and loader.removals == removals
+    groups = loader.detach([[ps[2], ps[0]], [ps[1]]])
+    assert [[h.data_ptr() for h in g] for g in groups] == [[hosts[2].data_ptr(), hosts[0].data_ptr()],
+                                                          [hosts[1].data_ptr()]]
+    assert [p.data.data_ptr() for p in ps[:3]] == [c.data_ptr() for c in copies]  # still on their device copies
+    assert loader.kept_count == 0 and loader.removals == removals + 1 and not loader.holds_all(ps[:1])
+    assert loader.holds_all([])
+
+
 def test_loader_stream_mode_puts_back_after_each_trap():
     ps = _params(2)
     hosts = [p.data for p in ps]
