@@ -31,7 +31,9 @@ Sequence and threads
    registration (so host RAM holds the originals and the blocks for about one arena at a time, as in the
    synchronous build), region by region with a pause between (``UNREGISTER_PAUSE_S``; none once cancelled);
    finally ``provider.finish()`` (``host_register`` pins its arenas there). On CUDA the thread first makes the
-   manager's device current.
+   manager's device current. With PyTorch's default pinned allocator each fresh arena is one ``cudaHostAlloc``,
+   which holds up the main thread's launches while it runs (0.8 s for 2 GiB on the H200 host); the provider
+   logs once how to configure PyTorch out of it (``flextensor.host_memory.pinned_allocator_hint``).
 3. Main thread, at the start of the first pass after the build finished (``PhaseMixin._begin_pass``), or at any
    call that needs the INFERENCE layout (``export_state``, ``get_gpu_memory_usage``, ``offloaded_tensors``,
    ``loader``, ``save_profile``: they wait for the build): :func:`install_deferred` points every streamed tensor

@@ -326,6 +326,31 @@ class PageableProvider(ArenaProvider):
         return torch.empty(nbytes, dtype=torch.uint8)
 
 
+#: PyTorch's allocator setting that backs its pinned allocations with ``malloc`` + ``cudaHostRegister`` (pages
+#: faulted in by 8 threads) instead of ``cudaHostAlloc``: still PyTorch's caching pinned allocator.
+PINNED_REGISTER_SETTING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+_allocator_hint_logged = False
+
+
+def pinned_allocator_hint(environ: Any) -> str | None:
+    """The advice :class:`TorchPinnedProvider` logs once per process, or None when the allocator is set up so.
+
+    Why: by default a fresh pinned allocation is one ``cudaHostAlloc``, during which every CUDA launch of the
+    process waits. On the H200 host (2026-11-30) a 2 GiB one took 0.79-0.89 s, and a launch-bound pass on
+    another thread took just as long; with :data:`PINNED_REGISTER_SETTING` the allocation took 0.22-0.26 s and
+    that pass at most 77-90 ms. The background build of the INFERENCE host blocks makes such allocations while
+    the first inference passes run. The setting is the process's, read when CUDA starts, so flextensor only
+    says so instead of changing it.
+    """
+    conf = environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    if "pinned_use_cuda_host_register:true" in conf.replace(" ", "").lower():
+        return None
+    return ("host blocks come from PyTorch's pinned allocator through cudaHostAlloc, which holds up every CUDA "
+            "launch of this process while it runs (a 2 GiB arena: about 0.8 s on an H200 host), so a background "
+            f"build stalls the first inference passes; set PYTORCH_CUDA_ALLOC_CONF={PINNED_REGISTER_SETTING} "
+            "before the process starts, or use pinned_memory_mode='host_register'")
+
+
 class TorchPinnedProvider(ArenaProvider):
     """PyTorch's caching pinned allocator (``pinned_memory_mode="torch"``), power-of-two aware arenas."""
 
@@ -334,6 +359,14 @@ class TorchPinnedProvider(ArenaProvider):
     power_of_two = True
 
     def _new_arena(self, nbytes: int) -> torch.Tensor:
+        global _allocator_hint_logged
+        if not _allocator_hint_logged:  # on the build thread, once per process: see pinned_allocator_hint
+            _allocator_hint_logged = True
+            import os
+
+            hint = pinned_allocator_hint(os.environ)
+            if hint is not None:
+                logger.info(hint)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 

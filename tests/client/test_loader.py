@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
 
 import flextensor as ft
+import flextensor.host_memory as host_memory
 from flextensor.host_memory import (
     ALIGN,
     ARENA_MAX_BYTES,
+    PINNED_REGISTER_SETTING,
     PageableProvider,
     ShmProvider,
+    TorchPinnedProvider,
     block_view,
     make_provider,
     pack_block,
+    pinned_allocator_hint,
     packed_stride,
     plan_arenas,
 )
@@ -262,6 +268,34 @@ def test_arena_provider_carves_disjoint_page_aligned_blocks():
     assert extra.tensor.numel() == 100 and len(provider.arena_bytes) == 4
     provider.close()
     assert all(bool((b.tensor == i + 1).all()) for i, b in enumerate(blocks))  # views keep their arena alive
+
+
+def test_the_pinned_allocator_hint_names_the_setting_unless_it_is_set():
+    hint = pinned_allocator_hint({})
+    assert hint is not None and f"PYTORCH_CUDA_ALLOC_CONF={PINNED_REGISTER_SETTING}" in hint
+    assert "host_register" in hint
+    assert pinned_allocator_hint({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == hint
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        assert pinned_allocator_hint({name: "expandable_segments:True, pinned_use_cuda_host_register: True"}) is None
+    assert pinned_allocator_hint({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"}) == hint
+
+
+def test_the_torch_provider_logs_the_hint_once_per_process(monkeypatch, caplog):
+    """Through its first arena (on the build thread in the engine); CPU torch cannot pin, so the allocation
+    itself is made pageable here."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(host_memory, "_allocator_hint_logged", False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with caplog.at_level(logging.INFO, logger="flextensor.host_memory"):
+        for _ in range(2):
+            provider = TorchPinnedProvider()
+            provider.reserve([4096, 4096])
+            provider.allocate(0, 4096)
+            provider.allocate(1, 4096)
+            provider.close()
+    assert [r.getMessage() for r in caplog.records] == [pinned_allocator_hint({})]
 
 
 @pytest.mark.cuda
