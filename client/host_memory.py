@@ -50,6 +50,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Sequence
@@ -330,6 +332,7 @@ class PageableProvider(ArenaProvider):
 #: faulted in by 8 threads) instead of ``cudaHostAlloc``: still PyTorch's caching pinned allocator.
 PINNED_REGISTER_SETTING = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 _allocator_hint_logged = False
+_allocator_hint_lock = threading.Lock()  # two build threads may start their first arena together
 
 
 def pinned_allocator_hint(environ: Any) -> str | None:
@@ -341,14 +344,24 @@ def pinned_allocator_hint(environ: Any) -> str | None:
     that pass at most 77-90 ms. The background build of the INFERENCE host blocks makes such allocations while
     the first inference passes run. The setting is the process's, read when CUDA starts, so flextensor only
     says so instead of changing it.
+
+    Read as PyTorch reads it: ``PYTORCH_CUDA_ALLOC_CONF`` when set (even empty), else ``PYTORCH_ALLOC_CONF``;
+    comma-separated ``key:value`` pairs, whitespace ignored, the last value of a key counts. (A setting made at
+    run time through ``torch.cuda.memory._set_allocator_settings`` is not seen.)
     """
-    conf = environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-    if "pinned_use_cuda_host_register:true" in conf.replace(" ", "").lower():
+    name = "PYTORCH_CUDA_ALLOC_CONF" if "PYTORCH_CUDA_ALLOC_CONF" in environ else "PYTORCH_ALLOC_CONF"
+    conf = "".join((environ.get(name) or "").split())
+    register = None
+    for pair in conf.split(","):
+        key, _, value = pair.partition(":")
+        if key == "pinned_use_cuda_host_register":
+            register = value
+    if register == "True":
         return None
     return ("host blocks come from PyTorch's pinned allocator through cudaHostAlloc, which holds up every CUDA "
             "launch of this process while it runs (a 2 GiB arena: about 0.8 s on an H200 host), so a background "
-            f"build stalls the first inference passes; set PYTORCH_CUDA_ALLOC_CONF={PINNED_REGISTER_SETTING} "
-            "before the process starts, or use pinned_memory_mode='host_register'")
+            f"build stalls the first inference passes; add {PINNED_REGISTER_SETTING} to {name} before the "
+            "process starts, or use pinned_memory_mode='host_register'")
 
 
 class TorchPinnedProvider(ArenaProvider):
@@ -361,10 +374,9 @@ class TorchPinnedProvider(ArenaProvider):
     def _new_arena(self, nbytes: int) -> torch.Tensor:
         global _allocator_hint_logged
         if not _allocator_hint_logged:  # on the build thread, once per process: see pinned_allocator_hint
-            _allocator_hint_logged = True
-            import os
-
-            hint = pinned_allocator_hint(os.environ)
+            with _allocator_hint_lock:
+                first, _allocator_hint_logged = not _allocator_hint_logged, True
+            hint = pinned_allocator_hint(os.environ) if first else None
             if hint is not None:
                 logger.info(hint)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

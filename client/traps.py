@@ -357,11 +357,16 @@ class WarmLoader:
     def detach(self, groups: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Stop keeping the tensors of ``groups`` (all must be kept; one group per host block); they keep their
         device copy as data for now, and their host data is returned, group by group in order, for whoever
-        fills their host blocks (``flextensor.deferred_build``). Nothing is detached when one is missing."""
+        fills their host blocks (``flextensor.deferred_build``). Nothing is detached when one is missing or
+        listed twice."""
+        groups = [list(tensors) for tensors in groups]
         kept = self._kept
-        missing = sum(1 for tensors in groups for t in tensors if id(t) not in kept)
+        ids = [id(t) for tensors in groups for t in tensors]
+        missing = sum(1 for i in ids if i not in kept)
         if missing:
             raise RuntimeError(f"{missing} tensor(s) have no kept warm-up copy to detach")
+        if len(set(ids)) != len(ids):
+            raise RuntimeError("a tensor is listed twice in the groups to detach; each block packs a tensor once")
         self.removals += 1
         pop, discard = kept.pop, self.same_device_copies.discard
         hosts = []

@@ -3,6 +3,8 @@ PROFILING pass, and the plan built from it equals one built from the model at th
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -175,3 +177,44 @@ def test_a_buffer_that_grows_while_profiled_is_counted_at_its_size_at_the_switch
     exclusive = {n for names in om._exclusive.values() for n in names}
     expected = sum(e.tensor.numel() * e.tensor.element_size() for n, e in om._tensors.items() if n not in exclusive)
     assert strategy.inputs[0].fixed_resident_bytes == expected and expected >= 4096
+
+
+class Recording(ft.NthLayerStrategy):
+    """NthLayer(1) that keeps the PlanInput it was given."""
+
+    def plan(self, inp):
+        self.input = inp
+        return super().plan(inp)
+
+
+class GapModel(torch.nn.Module):
+    """Linear, a parameter-free trap (a gap trap: its compute only widens the next copy's window), Linear."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.first, self.gap, self.last = torch.nn.Linear(d, d), torch.nn.GELU(), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.last(self.gap(self.first(x)))
+
+
+def test_the_switch_costs_a_gap_trap_its_compute_only_and_a_streamed_trap_its_median_and_stream_cost():
+    torch.manual_seed(0)
+    model, x = GapModel().eval(), torch.randn(4, 16)
+    ref = reference(model, x)
+    strategy = Recording()
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:Linear", "class:GELU"], load_strategy=strategy,
+                                 profiling_iters=4, skip_discovery=True))
+    _passes(model, x, ref, om.iters_before_inference)  # the last one switches
+    traps = {t.label: t for t in strategy.input.traps}
+    assert [t.label for t in strategy.input.traps] == ["first", "gap", "last"]
+    for label, trap in traps.items():  # every counted pass's window, the last one read at the switch
+        assert len(om._durations[label]) == 4
+        assert trap.compute_s == statistics.median(om._durations[label]) > 0.0
+    assert traps["gap"].tensors == () and traps["gap"].stream_cost_s == 0.0
+    for label in ("first", "last"):
+        assert [t.name for t in traps[label].tensors] == [f"{label}.weight", f"{label}.bias"]
+        assert traps[label].stream_cost_s > 0.0  # launch-bound on the CPU: the full per-call cost
+    om.wait_for_host_blocks()
+    _passes(model, x, ref, 2)

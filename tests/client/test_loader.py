@@ -272,12 +272,19 @@ def test_arena_provider_carves_disjoint_page_aligned_blocks():
 
 def test_the_pinned_allocator_hint_names_the_setting_unless_it_is_set():
     hint = pinned_allocator_hint({})
-    assert hint is not None and f"PYTORCH_CUDA_ALLOC_CONF={PINNED_REGISTER_SETTING}" in hint
+    assert hint is not None and f"add {PINNED_REGISTER_SETTING} to PYTORCH_ALLOC_CONF" in hint
     assert "host_register" in hint
-    assert pinned_allocator_hint({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == hint
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        assert pinned_allocator_hint({name: "expandable_segments:True, pinned_use_cuda_host_register: True"}) is None
-    assert pinned_allocator_hint({"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:False"}) == hint
+        assert pinned_allocator_hint({name: "expandable_segments:True, pinned_use_cuda_host_register :\tTrue"}) is None
+        assert f"to {name} " in pinned_allocator_hint({name: "expandable_segments:True"})
+        assert pinned_allocator_hint({name: "pinned_use_cuda_host_register:False"}) is not None
+        assert pinned_allocator_hint({name: "pinned_use_cuda_host_register:true"}) is not None  # PyTorch: True only
+        # the last value of a key counts, as PyTorch parses it
+        assert pinned_allocator_hint({name: "pinned_use_cuda_host_register:True,pinned_use_cuda_host_register:False"})
+    # PyTorch reads PYTORCH_CUDA_ALLOC_CONF whenever it is set, even empty, and PYTORCH_ALLOC_CONF only otherwise
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": PINNED_REGISTER_SETTING}
+    assert "to PYTORCH_CUDA_ALLOC_CONF " in pinned_allocator_hint(both)
+    assert pinned_allocator_hint({**both, "PYTORCH_CUDA_ALLOC_CONF": PINNED_REGISTER_SETTING}) is None
 
 
 def test_the_torch_provider_logs_the_hint_once_per_process(monkeypatch, caplog):

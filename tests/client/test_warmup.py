@@ -165,6 +165,18 @@ def test_loader_detaches_whole_groups_in_order_or_nothing():
     assert [p.data.data_ptr() for p in ps[:3]] == [c.data_ptr() for c in copies]  # still on their device copies
     assert loader.kept_count == 0 and loader.removals == removals + 1 and not loader.holds_all(ps[:1])
     assert loader.holds_all([])
+    assert not loader.same_device_copies & {id(p) for p in ps[:3]}  # their device copies are theirs for good
+    assert id(ps[3]) in loader.same_device_copies
+
+
+def test_loader_detach_takes_any_iterables_and_refuses_a_tensor_listed_twice():
+    ps = _params(3)
+    loader = WarmLoader(torch.device("cpu"), keep=True, same_device_copies=ps)
+    assert loader.preload(ps)
+    with pytest.raises(RuntimeError, match="listed twice"):
+        loader.detach([[ps[0], ps[1]], [ps[1]]])
+    assert loader.kept_count == 3
+    assert len(loader.detach([iter(ps[:2]), (p for p in ps[2:])])[1]) == 1 and loader.kept_count == 0
 
 
 def test_loader_stream_mode_puts_back_after_each_trap():
