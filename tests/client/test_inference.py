@@ -200,7 +200,7 @@ class GapModel(torch.nn.Module):
 
 def test_the_switch_costs_a_gap_trap_its_compute_only_and_a_streamed_trap_its_median_and_stream_cost():
     torch.manual_seed(0)
-    model, x = GapModel().eval(), torch.randn(4, 16)
+    model, x = GapModel().eval(), torch.randn(4, 16).to(DEVICE)
     ref = reference(model, x)
     strategy = Recording()
     om = ft.get_offload_manager()
@@ -215,6 +215,6 @@ def test_the_switch_costs_a_gap_trap_its_compute_only_and_a_streamed_trap_its_me
     assert traps["gap"].tensors == () and traps["gap"].stream_cost_s == 0.0
     for label in ("first", "last"):
         assert [t.name for t in traps[label].tensors] == [f"{label}.weight", f"{label}.bias"]
-        assert traps[label].stream_cost_s > 0.0  # launch-bound on the CPU: the full per-call cost
+        assert traps[label].stream_cost_s > 0.0  # at least the device part of the per-call cost
     om.wait_for_host_blocks()
     _passes(model, x, ref, 2)
