@@ -198,8 +198,8 @@ def defer_inference(m: "OffloadManager", layouts: list[BlockLayout], schedule: l
     resident = [n for n, e in m._tensors.items() if n not in placed and m._warm.holds(e.tensor)]
     debug = logger.isEnabledFor(logging.DEBUG)
     kept = m._warm.commit(count=debug)  # everything else the warm-up copied stays resident for good
-    for name, entry in m._tensors.items():
-        if not entry.tensor.is_meta and entry.tensor.device != m._device and not m._warm.holds(entry.tensor):
+    for entry in m._tensors.values():  # (the warm-up holds no copy now: streamed ones detached, the rest committed)
+        if not entry.tensor.is_meta and entry.tensor.device != m._device:
             m._to_device(entry)
     provider = make_provider(m._config(), m._device)
     # The build thread is the only user of the staging from here until install_deferred joined it.
