@@ -273,11 +273,8 @@ def twin_against_itself(twin: torch.nn.Module, profile_input: torch.Tensor, devi
     itself (without the sweep's own disturbance of the passes after it, so a lower bound)."""
     ratios = []
     for _ in range(repeats):
-        a, b = [], []
-        for _ in range(iters):
-            a += pass_times(lambda: twin(profile_input), device, repeat=1, warmup=0)
-            b += pass_times(lambda: twin(profile_input), device, repeat=1, warmup=0)
-        ratios.append((sweep_s + sum(b)) / (sweep_s + sum(a)))
+        phase = paired_profile_phase(twin, iters, profile_input, device, twin)  # B as the "profile" passes
+        ratios.append((sweep_s + phase["profile_s"]) / (sweep_s + sum(phase["resident_adjacent_all_s"])))
     return ratios
 
 

@@ -51,7 +51,14 @@ TOTAL = sum(LAYER) * LAYERS
 
 def timed(copies: list[tuple[torch.Tensor, torch.Tensor]], streams: list[torch.cuda.Stream],
           repeat: int = REPEAT) -> float:
-    """Milliseconds from before the first copy to after the last, the copies taking turns on ``streams``."""
+    """Milliseconds from before the first copy to after the last, the copies taking turns on ``streams``
+    (median of ``repeat``)."""
+    return statistics.median(copy_times_ms(copies, streams, repeat))
+
+
+def copy_times_ms(copies: list[tuple[torch.Tensor, torch.Tensor]], streams: list[torch.cuda.Stream],
+                  repeat: int) -> list[float]:
+    """What :func:`timed` takes the median of: each of ``repeat`` runs of the copies, in milliseconds."""
     current = torch.cuda.current_stream()
     times = []
     for _ in range(repeat):
@@ -68,7 +75,7 @@ def timed(copies: list[tuple[torch.Tensor, torch.Tensor]], streams: list[torch.c
         end.record(current)
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
 
 
 def report(name: str, ms: float, nbytes: int, copies: int, whole_ms: float | None) -> None:

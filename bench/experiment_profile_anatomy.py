@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -88,6 +89,7 @@ import flextensor.trap_windows as trap_windows  # noqa: E402
 import flextensor.warm_copies as warm_copies  # noqa: E402
 from bench_engine import pinned_peak_gbps  # noqa: E402
 from common import cuda_forward  # noqa: E402
+from experiment_copy_granularity import copy_times_ms  # noqa: E402
 from models import BLOCK_PATTERN, ModelSpec, build_model, make_tokens  # noqa: E402
 
 SPENT: dict[tuple[Any, str], list[float]] = defaultdict(list)  # (pass, function) -> seconds per call
@@ -223,29 +225,13 @@ def copy_granularity(layer: torch.nn.Module, peak_gbps: float) -> None:
     total = sum(sizes)
     src = torch.empty(total, dtype=torch.uint8).pin_memory()
     dst = torch.empty(total, dtype=torch.uint8, device="cuda")
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    ms: dict[str, list[float]] = {"whole": [], "pieces": [], "pieces_two_streams": []}
+    bounds = list(zip(itertools.accumulate([0] + sizes[:-1]), sizes))
+    pieces = [(dst[offset:offset + n], src[offset:offset + n]) for offset, n in bounds]
+    one, two = [torch.cuda.current_stream()], [torch.cuda.Stream(), torch.cuda.Stream()]
+    variants = {"whole": ([(dst, src)], one), "pieces": (pieces, one), "pieces_two_streams": (pieces, two)}
+    ms: dict[str, list[float]] = {mode: [] for mode in variants}
     for mode in list(ms) * 2:
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            if mode == "whole":
-                dst.copy_(src, non_blocking=True)
-            else:
-                used = streams if mode == "pieces_two_streams" else [torch.cuda.current_stream()]
-                for stream in used:
-                    stream.wait_event(start)
-                offset = 0
-                for i, n in enumerate(sizes):
-                    with torch.cuda.stream(used[i % len(used)]):
-                        dst[offset:offset + n].copy_(src[offset:offset + n], non_blocking=True)
-                    offset += n
-                for stream in used:
-                    torch.cuda.current_stream().wait_stream(stream)
-            end.record()
-            end.synchronize()
-            ms[mode].append(start.elapsed_time(end))
+        ms[mode] += copy_times_ms(*variants[mode], repeat=5)
     rates = {f"gbps_{mode}": round(total / statistics.median(v) / 1e6, 2) for mode, v in ms.items()}
     print(json.dumps({"copy_granularity": {"tensors": len(sizes), "bytes": total,
                                            "pinned_peak_gbps": round(peak_gbps, 2), **rates}}))
