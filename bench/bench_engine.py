@@ -203,7 +203,7 @@ def offload_run(
     start = time.perf_counter()  # after a resident warm-up the host blocks are built behind the first passes
     manager.wait_for_host_blocks()
     out["host_blocks_wait_s"] = time.perf_counter() - start
-    out["host_blocks_build_s"] = manager._host_build_s
+    out["host_blocks_build_s"] = manager.engine.inference.host_build_s
     out["offloaded_bytes"] = offloaded_bytes(manager, model)
     with torch.no_grad():
         result = proxy(work.small).float().cpu()

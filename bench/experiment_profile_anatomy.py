@@ -12,7 +12,7 @@ one ratio per run. This takes the same model and small batch apart:
 - one layer copied in one piece against tensor by tensor, on one stream and alternating between two (the copy
   engine's per-copy cost, and whether a second engine hides it);
 - each PROFILING pass read: which clock marked it, its span on both clocks, and (device-marked) the largest
-  difference of one window between the clocks (``flextensor.trap_windows``).
+  difference of one window between the clocks (``flextensor.runtime.trap_windows``).
 
 The functions are wrapped in place (``perf_counter`` around each call, about 0.3 us each), so the totals are a
 little high; compare passes and parts with each other, not with bench_engine. Three runs in one process:
@@ -48,7 +48,7 @@ Tenth session, same host, 2026-11-30 (04:30-04:37 UTC), this file as it was at t
 - Which clock: with every window required to agree on both clocks, the quieter runs never left device marks
   (17 marks a pass, their passes +0.3-0.45 ms over the twin). A device-marked pass read 30-50 us apart on its
   windows (up to 312 us on the first, the sweep's) while its span agreed within 1.3%. With the span alone
-  deciding (``flextensor.trap_windows``), every run marks passes 3-9 on the host clock, and passes 2-8 cost
+  deciding (``flextensor.runtime.trap_windows``), every run marks passes 3-9 on the host clock, and passes 2-8 cost
   +0.15-0.27 ms over the twin in the quiet runs (engine functions about 0.15 ms of it: trap entries and exits
   0.06-0.08, pass begin with reading 0.05, pass end 0.02).
 - The switch: ``_end_pass`` 0.74-0.93 ms for NthLayer(1) (``plan_inference`` 0.63-0.82: the strategy 0.13-0.15,
@@ -79,13 +79,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flextensor as ft  # noqa: E402
-import flextensor.basic_strategies as basic  # noqa: E402
+import flextensor.planning.basic_strategies as basic  # noqa: E402
 import flextensor.deferred_build as deferred_build  # noqa: E402
 import flextensor.inference as inference  # noqa: E402
 import flextensor.phases as phases  # noqa: E402
-import flextensor.strategies as strategies  # noqa: E402
-import flextensor.timing as timing  # noqa: E402
-import flextensor.trap_windows as trap_windows  # noqa: E402
+import flextensor.planning.strategies as strategies  # noqa: E402
+import flextensor.runtime.timing as timing  # noqa: E402
+import flextensor.runtime.trap_windows as trap_windows  # noqa: E402
 import flextensor.warm_copies as warm_copies  # noqa: E402
 from bench_engine import pinned_peak_gbps  # noqa: E402
 from common import cuda_forward  # noqa: E402
@@ -127,7 +127,7 @@ READS: list[dict] = []  # one per PROFILING pass read: which clock marked it, ho
 
 
 def _read_pass(clock: Any, record: Any, check_span: bool = True) -> Any:
-    """``flextensor.trap_windows.read_pass``, noting for each pass read whether it was marked on the device, its
+    """``flextensor.runtime.trap_windows.read_pass``, noting for each pass read whether it was marked on the device, its
     span on both clocks (the device's only where the engine read it: not for the last, host-marked pass) and
     (device-marked) the largest difference of one window between the clocks."""
     reading = trap_windows.read_pass(clock, record, check_span)
@@ -190,7 +190,7 @@ def run(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, strategy
             row = {"pass": i, "twin_ms": _ms(ordinary["wall"]), "wall_ms": _ms(mine["wall"]),
                    "host_ms": _ms(mine["host"]), "gpu_ms": _ms(mine["gpu"]),
                    "excess_ms": _ms(mine["wall"] - ordinary["wall"])}
-            copies = manager._warm_events  # the sweep's (bytes, start, end) per trap, read at the switch
+            copies = manager.engine.warm.events  # the sweep's (bytes, start, end) per trap, read at the switch
             if i == 0 and copies:
                 nbytes = sum(b for b, _, _ in copies)
                 row.update(lead_ms=round(start.elapsed_time(copies[0][1]), 3),

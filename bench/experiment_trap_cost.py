@@ -3,7 +3,7 @@
 1. *Per-trap host cost.* 16 tiny layers (``Linear(64, 64)``) on the device, so a pass is launch-bound and any
    host work the engine adds shows in the wall time. Offloaded passes alternate with passes of a resident twin
    (300 pairs, medians); the difference over 16 traps is one trap's cost. Variants: PROFILING with a CUDA
-   event at every trap entry (forced: no pass may count as keeping up, ``flextensor.trap_windows``); PROFILING
+   event at every trap entry (forced: no pass may count as keeping up, ``flextensor.runtime.trap_windows``); PROFILING
    as the engine runs it (traps timed on the host's clock once a pass showed the device keeping up);
    INFERENCE of a plan that streams nothing, with its traps bypassed (``Trap.bypass``) and with the enter/exit
    wrapper kept.

@@ -12,7 +12,7 @@ Strategy replanning (the spec's ``request_strategy_replan`` / ``update_state`` /
 in this project: the names exist so code written against the spec runs, and they say what they do honestly
 (``request_strategy_replan`` warns and arms nothing, the status is always idle and not requestable). Eager timing
 is stored at the end of every forward and there is no CUDA-graph replay path, so ``update_offload_timing`` has
-nothing to publish. ``offload_units`` / ``resident_units`` are real (see ``flextensor.replan``).
+nothing to publish. ``offload_units`` / ``resident_units`` are real (see ``flextensor.units``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from flextensor.config import OffloadConfig
-from flextensor import replan as _replan
+from flextensor import units as _units
 from flextensor.manager import GPUMemoryUsage, OffloadManager
-from flextensor.replan import StrategyReplanStatus
+from flextensor.units import StrategyReplanStatus
 from flextensor.state import TensorManagerState
-from flextensor.timing import OffloadTimingReport, format_offload_timing_table
+from flextensor.runtime.timing import OffloadTimingReport, format_offload_timing_table
 
 __all__ = [
     "DEFAULT_MANAGER_NAME",
@@ -217,7 +217,7 @@ def reset_offload_timing(name: str = DEFAULT_MANAGER_NAME) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Offload timing publication, units and strategy replan (replan itself is not implemented: flextensor.replan)
+# Offload timing publication, units and strategy replan (replan itself is not implemented: flextensor.units)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -245,7 +245,7 @@ def request_strategy_replan(name: str = DEFAULT_MANAGER_NAME, *, manual_update_s
         raise TypeError(f"request_strategy_replan: manual_update_state must be a bool, "
                         f"got {type(manual_update_state).__name__}")
     get_offload_manager(name)
-    logger.warning("request_strategy_replan(%r): %s", name, _replan.REPLAN_NOT_IMPLEMENTED_MESSAGE)
+    logger.warning("request_strategy_replan(%r): %s", name, _units.REPLAN_NOT_IMPLEMENTED_MESSAGE)
     return 0
 
 
@@ -255,7 +255,7 @@ def strategy_replan_status(name: str = DEFAULT_MANAGER_NAME) -> StrategyReplanSt
     The spec reads this from ``OffloadManager.strategy_replan_status``; here it is a module-level function.
     """
     get_offload_manager(name)
-    return _replan.REPLAN_NOT_AVAILABLE
+    return _units.REPLAN_NOT_AVAILABLE
 
 
 def update_state(name: str = DEFAULT_MANAGER_NAME, *, replay_generation: int = -1) -> None:
@@ -273,7 +273,7 @@ def offload_units(name: str = DEFAULT_MANAGER_NAME) -> tuple[tuple[str, nn.Modul
 
     ``RuntimeError`` before INFERENCE (or with no model offloaded); ``()`` with ``OffloadConfig(enabled=False)``.
     """
-    return _replan.offload_units(get_offload_manager(name))
+    return _units.offload_units(get_offload_manager(name))
 
 
 def resident_units(name: str = DEFAULT_MANAGER_NAME) -> tuple[tuple[str, nn.Module], ...]:
@@ -281,4 +281,4 @@ def resident_units(name: str = DEFAULT_MANAGER_NAME) -> tuple[tuple[str, nn.Modu
 
     ``RuntimeError`` before INFERENCE (or with no model offloaded); ``()`` with ``OffloadConfig(enabled=False)``.
     """
-    return _replan.resident_units(get_offload_manager(name))
+    return _units.resident_units(get_offload_manager(name))

@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from flextensor.loader import slot_count
-from flextensor.plan_model import effective_blocks
+from flextensor.runtime.loader import slot_count
+from flextensor.planning.plan_model import effective_blocks
 from flextensor.shm.blocks import ARENA_KIND, ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.tensor_store import SharedTensorStore
 

@@ -63,7 +63,7 @@ PATTERN_PREFIXES: tuple[str, ...] = ("name", "class")
 
 
 class StrategyLike(Protocol):
-    """What ``load_strategy`` accepts: any object with a ``plan`` method (see ``flextensor.strategies``).
+    """What ``load_strategy`` accepts: any object with a ``plan`` method (see ``flextensor.planning.strategies``).
 
     Duck-typed on purpose: the config must not import the strategy module (and through it the planner's
     dependencies) just to check a type, and users may bring their own strategy objects.

@@ -1,50 +1,24 @@
-"""``OffloadManager``: patches a model in place and drives DISCOVERY -> PROFILING -> INFERENCE.
+"""``OffloadManager``: one named engine instance; patches a model in place and owns its phase.
 
-Lifecycle (see the configuration spec, "Profiling Configuration"):
+Lifecycle:
 
-1. ``offload(model)`` selects traps from the patterns, patches each trap module's ``forward`` (instance
-   attribute) and the root module's ``forward`` (which counts passes and drives the phases), and moves every
-   tensor that no trap can offload (buffers, parameters outside traps or statically shared by several traps) to
-   the compute device. The model object is returned as the "proxy": identity, ``isinstance``, attributes and
-   ``state_dict`` keys are unchanged.
-2. DISCOVERY (``discovery_iters`` passes; skipped with ``skip_discovery``): a ``TorchFunctionMode`` records which
-   trap uses which parameter; a parameter used by several traps or outside traps stays resident.
-3. PROFILING (``profiling_iters`` passes): per-trap compute durations (CUDA events / perf_counter); each trap's
-   weights are put on the device before its timing window opens. Suspended passes record nothing and are not
-   counted. After the last pass: one transfer sweep, then the strategy (``config.load_strategy`` or
-   ``AdaptiveStrategy()``) plans which tensors stream through the rotating device blocks.
-4. INFERENCE: offloaded tensors are packed into host blocks (one per trap), the rest is resident on the device,
-   and the :class:`~flextensor.loader.BlockLoader` streams blocks ahead of compute. After a resident warm-up the
-   blocks are built on a thread while the first INFERENCE passes run resident, and streaming starts at the first
-   pass boundary after that (``flextensor.deferred_build``; ``wait_for_host_blocks()`` switches at once).
+1. ``offload(model)`` selects traps from the patterns, patches each trap module's ``forward`` (an instance
+   attribute) and the root module's ``forward`` (which frames a pass), keeps on the device every tensor no trap
+   can offload, and returns the model itself: identity, ``isinstance``, attributes and ``state_dict`` keys are
+   unchanged (``flextensor.engine.discovery``).
+2. DISCOVERY (``discovery_iters`` passes; skipped with ``skip_discovery``) learns which trap uses which
+   parameter; PROFILING (``profiling_iters`` counted passes) times each trap; the switch plans what streams
+   (``flextensor.engine.switch``).
+3. INFERENCE streams the plan's host blocks through a few rotating device blocks (``flextensor.engine.build``,
+   ``flextensor.engine.inference``). Adoption (``offload_from_state`` / profiles) starts here.
 
-Adoption (``offload_from_state`` / profiles) skips 2-3: the state says what is offloaded, where, and in which
-order traps run; host blocks may be supplied by the caller (shared memory), in which case they are used as-is.
+The manager holds the engine's state in one :class:`~flextensor.engine.context.EngineContext` (``engine``) and
+the current phase handler, and it is the only place the handler changes (Note [phases and handlers] in
+``flextensor.engine.phase``): the root forward calls the handler at each pass's start and end, the trap forwards
+at each trap's entry and exit. It also owns what outlives a model: the config, the memory budget, a profile
+loaded ahead of ``offload()``, and a shared-memory namespace it joined for ``shm_enabled`` without a session.
 
 Threading: a manager belongs to the thread that created it; any other thread gets ``RuntimeError``.
-
-Pinned staging (``flextensor.staging``): with a CUDA compute device and ``pinned_memory=True``, ``offload()``
-registers the candidates' own CPU storages in place, so the warm-up copies of steps 2-3 are direct DMA
-(``non_blocking``) instead of bounced pageable copies; the registration ends once the host blocks are built or at
-``release()``.
-
-Warm-up residency (``flextensor.warmup``): ``offload()`` decides once whether the candidates fit on the device
-(budget or free memory less a margin). If they do, the first warm-up pass copies them all before any trap runs
-and they stay there until INFERENCE is built (one copy per tensor for the whole warm-up; no copy in any timed
-region, the first PROFILING pass included); if not, each trap's weights are copied per call as before. One INFO
-line says which mode and why.
-
-Module map: this file holds setup (``offload``, adoption entry points, config) and reports;
-``flextensor.phases`` the per-pass phase machine, traps and profiling controls; ``flextensor.teardown``
-``release()``; ``flextensor.inference`` planning and the INFERENCE build; ``flextensor.adoption`` states.
-
-``profile_mode``: "view" and "getter" run the same mechanism here: before a trap's timing window opens, its
-offloadable weights are copied to the device (``.data`` swap) and put back after it, so timings exclude copies
-and contain no attribute-getter indirection.
-
-``compile_fn`` (minimal support): applied once per trap to a parameterless shim around the trap's original
-forward (see :class:`~flextensor.traps.ForwardShim`); the engine's loading happens outside the compiled region.
-No strategy replan from compiled timings is implemented (``allow_strategy_replan`` is accepted and recorded).
 """
 
 from __future__ import annotations
@@ -54,31 +28,30 @@ import json
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
+# The engine's modules are imported with the manager: imported on first use, the switch's were loaded inside
+# the last PROFILING pass of a process's first model (milliseconds the profile phase should not pay).
 from flextensor.config import OffloadConfig
-from flextensor.host_memory import BlockLayout, HostBlock, HostBlockProvider
-from flextensor.loader import BlockLoader
+from flextensor.engine import adoption
+from flextensor.engine.build import install_deferred
+from flextensor.engine.context import EngineContext
+from flextensor.engine.discovery import start_warmup
+from flextensor.engine.hooks import RootForward, Trap
+from flextensor.engine.phase import Phase, PhaseHandler
+from flextensor.engine.profiling import clear_durations, resolve_windows
+from flextensor.engine.teardown import teardown
 from flextensor.patterns import PatternSet
-from flextensor.phases import Phase, PhaseMixin
-from flextensor.staging import PinnedStaging
-from flextensor.state import ModelTensor, TensorManagerState, model_tensors, tensor_nbytes
-from flextensor.teardown import ReleaseMixin
-from flextensor.timing import OffloadTimingReport, TimingCollector
-from flextensor.trap_windows import PassWindows, TrapWindow
-from flextensor.traps import Trap, UsageRecorder, WarmLoader
-from flextensor.warm_copies import WarmCopiesMixin
-from flextensor.warmup import WarmupDecision
-
-# The modules the switch to INFERENCE uses are imported with the manager: imported on first use, they were
-# loaded inside the last PROFILING pass of a process's first model (milliseconds the profile phase should not pay).
-import flextensor.inference  # noqa: E402,F401  (plan_inference, build_inference, deferred_build)
-import flextensor.strategies  # noqa: E402,F401  (AdaptiveStrategy, plan_model, basic_strategies)
+from flextensor.runtime.host_memory import HostBlockProvider, make_provider
+from flextensor.runtime.loader import BlockLoader
+from flextensor.runtime.timing import OffloadTimingReport
+from flextensor.state import TensorManagerState, model_tensors, tensor_nbytes
 
 __all__ = ["OffloadManager", "Phase", "GPUMemoryUsage", "compute_device"]
 
@@ -102,6 +75,23 @@ class GPUMemoryUsage:
         object.__setattr__(self, "resident_mb", self.resident_bytes / MB)
         object.__setattr__(self, "total_mb", self.total_bytes / MB)
 
+    # FlexTensor 0.5.0's names for the same numbers, so scripts written against it run unchanged.
+    @property
+    def blocks_bytes(self) -> int:
+        return self.block_bytes
+
+    @property
+    def unmapped_tensors_bytes(self) -> int:
+        return self.resident_bytes
+
+    @property
+    def blocks_mb(self) -> float:
+        return self.block_mb
+
+    @property
+    def unmapped_tensors_mb(self) -> float:
+        return self.resident_mb
+
 
 def compute_device(config: OffloadConfig) -> torch.device:
     """Where a manager with ``config`` computes: its ``gpu_device`` when CUDA is available, else the CPU."""
@@ -110,12 +100,8 @@ def compute_device(config: OffloadConfig) -> torch.device:
     return torch.device("cpu")
 
 
-class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
-    """One named offload engine instance (see the module docstring).
-
-    The per-pass phase machine, ``offload_block`` and the profiling controls come from
-    :class:`~flextensor.phases.PhaseMixin`; ``release()`` from :class:`~flextensor.teardown.ReleaseMixin`.
-    """
+class OffloadManager:
+    """One named offload engine instance (see the module docstring)."""
 
     def __init__(self, name: str = "default", config: OffloadConfig | None = None) -> None:
         self.name = name
@@ -123,68 +109,22 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         self.config: OffloadConfig | None = None
         self._pending_state: TensorManagerState | None = None
         self._budget_override: int | None = None
-        # Internal (tests): force the warm-up mode, "resident" or "stream" (flextensor.warmup); survives release().
+        # Internal (tests): force the warm-up mode, "resident" or "stream" (flextensor.engine.warmup).
         self._warmup_override: str | None = None
+        self._suspend_pending = 0  # suspend_profiling() before offload(): handed to the next engine
+        self._shm_coordinator: Any = None  # a namespace joined for shm_enabled without a session
         self.allow_strategy_replan = True
         self._reset()
         if config is not None:
             self.set_config(config)
 
-    # ------------------------------------------------------------------------------------------------ basics
     def _reset(self) -> None:
         self.model: nn.Module | None = None
-        self._phase: Phase | None = None
-        self._iteration = 0
-        self._suspend = 0
-        self._adopted = False
-        self._device = torch.device("cpu")
-        self._traps: dict[str, Trap] = {}
-        self._tensors: dict[str, ModelTensor] = {}
-        self._orig_device: dict[str, torch.device] = {}
-        self._shared: set[str] = set()
-        self._exclusive: dict[str, list[str]] = {}
-        self._recorder: UsageRecorder | None = None
-        self._warm = WarmLoader(self._device)
-        self._warmup: WarmupDecision | None = None
-        self._warm_pending: list[str] = []  # resident warm-up: names to copy at the start of the first pass
-        self._warm_events: list[tuple[int, Any, Any]] = []  # resident warm-up copies per trap: (bytes, start, end)
-        self._warm_ready: dict[str | None, Any] = {}  # trap label -> event of its overlapped warm-up copy
-        self._warm_settled: dict[str, int] = {}  # trap label -> WarmLoader.removals when all its tensors were kept
-        self._warm_last: Any = None  # the last overlapped warm-up copy's event (orders everything after the pass)
-        self._warm_stream: Any = None  # side stream for the overlapped preload, made in offload() (see there)
-        self._deferred: Any = None  # a HostBlockBuild running behind resident inference (flextensor.deferred_build)
-        self._deferred_plan: Any = None
-        self._host_build_s: float | None = None  # how long the last background host-block build took
-        self._staging = PinnedStaging()
-        self._sequence: list[str] = []
-        self._pass_sequence: list[str] = []
-        self._pass_windows: list[TrapWindow] = []  # this pass's trap windows (flextensor.trap_windows)
-        self._pass_on_device = True  # this pass marks every trap entry on the device
-        self._pending_windows: list[PassWindows] = []  # counted PROFILING passes not read yet
-        self._device_kept_up = False  # the newest pass read kept up with the host: time traps on the host clock
-        self._durations: dict[str, list[float]] = {}
-        self._host_durations: dict[str, list[float]] = {}  # the same windows on the host's clock
-        self._compute_s: dict[str, float] = {}
-        self._samples: list[tuple[int, float]] = []
-        self._switch_inputs: Any = None  # flextensor.inference.SwitchInputs, prepared after the first counted pass
-        self._strategy_name = ""
-        self._explanation: list[str] = []
-        self._layouts: list[BlockLayout] = []
-        self._placement: dict[str, tuple[int, Any]] = {}
-        self._host_blocks: list[HostBlock] = []
-        self._provider: HostBlockProvider | None = None
-        self._loader: BlockLoader | None = None
-        self._block_of: dict[str, int] = {}
-        self._timing: TimingCollector | None = None
-        self._clock: TimingCollector | None = None
+        self._ctx: EngineContext | None = None
+        self._handler: PhaseHandler | None = None
+        self._root: RootForward | None = None
         self._active: Trap | None = None
-        self._active_phase: Phase | None = None
-        self._depth = 0
-        self._root_previous: Any = None
-        self._root_had_forward = False
-        self._compile_fn: Callable[[nn.Module], nn.Module] | None = None
-        self._shm_owner: Any = None
-        self._shm_coordinator: Any = None
+        self._active_handler: PhaseHandler | None = None
 
     def _check_thread(self) -> None:
         current = threading.get_ident()
@@ -201,20 +141,28 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
     @property
     def phase(self) -> Phase | None:
         """The current phase; ``None`` before ``offload()`` and when offloading is disabled."""
-        return self._phase
+        return self._handler.phase if self._handler is not None else None
+
+    @property
+    def engine(self) -> EngineContext | None:
+        """The engine's state for the offloaded model (None without one): for reports, diagnostics and tests.
+        Read it; the manager and its phase handlers are the ones that change it."""
+        return self._ctx
 
     @property
     def iters_before_inference(self) -> int:
         """Forward passes from ``offload()`` to INFERENCE for this path (0 after adopting a profile/state)."""
-        if not self.enabled or self._adopted:
+        if not self.enabled:
             return 0
+        if self._ctx is not None:
+            return self._ctx.iters_before_inference
         cfg = self.config
         assert cfg is not None
         return (0 if cfg.skip_discovery else cfg.discovery_iters) + cfg.profiling_iters
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self._ctx.device if self._ctx is not None else torch.device("cpu")
 
     def set_config(self, config: OffloadConfig) -> None:
         """Apply a config (copied). Refused while a model is offloaded; ``pinned_memory`` needs CUDA."""
@@ -246,15 +194,14 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
             raise ValueError(f"set_memory_budget expects None or an int >= 0 (bytes), got {nbytes!r}")
         self._budget_override = nbytes
+        if self._ctx is not None:
+            self._ctx.budget_bytes = nbytes
 
     def _config(self) -> OffloadConfig:
         if self.config is None:
             self.set_config(OffloadConfig())
         assert self.config is not None
         return self.config
-
-    def _compute_device(self) -> torch.device:
-        return compute_device(self._config())
 
     # ------------------------------------------------------------------------------------------------ offload
     def offload(
@@ -290,77 +237,183 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         if not specs:
             logger.warning("manager %r: no module matched include_patterns=%r (exclude_patterns=%r); nothing will "
                            "be offloaded", self.name, cfg.include_patterns, cfg.exclude_patterns)
-        self._begin(model, tensors, compile_fn, shm_owner)
+        ctx = self._begin(model, tensors, compile_fn, shm_owner)
         try:
-            owners: dict[str, str] = {}
-            for spec in specs:
-                for name, _p in spec.params:
-                    if name in owners:
-                        self._shared.add(name)
-                    owners.setdefault(name, spec.label)
-                self._traps[spec.label] = Trap(spec.label, spec.module, spec.param_names)
-            candidates = set(owners) - self._shared
-            for name, entry in self._tensors.items():
-                if name not in candidates:
-                    self._to_device(entry)
-            self._stage(candidates)
-            self._choose_warmup(candidates)
-            if cfg.skip_discovery:
-                self._exclusive = {label: [n for n in t.candidates if n in candidates] for label, t in self._traps.items()}
-                self._phase = Phase.PROFILING
-                self._warm_stream = self._overlap_stream()
-            else:
-                names_by_id = {id(e.tensor): n for n, e in self._tensors.items() if e.kind == "parameter"}
-                self._recorder = UsageRecorder(names_by_id, self._device, non_blocking=self._warm.non_blocking)
-                self._phase = Phase.DISCOVERY
-            for trap in self._traps.values():
-                trap.install(self, compile_fn)
+            self._handler = start_warmup(ctx, specs, self._trap_enter, self._trap_exit)
             self._write_instrumentation()
         except BaseException:
             self._teardown(preserve_model=True)
             raise
-        logger.info("manager %r: %d traps on %s; %s for %d passes", self.name, len(self._traps), self._device,
-                    self._phase.value if self._phase else "-", self.iters_before_inference)
+        logger.info("manager %r: %d traps on %s; %s for %d passes", self.name, len(ctx.traps), ctx.device,
+                    self._handler.phase.value, self.iters_before_inference)
         return model
 
-    def _begin(self, model: nn.Module, tensors: dict[str, ModelTensor], compile_fn: Any, shm_owner: Any) -> None:
+    def _begin(self, model: nn.Module, tensors: dict, compile_fn: Any, shm_owner: Any) -> EngineContext:
+        """A fresh engine context for ``model`` and the root forward that frames its passes."""
         cfg = self._config()
-        self.model = model
-        self._device = self._compute_device()
-        self._warm = WarmLoader(self._device)
-        self._warm_settled = {}
-        self._tensors = tensors
-        self._orig_device = {n: e.tensor.device for n, e in tensors.items()}
-        self._compile_fn = compile_fn
-        self._shm_owner = shm_owner
-        use_cuda = self._device.type == "cuda"
-        self._clock = TimingCollector(use_cuda, self._device)
-        self._timing = TimingCollector(use_cuda, self._device) if cfg.offload_timing == "eager" else None
-        self._install_root(model)
+        device = compute_device(cfg)
+        ctx = EngineContext(self.name, cfg, device, model, tensors, self._provider_factory(cfg, device, shm_owner),
+                            compile_fn=compile_fn, budget_bytes=self._budget_override,
+                            warmup_override=self._warmup_override)
+        ctx.profile.suspend, self._suspend_pending = self._suspend_pending, 0
+        self.model, self._ctx = model, ctx
+        self._root = RootForward(model, self._begin_pass, self._end_pass)
+        return ctx
 
-    def _to_device(self, entry: ModelTensor) -> None:
-        t = entry.tensor
-        if not t.is_meta and t.device != self._device:
-            t.data = t.data.to(self._device)
+    def _provider_factory(self, cfg: OffloadConfig, device: torch.device,
+                          shm_owner: Any) -> Callable[[], HostBlockProvider]:
+        """What the engine calls for its host-block provider. Shared memory needs a namespace membership: the
+        session's (``shm_owner``), or for ``shm_enabled`` without a session (the caller coordinates roles)
+        this manager's own, joined when the first block is needed and left at ``release()``."""
+        def factory() -> HostBlockProvider:
+            owner = shm_owner
+            if cfg.shm_enabled and owner is None:
+                owner = self._join_namespace(cfg)
+            return make_provider(cfg, device, shm_owner=owner)
 
-    # ------------------------------------------------------------------------------------------------ inference
-    def _build_inference(self, layouts: list[BlockLayout], schedule: list[str], num_slots: int,
-                         host_blocks: Sequence[torch.Tensor] | None = None,
-                         weights: Mapping[str, torch.Tensor] | None = None,
-                         block_names: Sequence[str] | None = None,
-                         host_block_gate: Callable[[int], None] | None = None) -> None:
-        from flextensor.inference import build_inference
+        return factory
 
-        build_inference(self, layouts, schedule, num_slots, host_blocks, weights, block_names, host_block_gate)
+    def _join_namespace(self, cfg: OffloadConfig) -> Any:
+        if self._shm_coordinator is None:
+            from flextensor.shm.coordinator import ShmCoordinator
+            from flextensor.shm.names import manager_namespace
+
+            assert cfg.shm_namespace is not None
+            self._shm_coordinator = ShmCoordinator(manager_namespace(cfg.shm_namespace, self.name),
+                                                   timeout=cfg.shm_wait_timeout or None)
+        return self._shm_coordinator.memory_owner
+
+    # ------------------------------------------------------------------------------------------------ passes
+    def _begin_pass(self) -> None:
+        self._check_thread()
+        assert self._handler is not None
+        self._handler.begin_pass()
+
+    def _end_pass(self, ok: bool) -> None:
+        assert self._handler is not None and self._ctx is not None
+        if self._active is not None:  # an exception escaped a trap without its exit (should not happen)
+            self._active = self._active_handler = None
+            self._ctx.warm.loader.unload()
+        self._handler = self._handler.end_pass(ok)
+
+    def _trap_enter(self, trap: Trap) -> None:
+        if self._active is not None:
+            raise RuntimeError(
+                f"trap {trap.label!r} entered while trap {self._active.label!r} is running: traps cannot nest (an "
+                "offload_block around a patched module, or a trap module called from inside another trap); change "
+                "include_patterns or where offload_block is used"
+            )
+        handler = self._handler
+        assert handler is not None and self._ctx is not None
+        self._active, self._active_handler = trap, handler
+        try:
+            handler.enter(trap)
+        except BaseException:
+            self._ctx.warm.loader.unload()
+            self._active = self._active_handler = None
+            raise
+
+    def _trap_exit(self, trap: Trap) -> None:
+        if self._active is not trap:
+            return
+        handler = self._active_handler
+        try:
+            assert handler is not None
+            handler.exit(trap)
+        finally:
+            self._active = self._active_handler = None
+
+    @contextmanager
+    def offload_block(self, block_name: str) -> Iterator[None]:
+        """A manual trap around arbitrary code (its exclusive parameters are found during DISCOVERY)."""
+        self._check_thread()
+        if self.config is not None and not self.config.enabled:
+            yield
+            return
+        if self.config is not None and self.config.skip_discovery:
+            raise RuntimeError(
+                f"offload_block({block_name!r}) needs DISCOVERY to learn which tensors the block uses, but "
+                "skip_discovery=True; set skip_discovery=False"
+            )
+        if self._ctx is None:
+            # No model offloaded (yet): the block is plain code, so a model with offload_block markers still
+            # runs unmodified (reference runs, enabled=False deployments).
+            yield
+            return
+        if not isinstance(block_name, str) or not block_name:
+            raise ValueError(f"offload_block needs a non-empty block name, got {block_name!r}")
+        trap = self._ctx.traps.get(block_name)
+        if trap is None:
+            trap = Trap(block_name, None, [], kind="block")
+            self._ctx.traps[block_name] = trap
+        elif trap.kind != "block":
+            raise ValueError(f"offload_block({block_name!r}) clashes with the module trap of the same label; rename the block")
+        self._trap_enter(trap)
+        try:
+            yield
+        finally:
+            self._trap_exit(trap)
+
+    # ------------------------------------------------------------------------------------------------ profiling control
+    def suspend_profiling(self) -> None:
+        """Reference-counted: PROFILING passes record nothing and are not counted while suspended."""
+        self._check_thread()
+        if not self.enabled:
+            return
+        if self._ctx is None:
+            self._suspend_pending += 1
+        else:
+            self._ctx.profile.suspend += 1
+
+    def resume_profiling(self) -> None:
+        self._check_thread()
+        if not self.enabled:
+            return
+        if not self.profiling_suspended:
+            raise RuntimeError(f"resume_profiling() on manager {self.name!r} without a matching suspend_profiling()")
+        if self._ctx is None:
+            self._suspend_pending -= 1
+        else:
+            self._ctx.profile.suspend -= 1
+
+    @contextmanager
+    def pause_profiling(self) -> Iterator[None]:
+        self.suspend_profiling()
+        try:
+            yield
+        finally:
+            self.resume_profiling()
+
+    @property
+    def profiling_suspended(self) -> bool:
+        return (self._ctx.profile.suspend if self._ctx is not None else self._suspend_pending) > 0
+
+    def clear_profiling_durations(self) -> None:
+        """Drop every duration sample so far (discovery mappings are kept)."""
+        self._check_thread()
+        if self._ctx is not None:
+            clear_durations(self._ctx)
+
+    @property
+    def profiling_durations(self) -> dict[str, list[float]]:
+        """Per-trap seconds of each counted PROFILING pass (copy): each trap's window, from its entry to the next
+        trap's entry (the last trap's to the end of the pass), summed over its calls in the pass, on the device's
+        clock (the host's, for a pass timed on it: ``flextensor.runtime.trap_windows``)."""
+        self._check_thread()  # reading the pending passes' events and reusing them is the manager's own work
+        if self._ctx is None:
+            return {}
+        resolve_windows(self._ctx, keep_last=0)
+        return {k: list(v) for k, v in self._ctx.profile.durations.items()}
 
     # ------------------------------------------------------------------------------------------------ state
     def export_state(self) -> TensorManagerState:
         """A snapshot of the live INFERENCE allocation (placements, block sizes and names, timings, plan)."""
-        from flextensor.adoption import export_state
-
         self._check_thread()
         self.wait_for_host_blocks()
-        return export_state(self)
+        if self.phase is not Phase.INFERENCE or self._ctx is None:
+            raise RuntimeError(f"export_state: manager {self.name!r} is not in INFERENCE (phase {self.phase}); run "
+                               f"{self.iters_before_inference} forward passes first")
+        return adoption.export_state(self._ctx)
 
     def offload_from_state(
         self,
@@ -375,26 +428,33 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         shm_owner: Any = None,
         host_block_gate: Callable[[int], None] | None = None,
     ) -> nn.Module:
-        """Adopt ``state`` for ``model`` and enter INFERENCE directly (see ``flextensor.adoption``).
+        """Adopt ``state`` for ``model`` and enter INFERENCE directly (see ``flextensor.engine.adoption``).
 
         ``host_block_gate(i)``, when given, is called before each copy from host block ``i`` and returns once the
         block may be read at full speed (a shared session registers its blocks in the background).
         """
-        from flextensor.adoption import adopt_state
-
         self._check_thread()
         if config is not None:
             self.set_config(config)
-        if not self._config().enabled:
+        cfg = self._config()
+        if not cfg.enabled:
             return model
         if self.model is not None:
             raise RuntimeError(f"manager {self.name!r} already offloads a model; release() it first")
         self.allow_strategy_replan = allow_strategy_replan
-        return adopt_state(self, model, state, host_blocks=host_blocks, weights=weights, compile_fn=compile_fn,
-                           shm_owner=shm_owner, host_block_gate=host_block_gate)
+        checked = adoption.check_state(model, state, cfg, host_blocks=host_blocks, weights=weights)
+        ctx = self._begin(model, checked.tensors, compile_fn, shm_owner)
+        try:
+            self._handler = adoption.adopt_state(ctx, checked, self._trap_enter, self._trap_exit,
+                                                 host_blocks=host_blocks, weights=weights,
+                                                 host_block_gate=host_block_gate)
+        except BaseException:
+            self._teardown(preserve_model=True)
+            raise
+        return model
 
     def wait_for_host_blocks(self) -> None:
-        """Return once INFERENCE streams from its host blocks (see ``flextensor.deferred_build``).
+        """Return once INFERENCE streams from its host blocks (see ``flextensor.engine.build``).
 
         After a resident warm-up the blocks are built on a thread while the first inference passes run with
         every weight on the device; the engine switches to streaming at the next pass boundary on its own. Call
@@ -402,15 +462,44 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         forward pass runs (a hook inside a trap asking for a report), it only waits for the build: the switch
         itself always happens between passes, never under a running trap's weights.
         """
-        if self._deferred is None:
+        ctx = self._ctx
+        if ctx is None or ctx.inference.deferred is None:
             return
         self._check_thread()
-        if self._depth:
-            self._deferred.wait()
+        if self._root is not None and self._root.depth:
+            ctx.inference.deferred.wait()
             return
-        from flextensor.deferred_build import install_deferred
+        install_deferred(ctx)
 
-        install_deferred(self)
+    # ------------------------------------------------------------------------------------------------ release
+    def release(self, preserve_model: bool = True) -> None:
+        """Undo everything: weights back into the model (unless ``preserve_model=False``), forwards unpatched,
+        device and host blocks freed. The manager can offload again afterwards."""
+        self._check_thread()
+        self._pending_state = None
+        if self._ctx is None:
+            self._leave_namespace()
+            return
+        self._teardown(preserve_model)
+
+    def _teardown(self, preserve_model: bool) -> None:
+        """``flextensor.engine.teardown`` for the current context, then the root forward and the namespace."""
+        ctx = self._ctx
+        try:
+            if ctx is not None:
+                teardown(ctx, preserve_model)
+        finally:
+            if self._root is not None:
+                self._root.uninstall()
+            self._leave_namespace()
+            self._reset()
+
+    def _leave_namespace(self) -> None:
+        if self._shm_coordinator is not None:
+            try:
+                self._shm_coordinator.close()
+            finally:
+                self._shm_coordinator = None
 
     # ------------------------------------------------------------------------------------------------ reports
     def get_gpu_memory_usage(self) -> GPUMemoryUsage:
@@ -418,40 +507,46 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         self.wait_for_host_blocks()
         if not self.enabled:
             return GPUMemoryUsage(0, 0, 0)
-        if self._phase is not Phase.INFERENCE:
+        ctx = self._ctx
+        if self.phase is not Phase.INFERENCE or ctx is None:
             raise RuntimeError(
                 f"get_gpu_memory_usage: manager {self.name!r} is in phase "
-                f"{self._phase.value if self._phase else 'none'}; it reports after INFERENCE starts "
+                f"{self.phase.value if self.phase else 'none'}; it reports after INFERENCE starts "
                 f"({self.iters_before_inference} forward passes after offload())"
             )
-        blocks = self._loader.device_bytes if self._loader is not None else 0
-        resident = sum(tensor_nbytes(e.tensor) for n, e in self._tensors.items()
-                       if n not in self._placement and e.tensor.device == self._device)
+        loader = ctx.inference.loader
+        blocks = loader.device_bytes if loader is not None else 0
+        placement = ctx.inference.placement
+        resident = sum(tensor_nbytes(e.tensor) for n, e in ctx.tensors.items()
+                       if n not in placement and e.tensor.device == ctx.device)
         return GPUMemoryUsage(blocks, resident, blocks + resident)
 
     @property
     def offloaded_tensors(self) -> dict[str, list[str]]:
         """Trap label -> names of the tensors it streams (INFERENCE)."""
         self.wait_for_host_blocks()
-        return {l.label: [p.name for p in l.tensors] for l in self._layouts}
+        if self._ctx is None:
+            return {}
+        return {layout.label: [p.name for p in layout.tensors] for layout in self._ctx.inference.layouts}
 
     @property
     def trap_labels(self) -> list[str]:
-        return list(self._traps)
+        return list(self._ctx.traps) if self._ctx is not None else []
 
     @property
     def loader(self) -> BlockLoader | None:
         self.wait_for_host_blocks()
-        return self._loader
+        return self._ctx.inference.loader if self._ctx is not None else None
 
     def collect_offload_timing(self) -> OffloadTimingReport | None:
         self._check_thread()
-        return self._timing.collect() if self._timing is not None else None
+        timing = self._ctx.timing if self._ctx is not None else None
+        return timing.collect() if timing is not None else None
 
     def reset_offload_timing(self) -> None:
         self._check_thread()
-        if self._timing is not None:
-            self._timing.reset()
+        if self._ctx is not None and self._ctx.timing is not None:
+            self._ctx.timing.reset()
 
     # ------------------------------------------------------------------------------------------------ profiles
     def save_profile(self, profile_directory: str | os.PathLike[str] | None = None) -> Path:
@@ -484,26 +579,26 @@ class OffloadManager(PhaseMixin, WarmCopiesMixin, ReleaseMixin):
         if target is None:
             self._pending_state = state
             return
-        if self.model is not None:
+        compile_fn = None
+        if self._ctx is not None:
             if target is not self.model:
                 raise RuntimeError(f"manager {self.name!r} already offloads another model; release() it first")
-            compile_fn = self._compile_fn
+            compile_fn = self._ctx.compile_fn
             self.release(preserve_model=True)
-        else:
-            compile_fn = None
         self.offload_from_state(target, state, weights=weights, compile_fn=compile_fn)
 
     # ------------------------------------------------------------------------------------------------ misc
     def _write_instrumentation(self) -> None:
         cfg = self._config()
-        if not cfg.enable_instrumentation:
+        ctx = self._ctx
+        if not cfg.enable_instrumentation or ctx is None:
             return
         out = Path(cfg.instrumentation_output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        record = {"manager": self.name, "config": cfg.to_dict(), "device": str(self._device),
-                  "traps": {label: t.candidates for label, t in self._traps.items()}}
+        record = {"manager": self.name, "config": cfg.to_dict(), "device": str(ctx.device),
+                  "traps": {label: t.candidates for label, t in ctx.traps.items()}}
         (out / f"{self.name}.offload_manager.json").write_text(json.dumps(record, indent=1, default=str))
 
     def __repr__(self) -> str:
-        phase = self._phase.value if self._phase else "idle"
-        return f"OffloadManager(name={self.name!r}, phase={phase}, traps={len(self._traps)})"
+        phase = self.phase.value if self.phase else "idle"
+        return f"OffloadManager(name={self.name!r}, phase={phase}, traps={len(self.trap_labels)})"

@@ -52,8 +52,7 @@ from torch import nn
 
 # The engine modules a follower needs are imported with the session, not on its first attach: a fresh
 # worker's time to ready should not include module imports.
-import flextensor.adoption  # noqa: F401
-import flextensor.inference  # noqa: F401
+import flextensor.engine.adoption  # noqa: F401
 from flextensor.api import get_offload_manager
 from flextensor.attach_prefetch import ELECT_LOCK_WAIT_S, FollowerPrefetch
 from flextensor.config import OffloadConfig

@@ -27,6 +27,8 @@ import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from flextensor.shm.sizes import align_up
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -52,10 +54,6 @@ class ArenaLayout:
     total: int
 
 
-def _align(n: int) -> int:
-    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
-
-
 def arena_layout(sizes: Sequence[int]) -> ArenaLayout:
     """Where each block of ``sizes`` (bytes, by block index) lives in the arena; ``ValueError`` for a size <= 0."""
     offsets, end = [], 0
@@ -63,7 +61,7 @@ def arena_layout(sizes: Sequence[int]) -> ArenaLayout:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"host block {index} must have a positive integer size, got {size!r}")
         offsets.append(end)
-        end = _align(end + size)
+        end = align_up(end + size, ARENA_ALIGN)
     return ArenaLayout(tuple(offsets), tuple(int(s) for s in sizes), end)
 
 

@@ -20,7 +20,8 @@ import os
 
 from flextensor.shm.errors import ShmSpaceError
 from flextensor.shm.pinning import memlock_limit
-from flextensor.shm.segment import SHM_DIR, format_bytes
+from flextensor.shm.segment import SHM_DIR
+from flextensor.shm.sizes import format_bytes
 
 _CAP_IPC_LOCK = 14
 

@@ -46,6 +46,7 @@ from .manifest import contiguous_stride
 from .names import validate_posix_name
 from .pinning import host_register, host_unregister
 from .prefault import populate_read, populate_write
+from .sizes import align_up, format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily: flextensor.shm must import in milliseconds
     import torch
@@ -58,21 +59,9 @@ SHM_DIR = "/dev/shm"
 _NAME_MAX = 255
 
 
-def format_bytes(n: int | None, digits: int = 1) -> str:
-    """Human-readable size in binary units, e.g. ``1.5 GiB`` (``digits`` after the point)."""
-    if n is None:
-        return "unknown"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.{digits}f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def _page_end(n: int) -> int:
     """``n`` rounded up to a page: the driver registers whole pages."""
-    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+    return align_up(n, mmap.PAGESIZE)
 
 
 def _validate_name(name: object) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from flextensor.shm.errors import ShmProtocolError
+from flextensor.shm.sizes import align_up
 from flextensor.shm.manifest import (
     MANIFEST_PROTOCOL,
     StoreManifest,
@@ -86,10 +87,6 @@ def _torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, name)
 
 
-def _align(value: int) -> int:
-    return (value + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
-
 def _plan_records(model: Any, names: Iterable[str] | None) -> tuple[list[TensorRecord], list[Any], int]:
     """Group tied names, lay tensors out contiguously (aligned) and return records, sources and total size."""
     registrations = model_registrations(model)
@@ -134,7 +131,7 @@ def _plan_records(model: Any, names: Iterable[str] | None) -> tuple[list[TensorR
             )
         )
         sources.append(tensor)
-        offset = _align(offset + nbytes)
+        offset = align_up(offset + nbytes, ALIGNMENT)
     return records, sources, max(offset, ALIGNMENT)
 
 

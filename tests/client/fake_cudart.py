@@ -1,8 +1,8 @@
-"""A recording stand-in for the cudart calls of ``flextensor.staging``, so its bookkeeping runs without CUDA."""
+"""A recording stand-in for the cudart calls of ``flextensor.runtime.staging``, so its bookkeeping runs without CUDA."""
 
 from __future__ import annotations
 
-from flextensor.staging import PinnedStaging
+from flextensor.runtime.staging import PinnedStaging
 
 
 class FakeCudart:
@@ -42,3 +42,10 @@ class FakeCudart:
     def staging(self, **kwargs) -> PinnedStaging:
         return PinnedStaging(register=self.register, unregister=self.unregister, synchronize=self.synchronize,
                              is_pinned=lambda s: False, **kwargs)
+
+
+def inject_staging(monkeypatch, staging) -> None:
+    """The next offload's engine uses ``staging`` (a recorded PinnedStaging) for its warm-up registrations."""
+    import flextensor.engine.context as context_mod
+
+    monkeypatch.setattr(context_mod, "PinnedStaging", lambda: staging)

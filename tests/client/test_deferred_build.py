@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import flextensor as ft
-import flextensor.deferred_build as deferred_mod
-from flextensor.host_memory import block_view
-from flextensor.phases import Phase
-from tests.client.fake_cudart import FakeCudart
+import flextensor.engine.build as deferred_mod
+import flextensor.manager as manager_mod
+from flextensor.runtime.host_memory import block_view
+from flextensor.engine.phase import Phase
+from tests.client.fake_cudart import FakeCudart, inject_staging
 from tests.client.models import (
     ALL,
     DEVICE,
@@ -66,14 +67,14 @@ def provider_wrap(monkeypatch):
     made: list[SlowOrFailingProvider] = []
 
     def install(**kwargs):
-        real = deferred_mod.make_provider
+        real = manager_mod.make_provider
 
         def make(config, device, **kw):
             wrapper = SlowOrFailingProvider(real(config, device, **kw), **kwargs)
             made.append(wrapper)
             return wrapper
 
-        monkeypatch.setattr(deferred_mod, "make_provider", make)
+        monkeypatch.setattr(manager_mod, "make_provider", make)
         return made
 
     return install
@@ -108,20 +109,20 @@ def _warm_up(model, ids, ref, om) -> None:
 def test_inference_starts_resident_then_streams_from_the_next_pass_after_the_build(provider_wrap):
     made = provider_wrap(gate=(gate := threading.Event()))
     model, before, ids, ref, om = _profiled_resident()
-    assert om.phase is Phase.INFERENCE and om._loader is None and om._deferred is not None
+    assert om.phase is Phase.INFERENCE and om.engine.inference.loader is None and om.engine.inference.deferred is not None
     with torch.no_grad():
         for _ in range(2):  # the build is held: these passes run with every weight on the device
             assert same(model(ids), ref)
-    assert om._loader is None and not om._deferred.done
+    assert om.engine.inference.loader is None and not om.engine.inference.deferred.done
     gate.set()
-    om._deferred.wait()
+    om.engine.inference.deferred.wait()
     with torch.no_grad():
         assert same(model(ids), ref)  # this pass installs the blocks first, then streams
-    assert om._deferred is None and om._loader is not None and om._loader.copies_issued > 0
-    assert made[0].thread_names == {"ft-host-blocks"} and made[0].allocated == list(range(len(om._layouts)))
-    assert len(om._placement) > 0
-    for index, placement in om._placement.values():  # each host view holds the weight it streams
-        assert torch.equal(block_view(om._host_blocks[index].tensor, placement).cpu(), before[placement.name])
+    assert om.engine.inference.deferred is None and om.engine.inference.loader is not None and om.engine.inference.loader.copies_issued > 0
+    assert made[0].thread_names == {"ft-host-blocks"} and made[0].allocated == list(range(len(om.engine.inference.layouts)))
+    assert len(om.engine.inference.placement) > 0
+    for index, placement in om.engine.inference.placement.values():  # each host view holds the weight it streams
+        assert torch.equal(block_view(om.engine.inference.host_blocks[index].tensor, placement).cpu(), before[placement.name])
     ft.release()
     assert same(reference(model, ids), ref)
 
@@ -131,13 +132,13 @@ def test_the_build_starts_with_the_first_inference_pass_not_inside_the_last_prof
     right after profiling never allocates host blocks at all."""
     made = provider_wrap()
     model, before, ids, ref, om = _profiled_resident()
-    assert om.phase is Phase.INFERENCE and not om._deferred.started and made[0].allocated == []
+    assert om.phase is Phase.INFERENCE and not om.engine.inference.deferred.started and made[0].allocated == []
     assert not any(t.name == "ft-host-blocks" for t in threading.enumerate())
     with torch.no_grad():
         assert same(model(ids), ref)  # resident; the build runs behind it from now on
-    assert om._deferred.started
+    assert om.engine.inference.deferred.started
     om.wait_for_host_blocks()
-    assert made[0].allocated == list(range(len(om._layouts)))
+    assert made[0].allocated == list(range(len(om.engine.inference.layouts)))
     ft.release()
 
     made = provider_wrap()
@@ -165,13 +166,13 @@ def test_the_build_unregisters_the_staging_region_by_region_with_a_pause_between
     ids = token_ids().to(DEVICE)
     ref = reference(model, ids)
     om = ft.get_offload_manager()
-    om._staging = fake.staging(policy=lambda cfg, dev: True)
+    inject_staging(monkeypatch, fake.staging(policy=lambda cfg, dev: True))
     om._warmup_override = "resident"
     ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2))
     staged = {p for _, p, _ in fake.registers}
     assert len(staged) > 2
     _warm_up(model, ids, ref, om)
-    assert om._deferred is not None and not om._deferred.started
+    assert om.engine.inference.deferred is not None and not om.engine.inference.deferred.started
     with torch.no_grad():
         assert same(model(ids), ref)  # the build starts behind this pass
     om.wait_for_host_blocks()
@@ -212,9 +213,9 @@ def test_a_cancelled_build_stops_pausing_between_unregistrations(monkeypatch):
 def test_reports_and_state_wait_for_the_build(provider_wrap):
     provider_wrap(delay=0.05)
     model, _before, ids, ref, om = _profiled_resident()
-    assert om._deferred is not None
+    assert om.engine.inference.deferred is not None
     offloaded = om.offloaded_tensors  # waits, then installs
-    assert om._deferred is None and om._loader is not None and sum(map(len, offloaded.values())) > 0
+    assert om.engine.inference.deferred is None and om.engine.inference.loader is not None and sum(map(len, offloaded.values())) > 0
     state = om.export_state()
     assert len(state.blocks) == len(offloaded)
 
@@ -222,8 +223,8 @@ def test_reports_and_state_wait_for_the_build(provider_wrap):
 def test_release_during_the_build_stops_it_and_restores_the_model(provider_wrap):
     made = provider_wrap(delay=0.2)
     model, before, ids, ref, om = _profiled_resident()
-    layouts = len(om._deferred.layouts)
-    assert layouts >= 2 and not om._deferred.done
+    layouts = len(om.engine.inference.deferred.layouts)
+    assert layouts >= 2 and not om.engine.inference.deferred.done
     ft.release()
     assert made[0].closed and len(made[0].allocated) < layouts  # stopped after the block in flight
     assert not any(t.name == "ft-host-blocks" for t in threading.enumerate())
@@ -234,14 +235,14 @@ def test_release_during_the_build_stops_it_and_restores_the_model(provider_wrap)
 def test_a_failed_build_raises_at_the_switch_and_the_model_keeps_working_resident(provider_wrap):
     made = provider_wrap(fail_at=1)
     model, before, ids, ref, om = _profiled_resident()
-    om._deferred.wait()
+    om.engine.inference.deferred.wait()
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"building the host blocks for INFERENCE failed: "
                                                              r"cudaHostAlloc: out of memory \(pinned\).*release\(\)"):
         model(ids)
     assert made[0].closed, "the failed build's blocks are let go at once, not at release()"
     with torch.no_grad():
         assert same(model(ids), ref)  # nothing streams; every weight is still on the device
-    assert om._loader is None and om._deferred is None
+    assert om.engine.inference.loader is None and om.engine.inference.deferred is None
     ft.release()
     after = snapshot(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -250,7 +251,7 @@ def test_a_failed_build_raises_at_the_switch_and_the_model_keeps_working_residen
 def test_after_a_failed_build_release_without_preserving_still_drops_streamed_weights(provider_wrap):
     provider_wrap(fail_at=0)
     model, _before, ids, _ref, om = _profiled_resident()
-    streamed = [t for tensors in om._deferred_plan[3] for t in tensors]
+    streamed = [t for tensors in om.engine.inference.deferred_plan.streamed for t in tensors]
     with pytest.raises(RuntimeError, match="building the host blocks"):
         om.wait_for_host_blocks()
     ft.release(preserve_model=False)
@@ -264,7 +265,7 @@ def test_a_report_asked_for_inside_a_pass_never_swaps_weights_under_a_running_tr
 
     def ask_for_a_report(module, args):  # a user's hook inside a trap: the build finishes right now
         gate.set()
-        om._deferred.wait()
+        om.engine.inference.deferred.wait()
         seen.append(bool(om.offloaded_tensors))  # waits for the build; must not install under this trap
 
     handle = model.blocks[0].attn.register_forward_pre_hook(ask_for_a_report)
@@ -273,10 +274,10 @@ def test_a_report_asked_for_inside_a_pass_never_swaps_weights_under_a_running_tr
             assert same(model(ids), ref)
     finally:
         handle.remove()
-    assert seen == [False] and om._deferred is not None and om._deferred.done
+    assert seen == [False] and om.engine.inference.deferred is not None and om.engine.inference.deferred.done
     with torch.no_grad():
         assert same(model(ids), ref)  # installed at this pass's start, then streamed
-    assert om._deferred is None and om._loader is not None and om._loader.copies_issued > 0
+    assert om.engine.inference.deferred is None and om.engine.inference.loader is not None and om.engine.inference.loader.copies_issued > 0
 
 
 def test_offload_timing_records_only_the_passes_that_stream(provider_wrap):
@@ -308,14 +309,16 @@ def test_no_deferral_without_a_resident_warm_up(provider_wrap):
     om._warmup_override = "stream"
     ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2))
     _warm_up(model, ids, ref, om)
-    assert om._deferred is None and om._loader is not None and made == []  # built synchronously at the switch
+    inference = om.engine.inference
+    # built synchronously at the switch: one provider, the build's own, and no build thread
+    assert inference.deferred is None and inference.loader is not None and made == [inference.provider]
 
 
 def test_release_without_preserving_during_the_build_puts_streamed_weights_on_meta(provider_wrap):
     provider_wrap(delay=0.2)
     model, _before, ids, ref, om = _profiled_resident()
-    streamed = [t for tensors in om._deferred_plan[3] for t in tensors]
-    assert not om._deferred.done  # 0.2 s per block: still building
+    streamed = [t for tensors in om.engine.inference.deferred_plan.streamed for t in tensors]
+    assert not om.engine.inference.deferred.done  # 0.2 s per block: still building
     ft.release(preserve_model=False)
     assert streamed and all(t.is_meta for t in streamed)
     assert not model.embed.weight.is_meta  # resident weights stay real

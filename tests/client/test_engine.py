@@ -255,7 +255,7 @@ def test_budget_respected(strategy):
     ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=strategy))
     run_phases(model, ids, ref, om)
     measured = om.loader.device_bytes + sum(
-        e.tensor.numel() * e.tensor.element_size() for n, e in om._tensors.items() if n not in om._placement)
+        e.tensor.numel() * e.tensor.element_size() for n, e in om.engine.tensors.items() if n not in om.engine.inference.placement)
     assert om.offloaded_tensors, "the budget forces offloading"
     assert measured <= budget
     assert ft.get_gpu_memory_usage().total_bytes == measured
@@ -358,7 +358,7 @@ def test_cuda_transformer_bf16_close_and_pinned_modes(mode, transfer_mode):
         for _ in range(3):
             torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
     assert om.loader.cuda and om.loader.copies_issued > 0
-    assert all(b.tensor.is_pinned() for b in om._host_blocks)
+    assert all(b.tensor.is_pinned() for b in om.engine.inference.host_blocks)
     assert model.blocks[0].up_t.device.type == "cuda"
     usage = ft.get_gpu_memory_usage()
     assert usage.block_bytes == om.loader.device_bytes > 0
@@ -390,7 +390,7 @@ def test_the_plan_charges_each_streamed_trap_the_loaders_cost():
     host's clocks: NthLayer(1) over the four layers of the stack is estimated at no less than their costs, and
     its explanation says so. On the CPU (both clocks are the host's: launch-bound) each pays the whole
     ``STREAMED_TRAP_COST_S``."""
-    from flextensor.inference import STREAMED_TRAP_COST_S, _trap_stream_cost
+    from flextensor.engine.switch import STREAMED_TRAP_COST_S, _trap_stream_cost
 
     model = mlp_stack()
     x = torch.randn(2, 16, device=DEVICE)
@@ -400,15 +400,15 @@ def test_the_plan_charges_each_streamed_trap_the_loaders_cost():
         for _ in range(om.iters_before_inference):
             model(x)
     assert om.phase is Phase.INFERENCE and len(om.offloaded_tensors) == 4
-    assert sorted(om._host_durations) == sorted(om._durations) and all(len(v) == 2 for v in om._host_durations.values())
-    costs = [_trap_stream_cost(om._compute_s[label], om._host_durations[label], 1) for label in om._compute_s]
-    line = next(line for line in om._explanation if "estimated overhead" in line)
+    assert sorted(om.engine.profile.host_durations) == sorted(om.engine.profile.durations) and all(len(v) == 2 for v in om.engine.profile.host_durations.values())
+    costs = [_trap_stream_cost(om.engine.plan.compute_s[label], om.engine.profile.host_durations[label], 1) for label in om.engine.plan.compute_s]
+    line = next(line for line in om.engine.plan.explanation if "estimated overhead" in line)
     assert f"(of which {sum(costs) * 1e3:.3f} ms the streamed traps' own cost)" in line
     estimated_ms = float(line.split("estimated overhead ")[1].split(" ms")[0])
     assert estimated_ms >= sum(costs) * 1e3 - 1e-3
     if DEVICE.type == "cpu":  # perf_counter on both sides, read microseconds apart
-        for label, seconds in om._durations.items():
-            assert om._host_durations[label] == pytest.approx(seconds, abs=10e-6)
+        for label, seconds in om.engine.profile.durations.items():
+            assert om.engine.profile.host_durations[label] == pytest.approx(seconds, abs=10e-6)
         assert sum(costs) == pytest.approx(4 * STREAMED_TRAP_COST_S, rel=0.2)
 
 
@@ -431,13 +431,13 @@ def test_filling_host_blocks_logs_progress_with_bytes_and_rate(monkeypatch, capl
     """A long fill (here forced: interval 0) logs how many bytes are done and at what rate."""
     import logging
 
-    import flextensor.host_memory as host_memory
+    import flextensor.runtime.host_memory as host_memory
 
     monkeypatch.setattr(host_memory, "PROGRESS_INTERVAL_S", 0.0)
     model = mlp_stack()
     x = torch.randn(3, 16, device=DEVICE)
     ref = reference(model, x)
-    with caplog.at_level(logging.INFO, logger="flextensor.host_memory"):
+    with caplog.at_level(logging.INFO, logger="flextensor.runtime.host_memory"):
         ft.offload(model, cpu_config(load_strategy=ALL))
         run_phases(model, x, ref, ft.get_offload_manager(), extra=1)
     lines = [r.getMessage() for r in caplog.records if "host blocks" in r.getMessage()]
@@ -535,9 +535,9 @@ def test_a_forward_replaced_after_offload_is_not_bypassed_and_instance_forwards_
     model[1].forward = hook
     om = ft.get_offload_manager()
     run_phases(model, x, ref, om, extra=2)
-    assert model[1].__dict__["forward"] is hook and not om._traps["1"].bypassed
+    assert model[1].__dict__["forward"] is hook and not om.engine.traps["1"].bypassed
     assert len(calls) == om.iters_before_inference + 2  # called in every pass, INFERENCE too
-    assert om._traps["3"].bypassed
+    assert om.engine.traps["3"].bypassed
     ft.release()
     assert model[3].__dict__["forward"] is own
     assert same(reference(model, x), ref)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import flextensor as ft
-from flextensor.host_memory import pack_block, packed_stride
-from flextensor.inference import prepare_switch
+from flextensor.runtime.host_memory import pack_block, packed_stride
+from flextensor.engine.switch import prepare_switch
 from flextensor.manager import Phase
-from flextensor.plan_model import make_plan
+from flextensor.planning.plan_model import make_plan
 from tests.client.models import (
     ALL,
     DEVICE,
@@ -38,10 +38,10 @@ class FirstTensorOnly(ft.NthLayerStrategy):
 def _fresh_layouts(om):
     """The layouts packed from the model's tensors now, as the switch did before it was prepared ahead."""
     out = []
-    for layout in om._layouts:
+    for layout in om.engine.inference.layouts:
         entries = []
         for p in layout.tensors:
-            t = om._tensors[p.name].tensor
+            t = om.engine.tensors[p.name].tensor
             entries.append((p.name, t.dtype, tuple(t.shape), packed_stride(t)))
         out.append(pack_block(layout.index, layout.label, entries))
     return out
@@ -68,26 +68,26 @@ def test_the_switch_is_prepared_after_the_first_counted_pass_and_consumed_by_it(
     model, ids, ref, om = _offload_tiny(ALL, profiling_iters=3, skip_discovery=skip_discovery)
     warm_up = om.iters_before_inference - 3  # the DISCOVERY passes, when kept
     _passes(model, ids, ref, warm_up)
-    assert om.phase is Phase.PROFILING and om._switch_inputs is None  # DISCOVERY prepares nothing
+    assert om.phase is Phase.PROFILING and om.engine.profile.switch_inputs is None  # DISCOVERY prepares nothing
     _passes(model, ids, ref, 1)
-    inputs = om._switch_inputs
+    inputs = om.engine.profile.switch_inputs
     assert inputs is not None
-    assert sorted(inputs.traps) == sorted(om._exclusive)
-    for label, names in om._exclusive.items():
-        expected = [(n, (om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size() + 255) // 256 * 256)
+    assert sorted(inputs.traps) == sorted(om.engine.exclusive)
+    for label, names in om.engine.exclusive.items():
+        expected = [(n, (om.engine.tensors[n].tensor.numel() * om.engine.tensors[n].tensor.element_size() + 255) // 256 * 256)
                     for n in names]
         trap = inputs.traps[label]
         assert [(t.name, t.nbytes) for t in trap.tensors] == expected
         assert (trap.label, trap.compute_s, trap.stream_cost_s) == (label, 0.0, 0.0)  # timings come at the switch
-    exclusive = {n for names in om._exclusive.values() for n in names}
-    assert inputs.exclusive_bytes == {n: om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size()
+    exclusive = {n for names in om.engine.exclusive.values() for n in names}
+    assert inputs.exclusive_bytes == {n: om.engine.tensors[n].tensor.numel() * om.engine.tensors[n].tensor.element_size()
                                       for n in exclusive}
-    assert [id(t) for t in inputs.others] == [id(e.tensor) for n, e in om._tensors.items() if n not in exclusive]
+    assert [id(t) for t in inputs.others] == [id(e.tensor) for n, e in om.engine.tensors.items() if n not in exclusive]
     _passes(model, ids, ref, 2)  # the last one switches
-    assert om.phase is Phase.INFERENCE and om._switch_inputs is None
+    assert om.phase is Phase.INFERENCE and om.engine.profile.switch_inputs is None
     om.wait_for_host_blocks()
-    assert om._layouts and om._layouts == _fresh_layouts(om)
-    assert [layout.index for layout in om._layouts] == list(range(len(om._layouts)))
+    assert om.engine.inference.layouts and om.engine.inference.layouts == _fresh_layouts(om)
+    assert [layout.index for layout in om.engine.inference.layouts] == list(range(len(om.engine.inference.layouts)))
     _passes(model, ids, ref, 3)
 
 
@@ -95,19 +95,19 @@ def test_a_plan_streaming_part_of_a_trap_packs_that_part():
     model, ids, ref, om = _offload_tiny(FirstTensorOnly(), profiling_iters=2, skip_discovery=True)
     _passes(model, ids, ref, om.iters_before_inference)
     om.wait_for_host_blocks()
-    assert om._layouts
-    for layout in om._layouts:
-        assert [p.name for p in layout.tensors] == [om._exclusive[layout.label][0]]
-    assert om._layouts == _fresh_layouts(om)
+    assert om.engine.inference.layouts
+    for layout in om.engine.inference.layouts:
+        assert [p.name for p in layout.tensors] == [om.engine.exclusive[layout.label][0]]
+    assert om.engine.inference.layouts == _fresh_layouts(om)
     _passes(model, ids, ref, 3)
 
 
 def test_one_profiling_pass_plans_without_a_prepared_switch():
     model, ids, ref, om = _offload_tiny(ALL, profiling_iters=1, skip_discovery=True)
     _passes(model, ids, ref, 1)
-    assert om.phase is Phase.INFERENCE and om._switch_inputs is None
+    assert om.phase is Phase.INFERENCE and om.engine.profile.switch_inputs is None
     om.wait_for_host_blocks()
-    assert om._layouts == _fresh_layouts(om) and len(om._layouts) == len(om._exclusive)
+    assert om.engine.inference.layouts == _fresh_layouts(om) and len(om.engine.inference.layouts) == len(om.engine.exclusive)
     _passes(model, ids, ref, 3)
 
 
@@ -117,8 +117,8 @@ def test_prepare_switch_skips_zero_byte_tensors():
     model.blocks[0].register_parameter("empty", torch.nn.Parameter(torch.zeros(0)))
     om = ft.get_offload_manager()
     ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, skip_discovery=True))
-    label = next(label for label, names in om._exclusive.items() if any(n.endswith(".empty") for n in names))
-    inputs = prepare_switch(om)
+    label = next(label for label, names in om.engine.exclusive.items() if any(n.endswith(".empty") for n in names))
+    inputs = prepare_switch(om.engine)
     assert all(not t.name.endswith(".empty") for t in inputs.traps[label].tensors)
     names, layout = inputs.whole[label]
     assert names == tuple(t.name for t in inputs.traps[label].tensors) == tuple(p.name for p in layout.tensors)
@@ -129,13 +129,13 @@ def test_the_direct_forwards_of_bypassed_traps_are_built_ahead_and_installed_at_
     traps that stream nothing (NthLayer(100) streams the first block only)."""
     model, ids, ref, om = _offload_tiny(ft.NthLayerStrategy(100), profiling_iters=3, skip_discovery=True)
     _passes(model, ids, ref, 1)
-    prepared = {label: trap._direct for label, trap in om._traps.items()}
+    prepared = {label: trap._direct for label, trap in om.engine.traps.items()}
     assert all(direct is not None for direct in prepared.values())
     _passes(model, ids, ref, 2)
     om.wait_for_host_blocks()
-    streamed = set(om._block_of)
+    streamed = set(om.engine.inference.block_of)
     assert len(streamed) == 1
-    for label, trap in om._traps.items():
+    for label, trap in om.engine.traps.items():
         if label in streamed:
             assert not trap.bypassed and trap.module.forward is trap._wrapper
         else:
@@ -167,15 +167,15 @@ def test_a_buffer_that_grows_while_profiled_is_counted_at_its_size_at_the_switch
                                  skip_discovery=True))
     with torch.no_grad():
         model(ids)
-        assert om._switch_inputs is not None
-        cache = om._tensors["cache"].tensor
+        assert om.engine.profile.switch_inputs is not None
+        cache = om.engine.tensors["cache"].tensor
         assert cache is model.cache
         cache.resize_(1024)  # 4 KiB now, 16 bytes when the switch was prepared
         model(ids)
         model(ids)
     assert om.phase is Phase.INFERENCE and len(strategy.inputs) == 1
-    exclusive = {n for names in om._exclusive.values() for n in names}
-    expected = sum(e.tensor.numel() * e.tensor.element_size() for n, e in om._tensors.items() if n not in exclusive)
+    exclusive = {n for names in om.engine.exclusive.values() for n in names}
+    expected = sum(e.tensor.numel() * e.tensor.element_size() for n, e in om.engine.tensors.items() if n not in exclusive)
     assert strategy.inputs[0].fixed_resident_bytes == expected and expected >= 4096
 
 
@@ -210,8 +210,8 @@ def test_the_switch_costs_a_gap_trap_its_compute_only_and_a_streamed_trap_its_me
     traps = {t.label: t for t in strategy.input.traps}
     assert [t.label for t in strategy.input.traps] == ["first", "gap", "last"]
     for label, trap in traps.items():  # every counted pass's window, the last one read at the switch
-        assert len(om._durations[label]) == 4
-        assert trap.compute_s == statistics.median(om._durations[label]) > 0.0
+        assert len(om.engine.profile.durations[label]) == 4
+        assert trap.compute_s == statistics.median(om.engine.profile.durations[label]) > 0.0
     assert traps["gap"].tensors == () and traps["gap"].stream_cost_s == 0.0
     for label in ("first", "last"):
         assert [t.name for t in traps[label].tensors] == [f"{label}.weight", f"{label}.bias"]

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import flextensor as ft
-import flextensor.host_memory as host_memory
-from flextensor.host_memory import (
+import flextensor.runtime.host_memory as host_memory
+from flextensor.runtime.host_memory import (
     ALIGN,
     ARENA_MAX_BYTES,
     PINNED_REGISTER_SETTING,
@@ -24,8 +24,8 @@ from flextensor.host_memory import (
     packed_stride,
     plan_arenas,
 )
-from flextensor.loader import BlockLoader
-from flextensor.timing import TimingCollector
+from flextensor.runtime.loader import BlockLoader
+from flextensor.runtime.timing import TimingCollector
 from tests.client.models import (  # noqa: F401
     DEVICE, count_new_streams, cpu_config, mlp_stack, reference, release_managers, same,
 )
@@ -295,7 +295,7 @@ def test_the_torch_provider_logs_the_hint_once_per_process(monkeypatch, caplog):
     monkeypatch.setattr(host_memory, "_allocator_hint_logged", False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    with caplog.at_level(logging.INFO, logger="flextensor.host_memory"):
+    with caplog.at_level(logging.INFO, logger="flextensor.runtime.host_memory"):
         for _ in range(2):
             provider = TorchPinnedProvider()
             provider.reserve([4096, 4096])
@@ -382,7 +382,7 @@ def test_cuda_loader_overlaps_without_syncs():
 def test_block_views_equal_block_view_for_every_placement():
     """One typed view per dtype + as_strided gives the very views narrow/view/as_strided gives, for a block that
     starts inside a larger storage and for transposed and empty tensors; a placement outside is refused."""
-    from flextensor.host_memory import TensorPlacement, block_view, block_views
+    from flextensor.runtime.host_memory import TensorPlacement, block_view, block_views
 
     layout = pack_block(0, "t", [("a", torch.float32, (3, 4), (1, 3)), ("b", torch.bfloat16, (5,), (1,)),
                                  ("c", torch.int64, (0, 2), (2, 1)), ("d", torch.float16, (2, 3), (3, 1))])

@@ -84,7 +84,7 @@ def test_a_profile_adopted_with_resident_traps_calls_them_directly(tmp_path):
     dst = mlp_stack()
     ft.offload_from_profile(dst, str(tmp_path), cpu_config(), name="restored")
     om = ft.get_offload_manager("restored")
-    assert [om._traps[str(i)].bypassed for i in range(4)] == [False, True, False, True]
+    assert [om.engine.traps[str(i)].bypassed for i in range(4)] == [False, True, False, True]
     assert all(dst[i].__dict__["forward"].__flextensor_trap__ == str(i) for i in range(4))
     with torch.no_grad():
         for _ in range(2):
@@ -171,7 +171,7 @@ def test_adopt_state_with_supplied_host_blocks_on_meta_model():
     ref = reference(src, ids)
     om = _profiled(src, ids, _transformer_cfg(), name="creator")
     state = om.export_state()
-    blocks = [b.tensor.clone() for b in om._host_blocks]  # stand-ins for attached SHM segments
+    blocks = [b.tensor.clone() for b in om.engine.inference.host_blocks]  # stand-ins for attached SHM segments
     residents = {t.name: model_tensors(src)[t.name].tensor.detach().clone() for t in state.tensors if not t.offloaded}
     with torch.device("meta"):
         follower = TinyTransformer().eval()
@@ -180,7 +180,7 @@ def test_adopt_state_with_supplied_host_blocks_on_meta_model():
     assert ft.get_offload_manager("no-weights").phase is None
     offload_from_state(follower, state, _transformer_cfg(), name="follower", host_blocks=blocks, weights=residents)
     fom = ft.get_offload_manager("follower")
-    assert [b.tensor.data_ptr() for b in fom._host_blocks] == [b.data_ptr() for b in blocks]  # no copy
+    assert [b.tensor.data_ptr() for b in fom.engine.inference.host_blocks] == [b.data_ptr() for b in blocks]  # no copy
     with torch.no_grad():
         for _ in range(2):
             assert same(follower(ids), ref)

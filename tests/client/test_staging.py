@@ -1,4 +1,4 @@
-"""Pinned staging of the warm-up weights (flextensor.staging) and its lifecycle inside the engine.
+"""Pinned staging of the warm-up weights (flextensor.runtime.staging) and its lifecycle inside the engine.
 
 On the CPU: region planning (distinct storages, views, overlaps, already-pinned, empty), the exactly-once
 bookkeeping with a recording stand-in for cudart, the engine's lifecycle hooks (staged at offload, released after
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import flextensor as ft
-from flextensor.phases import Phase
-from flextensor.staging import PinnedStaging, plan_regions
-from tests.client.fake_cudart import FakeCudart
+from flextensor.engine.phase import Phase
+from flextensor.runtime.staging import PinnedStaging, plan_regions
+from tests.client.fake_cudart import FakeCudart, inject_staging
 from tests.client.models import (
     ALL,
     DEVICE,
@@ -150,15 +150,15 @@ def test_engine_without_cuda_stages_nothing_and_is_exact():
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
     om = ft.get_offload_manager()
     if DEVICE.type == "cpu":
-        assert om._staging.regions == [] and not om._staging.failed and not om._warm.non_blocking
+        assert om.engine.warm.staging.regions == [] and not om.engine.warm.staging.failed and not om.engine.warm.loader.non_blocking
     with torch.no_grad():
         for _ in range(om.iters_before_inference + 2):
             assert same(model(x), ref)
-    assert om.phase is Phase.INFERENCE and om._staging.regions == []
+    assert om.phase is Phase.INFERENCE and om.engine.warm.staging.regions == []
 
 
 @pytest.mark.parametrize("warmup", [None, "resident"])  # resident: copies kept across passes (flextensor.warmup)
-def test_engine_staging_lifecycle_with_recorded_cudart(warmup):
+def test_engine_staging_lifecycle_with_recorded_cudart(warmup, monkeypatch):
     """The manager's hooks: staged at offload, per block at the INFERENCE build, exactly once each."""
     model = mlp_stack()
     x = torch.randn(3, 16, device=DEVICE)
@@ -166,11 +166,11 @@ def test_engine_staging_lifecycle_with_recorded_cudart(warmup):
     ptrs = _param_ptrs(model)
     fake = FakeCudart()
     om = ft.get_offload_manager()
-    om._staging = fake.staging(policy=lambda cfg, dev: True)
+    inject_staging(monkeypatch, fake.staging(policy=lambda cfg, dev: True))
     om._warmup_override = warmup
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
     assert sorted(p for _, p, _ in fake.registers) == sorted(ptrs.values())
-    assert om._warm.non_blocking
+    assert om.engine.warm.loader.non_blocking
     with torch.no_grad():
         for _ in range(om.iters_before_inference - 1):
             assert same(model(x), ref)
@@ -194,12 +194,12 @@ class _KeepResident:
     name = "keep_resident"
 
     def plan(self, inp):
-        from flextensor.plan_model import make_plan
+        from flextensor.planning.plan_model import make_plan
 
         return make_plan(inp, self.name, {}, inp.num_blocks)
 
 
-def test_a_plan_that_streams_nothing_unregisters_the_staging_off_the_callers_thread():
+def test_a_plan_that_streams_nothing_unregisters_the_staging_off_the_callers_thread(monkeypatch):
     """After a resident warm-up, a plan that keeps everything resident still switches at once: the staged
     originals (the slow part: cudaHostUnregister of every offloadable weight) are unregistered by the
     background build, not inside the last PROFILING pass, and the outputs stay exact."""
@@ -218,15 +218,15 @@ def test_a_plan_that_streams_nothing_unregisters_the_staging_off_the_callers_thr
         unregister(ptr)
 
     om = ft.get_offload_manager()
-    om._staging = PinnedStaging(register=fake.register, unregister=recorded_unregister,
+    inject_staging(monkeypatch, PinnedStaging(register=fake.register, unregister=recorded_unregister,
                                 synchronize=fake.synchronize, is_pinned=lambda s: False,
-                                policy=lambda cfg, dev: True)
+                                policy=lambda cfg, dev: True))
     om._warmup_override = "resident"
     ft.offload(model, cpu_config(load_strategy=_KeepResident(), profiling_iters=2))
     with torch.no_grad():
         for _ in range(om.iters_before_inference):
             assert same(model(x), ref)
-    assert om.phase is Phase.INFERENCE and om._deferred is not None and fake.unregisters == []
+    assert om.phase is Phase.INFERENCE and om.engine.inference.deferred is not None and fake.unregisters == []
     with torch.no_grad():
         assert same(model(x), ref)  # the first inference pass starts the build
     om.wait_for_host_blocks()
@@ -240,7 +240,7 @@ def test_a_plan_that_streams_nothing_unregisters_the_staging_off_the_callers_thr
 
 
 @pytest.mark.parametrize("warmup", [None, "resident"])
-def test_engine_staging_released_early_for_resident_tensors_and_at_release(warmup):
+def test_engine_staging_released_early_for_resident_tensors_and_at_release(warmup, monkeypatch):
     """Tensors made resident by DISCOVERY leave the staging then; an early release() unregisters the rest."""
     model = tiny_transformer()
     ids = token_ids().to(DEVICE)
@@ -249,7 +249,7 @@ def test_engine_staging_released_early_for_resident_tensors_and_at_release(warmu
     blocks_list = _param_ptrs(model, "blocks.")  # "blocks" (ModuleList) is a trap but its tensors are used outside
     fake = FakeCudart()
     om = ft.get_offload_manager()
-    om._staging = fake.staging(policy=lambda cfg, dev: True)
+    inject_staging(monkeypatch, fake.staging(policy=lambda cfg, dev: True))
     om._warmup_override = warmup
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=3))
     registered = {p for _, p, _ in fake.registers}
@@ -290,17 +290,17 @@ def test_cuda_staged_during_warmup_unregistered_at_inference(mode):
     host = {n: p.data for n, p in model.named_parameters() if n.startswith("blocks.")}  # views of the originals
     ft.offload(model, _cuda_cfg(pinned_memory_mode=mode))
     om = ft.get_offload_manager()
-    assert om._staging.active and om._warm.non_blocking
+    assert om.engine.warm.staging.active and om.engine.warm.loader.non_blocking
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in host.values()}
-    assert om._staging.registered_bytes == sum(storages.values())  # exact bytes of each distinct storage
+    assert om.engine.warm.staging.registered_bytes == sum(storages.values())  # exact bytes of each distinct storage
     with torch.no_grad():
         while om.phase is not Phase.INFERENCE:
             assert all(t.is_pinned() for t in host.values()), "staged storages must stay pinned during warm-up"
             torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
         om.wait_for_host_blocks()
-        assert om._staging.regions == []
+        assert om.engine.warm.staging.regions == []
         assert not any(t.is_pinned() for t in host.values()), "staging must be unregistered once INFERENCE runs"
-        assert all(b.tensor.is_pinned() for b in om._host_blocks)
+        assert all(b.tensor.is_pinned() for b in om.engine.inference.host_blocks)
         for _ in range(2):
             torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
     ft.release()
@@ -334,7 +334,7 @@ def test_cuda_already_pinned_weights_are_not_registered_or_unregistered():
     host = {n: p.data for n, p in model.named_parameters() if n.startswith("blocks.")}
     ft.offload(model, _cuda_cfg())
     om = ft.get_offload_manager()
-    assert om._staging.regions == [] and not om._staging.failed and om._warm.non_blocking
+    assert om.engine.warm.staging.regions == [] and not om.engine.warm.staging.failed and om.engine.warm.loader.non_blocking
     with torch.no_grad():
         for _ in range(om.iters_before_inference + 1):
             torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
@@ -357,7 +357,7 @@ def test_cuda_registration_failure_falls_back_to_pageable(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="flextensor"):
         ft.offload(model, _cuda_cfg())
     om = ft.get_offload_manager()
-    assert om._staging.failed and om._staging.regions == [] and not om._warm.non_blocking
+    assert om.engine.warm.staging.failed and om.engine.warm.staging.regions == [] and not om.engine.warm.loader.non_blocking
     assert len([r for r in caplog.records if "pinned staging" in r.getMessage()]) == 1
     with torch.no_grad():
         for _ in range(om.iters_before_inference + 2):  # and no stale CUDA error surfaces in later kernels

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flextensor.basic_strategies import _chain_back, _hidden_chain, _plan_from_masks, _tables
-from flextensor.diagnostics import (
+from flextensor.planning.basic_strategies import _chain_back, _hidden_chain, _plan_from_masks, _tables
+from flextensor.planning.diagnostics import (
     format_block_assignment,
     format_candidates,
     format_transfer_stats,
     format_trap_durations,
 )
-from flextensor.plan_model import PipelineTrace, make_plan, simulate_bytes
-from flextensor.strategies import (
+from flextensor.planning.plan_model import PipelineTrace, make_plan, simulate_bytes
+from flextensor.planning.strategies import (
     MIN_GPU_BUDGET_BYTES,
     AdaptiveStrategy,
     BudgetFillStrategy,
@@ -304,7 +304,7 @@ def test_stream_cost_hides_in_the_device_lag():
     """The engine's per-trap cost: all of it for a launch-bound trap (device time = host time, or no host
     samples), the device's floor where the device lags the host by more than the host's part, per call for a
     trap called twice."""
-    from flextensor.inference import STREAMED_TRAP_COST_S as C, STREAMED_TRAP_DEVICE_S as D, _trap_stream_cost
+    from flextensor.engine.switch import STREAMED_TRAP_COST_S as C, STREAMED_TRAP_DEVICE_S as D, _trap_stream_cost
 
     assert _trap_stream_cost(1e-3, [1e-3, 1e-3], 1) == pytest.approx(C)
     assert _trap_stream_cost(1e-3, None, 1) == pytest.approx(C)

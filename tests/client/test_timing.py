@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flextensor as ft
-from flextensor.timing import OffloadTimingReport, OffloadTimingSnapshot, TrapTimingRecord, TrapTimingStats
+from flextensor.runtime.timing import OffloadTimingReport, OffloadTimingSnapshot, TrapTimingRecord, TrapTimingStats
 from tests.client.models import DEVICE, reference, same, cpu_config, mlp_stack, release_managers  # noqa: F401
 
 
@@ -98,7 +98,7 @@ def test_cuda_overlap_through_engine():
 
 @pytest.mark.cuda
 def test_cuda_current_stream_lookup_follows_a_stream_switch():
-    from flextensor.timing import CurrentStream
+    from flextensor.runtime.timing import CurrentStream
 
     current = CurrentStream(torch.device("cuda"))
     first = current()
@@ -113,7 +113,7 @@ def test_cuda_current_stream_lookup_follows_a_stream_switch():
 def test_cuda_windows_read_in_one_wait_even_when_one_is_on_a_busy_stream():
     """``read_windows_ms`` waits for the last mark only; a window on another stream still pending is waited for
     itself (a caller that switched streams inside a pass), and its marks go back to the pool once."""
-    from flextensor.timing import TimingCollector
+    from flextensor.runtime.timing import TimingCollector
 
     clock = TimingCollector(True, torch.device("cuda"))
     busy, other = torch.cuda.Stream(), torch.cuda.Stream()  # not the legacy default stream, which waits for both
@@ -136,7 +136,7 @@ def test_cuda_windows_read_in_one_wait_even_when_one_is_on_a_busy_stream():
 
 
 def test_a_host_clock_mark_is_always_done():
-    from flextensor.timing import TimingCollector
+    from flextensor.runtime.timing import TimingCollector
 
     clock = TimingCollector(False)
     assert clock.done(clock.mark())
@@ -145,7 +145,7 @@ def test_a_host_clock_mark_is_always_done():
 @pytest.mark.cuda
 def test_cuda_mark_is_done_only_once_the_device_passed_it():
     """``done`` asks without waiting: False while the stream is still busy before the mark, True after."""
-    from flextensor.timing import TimingCollector
+    from flextensor.runtime.timing import TimingCollector
 
     clock = TimingCollector(True, torch.device("cuda"))
     torch.cuda._sleep(200_000_000)  # well over 50 ms on any current GPU

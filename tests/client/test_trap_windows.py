@@ -1,4 +1,4 @@
-"""PROFILING windows and the clock they are marked with (``flextensor.trap_windows``).
+"""PROFILING windows and the clock they are marked with (``flextensor.runtime.trap_windows``).
 
 The device's clock is faked: each mark records ``scale * perf_counter()`` as its device time, so a scale of 1 is a
 device that keeps up with the host and a scale of 2 one whose windows last twice as long as the host's.
@@ -14,7 +14,7 @@ from torch import nn
 
 import flextensor as ft
 from flextensor.manager import Phase
-from flextensor.trap_windows import (
+from flextensor.runtime.trap_windows import (
     CLOCK_TOLERANCE_ABS_S,
     CLOCK_TOLERANCE_REL,
     PassWindows,
@@ -150,7 +150,7 @@ def _offload_stack(profiling_iters: int):
     ft.offload(model, cpu_config(include_patterns=["layers.*"], load_strategy=ALL, skip_discovery=True,
                                  profiling_iters=profiling_iters))
     om = ft.get_offload_manager()
-    clock = om._clock = FakeClock()
+    clock = om.engine.clock = FakeClock()
     return model, om, clock, torch.ones(2, 8, device=DEVICE)
 
 
@@ -175,9 +175,9 @@ def test_passes_after_one_that_kept_up_mark_only_their_span_on_the_device():
     # closes the window before it with a mark of its own: on the CPU, in place, every entry after the first).
     # Then only the first entry and the end.
     assert per_pass[0] >= 4 + 1 and per_pass[1:] == [2] * 4
-    assert all(len(v) == 5 for v in om._durations.values())
-    for label, samples in om._durations.items():
-        assert samples == pytest.approx(om._host_durations[label], abs=CLOCK_TOLERANCE_ABS_S)
+    assert all(len(v) == 5 for v in om.engine.profile.durations.values())
+    for label, samples in om.engine.profile.durations.items():
+        assert samples == pytest.approx(om.engine.profile.host_durations[label], abs=CLOCK_TOLERANCE_ABS_S)
     assert len(clock.recycled) == sum(per_pass)  # every mark went back to the pool once
 
 
@@ -185,8 +185,8 @@ def test_a_device_that_lags_keeps_every_pass_marked_on_the_device():
     """Also the last pass: read at the switch, it still gives the device's windows."""
     om, _clock, per_pass = _profile([3.0] * 4)
     assert all(n >= 4 + 1 for n in per_pass)
-    for label, samples in om._durations.items():  # the device's windows (3x the host's), not the host's
-        assert all(d == pytest.approx(3 * h, rel=0.05) for d, h in zip(samples, om._host_durations[label]))
+    for label, samples in om.engine.profile.durations.items():  # the device's windows (3x the host's), not the host's
+        assert all(d == pytest.approx(3 * h, rel=0.05) for d, h in zip(samples, om.engine.profile.host_durations[label]))
 
 
 def test_a_host_marked_pass_whose_span_disagrees_sends_the_next_pass_back_to_device_marks():
@@ -194,7 +194,7 @@ def test_a_host_marked_pass_whose_span_disagrees_sends_the_next_pass_back_to_dev
     pass 4 marks every entry again, and once that pass kept up, pass 5 is host-marked again."""
     om, _clock, per_pass = _profile([1.0, 1.0, 3.0, 1.0, 1.0])
     assert [n >= 4 + 1 for n in per_pass] == [True, False, False, True, False] and per_pass[1:3] == [2, 2]
-    assert all(len(v) == 5 for v in om._durations.values())
+    assert all(len(v) == 5 for v in om.engine.profile.durations.values())
 
 
 def test_a_pass_that_starts_before_the_device_finished_the_last_one_marks_every_entry():
@@ -203,8 +203,8 @@ def test_a_pass_that_starts_before_the_device_finished_the_last_one_marks_every_
     and their samples are the device's (3x the host's), not the host's."""
     om, _clock, per_pass = _profile([1.0, 1.0, 3.0, 3.0, 3.0])
     assert [n >= 4 + 1 for n in per_pass] == [True, False, False, True, True]
-    for label, samples in om._durations.items():
-        ratios = [d / h for d, h in zip(samples, om._host_durations[label])]
+    for label, samples in om.engine.profile.durations.items():
+        ratios = [d / h for d, h in zip(samples, om.engine.profile.host_durations[label])]
         assert ratios[:3] == pytest.approx([1.0] * 3, abs=0.05) and ratios[3:] == pytest.approx([3.0] * 2, rel=0.05)
 
 
@@ -242,8 +242,8 @@ def test_the_switch_reads_the_last_host_marked_pass_without_its_span_on_the_devi
     assert om.phase is Phase.INFERENCE and clock.marks - last_marks_before == 2
     last = {id(m) for m in clock.recycled[-2:]}
     assert not any(id(start) in last or id(end) in last for start, end in read)
-    assert all(len(v) == 4 for v in om._durations.values())
-    assert all(om._durations[label][-1] == om._host_durations[label][-1] for label in om._durations)
+    assert all(len(v) == 4 for v in om.engine.profile.durations.values())
+    assert all(om.engine.profile.durations[label][-1] == om.engine.profile.host_durations[label][-1] for label in om.engine.profile.durations)
     assert len(clock.recycled) == clock.marks
 
 
@@ -255,5 +255,5 @@ def test_a_trap_called_outside_a_pass_during_profiling_is_not_timed_and_breaks_n
         model(x)
         model(x)
     assert om.phase is Phase.INFERENCE
-    assert all(len(v) == 3 for v in om._durations.values())
+    assert all(len(v) == 3 for v in om.engine.profile.durations.values())
     assert len(clock.recycled) == clock.marks  # its mark went back to the pool with the others

@@ -16,15 +16,17 @@ import logging
 
 import time
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 
 import flextensor as ft
-import flextensor.inference as inference_mod
-from flextensor.phases import Phase
-from flextensor.traps import WarmLoader
-from flextensor.warmup import WarmupMode, decide_warmup, warmup_margin
+import flextensor.engine.build as inference_mod
+from flextensor.engine.phase import Phase
+from flextensor.engine.warmup import WarmupMode, decide_warmup, sweep_samples, warmup_margin
+from flextensor.runtime.warm_loader import WarmLoader
 from tests.client.models import (
     ALL,
     DEVICE,
@@ -245,7 +247,7 @@ def _run(model, x, ref, om, extra: int = 2) -> list[Phase]:
 
 
 def _candidates(om) -> set[str]:
-    return {n for t in om._traps.values() for n in t.candidates} - om._shared
+    return {n for t in om.engine.traps.values() for n in t.candidates} - om.engine.shared
 
 
 def _stream_copies(om) -> int:
@@ -253,8 +255,8 @@ def _stream_copies(om) -> int:
     tensors (PROFILING) that are not resident anyway."""
     cands, cfg = _candidates(om), om.config
     per_pass = {
-        "discovery": sum(len(set(om._traps[label].candidates) & cands) for label in om._sequence),
-        "profiling": sum(len(set(om._exclusive.get(label, ())) & cands) for label in om._sequence),
+        "discovery": sum(len(set(om.engine.traps[label].candidates) & cands) for label in om.engine.sequence),
+        "profiling": sum(len(set(om.engine.exclusive.get(label, ())) & cands) for label in om.engine.sequence),
     }
     discovery = 0 if cfg.skip_discovery else cfg.discovery_iters
     return discovery * per_pass["discovery"] + cfg.profiling_iters * per_pass["profiling"]
@@ -284,12 +286,12 @@ def test_engine_exact_in_both_modes(case, mode):
     ref = reference(model, x)
     before = snapshot(model)
     om = _offload(model, cfg, mode)
-    assert om._warmup.mode.value == mode and om._warmup.forced
-    pending = len(om._warm_pending)
+    assert om.engine.warm.decision.mode.value == mode and om.engine.warm.decision.forced
+    pending = len(om.engine.warm.pending)
     assert (pending == len(_candidates(om))) if mode == "resident" else pending == 0
     seen = _run(model, x, ref, om)
     assert seen[0] is (Phase.PROFILING if cfg.skip_discovery else Phase.DISCOVERY)
-    warm = om._warm
+    warm = om.engine.warm.loader
     if mode == "resident":
         assert warm.copies == len(_candidates(om)) > 0, "a resident warm-up copies each tensor once"
     else:
@@ -315,14 +317,14 @@ def test_resident_copies_happen_before_every_timing_window():
     """skip_discovery: the first PROFILING pass is timed too, so the one sweep must precede its first trap."""
     model, x, ref, om = _resident_mlp_without_discovery(3)
     counts: list[int] = []
-    mark_at = om._clock.mark_at
-    om._clock.mark_at = lambda now: (counts.append(om._warm.copies), mark_at(now))[1]
+    mark_at = om.engine.clock.mark_at
+    om.engine.clock.mark_at = lambda now: (counts.append(om.engine.warm.loader.copies), mark_at(now))[1]
     _run(model, x, ref, om)
     assert set(counts) == {16}
     # The first pass: one mark per trap entry and one at its end, and each entry after the first also closes
     # the window before it first (it may copy: the warm loader is asked once per trap). On the CPU both clocks
     # are the host's, so that pass keeps up and the next two mark only their first entry and their end
-    # (flextensor.trap_windows).
+    # (flextensor.runtime.trap_windows).
     assert len(counts) == (1 + 3 * 2 + 1) + 2 * 2
     assert all(len(v) == 3 for v in om.profiling_durations.values())  # no pass excluded
 
@@ -367,7 +369,7 @@ def test_profiling_windows_run_entry_to_entry_and_never_hold_a_copy(mode, monkey
         for _ in range(3):
             model(torch.ones(2, 8))
     durations = om.profiling_durations
-    assert om._warm.copies == (2 if mode == "resident" else 6)  # the slow copies happened...
+    assert om.engine.warm.loader.copies == (2 if mode == "resident" else 6)  # the slow copies happened...
     for seconds in durations["a"]:
         assert 0.04 <= seconds < 0.085  # ...in no window: trap a (10 ms) + the gap (30 ms)
     for seconds in durations["b"]:
@@ -408,20 +410,20 @@ def test_resident_profiling_checks_a_trap_once_then_skips_the_load_until_a_copy_
     per-trap check that cost a few microseconds per tensor on every pass)."""
     model, x, ref, om = _resident_mlp_without_discovery(4)
     loads: list[int] = []
-    real_load = om._warm.load
-    om._warm.load = lambda tensors: (loads.append(len(list(tensors))), real_load(tensors))[1]
+    real_load = om.engine.warm.loader.load
+    om.engine.warm.loader.load = lambda tensors: (loads.append(len(list(tensors))), real_load(tensors))[1]
     per_pass = []
     with torch.no_grad():
         for _ in range(3):
             before = len(loads)
             assert same(model(x), ref)
             per_pass.append(len(loads) - before)
-    assert per_pass == [len(om._traps), 0, 0]
-    om._warm.commit(om._tensor_objs(om._exclusive[next(iter(om._traps))]))  # a trap's copies are given up...
+    assert per_pass == [len(om.engine.traps), 0, 0]
+    om.engine.warm.loader.commit(om.engine.tensor_objs(om.engine.exclusive[next(iter(om.engine.traps))]))  # a trap's copies are given up...
     with torch.no_grad():
         before = len(loads)
         assert same(model(x), ref)
-    assert len(loads) - before == len(om._traps)  # ...so every trap is checked again, once
+    assert len(loads) - before == len(om.engine.traps)  # ...so every trap is checked again, once
     _run(model, x, ref, om)
     ft.release()
 
@@ -433,12 +435,12 @@ def test_resident_kept_across_passes_freed_before_blocks_and_reused_when_residen
     om = _offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ft.NthLayerStrategy(2),
                                     profiling_iters=3), "resident")
     names = sorted(_candidates(om))
-    originals = {n: om._tensors[n].tensor.data for n in names}
+    originals = {n: om.engine.tensors[n].tensor.data for n in names}
     seen_at_build: list[int] = []
     real_loader = inference_mod.BlockLoader
 
     def loader_probe(**kwargs):
-        seen_at_build.append(om._warm.kept_count)  # device blocks are allocated here: no warm-up copy left
+        seen_at_build.append(om.engine.warm.loader.kept_count)  # device blocks are allocated here: no warm-up copy left
         return real_loader(**kwargs)
 
     monkeypatch.setattr(inference_mod, "BlockLoader", loader_probe)
@@ -446,7 +448,7 @@ def test_resident_kept_across_passes_freed_before_blocks_and_reused_when_residen
     with torch.no_grad():
         for i in range(om.iters_before_inference - 1):
             assert same(model(ids), ref)
-            ptrs = {n: om._tensors[n].tensor.data_ptr() for n in names}
+            ptrs = {n: om.engine.tensors[n].tensor.data_ptr() for n in names}
             assert all(ptrs[n] != originals[n].data_ptr() for n in names)  # the kept copies, not the host data
             if i:
                 assert ptrs == kept_ptrs, "kept copies must not be replaced between passes"
@@ -454,11 +456,11 @@ def test_resident_kept_across_passes_freed_before_blocks_and_reused_when_residen
         assert same(model(ids), ref)  # the last PROFILING pass plans; the host blocks are built behind it
     assert om.phase is Phase.INFERENCE and seen_at_build == [], "no device block before the host blocks exist"
     om.wait_for_host_blocks()
-    assert seen_at_build == [0] and om._warm.copies == len(names)
+    assert seen_at_build == [0] and om.engine.warm.loader.copies == len(names)
     offloaded = {n for ns in om.offloaded_tensors.values() for n in ns}
     stayed = set(names) - offloaded
     assert offloaded and stayed, "NthLayerStrategy(2) offloads some blocks and keeps others"
-    assert all(om._tensors[n].tensor.data_ptr() == kept_ptrs[n] for n in stayed), "resident: warm-up copy reused"
+    assert all(om.engine.tensors[n].tensor.data_ptr() == kept_ptrs[n] for n in stayed), "resident: warm-up copy reused"
     _run(model, ids, ref, om, extra=2)
 
 
@@ -468,13 +470,13 @@ def test_release_during_resident_warmup_restores_the_original_storages():
     ref = reference(model, ids)
     before = snapshot(model)
     om = _offload(model, cpu_config(load_strategy=ALL, profiling_iters=3), "resident")  # "*": tied, ModuleList
-    tensors = {n: om._tensors[n].tensor for n in _candidates(om)}
+    tensors = {n: om.engine.tensors[n].tensor for n in _candidates(om)}
     ptrs = {n: t.data_ptr() for n, t in tensors.items()}
     with torch.no_grad():
         for _ in range(2):
             assert same(model(ids), ref)
-    assert om.phase is Phase.PROFILING and om._warm.kept_count > 0
-    kept = {n for n, t in tensors.items() if id(t) in om._warm._kept}
+    assert om.phase is Phase.PROFILING and om.engine.warm.loader.kept_count > 0
+    kept = {n for n, t in tensors.items() if id(t) in om.engine.warm.loader._kept}
     made_resident = set(tensors) - kept  # used outside their trap: committed to the device after DISCOVERY
     assert kept and made_resident
     ft.release()
@@ -493,16 +495,16 @@ def test_data_dependent_trap_loads_when_first_needed(preload):
     om = _offload(model, cpu_config(include_patterns=["layers.*"], load_strategy=ALL, num_blocks=3,
                                     profiling_iters=3), "resident")
     if not preload:
-        om._warm_pending = []  # the lazy path: each trap copies its weights when it first needs them
+        om.engine.warm.pending = []  # the lazy path: each trap copies its weights when it first needs them
     layer1 = {id(p) for p in model.layers[1].parameters()}
     with torch.no_grad():
         assert same(model(neg), ref_neg)  # DISCOVERY without layer 1
-        assert om._warm.copies == (8 if preload else 6)
-        assert (id(model.layers[1].weight) in om._warm._kept) == preload
+        assert om.engine.warm.loader.copies == (8 if preload else 6)
+        assert (id(model.layers[1].weight) in om.engine.warm.loader._kept) == preload
         assert same(model(pos), ref_pos)  # layer 1 runs: its weights are copied now (lazy) and kept
-        assert om._warm.copies == 8 and layer1 <= set(om._warm._kept)
+        assert om.engine.warm.loader.copies == 8 and layer1 <= set(om.engine.warm.loader._kept)
         assert same(model(neg), ref_neg) and same(model(pos), ref_pos)
-        assert om.phase is Phase.INFERENCE and om._warm.copies == 8
+        assert om.phase is Phase.INFERENCE and om.engine.warm.loader.copies == 8
         for x, ref in [(neg, ref_neg), (pos, ref_pos), (pos, ref_pos)]:
             assert same(model(x), ref)
 
@@ -512,10 +514,10 @@ def test_out_of_memory_during_resident_warmup_falls_back(caplog):
     x = torch.randn(2, 16, device=DEVICE)
     ref = reference(model, x)
     om = _offload(model, cpu_config(load_strategy=ALL, profiling_iters=2), "resident")
-    om._warm.__class__ = LimitedLoader  # the device "fits" two kept copies: the preload runs out of memory
+    om.engine.warm.loader.__class__ = LimitedLoader  # the device "fits" two kept copies: the preload runs out of memory
     with caplog.at_level(logging.WARNING, logger="flextensor"):
         _run(model, x, ref, om)
-    assert om._warm.fell_back and om._warm.copies == 2 + om.iters_before_inference * 16
+    assert om.engine.warm.loader.fell_back and om.engine.warm.loader.copies == 2 + om.iters_before_inference * 16
     assert len([r for r in caplog.records if "out of device memory" in r.getMessage()]) == 1
 
 
@@ -565,26 +567,26 @@ def test_cuda_resident_warmup_copies_once_and_frees_at_inference():
     model, ids, ref, cfg = _cuda_setup()
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
-    assert om._warmup.mode is WarmupMode.RESIDENT and not om._warmup.forced, om._warmup.reason
+    assert om.engine.warm.decision.mode is WarmupMode.RESIDENT and not om.engine.warm.decision.forced, om.engine.warm.decision.reason
     names = sorted(_candidates(om))
-    nbytes = {n: om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size() for n in names}
+    nbytes = {n: om.engine.tensors[n].tensor.numel() * om.engine.tensors[n].tensor.element_size() for n in names}
     slack = 512 * (len(names) + 8)
     base = _allocated()  # pre-warm-up: what offload() made resident
     with torch.no_grad():
         _close(model(ids), ref)  # DISCOVERY: the one sweep
-        assert om._warm.copies == len(names) and om._warm.copied_bytes == sum(nbytes.values())
+        assert om.engine.warm.loader.copies == len(names) and om.engine.warm.loader.copied_bytes == sum(nbytes.values())
         held = _allocated() - base
         assert abs(held - sum(_round512(b) for b in nbytes.values())) <= slack, (held, nbytes)
         while om.phase is not Phase.INFERENCE:
             _close(model(ids), ref)
-        assert om._warm.copies == len(names), "no warm-up pass after the first copies anything"
-        assert om._warm.kept_count == 0
+        assert om.engine.warm.loader.copies == len(names), "no warm-up pass after the first copies anything"
+        assert om.engine.warm.loader.kept_count == 0
         blocks = om.loader.device_bytes
         after = _allocated() - base
         assert abs(after - _round512(om.loader.slot_bytes) * om.loader.num_slots) <= slack, (after, blocks)
         for _ in range(2):
             _close(model(ids), ref)
-    assert all(b.tensor.is_pinned() for b in om._host_blocks) and om._staging.regions == []
+    assert all(b.tensor.is_pinned() for b in om.engine.inference.host_blocks) and om.engine.warm.staging.regions == []
     ft.release()
 
 
@@ -593,20 +595,20 @@ def test_cuda_resident_reuses_kept_copies_for_tensors_that_stay():
     model, ids, ref, cfg = _cuda_setup(strategy=ft.NthLayerStrategy(2))
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
-    assert om._warmup.resident
+    assert om.engine.warm.decision.resident
     names = sorted(_candidates(om))
     with torch.no_grad():
         for _ in range(om.iters_before_inference - 1):
             _close(model(ids), ref)
-        kept = {n: om._tensors[n].tensor.data_ptr() for n in names}
-        assert all(om._tensors[n].tensor.is_cuda for n in names)
+        kept = {n: om.engine.tensors[n].tensor.data_ptr() for n in names}
+        assert all(om.engine.tensors[n].tensor.is_cuda for n in names)
         _close(model(ids), ref)
         assert om.phase is Phase.INFERENCE
         stayed = set(names) - {n for ns in om.offloaded_tensors.values() for n in ns}
-        assert stayed and all(om._tensors[n].tensor.data_ptr() == kept[n] for n in stayed)
+        assert stayed and all(om.engine.tensors[n].tensor.data_ptr() == kept[n] for n in stayed)
         for _ in range(2):
             _close(model(ids), ref)
-    assert om._warm.copies == len(names)
+    assert om.engine.warm.loader.copies == len(names)
 
 
 @pytest.mark.cuda
@@ -619,7 +621,7 @@ def test_cuda_stream_warmup_copies_per_trap_call_and_holds_nothing():
         assert _allocated() == base, "stream mode puts every copy back after its trap"
         while om.phase is not Phase.INFERENCE:
             _close(model(ids), ref)
-    assert om._warm.copies == _stream_copies(om) == om.iters_before_inference * len(_candidates(om))
+    assert om.engine.warm.loader.copies == _stream_copies(om) == om.iters_before_inference * len(_candidates(om))
 
 
 @pytest.mark.cuda
@@ -629,11 +631,11 @@ def test_cuda_small_budget_streams():
     om = ft.get_offload_manager()
     om.set_memory_budget(needed - 1)  # less than the candidates alone (and the rest is resident too)
     ft.offload(model, cfg)
-    assert om._warmup.mode is WarmupMode.STREAM and "memory budget" in om._warmup.reason
+    assert om.engine.warm.decision.mode is WarmupMode.STREAM and "memory budget" in om.engine.warm.decision.reason
     with torch.no_grad():
         for _ in range(om.iters_before_inference + 1):
             _close(model(ids), ref)
-    assert om._warm.copies > len(_candidates(om))
+    assert om.engine.warm.loader.copies > len(_candidates(om))
 
 
 @pytest.mark.cuda
@@ -643,20 +645,20 @@ def test_cuda_resident_warmup_copies_are_the_transfer_measurement(monkeypatch):
     def no_sweep(*args, **kwargs):
         raise AssertionError("transfer_sweep ran although the warm-up copies were timed")
 
-    import flextensor.profiling as profiling_mod
+    import flextensor.runtime.sweep as profiling_mod
 
     monkeypatch.setattr(profiling_mod, "transfer_sweep", no_sweep)
     model, ids, ref, cfg = _cuda_setup()
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
-    assert om._warmup.resident and om._warm.non_blocking
+    assert om.engine.warm.decision.resident and om.engine.warm.loader.non_blocking
     with torch.no_grad():
         while om.phase is not Phase.INFERENCE:
             _close(model(ids), ref)
-    per_trap = [sum(om._tensors[n].tensor.numel() * om._tensors[n].tensor.element_size() for n in t.candidates)
-                for t in om._traps.values()]
-    assert sorted(b for b, _s in om._samples) == sorted(b for b in per_trap if b)
-    assert all(0 < s < 1 for _b, s in om._samples)
+    per_trap = [sum(om.engine.tensors[n].tensor.numel() * om.engine.tensors[n].tensor.element_size() for n in t.candidates)
+                for t in om.engine.traps.values()]
+    assert sorted(b for b, _s in om.engine.plan.samples) == sorted(b for b in per_trap if b)
+    assert all(0 < s < 1 for _b, s in om.engine.plan.samples)
     om.wait_for_host_blocks()
     with torch.no_grad():
         _close(model(ids), ref)
@@ -687,12 +689,12 @@ def test_cuda_profiling_preload_runs_on_a_side_stream_and_each_trap_waits_for_it
     model, ids, ref, cfg = _cuda_setup(skip_discovery=True)
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
-    assert om._warmup.resident and om._warm.non_blocking and om.phase is Phase.PROFILING
+    assert om.engine.warm.decision.resident and om.engine.warm.loader.non_blocking and om.phase is Phase.PROFILING
     with torch.no_grad():
         _close(model(ids), ref)  # would read uninitialised device memory if a trap did not wait
         assert streams and all(s is not None and s != torch.cuda.current_stream() for s in streams)
-        assert om._warm.copy_stream is None and om._warm_ready == {} and om._warm_last is None
-        assert om._warm.copies == len(_candidates(om))
+        assert om.engine.warm.loader.copy_stream is None and om.engine.warm.ready == {} and om.engine.warm.last is None
+        assert om.engine.warm.loader.copies == len(_candidates(om))
         while om.phase is not Phase.INFERENCE:
             _close(model(ids), ref)
     om.wait_for_host_blocks()
@@ -708,12 +710,12 @@ def test_cuda_the_preload_stream_is_made_in_offload_not_in_the_first_pass(monkey
     model, ids, ref, cfg = _cuda_setup(skip_discovery=True)
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
-    made_in_offload = om._warm_stream
+    made_in_offload = om.engine.warm.stream
     assert made_in_offload is not None
     created = count_new_streams(monkeypatch)
     with torch.no_grad():
         _close(model(ids), ref)
-    assert created == [] and om._warm_stream is None
+    assert created == [] and om.engine.warm.stream is None
     assert streams and all(s == made_in_offload for s in streams)
 
 
@@ -740,7 +742,7 @@ def test_cuda_preload_failing_part_way_still_orders_the_copies_it_made(monkeypat
     with torch.no_grad():
         with pytest.raises(RuntimeError, match="copy refused"):
             model(ids)
-        assert om._warm.copy_stream is None and om._warm_ready == {} and om._warm_last is None
+        assert om.engine.warm.loader.copy_stream is None and om.engine.warm.ready == {} and om.engine.warm.last is None
         monkeypatch.setattr(WarmLoader, "_copy", original)
         while om.phase is not Phase.INFERENCE:
             _close(model(ids), ref)  # the rest is copied when first needed
@@ -757,13 +759,13 @@ def test_cuda_discovery_preload_stays_on_the_compute_stream(monkeypatch):
     om = ft.get_offload_manager()
     with torch.no_grad():
         _close(model(ids), ref)
-    assert streams and all(s is None for s in streams) and om._warm_ready == {}
+    assert streams and all(s is None for s in streams) and om.engine.warm.ready == {}
 
 
 @pytest.mark.cuda
 def test_cuda_profiling_clock_reuses_its_events(monkeypatch):
     """Two events per trap call and pass would be created without the pool; with it, two passes' worth at most
-    (none at all once the passes after the first are timed on the host's clock: flextensor.trap_windows)."""
+    (none at all once the passes after the first are timed on the host's clock: flextensor.runtime.trap_windows)."""
     created = []
 
     class CountingEvent(torch.cuda.Event):
@@ -774,7 +776,7 @@ def test_cuda_profiling_clock_reuses_its_events(monkeypatch):
     model, ids, ref, cfg = _cuda_setup(skip_discovery=True, profiling_iters=8)
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
-    traps = len(om._traps)
+    traps = len(om.engine.traps)
     with torch.no_grad():
         _close(model(ids), ref)  # the preload's own events are not the clock's
         monkeypatch.setattr(torch.cuda, "Event", CountingEvent)
@@ -822,9 +824,9 @@ def test_warm_samples_wait_once_for_the_last_copy_then_read_every_pair():
     empty and zero-length pairs are still dropped, and the events are consumed."""
     stream = _FakeStream()
     pairs = [(1000, 0.0, 2.0), (0, 2.0, 3.0), (500, 3.0, 3.0), (2000, 3.0, 7.0)]  # (bytes, start ms, end ms)
-    om = ft.get_offload_manager("warm-samples")
-    om._warm_events = [(nbytes, stream.record(start), stream.record(end)) for nbytes, start, end in pairs]
-    last_end = om._warm_events[-1][2]
-    assert om._warm_samples() == [(1000, 0.002), (2000, 0.004)]
+    warm = SimpleNamespace(events=[(nbytes, stream.record(start), stream.record(end)) for nbytes, start, end in pairs])
+    engine = SimpleNamespace(warm=warm)  # sweep_samples reads only the warm-up's events
+    last_end = warm.events[-1][2]
+    assert sweep_samples(engine) == [(1000, 0.002), (2000, 0.004)]
     assert stream.waits == [last_end]
-    assert om._warm_events == [] and om._warm_samples() == [] and stream.waits == [last_end]
+    assert warm.events == [] and sweep_samples(engine) == [] and stream.waits == [last_end]

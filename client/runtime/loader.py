@@ -47,8 +47,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from flextensor.host_memory import BlockLayout, block_views
-from flextensor.timing import CurrentStream, TimingCollector
+from flextensor.runtime.host_memory import BlockLayout, block_views
+from flextensor.runtime.timing import CurrentStream, TimingCollector
 
 __all__ = ["BlockLoader"]
 

@@ -21,14 +21,16 @@ Resident tensors are moved to the compute device (from ``weights`` when on meta)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
-from flextensor.host_memory import BlockLayout, TensorPlacement
-from flextensor.inference import bypass_resident_traps
-from flextensor.plan_model import effective_blocks
+from flextensor.engine.build import build_inference
+from flextensor.engine.hooks import Trap, bypass_resident_traps
+from flextensor.engine.inference import InferenceHandler
+from flextensor.planning.plan_model import effective_blocks
+from flextensor.runtime.host_memory import BlockLayout, TensorPlacement
 from flextensor.state import (
     BlockState,
     TensorManagerState,
@@ -39,15 +41,26 @@ from flextensor.state import (
     dtype_from_name,
     dtype_name,
     model_fingerprint,
+    ModelTensor,
     model_tensors,
     tensor_nbytes,
 )
-from flextensor.traps import Trap
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flextensor.manager import OffloadManager
+    from flextensor.config import OffloadConfig
+    from flextensor.engine.context import EngineContext
+    from flextensor.engine.hooks import TrapCallback
 
-__all__ = ["adopt_state", "export_state", "layouts_from_state"]
+__all__ = ["CheckedState", "adopt_state", "check_state", "export_state", "layouts_from_state"]
+
+
+class CheckedState(NamedTuple):
+    """A state validated against a model, before anything of the model was touched (:func:`check_state`)."""
+
+    state: TensorManagerState
+    tensors: dict[str, ModelTensor]
+    modules: dict[str, nn.Module | None]  # trap label -> its module (None for a manual block)
+    layouts: list[BlockLayout]
 
 
 def layouts_from_state(state: TensorManagerState) -> list[BlockLayout]:
@@ -115,19 +128,15 @@ def _check_host_blocks(state: TensorManagerState, host_blocks: Sequence[torch.Te
             )
 
 
-def adopt_state(
-    manager: "OffloadManager",
+def check_state(
     model: nn.Module,
     state: TensorManagerState,
+    cfg: OffloadConfig,
     *,
     host_blocks: Sequence[torch.Tensor] | None = None,
     weights: Mapping[str, torch.Tensor] | None = None,
-    compile_fn: Callable[[nn.Module], nn.Module] | None = None,
-    shm_owner: Any = None,
-    host_block_gate: Callable[[int], None] | None = None,
-) -> nn.Module:
-    """Validate ``state`` against ``model`` and enter INFERENCE on ``manager`` (see the module docstring)."""
-    cfg = manager._config()
+) -> CheckedState:
+    """Validate ``state`` against ``model`` (see the module docstring); the model is not touched."""
     if not isinstance(state, TensorManagerState):
         raise TypeError(f"offload_from_state expects a TensorManagerState, got {type(state).__name__}")
     if state.transfer_mode != cfg.transfer_mode:
@@ -168,45 +177,55 @@ def adopt_state(
                 f"tensor {name!r} is on the meta device and neither a host block nor weights supply it; pass "
                 "weights={name: tensor} (e.g. safetensors.torch.load_file(path)) or host_blocks"
             )
-
-    manager._begin(model, tensors, compile_fn, shm_owner)
-    try:
-        for trap in state.traps:
-            owned = [t.name for t in state.tensors if t.trap == trap.label]
-            manager._traps[trap.label] = Trap(trap.label, modules[trap.label], owned, kind=trap.kind)
-        manager._exclusive = {label: list(t.candidates) for label, t in manager._traps.items()}
-        manager._compute_s = dict(state.timings.compute_s)
-        manager._samples = [(int(b), float(s)) for b, s in state.timings.transfer_samples]
-        manager._strategy_name = state.strategy
-        manager._explanation = list(state.explanation)
-        manager._adopted = True
-        num_slots = effective_blocks(cfg.num_blocks, cfg.min_blocks, len(layouts))
-        manager._build_inference(layouts, list(state.schedule), num_slots, host_blocks=host_blocks, weights=weights,
-                                 block_names=[b.name for b in state.blocks], host_block_gate=host_block_gate)
-        for trap in manager._traps.values():
-            trap.install(manager, compile_fn)
-        bypass_resident_traps(manager, set(manager._block_of))
-    except BaseException:
-        manager._teardown(preserve_model=True)
-        raise
-    return model
+    return CheckedState(state, tensors, modules, layouts)
 
 
-def export_state(m: "OffloadManager") -> TensorManagerState:
-    """A snapshot of the live INFERENCE allocation (placements, block sizes and names, timings, plan)."""
-    if m._phase is None or m._phase.value != "inference":
-        raise RuntimeError(f"export_state: manager {m.name!r} is not in INFERENCE (phase {m._phase}); run "
-                           f"{m.iters_before_inference} forward passes first")
+def adopt_state(
+    ctx: EngineContext,
+    checked: CheckedState,
+    enter: TrapCallback,
+    leave: TrapCallback,
+    *,
+    host_blocks: Sequence[torch.Tensor] | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    host_block_gate: Callable[[int], None] | None = None,
+) -> InferenceHandler:
+    """Build INFERENCE for a checked state on a fresh context and install its traps (``enter``/``leave`` are the
+    manager's trap callbacks). On failure the caller tears the context down."""
+    state, modules, layouts = checked.state, checked.modules, checked.layouts
+    cfg = ctx.config
+    for trap in state.traps:
+        owned = [t.name for t in state.tensors if t.trap == trap.label]
+        ctx.traps[trap.label] = Trap(trap.label, modules[trap.label], owned, kind=trap.kind)
+    ctx.exclusive = {label: list(t.candidates) for label, t in ctx.traps.items()}
+    ctx.plan.compute_s = dict(state.timings.compute_s)
+    ctx.plan.samples = [(int(b), float(s)) for b, s in state.timings.transfer_samples]
+    ctx.plan.strategy_name = state.strategy
+    ctx.plan.explanation = list(state.explanation)
+    ctx.adopted = True
+    num_slots = effective_blocks(cfg.num_blocks, cfg.min_blocks, len(layouts))
+    build_inference(ctx, layouts, list(state.schedule), num_slots, host_blocks=host_blocks, weights=weights,
+                    block_names=[b.name for b in state.blocks], host_block_gate=host_block_gate)
+    for trap in ctx.traps.values():
+        trap.install(enter, leave, ctx.compile_fn)
+    if ctx.timing is None:  # offload timing times every trap call
+        bypass_resident_traps(ctx.traps.values(), set(ctx.inference.block_of))
+    return InferenceHandler(ctx)
+
+
+def export_state(ctx: EngineContext) -> TensorManagerState:
+    """A snapshot of the live INFERENCE allocation (placements, block sizes and names, timings, plan); the
+    caller checks that the engine is in INFERENCE with its host blocks installed."""
     from flextensor import __version__
 
     owner_of: dict[str, str] = {}
-    for label, names in m._exclusive.items():
+    for label, names in ctx.exclusive.items():
         for n in names:
             owner_of.setdefault(n, label)
     tensors = []
-    for name, entry in m._tensors.items():
+    for name, entry in ctx.tensors.items():
         t = entry.tensor
-        placed = m._placement.get(name)
+        placed = ctx.inference.placement.get(name)
         common = dict(name=name, kind=entry.kind, dtype=dtype_name(t.dtype), shape=list(t.shape),
                       nbytes=tensor_nbytes(t), persistent=entry.persistent, aliases=list(entry.aliases),
                       trap=owner_of.get(name, ""))
@@ -216,19 +235,19 @@ def export_state(m: "OffloadManager") -> TensorManagerState:
                                        block=index, byte_offset=p.byte_offset))
         else:
             tensors.append(TensorState(**common, stride=list(t.stride()), storage_offset=t.storage_offset()))
-    order = list(dict.fromkeys(m._sequence))
-    order += [label for label in m._traps if label not in order]
+    order = list(dict.fromkeys(ctx.sequence))
+    order += [label for label in ctx.traps if label not in order]
     return TensorManagerState(
         library_version=__version__,
-        fingerprint=model_fingerprint(m._tensors),
-        transfer_mode=m._config().transfer_mode,
-        num_blocks=m._loader.num_slots if m._loader is not None else m._config().num_blocks,
-        traps=[TrapState(label=label, kind=m._traps[label].kind) for label in order if label in m._traps],
-        schedule=list(m._sequence),
+        fingerprint=model_fingerprint(ctx.tensors),
+        transfer_mode=ctx.config.transfer_mode,
+        num_blocks=ctx.inference.loader.num_slots if ctx.inference.loader is not None else ctx.config.num_blocks,
+        traps=[TrapState(label=label, kind=ctx.traps[label].kind) for label in order if label in ctx.traps],
+        schedule=list(ctx.sequence),
         tensors=tensors,
         blocks=[BlockState(index=l.index, label=l.label, nbytes=l.nbytes, name=b.name)
-                for l, b in zip(m._layouts, m._host_blocks)],
-        timings=TimingState(compute_s=dict(m._compute_s), transfer_samples=list(m._samples)),
-        strategy=m._strategy_name,
-        explanation=list(m._explanation),
+                for l, b in zip(ctx.inference.layouts, ctx.inference.host_blocks)],
+        timings=TimingState(compute_s=dict(ctx.plan.compute_s), transfer_samples=list(ctx.plan.samples)),
+        strategy=ctx.plan.strategy_name,
+        explanation=list(ctx.plan.explanation),
     )

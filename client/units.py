@@ -82,7 +82,7 @@ REPLAN_NOT_AVAILABLE = StrategyReplanStatus(state="idle", can_request=False, app
 
 def _require_inference(manager: "OffloadManager", what: str) -> nn.Module:
     """The offloaded model, or ``RuntimeError`` before INFERENCE (same contract as ``get_gpu_memory_usage``)."""
-    from flextensor.phases import Phase
+    from flextensor.engine.phase import Phase
 
     if manager.phase is not Phase.INFERENCE or manager.model is None:
         phase = manager.phase.value if manager.phase is not None else "none"
@@ -123,7 +123,7 @@ def _modules(model: nn.Module) -> dict[str, nn.Module]:
 def _is_module_trap(label: str, modules: dict[str, nn.Module]) -> bool:
     """``label`` names a patched trap module (not a manual block that merely shares a module's path).
 
-    ``flextensor.traps.Trap.install`` marks the instance-level forward with ``__flextensor_trap__``; a manual
+    ``flextensor.engine.hooks.Trap.install`` marks the instance-level forward with ``__flextensor_trap__``; a manual
     ``offload_block`` never patches a module, so its label can coincide with an unpatched module's path.
     """
     module = modules.get(label) if label else None

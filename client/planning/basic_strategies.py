@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from flextensor.plan_model import Plan, PlanInput, _finish_plan
+from flextensor.planning.plan_model import Plan, PlanInput, _finish_plan
 
 
 

@@ -3,7 +3,7 @@
 Why
 ---
 During DISCOVERY and PROFILING the offloadable weights are copied to the device
-(:class:`~flextensor.traps.WarmLoader`): once each when they fit there (resident warm-up, ``flextensor.warmup``),
+(:class:`~flextensor.engine.hooks.WarmLoader`): once each when they fit there (resident warm-up, ``flextensor.engine.warmup``),
 else before every trap call of every pass. From pageable memory the driver bounces each copy through a small
 pinned buffer of its own: ~7-9 GB/s on an H200 host, and the host thread waits for it. From page-locked memory
 the copy is a direct DMA (~55 GB/s there) and can be queued (``non_blocking=True``) behind the compute already
@@ -24,7 +24,7 @@ Lifecycle (driven by the manager; see ``flextensor.manager``)
   allocation while the driver still has the pages locked.
 - :meth:`PinnedStaging.release` drops tensor names the warm-up no longer copies (tensors made resident at the end
   of DISCOVERY; each trap's tensors once its host block is filled, at the switch to INFERENCE or on the
-  background build's thread, ``flextensor.deferred_build``, which is then the staging's only user); a region is
+  background build's thread, ``flextensor.engine.build``, which is then the staging's only user); a region is
   unregistered when its last name is released. :meth:`release_all` unregisters the rest (end of the INFERENCE
   build, ``release()``, teardown after an error). A region leaves the table *before* it is unregistered, so it
   can never be unregistered twice, even when the call fails.

@@ -303,7 +303,7 @@ class TimingCollector:
     def mark(self) -> Any:
         """A point in time on the current stream: a recorded CUDA event, or ``perf_counter`` seconds.
 
-        PROFILING times each trap's *window* between two marks (``flextensor.phases``): one mark per trap entry
+        PROFILING times each trap's *window* between two marks (``flextensor.engine.profiling``): one mark per trap entry
         rather than a span of two events per call, because on a launch-bound pass every event record is host
         time the pass pays (about 10 us each on an H200 host, against ~300 us per 5 ms pass for 32 of them).
         """
@@ -334,7 +334,7 @@ class TimingCollector:
 
     def mark_at(self, now: float) -> Any:
         """A mark for the host time ``now`` (a ``perf_counter`` reading just taken): on a host clock that very
-        reading, so a window's two clocks agree exactly there (``flextensor.trap_windows``); else :meth:`mark`."""
+        reading, so a window's two clocks agree exactly there (``flextensor.runtime.trap_windows``); else :meth:`mark`."""
         return now if not self.use_cuda else self.mark()
 
     def done(self, mark: Any) -> bool:

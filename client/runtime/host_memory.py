@@ -59,6 +59,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import torch
 
 from flextensor.shm.manifest import contiguous_stride
+from flextensor.shm.sizes import align_up
 
 __all__ = [
     "ALIGN",
@@ -87,10 +88,6 @@ logger = logging.getLogger(__name__)
 ALIGN = 256
 PAGE = 4096
 ARENA_MAX_BYTES = 2 << 30
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @functools.lru_cache(maxsize=1024)
@@ -149,8 +146,8 @@ def pack_block(index: int, label: str, tensors: Iterable[tuple[str, torch.dtype,
         shape = tuple(map(int, shape))
         nbytes = math.prod(shape) * dtype.itemsize
         placements.append(TensorPlacement(name, dtype, shape, tuple(map(int, stride)), offset, nbytes))
-        offset = _align(offset + nbytes)
-    return BlockLayout(index, label, max(_align(offset), ALIGN), tuple(placements))
+        offset = align_up(offset + nbytes, ALIGN)
+    return BlockLayout(index, label, max(align_up(offset, ALIGN), ALIGN), tuple(placements))
 
 
 def block_view(block: torch.Tensor, placement: TensorPlacement) -> torch.Tensor:
@@ -197,10 +194,6 @@ class HostBlock:
     prefilled: bool = False
 
 
-def _page_align(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
-
-
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -211,7 +204,7 @@ def _greedy_groups(sizes: Sequence[int], cap: int) -> list[list[int]]:
     current: list[int] = []
     used = 0
     for index, size in enumerate(sizes):
-        size = _page_align(size)
+        size = align_up(size, PAGE)
         if current and used + size > cap:
             groups.append(current)
             current, used = [], 0
@@ -223,7 +216,7 @@ def _greedy_groups(sizes: Sequence[int], cap: int) -> list[list[int]]:
 
 
 def _group_bytes(sizes: Sequence[int], group: Sequence[int]) -> int:
-    return sum(_page_align(sizes[i]) for i in group)
+    return sum(align_up(sizes[i], PAGE) for i in group)
 
 
 def plan_arenas(sizes: Sequence[int], *, power_of_two: bool, max_arena_bytes: int = ARENA_MAX_BYTES) -> list[list[int]]:
@@ -239,7 +232,7 @@ def plan_arenas(sizes: Sequence[int], *, power_of_two: bool, max_arena_bytes: in
     if not power_of_two:
         return _greedy_groups(sizes, max_arena_bytes)
     best: tuple[int, int, list[list[int]]] | None = None
-    cap = _pow2_ceil(min(_page_align(s) for s in sizes))
+    cap = _pow2_ceil(min(align_up(s, PAGE) for s in sizes))
     while True:
         groups = _greedy_groups(sizes, cap)
         cost = sum(_pow2_ceil(_group_bytes(sizes, g)) for g in groups)
@@ -292,7 +285,7 @@ class ArenaProvider(HostBlockProvider):
             offset = 0
             for index in group:
                 self._slots[index] = (group_index, offset, int(sizes[index]))
-                offset += _page_align(int(sizes[index]))
+                offset += align_up(int(sizes[index]), PAGE)
             self._group_bytes.append(offset)
 
     @property
@@ -303,7 +296,7 @@ class ArenaProvider(HostBlockProvider):
     def allocate(self, index: int, nbytes: int) -> HostBlock:
         slot = self._slots.get(index)
         if slot is None or slot[2] != nbytes:
-            arena = self._new_arena(_page_align(max(nbytes, 1)))
+            arena = self._new_arena(align_up(max(nbytes, 1), PAGE))
             self._extra.append(arena)
             return HostBlock(arena.narrow(0, 0, nbytes))
         group, offset, _ = slot
@@ -411,7 +404,7 @@ class HostRegisterProvider(ArenaProvider):
             try:
                 host_register(ptr, arena.numel())
             except RuntimeError:
-                from flextensor.staging import clear_cuda_error
+                from flextensor.runtime.staging import clear_cuda_error
 
                 clear_cuda_error()  # the caller gets the exception; torch must not trip over the stale error later
                 raise
@@ -427,7 +420,7 @@ class HostRegisterProvider(ArenaProvider):
             try:
                 host_unregister(ptr)
             except RuntimeError as exc:  # teardown must go on; the process exit releases the pages anyway
-                from flextensor.staging import clear_cuda_error
+                from flextensor.runtime.staging import clear_cuda_error
 
                 clear_cuda_error()
                 logger.warning("could not unregister host arena at %#x: %s", ptr, exc)

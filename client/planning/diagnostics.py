@@ -12,9 +12,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from flextensor.shm.segment import format_bytes as _format_bytes
+from flextensor.shm.sizes import format_bytes as _format_bytes
 
-from flextensor.plan_model import Plan, TransferModel, TrapCost
+from flextensor.planning.plan_model import Plan, TransferModel, TrapCost
 
 __all__ = [
     "format_block_assignment",

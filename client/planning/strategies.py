@@ -1,9 +1,9 @@
 """Offload strategies: which tensors stay resident on the GPU and which stream through rotating device blocks.
 
 The engine measures per-trap compute seconds and a transfer curve during PROFILING, builds a ``PlanInput``
-(see ``flextensor.plan_model`` for the types and the pipeline model) and calls ``strategy.plan(inp)``. The
+(see ``flextensor.planning.plan_model`` for the types and the pipeline model) and calls ``strategy.plan(inp)``. The
 basic strategies (NthLayer, Greedy, Knapsack) and the transfer windows they share live in
-``flextensor.basic_strategies``; this module adds the budget search (BudgetFill), the default Adaptive choice
+``flextensor.planning.basic_strategies``; this module adds the budget search (BudgetFill), the default Adaptive choice
 and ``resolve_budget``, and is the public home of every strategy.
 
 Modes: ``budget_bytes=None`` is latency mode (offload only what costs no material overhead: copies that hide
@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
-from flextensor.plan_model import (
+from flextensor.planning.plan_model import (
     MIB,
     CandidateSummary,
     PipelineTrace,
@@ -34,7 +34,7 @@ from flextensor.plan_model import (
     simulate_bytes,
     simulate_overhead,
 )
-from flextensor.basic_strategies import (  # noqa: F401 - the basic strategies are public from here too
+from flextensor.planning.basic_strategies import (  # noqa: F401 - the basic strategies are public from here too
     GreedyStrategy,
     KnapsackStrategy,
     NthLayerStrategy,

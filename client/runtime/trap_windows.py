@@ -3,7 +3,7 @@
 Windows
 -------
 A trap's *window* runs from its entry to the next trap's entry (the last one's to the end of the pass): the
-compute INFERENCE can hide the next block's copy behind (``flextensor.phases`` says why). Each window keeps two
+compute INFERENCE can hide the next block's copy behind (``flextensor.engine.profiling`` says why). Each window keeps two
 host times (``perf_counter`` at both ends) and, when its pass marks on the device, two device marks (CUDA events
 on the compute stream; consecutive windows share one). A pass is recorded as a :class:`PassWindows`: its windows,
 whether they carry device marks, and one device mark and host time taken at the pass's end.
@@ -14,7 +14,7 @@ The planner needs each window's *device* time: where the device lags the host, a
 device than the host took to queue it, and that difference is compute a copy can hide behind. Where the device
 keeps up with the host (a launch-bound pass: the device waits for each launch), the device's windows are the
 host's, and a device mark per trap entry buys nothing but host time: recording and reading one CUDA event cost
-10-15 us of host time per trap in the eighth and ninth sessions' H200 runs, against 3 ms passes of 16 traps,
+10-15 us of host time per trap on the H200 host, against 3 ms passes of 16 traps,
 so about 5% of every launch-bound PROFILING pass.
 
 So a pass marks every trap entry on the device until one pass has shown that the device kept up: its whole span
@@ -54,7 +54,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flextensor.timing import TimingCollector
+    from flextensor.runtime.timing import TimingCollector
 
 __all__ = ["TrapWindow", "PassWindows", "PassReading", "clocks_agree", "read_pass", "CLOCK_TOLERANCE_REL",
            "CLOCK_TOLERANCE_ABS_S"]

@@ -90,7 +90,7 @@ class TrapCost:
     the host anyway); one whose device time exceeds its host time hides the host's part in the difference (the
     device's own part stays). Without it, a plan streaming a few KiB from each of 15 traps of a launch-bound
     pass simulated as free and ran at 1.42x the resident pass (H200, 2026-11-30). The engine derives it per trap
-    (``flextensor.inference``); 0 keeps the pure transfer model.
+    (``flextensor.engine.switch``); 0 keeps the pure transfer model.
     """
 
     label: str
@@ -124,7 +124,7 @@ class TrapCost:
 
         Why: the switch to INFERENCE makes one per trap inside the last PROFILING pass, where every microsecond
         is the profile phase's; the tensors are known from the first counted pass on, so the engine validates
-        them there (``flextensor.inference.prepare_switch``) and only the timings at the switch."""
+        them there (``flextensor.engine.switch.prepare_switch``) and only the timings at the switch."""
         trap = object.__new__(TrapCost)
         trap.__dict__.update(self.__dict__)  # the fields, and total_bytes when computed (it depends on tensors)
         trap.__dict__["compute_s"] = self._seconds("compute_s", compute_s)

@@ -1,0 +1,400 @@
+"""Plan -> host blocks + block loader: the INFERENCE build, now or on a thread behind resident inference.
+
+The build (:func:`build_inference`, shared with adoption)
+----------------------------------------------------------
+It first ends a resident warm-up (the device copies of the tensors about to be offloaded are freed before any
+device block exists, the tensors that stay resident keep their warm-up copy), then allocates or adopts host
+blocks, copies weights in (from the model, or ``weights`` for meta tensors) unless a block is prefilled, points
+each offloaded parameter at its host view (freeing the original storage), moves every other tensor to the
+compute device, and creates the :class:`~flextensor.runtime.loader.BlockLoader`. Traps that never ran during
+warm-up are not in the schedule, so their tensors stay resident. The provider (``EngineContext.provider_factory``)
+is told every block size first (``reserve``), so pinned providers carve blocks out of a few arenas; a trap's
+staged storages are unregistered and dropped as soon as its block is filled, so the original copy is freed
+block by block. No staging registration outlives the build. The engine never joins a shared-memory namespace
+itself: a shared provider comes from whoever holds the membership (the session).
+
+The deferred build: why
+-----------------------
+At the end of PROFILING the plan is known, but the host blocks it streams from do not exist yet: they must be
+allocated (PyTorch's pinned allocator: ``cudaHostAlloc``, which allocates, zeroes and locks at well under
+1 GB/s on the H200 host; 3.9 s for a 4.5 GiB model the first time in a process) and filled. Doing that inside
+the last profiling pass made the profile phase 1.3-28x the cost of ordinary forwards. After a *resident*
+warm-up, though, every weight is already on the device: the model can run inference as it is, resident, while a
+thread builds the host blocks. So the switch to INFERENCE is immediate, and the engine starts streaming at the
+first pass boundary after the blocks are ready.
+
+When (:func:`enter_inference` decides with :func:`can_defer`)
+-------------------------------------------------------------
+The warm-up kept a device copy of every tensor the plan streams (resident warm-up, no fall-back), the blocks are
+private (not shared memory: a shared block is published by the creator synchronously) and no meta tensor is
+involved. That includes a plan that streams nothing: its build makes no block but still unregisters the staged
+originals off the caller's thread. Otherwise the build runs synchronously, as before
+(:func:`build_inference`).
+
+Sequence and threads
+--------------------
+1. Main thread, at the switch (:func:`defer_inference`): the tensors that stay resident keep their warm-up copy
+   (committed); the streamed ones keep theirs too for now, and their host data (the staged originals, pinned in
+   place) is handed to the build. The phase becomes INFERENCE with no loader and no block map, so traps run on the
+   device data they hold. The build thread starts when the first INFERENCE pass begins (or when something
+   waits for the blocks): started inside the last PROFILING pass, its first pinned allocations held that pass
+   up in the driver, and a process that only profiles and saves never needs the blocks' memory that soon.
+2. Build thread (``ft-host-blocks``), :class:`HostBlockBuild`: reserve every block size with the provider, then
+   block by block: allocate, copy each tensor from its host data, drop those sources and release their staging
+   registration (so host RAM holds the originals and the blocks for about one arena at a time, as in the
+   synchronous build), region by region with a pause between (``UNREGISTER_PAUSE_S``; none once cancelled);
+   finally ``provider.finish()`` (``host_register`` pins its arenas there). On CUDA the thread first makes the
+   manager's device current. With PyTorch's default pinned allocator each fresh arena is one ``cudaHostAlloc``,
+   which holds up the main thread's launches while it runs (0.8 s for 2 GiB on the H200 host); the provider
+   logs once how to configure PyTorch out of it (``flextensor.runtime.host_memory.pinned_allocator_hint``).
+3. Main thread, at the start of the first pass after the build finished (``InferenceHandler.begin_pass``), or at any
+   call that needs the INFERENCE layout (``export_state``, ``get_gpu_memory_usage``, ``offloaded_tensors``,
+   ``loader``, ``save_profile``: they wait for the build): :func:`install_deferred` points every streamed tensor
+   at its host view (its device copy is freed before the rotating device blocks are allocated), creates the
+   loader and returns the cached device memory. A build failure is raised there, naming the cause.
+4. ``release()`` while the build runs: :meth:`HostBlockBuild.cancel` stops it after the block in flight and joins
+   it; the provider is closed; the tensors still hold their device copies, which teardown moves back (or drops
+   to ``meta`` with ``preserve_model=False``). After a failed build the same holds: the failure already closed
+   the provider and unregistered the staging, and the model ran on resident.
+5. Offload timing (``offload_timing="eager"``) records no pass that ran before the switch: those passes stream
+   nothing, and a report mixing them with streamed passes would say nothing true about either.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from flextensor.engine.hooks import assign_data, bypass_resident_traps
+from flextensor.runtime.host_memory import (BlockLayout, FillProgress, HostBlock, HostBlockProvider, block_views)
+from flextensor.runtime.loader import BlockLoader
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.engine.context import EngineContext
+    from flextensor.engine.switch import Plan
+
+__all__ = ["DeferredPlan", "HostBlockBuild", "build_inference", "can_defer", "defer_inference", "enter_inference",
+           "install_deferred", "start_loader"]
+
+logger = logging.getLogger("flextensor.manager")
+
+
+class DeferredPlan(NamedTuple):
+    """What a deferred build will stream, kept until :func:`install_deferred` points the tensors at it."""
+
+    layouts: list[BlockLayout]
+    schedule: list[str]
+    num_slots: int
+    streamed: list[list[torch.Tensor]]  # the model's tensor objects, one list per block
+
+
+def enter_inference(ctx: EngineContext, plan: Plan) -> None:
+    """Build INFERENCE for ``plan``: behind resident inference when every streamed weight is still on the device
+    (:func:`can_defer`), else now."""
+    layouts = list(plan.layouts)
+    if can_defer(ctx, layouts):
+        defer_inference(ctx, layouts, list(plan.schedule), plan.num_slots)
+    else:
+        build_inference(ctx, layouts, list(plan.schedule), plan.num_slots)
+
+
+def _bypass_resident_traps(ctx: EngineContext, streamed: set[str]) -> None:
+    if ctx.timing is None:  # offload timing times every trap call
+        bypass_resident_traps(ctx.traps.values(), streamed)
+
+
+#: The build thread's pause between two ``cudaHostUnregister`` calls. Each call holds a driver lock that the main
+#: thread's launches wait for: released in one piece, the 4.3 GB staging of a plan that streams nothing stalled
+#: its first inference pass for 214-745 ms (H200 host). With this pause, while 4 GiB in 64 regions were released,
+#: launch-bound passes took 4.3 ms (median) and 5.9 ms at most against 2.8 ms idle; the build takes about one
+#: pause per region longer.
+UNREGISTER_PAUSE_S = 0.001
+
+
+def _let_launches_through() -> None:
+    """The pause itself (a function of its own so tests can record the pauses instead of sleeping)."""
+    time.sleep(UNREGISTER_PAUSE_S)
+
+
+class HostBlockBuild:
+    """Allocates and fills the host blocks of ``layouts`` from ``sources`` on a thread of its own."""
+
+    def __init__(self, manager_name: str, layouts: Sequence[BlockLayout], sources: list[list[torch.Tensor]],
+                 provider: HostBlockProvider, release_sources, device: torch.device,
+                 release_after: Sequence[str] = ()) -> None:
+        if len(sources) != len(layouts):
+            raise ValueError("HostBlockBuild: one source list per layout is needed")
+        self.manager_name = manager_name
+        self.layouts = list(layouts)
+        self.provider = provider
+        self.blocks: list[HostBlock] = []
+        self.error: BaseException | None = None
+        self.finished = False  # every block built and the provider finished (not cancelled, no error)
+        self.elapsed_s = 0.0
+        self._sources = sources
+        # callable(names, between): the staged originals of one block may go; ``between`` runs between two
+        # unregistrations (PinnedStaging.release)
+        self._release_sources = release_sources
+        self._release_after = list(release_after)  # staged names of the tensors that stay resident
+        self._device = device
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ft-host-blocks", daemon=True)
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def start(self) -> HostBlockBuild:
+        """Start the build thread (idempotent)."""
+        if not self.started:
+            self._thread.start()
+        return self
+
+    @property
+    def done(self) -> bool:
+        """Started and finished (built, failed or cancelled)."""
+        return self.started and not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Start the build if nobody did yet, and wait for it."""
+        self.start()
+        self._thread.join()
+
+    def cancel(self) -> None:
+        """Stop after the block in flight and join (release during the build); a build never started never runs."""
+        self._cancel.set()
+        if self.started:
+            self._thread.join()
+        else:
+            self._sources = []
+
+    def _pause(self) -> None:
+        """Between two unregistrations: let the main thread's launches through, unless the build is cancelled
+        (``release()`` joins it, and its teardown unregisters the rest anyway)."""
+        if not self._cancel.is_set():
+            _let_launches_through()
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+            self.provider.reserve([layout.nbytes for layout in self.layouts])
+            progress = FillProgress(self.manager_name, sum(p.nbytes for layout in self.layouts for p in layout.tensors))
+            for layout in self.layouts:
+                if self._cancel.is_set():
+                    return
+                block = self.provider.allocate(layout.index, layout.nbytes)
+                views = block_views(block.tensor, layout.tensors)
+                for placement, view, source in zip(layout.tensors, views, self._sources[layout.index]):
+                    view.copy_(source)
+                    progress.add(placement.nbytes)
+                self.blocks.append(block)
+                self._sources[layout.index] = []
+                self._release_sources([p.name for p in layout.tensors], self._pause)
+            progress.finish()
+            self._release_sources(self._release_after, self._pause)
+            if self._cancel.is_set():
+                return
+            self.provider.finish()
+            self.finished = True
+        except BaseException as exc:  # noqa: BLE001 - raised on the manager's thread at install time
+            self.error = exc
+        finally:
+            self._sources = []
+            self.elapsed_s = time.monotonic() - start
+            outcome = ("built" if self.finished else f"failed ({self.error})" if self.error is not None
+                       else "cancelled")
+            if self.layouts or not self.finished:  # an empty build that worked is reported at its install
+                logger.info("manager %r: host blocks %s in the background after %.2f s (%d of %d blocks)",
+                            self.manager_name, outcome, self.elapsed_s, len(self.blocks), len(self.layouts))
+
+
+def _lookup_weight(ctx, name: str, weights: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    entry = ctx.tensors[name]
+    if weights is not None:
+        for key in (name, *entry.aliases):
+            if key in weights:
+                value = weights[key]
+                if value.dtype != entry.tensor.dtype or tuple(value.shape) != tuple(entry.tensor.shape):
+                    raise ValueError(
+                        f"weight {key!r} has dtype {value.dtype} shape {tuple(value.shape)}, but the model "
+                        f"expects {entry.tensor.dtype} {tuple(entry.tensor.shape)}"
+                    )
+                return value
+    raise ValueError(
+        f"tensor {name!r} is on the meta device and no weight for it was supplied; pass weights={{name: tensor}} "
+        "(e.g. safetensors.torch.load_file(...)) or materialize the model first"
+    )
+
+
+def build_inference(
+    ctx: EngineContext,
+    layouts: list[BlockLayout],
+    schedule: list[str],
+    num_slots: int,
+    host_blocks: Sequence[torch.Tensor] | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    block_names: Sequence[str] | None = None,
+    host_block_gate: Callable[[int], None] | None = None,
+) -> None:
+    cfg = ctx.config
+    _settle_warmup(ctx, {p.name for layout in layouts for p in layout.tensors})
+    if host_blocks is None and layouts:
+        ctx.inference.provider = ctx.provider_factory()
+        ctx.inference.provider.reserve([layout.nbytes for layout in layouts])
+    blocks: list[HostBlock] = []
+    ctx.inference.host_blocks = blocks  # filled as we go: on a failure, teardown finds every block in use
+    progress = FillProgress(ctx.name, sum(p.nbytes for layout in layouts for p in layout.tensors))
+    for layout in layouts:
+        if host_blocks is not None:
+            name = block_names[layout.index] if block_names else ""
+            block = HostBlock(host_blocks[layout.index], name=name, prefilled=True)
+        else:
+            assert ctx.inference.provider is not None
+            block = ctx.inference.provider.allocate(layout.index, layout.nbytes)
+        blocks.append(block)
+        for placement, view in zip(layout.tensors, block_views(block.tensor, layout.tensors)):
+            tensor = ctx.tensors[placement.name].tensor
+            if not block.prefilled:
+                source = _lookup_weight(ctx, placement.name, weights) if tensor.is_meta else tensor.data
+                view.copy_(source)
+                progress.add(placement.nbytes)
+            assign_data(tensor, view)
+            ctx.inference.placement[placement.name] = (layout.index, placement)
+        ctx.warm.staging.release(p.name for p in layout.tensors)  # this block is filled: its sources may go
+    progress.finish()
+    if ctx.inference.provider is not None:
+        ctx.inference.provider.finish()  # e.g. host_register pins the filled (populated) arenas now
+    for name, entry in ctx.tensors.items():
+        if name in ctx.inference.placement:
+            continue
+        if entry.tensor.is_meta:
+            assign_data(entry.tensor, _lookup_weight(ctx, name, weights).to(ctx.device))
+        else:
+            ctx.to_device(entry.tensor)
+    start_loader(ctx, layouts, blocks, schedule, num_slots, host_block_gate)
+
+
+def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[HostBlock], schedule: list[str],
+                 num_slots: int, host_block_gate: Callable[[int], None] | None = None) -> None:
+    """The last step of every INFERENCE build: host blocks in place, tensors pointed at them; create the loader."""
+    cfg = ctx.config
+    ctx.inference.layouts = layouts
+    ctx.inference.block_of = {layout.label: layout.index for layout in layouts}
+    ctx.inference.host_blocks = blocks
+    ctx.warm.staging.release_all()
+    loader_schedule = [ctx.inference.block_of[label] for label in schedule if label in ctx.inference.block_of]
+    missing = [layout.label for layout in layouts if layout.index not in loader_schedule]
+    if missing:
+        raise ValueError(f"offloaded trap(s) {missing} never appear in the trap schedule {schedule}")
+    ctx.inference.loader = BlockLoader(
+        device=ctx.device,
+        layouts=layouts,
+        host_blocks=[b.tensor for b in blocks],
+        params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts],
+        schedule=loader_schedule,
+        num_slots=num_slots,
+        per_tensor=cfg.transfer_mode == "strategy",
+        timing=ctx.timing,
+        host_block_gate=host_block_gate,
+    )
+    ctx.sequence = list(schedule)
+    _bypass_resident_traps(ctx, set(ctx.inference.block_of))
+
+
+def _settle_warmup(ctx: EngineContext, placed: set[str]) -> None:
+    """End of a resident warm-up, before any host or device block exists.
+
+    Tensors packed into host blocks get their host data back (their blocks are filled from it) and their
+    warm-up device copies are freed now, so device memory never holds both the warm-up copies and the rotating
+    device blocks; the other kept tensors stay resident and keep their warm-up copy (no second copy). The freed
+    copies are handed back to the driver (``empty_cache``) once: they can be GiBs that other processes, or this
+    device's free-memory readings, should see again.
+    """
+    ctx.warm.loader.unload()
+    freed = ctx.warm.loader.restore([ctx.tensors[n].tensor for n in sorted(placed)])
+    debug = logger.isEnabledFor(logging.DEBUG)
+    kept = ctx.warm.loader.commit(count=debug)
+    if freed and ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if debug and (freed or kept):
+        logger.debug("manager %r: warm-up copies freed: %d bytes (offloaded); kept as resident: %d bytes", ctx.name,
+                     freed, kept)
+
+
+def can_defer(ctx: EngineContext, layouts: Sequence[BlockLayout]) -> bool:
+    """True when every streamed tensor holds a kept warm-up copy and the blocks are private (see module docs).
+
+    Also with nothing to stream (no layouts): the build then has no block to make, but it still unregisters the
+    staged originals on its thread, and that is the slow part of such a switch (``cudaHostUnregister`` of every
+    offloadable weight: 0.2-0.3 s for 4.3 GB measured on the H200 host, inside the last PROFILING pass)."""
+    cfg = ctx.config
+    if cfg.shm_enabled or not ctx.warm.loader.keep or ctx.warm.loader.fell_back:
+        return False
+    tensors = ctx.tensors
+    return ctx.warm.loader.holds_all(tensors[p.name].tensor for layout in layouts for p in layout.tensors)
+
+
+def defer_inference(ctx: EngineContext, layouts: list[BlockLayout], schedule: list[str], num_slots: int) -> None:
+    """Enter INFERENCE resident now and start building the host blocks (step 1 of the module docs)."""
+    ctx.warm.loader.unload()
+    streamed = [[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts]
+    sources = ctx.warm.loader.detach(streamed)
+    placed = {p.name for layout in layouts for p in layout.tensors}
+    resident = [n for n, e in ctx.tensors.items() if n not in placed and ctx.warm.loader.holds(e.tensor)]
+    debug = logger.isEnabledFor(logging.DEBUG)
+    kept = ctx.warm.loader.commit(count=debug)  # everything else the warm-up copied stays resident for good
+    for entry in ctx.tensors.values():  # (the warm-up holds no copy now: streamed ones detached, the rest committed)
+        if not entry.tensor.is_meta and entry.tensor.device != ctx.device:
+            ctx.to_device(entry.tensor)
+    provider = ctx.provider_factory()
+    # The build thread is the only user of the staging from here until install_deferred joined it.
+    ctx.inference.deferred = HostBlockBuild(ctx.name, layouts, sources, provider, ctx.warm.staging.release,
+                                            ctx.device, release_after=resident)
+    ctx.inference.deferred_plan = DeferredPlan(layouts, list(schedule), num_slots, streamed)
+    ctx.sequence = list(schedule)
+    _bypass_resident_traps(ctx, {layout.label for layout in layouts})
+    if debug:
+        logger.debug("manager %r: INFERENCE starts resident (%d bytes committed); %d host blocks build in the "
+                     "background from the first inference pass", ctx.name, kept, len(layouts))
+
+
+def install_deferred(ctx: EngineContext) -> None:
+    """Wait for the build, then stream from its blocks (step 3 of the module docs). Raises the build's error."""
+    build = ctx.inference.deferred
+    if build is None:
+        return
+    build.wait()
+    layouts, schedule, num_slots, streamed = ctx.inference.deferred_plan
+    ctx.inference.deferred = None
+    ctx.inference.host_build_s = build.elapsed_s
+    if build.error is not None:
+        # Nothing of the failed build is kept: its blocks go, and so do the staged originals of the blocks it
+        # never reached. The plan stays, so release(preserve_model=False) still drops the streamed weights.
+        build.provider.close()
+        ctx.warm.staging.release_all()
+        raise RuntimeError(
+            f"manager {ctx.name!r}: building the host blocks for INFERENCE failed: {build.error}. The model still "
+            "runs with every weight on the device; release() it, and lower the host memory needed (fewer "
+            "offloaded layers, pinned_memory_mode='host_register') or free host RAM, then offload again"
+        ) from build.error
+    ctx.inference.deferred_plan = None
+    ctx.inference.provider = build.provider
+    for layout, block, tensors in zip(layouts, build.blocks, streamed):
+        for placement, view, tensor in zip(layout.tensors, block_views(block.tensor, layout.tensors), tensors):
+            assign_data(tensor, view)  # frees the warm-up device copy
+            ctx.inference.placement[placement.name] = (layout.index, placement)
+    if layouts and ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # the device copies just freed: GiBs other processes may want
+    start_loader(ctx, layouts, build.blocks, schedule, num_slots)
+    if layouts:
+        logger.info("manager %r: now streaming %d host blocks (built in %.2f s behind resident inference)", ctx.name,
+                    len(layouts), build.elapsed_s)
+    else:
+        logger.info("manager %r: the plan streams nothing; the staged host weights were released in the "
+                    "background (%.2f s)", ctx.name, build.elapsed_s)

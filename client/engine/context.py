@@ -1,0 +1,159 @@
+"""``EngineContext``: everything one offloaded model's engine knows, grouped by the phase that fills it.
+
+The manager makes one context per ``offload()`` (or adoption) and drops it at ``release()``; the phase handlers
+(``flextensor.engine.phase``) and the engine's functions receive it and work on its fields. Nothing outside the
+engine writes them: the manager reads them for its reports, tests read them through ``OffloadManager.engine``.
+
+Groups, in the order a model meets them:
+
+- the model itself (top level): its tensors by name, where each came from, the traps, the trap order, which
+  tensors several traps share and which each trap may offload alone (``exclusive``);
+- :class:`WarmupState`: the warm-up's device copies and the pinned staging of their sources
+  (``flextensor.engine.warmup``);
+- :class:`ProfileState`: DISCOVERY's recorder and PROFILING's trap windows and duration samples
+  (``flextensor.engine.profiling``);
+- :class:`PlanState`: what the switch measured and decided (``flextensor.engine.switch``), also what a saved
+  profile or a published state carries;
+- :class:`InferenceState`: the host blocks, where each offloaded tensor sits in them, the block loader, and a
+  host-block build still running behind resident inference (``flextensor.engine.build``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from flextensor.config import OffloadConfig
+from flextensor.runtime.host_memory import BlockLayout, HostBlock, HostBlockProvider, TensorPlacement
+from flextensor.runtime.loader import BlockLoader
+from flextensor.runtime.staging import PinnedStaging
+from flextensor.runtime.timing import TimingCollector
+from flextensor.runtime.trap_windows import PassWindows, TrapWindow
+from flextensor.runtime.usage_recorder import UsageRecorder
+from flextensor.runtime.warm_loader import WarmLoader
+from flextensor.state import ModelTensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.engine.build import DeferredPlan, HostBlockBuild
+    from flextensor.engine.hooks import Trap
+    from flextensor.engine.switch import SwitchInputs
+    from flextensor.engine.warmup import WarmupDecision
+
+__all__ = ["EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState"]
+
+#: Makes the provider of the INFERENCE host blocks. The manager supplies it: private pinned or pageable memory,
+#: or shared memory whose namespace membership the session (or the manager's low-level path) already holds.
+ProviderFactory = Callable[[], HostBlockProvider]
+
+
+@dataclass(eq=False)
+class WarmupState:
+    """The warm-up's device copies (``flextensor.engine.warmup``)."""
+
+    loader: WarmLoader
+    staging: PinnedStaging
+    decision: WarmupDecision | None = None
+    pending: list[str] = field(default_factory=list)  # resident warm-up: names to copy at the first pass's start
+    events: list[tuple[int, Any, Any]] = field(default_factory=list)  # per trap group: (bytes, start, end) events
+    ready: dict[str | None, Any] = field(default_factory=dict)  # trap label -> event of its overlapped copy
+    settled: dict[str, int] = field(default_factory=dict)  # trap label -> WarmLoader.removals when all were kept
+    last: Any = None  # the last overlapped copy's event (orders everything after the first pass)
+    stream: Any = None  # side stream for the overlapped preload, made in offload()
+
+
+@dataclass(eq=False)
+class ProfileState:
+    """DISCOVERY and PROFILING passes (``flextensor.engine.discovery``, ``flextensor.engine.profiling``)."""
+
+    iteration: int = 0  # counted warm-up passes (DISCOVERY and PROFILING together)
+    suspend: int = 0  # suspend_profiling() depth
+    recorder: UsageRecorder | None = None
+    pass_sequence: list[str] = field(default_factory=list)  # traps entered in this pass, in order
+    windows: list[TrapWindow] = field(default_factory=list)  # this pass's trap windows
+    on_device: bool = True  # this pass marks every trap entry on the device
+    pending: list[PassWindows] = field(default_factory=list)  # counted passes not read yet
+    kept_up: bool = False  # the newest pass read kept up with the host: time traps on the host clock
+    durations: dict[str, list[float]] = field(default_factory=dict)
+    host_durations: dict[str, list[float]] = field(default_factory=dict)
+    switch_inputs: SwitchInputs | None = None  # prepared after the first counted pass
+
+
+@dataclass(eq=False)
+class PlanState:
+    """What the switch to INFERENCE measured and decided (or what an adopted state says it did)."""
+
+    compute_s: dict[str, float] = field(default_factory=dict)
+    samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds) transfer samples
+    strategy_name: str = ""
+    explanation: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class InferenceState:
+    """The INFERENCE allocation (``flextensor.engine.build``)."""
+
+    layouts: list[BlockLayout] = field(default_factory=list)
+    placement: dict[str, tuple[int, TensorPlacement]] = field(default_factory=dict)  # name -> (block, place)
+    host_blocks: list[HostBlock] = field(default_factory=list)
+    provider: HostBlockProvider | None = None
+    loader: BlockLoader | None = None
+    block_of: dict[str, int] = field(default_factory=dict)  # trap label -> block index
+    deferred: HostBlockBuild | None = None  # host blocks building behind resident inference
+    deferred_plan: DeferredPlan | None = None  # what the deferred build streams, kept until it is installed
+    host_build_s: float | None = None  # how long the last background host-block build took
+
+
+@dataclass(eq=False)
+class EngineContext:
+    """One offloaded model's engine state (see the module docstring)."""
+
+    name: str
+    config: OffloadConfig
+    device: torch.device
+    model: nn.Module
+    tensors: dict[str, ModelTensor]
+    provider_factory: ProviderFactory
+    compile_fn: Callable[[nn.Module], nn.Module] | None = None
+    budget_bytes: int | None = None  # set_memory_budget(): used instead of max_gpu_mem_fraction
+    warmup_override: str | None = None  # internal (tests): force "resident" or "stream" warm-up
+    adopted: bool = False  # INFERENCE from a profile or state, without warm-up passes
+    orig_device: dict[str, torch.device] = field(default_factory=dict)
+    traps: dict[str, Trap] = field(default_factory=dict)
+    shared: set[str] = field(default_factory=set)  # candidates of several traps: resident
+    exclusive: dict[str, list[str]] = field(default_factory=dict)  # trap label -> tensors it may offload
+    sequence: list[str] = field(default_factory=list)  # trap labels in call order (one pass)
+    clock: TimingCollector | None = None  # PROFILING's trap windows
+    timing: TimingCollector | None = None  # offload_timing="eager" records
+    warm: WarmupState = field(init=False)
+    profile: ProfileState = field(default_factory=ProfileState)
+    plan: PlanState = field(default_factory=PlanState)
+    inference: InferenceState = field(default_factory=InferenceState)
+
+    def __post_init__(self) -> None:
+        self.warm = WarmupState(WarmLoader(self.device), PinnedStaging())
+        self.orig_device = {n: e.tensor.device for n, e in self.tensors.items()}
+        use_cuda = self.device.type == "cuda"
+        self.clock = TimingCollector(use_cuda, self.device)
+        if self.config.offload_timing == "eager":
+            self.timing = TimingCollector(use_cuda, self.device)
+
+    @property
+    def iters_before_inference(self) -> int:
+        """Warm-up passes before INFERENCE (0 after adopting a profile or state)."""
+        if self.adopted:
+            return 0
+        cfg = self.config
+        return (0 if cfg.skip_discovery else cfg.discovery_iters) + cfg.profiling_iters
+
+    def tensor_objs(self, names: Any) -> list[torch.Tensor]:
+        """The model's tensor objects for ``names``, in order."""
+        tensors = self.tensors
+        return [tensors[n].tensor for n in names]
+
+    def to_device(self, tensor: torch.Tensor) -> None:
+        """Give a (non-meta) tensor its data on the compute device, keeping the object."""
+        if not tensor.is_meta and tensor.device != self.device:
+            tensor.data = tensor.data.to(self.device)

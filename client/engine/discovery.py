@@ -1,0 +1,145 @@
+"""Setting a model up for its warm-up passes, and the DISCOVERY phase.
+
+:func:`start_warmup` runs inside ``offload()``: it makes one trap per selected module, keeps on the device every
+tensor no trap can offload (buffers, parameters outside traps or shared by several traps), pins the candidates'
+host storages in place, decides the warm-up mode (``flextensor.engine.warmup``), installs the traps and returns
+the first phase's handler: DISCOVERY, or PROFILING with ``skip_discovery`` (the patterns' static candidates
+are then taken as exclusive).
+
+DISCOVERY (``discovery_iters`` passes): the :class:`~flextensor.runtime.usage_recorder.UsageRecorder` is
+active for the whole pass; each trap gets its candidate weights on the device (the warm loader) and is recorded
+as the user of every parameter passed to a torch function while it runs. After the last pass, tensors used by
+several traps or outside traps become resident (a kept warm-up copy becomes their device data) and leave the
+pinned staging. With a *resident* warm-up the first pass starts by copying every pending candidate to the
+device, before the recorder or any trap (:func:`flextensor.engine.warmup.preload`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from flextensor.engine.hooks import Trap
+from flextensor.engine.phase import Phase, PhaseHandler
+from flextensor.engine.profiling import ProfilingHandler
+from flextensor.engine.warmup import choose_warmup, overlap_stream, preload, stage
+from flextensor.runtime.usage_recorder import OUTSIDE, UsageRecorder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.engine.context import EngineContext
+    from flextensor.engine.hooks import TrapCallback
+
+__all__ = ["DiscoveryHandler", "start_warmup"]
+
+logger = logging.getLogger("flextensor.manager")  # the engine logs under the manager's name
+
+
+def start_warmup(ctx: EngineContext, specs: Any, enter: TrapCallback, leave: TrapCallback) -> PhaseHandler:
+    """Make and install the traps of ``specs`` (pattern matches), place the tensors, and return the handler of
+    the first warm-up pass (see the module docstring)."""
+    cfg = ctx.config
+    owners: dict[str, str] = {}
+    for spec in specs:
+        for name, _p in spec.params:
+            if name in owners:
+                ctx.shared.add(name)
+            owners.setdefault(name, spec.label)
+        ctx.traps[spec.label] = Trap(spec.label, spec.module, spec.param_names)
+    candidates = set(owners) - ctx.shared
+    for name, entry in ctx.tensors.items():
+        if name not in candidates:
+            ctx.to_device(entry.tensor)
+    stage(ctx, candidates)
+    choose_warmup(ctx, candidates)
+    handler: PhaseHandler
+    if cfg.skip_discovery:
+        ctx.exclusive = {label: [n for n in t.candidates if n in candidates] for label, t in ctx.traps.items()}
+        ctx.warm.stream = overlap_stream(ctx)
+        handler = ProfilingHandler(ctx)
+    else:
+        names_by_id = {id(e.tensor): n for n, e in ctx.tensors.items() if e.kind == "parameter"}
+        ctx.profile.recorder = UsageRecorder(names_by_id, ctx.device, non_blocking=ctx.warm.loader.non_blocking)
+        handler = DiscoveryHandler(ctx)
+    for trap in ctx.traps.values():
+        trap.install(enter, leave, ctx.compile_fn)
+    return handler
+
+
+class DiscoveryHandler(PhaseHandler):
+    """Which trap uses which parameter (see the module docstring)."""
+
+    phase = Phase.DISCOVERY
+
+    def begin_pass(self) -> None:
+        ctx = self.ctx
+        if ctx.warm.pending:
+            preload(ctx, profiling=False)  # resident warm-up: the one copy of each candidate, ahead of everything
+        ctx.profile.pass_sequence = []
+        recorder = ctx.profile.recorder
+        if recorder is not None:
+            recorder.current = OUTSIDE
+            recorder.__enter__()
+
+    def end_pass(self, ok: bool) -> PhaseHandler:
+        ctx = self.ctx
+        profile = ctx.profile
+        if profile.recorder is not None:
+            profile.recorder.__exit__(None, None, None)
+            profile.recorder.clear_copies()
+        if not ok:
+            return self
+        ctx.sequence = list(profile.pass_sequence)
+        profile.iteration += 1
+        if profile.iteration < ctx.config.discovery_iters:
+            return self
+        finish_discovery(ctx)
+        return ProfilingHandler(ctx)
+
+    def enter(self, trap: Trap) -> None:
+        ctx = self.ctx
+        recorder = ctx.profile.recorder
+        if recorder is not None:
+            recorder.enabled = False
+        ctx.warm.loader.load(ctx.tensor_objs(trap.candidates))
+        ctx.profile.pass_sequence.append(trap.label)
+        if recorder is not None:
+            recorder.current = trap.label
+            recorder.clear_copies()
+            recorder.enabled = True
+
+    def exit(self, trap: Trap) -> None:
+        ctx = self.ctx
+        recorder = ctx.profile.recorder
+        if recorder is not None:
+            recorder.enabled = False
+        ctx.warm.loader.unload()
+        if recorder is not None:
+            recorder.current = OUTSIDE
+            recorder.clear_copies()
+            recorder.enabled = True
+
+
+def finish_discovery(ctx: EngineContext) -> None:
+    """Decide which candidates each trap may offload: used by that trap alone (and never outside traps)."""
+    recorder = ctx.profile.recorder
+    assert recorder is not None
+    usage = recorder.usage
+    owned = {n for t in ctx.traps.values() for n in t.candidates}
+    exclusive: dict[str, list[str]] = {}
+    for label, trap in ctx.traps.items():
+        if trap.kind == "module":
+            names = [n for n in trap.candidates if n not in ctx.shared and usage.get(n, {label}) <= {label}]
+        else:
+            names = [n for n, users in usage.items()
+                     if users == {label} and n not in owned and ctx.tensors[n].kind == "parameter"]
+        exclusive[label] = names
+    keep = {n for names in exclusive.values() for n in names}
+    made_resident = sorted(owned - keep)
+    ctx.warm.loader.commit(ctx.tensor_objs(made_resident), count=False)  # a kept copy is their device data now
+    for name in made_resident:
+        ctx.to_device(ctx.tensors[name].tensor)
+    ctx.warm.staging.release(owned - keep)  # their host copies are no longer read by the warm-up
+    ctx.exclusive = exclusive
+    ctx.profile.recorder = None
+    logger.debug("manager %r: discovery done, %d offloadable tensors in %d traps", ctx.name, len(keep),
+                 len(exclusive))

@@ -1,0 +1,69 @@
+"""The INFERENCE phase: the block loader makes each trap's block resident and prefetches the next.
+
+At a trap's entry the loader waits for that trap's block (issued at the previous trap's entry) and issues the
+copy of the next block in the schedule on its side stream; at the exit it lets the block's slot be reused once
+the compute that read it has run (``flextensor.runtime.loader``). A trap that streams nothing and is not timed
+calls its module's forward directly (``Trap.bypass``), without this handler.
+
+After a resident warm-up the host blocks are still being built on a thread when INFERENCE starts
+(``flextensor.engine.build``): the first inference pass starts that thread, and the first pass that begins
+after it finished installs its blocks and the loader. Until then the model runs resident and offload timing
+records nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flextensor.engine.build import install_deferred
+from flextensor.engine.phase import Phase, PhaseHandler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.engine.hooks import Trap
+
+__all__ = ["InferenceHandler"]
+
+
+class InferenceHandler(PhaseHandler):
+    """Streams offloaded traps' blocks through the loader (see the module docstring)."""
+
+    phase = Phase.INFERENCE
+
+    def begin_pass(self) -> None:
+        ctx = self.ctx
+        build = ctx.inference.deferred
+        if build is not None:
+            if not build.started:  # the first inference pass: host blocks build behind it from now
+                build.start()
+            elif build.done:  # host blocks ready: stream from this pass on
+                install_deferred(ctx)
+        if ctx.timing is not None and ctx.inference.deferred is None:  # passes before the switch stream nothing
+            ctx.timing.begin_pass()
+
+    def end_pass(self, ok: bool) -> PhaseHandler:
+        ctx = self.ctx
+        if ctx.timing is not None and ctx.inference.deferred is None:
+            ctx.timing.end_pass()
+        return self
+
+    def enter(self, trap: Trap) -> None:
+        ctx = self.ctx
+        inference = ctx.inference
+        timing = ctx.timing if inference.deferred is None else None
+        if timing is not None:
+            timing.begin_trap(trap.label)
+        block = inference.block_of.get(trap.label)
+        if block is not None:
+            assert inference.loader is not None
+            inference.loader.enter(block)
+        if timing is not None:
+            timing.start_compute()
+
+    def exit(self, trap: Trap) -> None:
+        ctx = self.ctx
+        inference = ctx.inference
+        if ctx.timing is not None and inference.deferred is None:
+            ctx.timing.end_trap()
+        block = inference.block_of.get(trap.label)
+        if block is not None and inference.loader is not None:
+            inference.loader.exit(block)

@@ -1,0 +1,210 @@
+"""From PROFILING to a plan: measured passes -> an immutable :class:`Plan` for the INFERENCE build.
+
+:func:`plan_switch` runs once, after the last counted PROFILING pass: per-trap compute seconds (median over
+passes) and each trap's exclusive tensors become the planner's ``TrapCost`` list (tensor sizes rounded up to the
+256-byte packing alignment, so the planner's block bytes equal the loader's); tensors no trap may offload are
+``fixed_resident_bytes``. The transfer model comes from the warm-up's one sweep (or a sweep now, when there was
+none). The strategy's ``offloaded`` map becomes packed block layouts, one per offloaded trap, in trap order.
+``flextensor.engine.build`` turns the plan into host blocks and a loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+import torch
+
+from flextensor.engine.warmup import sweep_samples
+from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
+from flextensor.planning.strategies import AdaptiveStrategy, resolve_budget
+from flextensor.runtime.host_memory import ALIGN, BlockLayout, pack_block, packed_stride
+from flextensor.runtime.sweep import device_memory, transfer_sweep
+from flextensor.shm.sizes import align_up
+from flextensor.state import tensor_nbytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.engine.context import EngineContext
+
+__all__ = ["Plan", "SwitchInputs", "plan_switch", "prepare_switch", "resolve_device_budget"]
+
+logger = logging.getLogger("flextensor.manager")
+NOTICE = 25  # the block assignment table is logged at "NOTICE" level
+# What a streamed trap costs a launch-bound pass beyond its copy: the loader's host work at its entry and exit
+# (see ``TrapCost.stream_cost_s``). Measured on the H200 host with plans streaming only each layer's norm
+# weights (16 KiB per trap) of a 3.5 ms pass: +71-77 us per streamed trap (40 us of it the loader's host time).
+# A constant, not a measurement per run: nothing streams before the plan exists.
+STREAMED_TRAP_COST_S = 70e-6
+# What a streamed trap costs even where the device lags the host (the host's part then hides): the device's
+# own share, ordering the compute stream after the copy stream and sharing memory bandwidth with the copy.
+# Measured on the same host where the device lagged the host: 5 streamed layers of a 7.6 ms pass (1x1024
+# tokens) +66 us each, 15 of a 60.5 ms pass (4x2048) +23 us each; the floor is about the lower one.
+STREAMED_TRAP_DEVICE_S = 25e-6
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What INFERENCE streams: one packed block per offloaded trap, the trap schedule, the rotating slots."""
+
+    layouts: tuple[BlockLayout, ...]
+    schedule: tuple[str, ...]
+    num_slots: int
+    strategy_name: str
+    explanation: tuple[str, ...]
+
+
+class SwitchInputs(NamedTuple):
+    """What the switch to INFERENCE needs that no PROFILING timing changes, per trap label.
+
+    ``traps``: the planner's ``TrapCost`` of each trap with its exclusive tensors of non-zero size (aligned
+    bytes, the trap's order) and no timings yet (the switch adds them with ``TrapCost.timed``); ``whole``: the
+    packed block of all of them, with the names it packs, for the usual plan that streams a trap whole (a plan
+    streaming part of a trap packs that part at the switch); ``exclusive_bytes``: each exclusive tensor's
+    unaligned bytes; ``others``: every other model tensor, whose bytes are counted at the switch (a buffer may
+    grow in place while the model is profiled; exclusive tensors are parameters, whose shape, dtype and layout
+    are taken as fixed from the first counted pass on).
+    """
+
+    traps: dict[str, TrapCost]
+    whole: dict[str, tuple[tuple[str, ...], BlockLayout]]
+    exclusive_bytes: dict[str, int]
+    others: tuple[torch.Tensor, ...]
+
+
+def prepare_switch(ctx: EngineContext) -> SwitchInputs:
+    """Compute (and keep in ``ctx.profile``) the timing-free part of the switch to INFERENCE.
+
+    Why ahead of the switch: the plan is made inside the last PROFILING pass, where every millisecond is the
+    profile phase's. Sizes, packing and the exclusive sets are known from the first counted PROFILING pass on,
+    so the PROFILING handler calls this at the end of that pass: with the resident warm-up's sweep in flight
+    the device is busy for tens of milliseconds after the host has queued the pass, so this host work (0.3-0.5
+    ms on the H200 host for 16 traps) costs the phase nothing there. The exclusive sets do not change after
+    DISCOVERY, so the result stays valid until the switch consumes it. The traps' direct forwards for
+    ``Trap.bypass`` are built here too.
+    """
+    tensors = ctx.tensors
+    raw = {n: tensor_nbytes(tensors[n].tensor) for names in ctx.exclusive.values() for n in names}
+    per_trap: dict[str, TrapCost] = {}
+    whole: dict[str, tuple[tuple[str, ...], BlockLayout]] = {}
+    for label, exclusive in ctx.exclusive.items():
+        names = tuple(n for n in exclusive if raw[n] > 0)
+        per_trap[label] = TrapCost(label, 0.0, tuple(TensorCost(n, align_up(raw[n], ALIGN)) for n in names))
+        if names:
+            whole[label] = (names, pack_block(0, label, [_layout_entry(tensors[n].tensor, n) for n in names]))
+    others = tuple(e.tensor for n, e in tensors.items() if n not in raw)
+    inputs = SwitchInputs(per_trap, whole, raw, others)
+    ctx.profile.switch_inputs = inputs
+    if ctx.timing is None:  # the traps INFERENCE may call directly (bypass_resident_traps)
+        for trap in ctx.traps.values():
+            if trap.kind == "module":
+                trap.prepare_bypass()
+    return inputs
+
+
+def _layout_entry(t: torch.Tensor, name: str) -> tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...]]:
+    return name, t.dtype, tuple(t.shape), packed_stride(t)
+
+
+def plan_switch(ctx: EngineContext) -> Plan:
+    """End of PROFILING: fit the transfers, plan with the strategy, and record the timings in ``ctx.plan``."""
+    cfg = ctx.config
+    sequence = ctx.sequence
+    order = list(dict.fromkeys(sequence))
+    tensors = ctx.tensors
+    inputs = ctx.profile.switch_inputs if ctx.profile.switch_inputs is not None else prepare_switch(ctx)
+    ctx.profile.switch_inputs = None  # used once: a later plan (after a release) starts from the model again
+    durations = ctx.profile.durations
+    record = ctx.plan
+    record.compute_s = {label: statistics.median(durations.get(label) or [0.0]) for label in order}
+    calls = Counter(sequence)
+    costs = []
+    offloadable: set[str] = set()
+    for label in order:
+        compute = record.compute_s[label]
+        template = inputs.traps.get(label)
+        if template is None or not template.tensors:  # a gap trap: its compute only widens the next window
+            costs.append(TrapCost(label, compute) if template is None else template.timed(compute))
+            continue
+        offloadable.update(t.name for t in template.tensors)
+        host = ctx.profile.host_durations.get(label)
+        costs.append(template.timed(compute, _trap_stream_cost(compute, host, calls[label])))
+    fixed = (sum(tensor_nbytes(t) for t in inputs.others)
+             + sum(nbytes for n, nbytes in inputs.exclusive_bytes.items() if n not in offloadable))
+    record.samples = sweep_samples(ctx) or transfer_sweep(ctx.device, [c.total_bytes for c in costs],
+                                                          pinned=cfg.pinned_memory)
+    transfer = TransferModel.fit(record.samples) if record.samples else TransferModel(1e9)
+    budget = resolve_device_budget(ctx)
+    strategy = cfg.load_strategy if cfg.load_strategy is not None else AdaptiveStrategy()
+    if offloadable:
+        plan_input = PlanInput(traps=tuple(costs), transfer=transfer, budget_bytes=budget,
+                               num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
+                               scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed)
+        plan = strategy.plan(plan_input)
+        offloaded = {label: tuple(names) for label, names in plan.offloaded.items()}
+        num_slots = plan.num_blocks
+        record.strategy_name, record.explanation = plan.strategy, list(plan.explanation)
+        if budget is not None and not plan.fits_budget:
+            logger.warning("manager %r: the plan needs %d bytes on the device, over the budget of %d bytes",
+                           ctx.name, plan.peak_device_bytes, budget)
+        if cfg.enable_diagnostics:
+            _log_diagnostics(ctx, plan, costs, transfer)
+    else:
+        offloaded, num_slots = {}, cfg.min_blocks
+        record.strategy_name = getattr(strategy, "name", type(strategy).__name__)
+        record.explanation = ["no trap has offloadable tensors: everything stays resident"]
+    layouts: list[BlockLayout] = []
+    for label in order:
+        names = offloaded.get(label)
+        if not names:
+            continue
+        packed_names, layout = inputs.whole.get(label, ((), None))
+        if names == packed_names:  # the whole trap streams: its block was packed ahead (prepare_switch)
+            layouts.append(BlockLayout(len(layouts), label, layout.nbytes, layout.tensors))
+        else:
+            layouts.append(pack_block(len(layouts), label, [_layout_entry(tensors[n].tensor, n) for n in names]))
+    return Plan(tuple(layouts), tuple(sequence), num_slots, record.strategy_name, tuple(record.explanation))
+
+
+def _trap_stream_cost(compute_s: float, host: Sequence[float] | None, calls: int) -> float:
+    """``TrapCost.stream_cost_s`` of a trap called ``calls`` times per pass: ``STREAMED_TRAP_COST_S`` per call,
+    less what the device's lag hides, never under ``STREAMED_TRAP_DEVICE_S``. Where the device took longer over
+    the trap than the host did (median windows: ``compute_s`` on the device, ``host`` on the host), the host is
+    ahead by the difference and the loader's host work there only shortens the device's queue; a launch-bound
+    trap (device time = host time, and on a CPU compute device always) pays it in full. No host samples: taken
+    as launch-bound."""
+    calls = max(calls, 1)
+    host_s = statistics.median(host) if host else compute_s
+    spare = max(0.0, compute_s - host_s) / calls
+    return calls * max(STREAMED_TRAP_DEVICE_S, STREAMED_TRAP_COST_S - spare)
+
+
+def resolve_device_budget(ctx: EngineContext) -> int | None:
+    """The memory-mode budget in bytes (``set_memory_budget`` or ``max_gpu_mem_fraction``), None in latency
+    mode. A fraction is capped by what the device can give (free memory plus what the model holds there)."""
+    if ctx.budget_bytes is not None:
+        return ctx.budget_bytes
+    fraction = ctx.config.max_gpu_mem_fraction
+    if fraction is None:
+        return None
+    total, free = device_memory(ctx.device)
+    held = sum(tensor_nbytes(e.tensor) for e in ctx.tensors.values() if e.tensor.device == ctx.device)
+    if ctx.device.type == "cpu":
+        held = 0  # host RAM is not "held" by moving tensors; the CPU device is only a stand-in
+    budget, warning = resolve_budget(fraction, total, min(total, free + held))
+    if warning:
+        logger.warning("manager %r: %s", ctx.name, warning)
+    return budget
+
+
+def _log_diagnostics(ctx: EngineContext, plan: Any, costs: Sequence[TrapCost], transfer: TransferModel) -> None:
+    from flextensor.planning.diagnostics import (format_block_assignment, format_candidates, format_transfer_stats,
+                                                 format_trap_durations)
+
+    durations = ctx.profile.durations
+    logger.info("%s", format_transfer_stats(ctx.plan.samples, transfer))
+    logger.info("%s", format_trap_durations({label: durations.get(label, []) for label in ctx.traps}))
+    logger.log(NOTICE, "%s", format_block_assignment(plan, costs))
+    logger.info("%s", format_candidates(plan))

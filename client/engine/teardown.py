@@ -1,0 +1,75 @@
+"""Undoing an offload: the teardown behind ``OffloadManager.release`` and failed setups.
+
+Order matters, and is the same whether the manager reached INFERENCE or failed half-way through ``offload()``
+or an adoption:
+
+0. a host-block build still running behind resident inference (``flextensor.engine.build``) is cancelled and
+   joined; the weights it would have streamed still hold their device copies;
+1. the block loader stops (in-flight side-stream copies finish) and any warm-up device copies are dropped: a
+   streamed trap's and the kept ones of a resident warm-up (``flextensor.engine.warmup``) get their original host data
+   back, exactly as it was, with no device-to-host copy;
+2. every tensor gets real data again: an offloaded tensor is copied out of its host block back to its original
+   device (``preserve_model=True``) or becomes a ``meta`` tensor of the same shape (``preserve_model=False``);
+   any other tensor returns to the device it came from;
+3. the trap forwards are unpatched (the class was never touched); the manager unpatches the root forward;
+4. the pinned warm-up staging is unregistered (after a device synchronize inside ``PinnedStaging``: a queued
+   warm-up copy may still read it), then host blocks (unpinned/unmapped by their provider); the manager then
+   leaves a shared-memory namespace it joined itself and drops the context, so it can offload again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from flextensor.engine.hooks import assign_data
+from flextensor.runtime.host_memory import block_view
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.engine.context import EngineContext
+
+__all__ = ["teardown", "close_resources"]
+
+
+def teardown(ctx: EngineContext, preserve_model: bool) -> None:
+    """Steps 0-4 of the module docstring for ``ctx``."""
+    build, ctx.inference.deferred = ctx.inference.deferred, None
+    if build is not None:  # host blocks still being built: stop it; the tensors still hold device copies
+        build.cancel()
+        ctx.inference.provider = build.provider
+    plan, ctx.inference.deferred_plan = ctx.inference.deferred_plan, None  # also left by a failed build
+    streamed = [t for tensors in plan.streamed for t in tensors] if plan is not None else []
+    if not preserve_model:  # what INFERENCE would stream is dropped like streamed weights: onto meta
+        for t in streamed:
+            assign_data(t, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    if ctx.inference.loader is not None:
+        ctx.inference.loader.close()
+    ctx.warm.loader.unload()
+    ctx.warm.loader.restore()
+    for name, entry in ctx.tensors.items():
+        t = entry.tensor
+        orig = ctx.orig_device.get(name, torch.device("cpu"))
+        target = torch.device("cpu") if orig.type == "meta" else orig
+        placed = ctx.inference.placement.get(name)
+        if placed is not None:
+            index, p = placed
+            if preserve_model:
+                host_view = block_view(ctx.inference.host_blocks[index].tensor, p)
+                t.data = host_view.clone() if target.type == "cpu" else host_view.to(target)
+            else:
+                assign_data(t, torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device="meta"))
+        elif preserve_model and not t.is_meta and t.device != target:
+            t.data = t.data.to(target)
+    for trap in ctx.traps.values():
+        trap.uninstall()
+    close_resources(ctx)
+
+def close_resources(ctx: EngineContext) -> None:
+    """Step 4: staging registrations, the loader and the host blocks go (also after a failed build)."""
+    ctx.warm.staging.release_all()
+    ctx.inference.loader = None
+    ctx.inference.host_blocks = []
+    if ctx.inference.provider is not None:
+        ctx.inference.provider.close()
+        ctx.inference.provider = None
