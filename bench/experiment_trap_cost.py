@@ -1,4 +1,4 @@
-"""Experiment (issue 3): what one trap costs a launch-bound pass, and what stalls the first inference pass.
+"""Experiment: what one trap costs a launch-bound pass, and what stalls the first inference pass.
 
 1. *Per-trap host cost.* 16 tiny layers (``Linear(64, 64)``) on the device, so a pass is launch-bound and any
    host work the engine adds shows in the wall time. Offloaded passes alternate with passes of a resident twin
@@ -13,24 +13,6 @@
 
 Run on the GPU host: ``python bench/experiment_trap_cost.py`` (under a minute). Prints JSON lines.
 
-Ninth session, H200 host, 2026-11-30 03:38 UTC (this file as it is):
-
-- PROFILING: 11.4 us per trap with a device mark at every entry, 3.8 us as the engine runs it (twin passes
-  371 and 317 us: a slow host that minute).
-- INFERENCE of a plan that streams nothing: 1.76 us per trap with the wrapper, 0.25 us bypassed.
-- A microbenchmark beside it (scratch, same day): one ``Event.record`` cost 1.6-2.2 us and one
-  ``elapsed_time`` 0.7 us in a tight loop, but 6-11 us and 3.7 us per mark inside a pass of the engine
-  benchmark's model: the event's cost is paid in the pass, not in the driver call alone.
-
-Eighth session, same host (scratch experiments this file gathered; the ctypes and host-clock variants are gone
-since): PROFILING 9.3-10.3 us per trap with an event per entry, 9.1-9.8 us with the events recorded through
-ctypes on raw handles, 3.2-3.6 us with host-clock marks, so the cost is the event, not PyTorch's binding.
-INFERENCE 2.6 us per trap with the wrapper, 0.33 us bypassed. Unregistering 4 GiB (64 regions) in one go: 85 ms
-on the thread, and the one main-thread pass meanwhile took 85 ms against 2.8 ms idle: ``cudaHostUnregister``
-holds a lock the launches wait for (the same through PyTorch's binding and through ctypes). Freeing the memory
-afterwards: 119 ms on the thread, main-thread passes 4.1 ms median (no stall). Region by region with 1 ms
-pauses: 317 ms on the thread, passes 4.3 ms median and 5.9 ms at most. (Ninth session, unchanged: 75 ms in one
-go; 268 ms paced, passes 4.4 ms median and 6.7 ms at most against 2.9 ms idle.)
 """
 
 from __future__ import annotations
