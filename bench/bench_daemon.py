@@ -1,6 +1,6 @@
 """What ``ftd`` buys on a host where workers crash: time to reclaim and to fail fast, and warm restarts.
 
-    python bench/bench_daemon.py [--lease 5] [--repeat 3] [--size-mib 256]
+    python bench/bench_daemon.py [--lease 5] [--repeat 3] [--size-mib 256] [--no-docs]
 
 Scenarios (real worker processes through ``ShmCoordinator``, real ``/dev/shm``, SIGKILL):
 
@@ -14,7 +14,8 @@ Scenarios (real worker processes through ``ShmCoordinator``, real ``/dev/shm``, 
    is in the page cache, so the cold number is a lower bound for a real load from disk.
 
 Without the daemon, scenarios 1 and 2 scale with the lease (30 s by default); with it, they do not.  The table
-gives medians over ``--repeat`` runs, with the date and the machine.
+gives medians over ``--repeat`` runs, with the date and the machine, and goes into docs/benchmarks.md unless
+``--no-docs`` is given.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import docs_body, write_docs_section  # noqa: E402
 
 from flextensor.shm.cleanup import cleanup_manager_namespace  # noqa: E402
 from flextensor.shm.names import manager_namespace  # noqa: E402
@@ -118,6 +122,7 @@ def main() -> int:
     parser.add_argument("--lease", type=float, default=5.0, help="lease seconds of the workers (default 5)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--size-mib", type=int, default=256, help="checkpoint size for the restart scenario")
+    parser.add_argument("--no-docs", action="store_true", help="do not write the results into docs/benchmarks.md")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="ftd-bench-"))
@@ -154,12 +159,17 @@ def main() -> int:
     print(f"# machine: {_machine()}")
     print(f"# lease {args.lease:g} s, median of {args.repeat} runs; ratio = without / with ftd")
     print()
-    print(f"| {'scenario':<58} | {'without ftd':>11} | {'with ftd':>9} | {'ratio':>7} |")
-    print(f"|{'-' * 60}|{'-' * 12}:|{'-' * 10}:|{'-' * 8}:|")
+    lines = [f"| {'scenario':<58} | {'without ftd':>11} | {'with ftd':>9} | {'ratio':>7} |",
+             f"|{'-' * 60}|{'-' * 12}:|{'-' * 10}:|{'-' * 8}:|"]
     for name, (without, with_) in results.items():
         a, b = statistics.median(without), statistics.median(with_)
-        print(f"| {name:<58} | {a:>11.4f} | {b:>9.4f} | {a / b:>6.0f}x |")
+        lines.append(f"| {name:<58} | {a:>11.4f} | {b:>9.4f} | {a / b:>6.0f}x |")
+    print("\n".join(lines))
     shutil.rmtree(work, ignore_errors=True)
+    if not args.no_docs:
+        heading = f"Lease {args.lease:g} s, median of {args.repeat} runs; ratio = without / with ftd"
+        path = write_docs_section("bench_daemon", docs_body([(heading, "\n".join(lines))]))
+        print(f"wrote the results into {path} (section bench_daemon; --no-docs skips this)")
     return 0
 
 

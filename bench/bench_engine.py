@@ -1,4 +1,4 @@
-"""Benchmark of the offload engine (issue 3): what streaming layers from host memory costs a forward pass.
+"""Benchmark of the offload engine: what streaming layers from host memory costs a forward pass.
 
 Measured on one transformer-like model (``bench/models.py``, default ~4.5 GiB bf16 on GPU), in one run so every
 ratio compares numbers taken minutes apart on the same machine:
@@ -18,19 +18,19 @@ ratio compares numbers taken minutes apart on the same machine:
 4. The profile phase: the ``iters_before_inference`` forwards after ``ft.offload`` against ``profiling_iters``
    ordinary (resident) forwards plus one transfer sweep (every offloaded byte once at the pinned peak). The
    ordinary forwards are a resident twin of the model on the same input, one run before each profile pass
-   (paired), summed. Goal: no more than that. A single small-batch phase (113-156 ms on the H200 host) read
-   0.933-1.022x its goal in three runs (2026-11-30), and the host's noise moves the ratio about as much: the
-   resident twin timed against itself the same way (A/A, 15 times a run) read 0.975-1.029, 0.993-1.013 and
-   0.987-1.011x in those runs. So each small-batch configuration's phase is measured ``--profile-repeats`` times
-   (fresh ``ft.offload`` each, interleaved with the others), the goal is read on each one's median, and the
-   single phases over the goal are counted beside it. The large batch's phase (2.6 s, compute-bound) is
-   measured once.
+   (paired), summed. Goal: no more than that. A single small-batch phase is short (about a hundred
+   milliseconds on a GPU host), and the host's noise moves its ratio about as much as the engine does: the
+   resident twin timed against itself the same way (A/A, ``3 * --profile-repeats`` times a run) shows how much.
+   So each small-batch configuration's phase is measured ``--profile-repeats`` times (fresh ``ft.offload`` each,
+   interleaved with the others), the goal is read on each one's median, and the single phases over the goal are
+   counted beside it. The large batch's phase (seconds, compute-bound) is measured once.
 
 Passes are timed whole, with ``torch.cuda.synchronize`` on both sides (a benchmark may sync; the engine must
 not), medians over ``--repeat`` passes after a warm-up pass. ``--quick`` runs a tiny model on the CPU (float32,
 ``pinned_memory=False``): the numbers mean nothing there, the run proves every path works end to end.
 
-Run: ``.venv/bin/python bench/bench_engine.py`` (GPU, ~1-2 min) or ``... --quick`` (CPU, seconds).
+Run: ``.venv/bin/python bench/bench_engine.py`` (GPU, ~1-2 min) or ``... --quick`` (CPU, seconds). A full run
+writes its tables into docs/benchmarks.md (``--no-docs`` skips that; a ``--quick`` run never does).
 """
 
 from __future__ import annotations
@@ -417,10 +417,9 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
          + "\n\nThe goal holds the phase to the ordinary forwards that ran in the same seconds: each profile pass "
            "follows a pass of the resident twin, and their sum is the profiling_iters ordinary forwards (with "
            "--discovery, the discovery passes' too). The last column holds it to that many times the median twin "
-           "pass instead (this table's goal until "
-           "the tenth session), which assumes a steady host: on the H200 host both the twin and the profile "
-           "passes right after the sweep ran 0.5-3 ms slower than later ones, time the median leaves out of "
-           "the goal but not out of the phase."
+           "pass instead, which assumes a steady host: passes right after the sweep, the twin's and the "
+           "profile's alike, can run slower than later ones, time the median leaves out of the goal but not "
+           "out of the phase."
          + f"\n\nWeights handed to ft.offload from: {r['offload_from']} memory. After a resident warm-up the host "
          "blocks are allocated and filled on a thread while the first inference passes run resident (the first "
          "run's build also pays this process's first pinned host allocations); the engine streams from the next "
@@ -518,6 +517,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offload-from", choices=("cpu", "device"), default="cpu",
                    help="where the weights are when ft.offload is called (default: host memory)")
     p.add_argument("--no-accelerate", action="store_true")
+    p.add_argument("--no-docs", action="store_true",
+                   help="do not write the results into docs/benchmarks.md (a --quick run never does)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     gpu = not args.quick and torch.cuda.is_available()
@@ -594,7 +595,8 @@ def main() -> None:
     else:
         print("accelerate cpu_offload", flush=True)
         r["accelerate"] = accelerate_run(model, work, device, args.repeat)
-    report("bench_engine", "flextensor engine benchmark", build_sections(r), r)
+    report("bench_engine", "flextensor engine benchmark", build_sections(r), r,
+           docs=not (args.no_docs or args.quick))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Benchmark of ``SharedOffloadSession`` (issue 4): N workers, one host copy of the weights.
+"""Benchmark of ``SharedOffloadSession``: N workers, one host copy of the weights.
 
 What is measured, and why:
 
@@ -39,7 +39,8 @@ forwards, ``ft.save_profile``.
 
 Workers report one JSON line on stdout and then wait on stdin for ``forward`` or ``exit``.
 
-Run: ``.venv/bin/python bench/bench_session.py`` (GPU, ~2 min) or ``... --quick`` (CPU, under a minute).
+Run: ``.venv/bin/python bench/bench_session.py`` (GPU, ~2 min) or ``... --quick`` (CPU, under a minute). A full
+run writes its tables into docs/benchmarks.md (``--no-docs`` skips that; a ``--quick`` run never does).
 """
 
 from __future__ import annotations
@@ -646,6 +647,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int)
     p.add_argument("--profiling-iters", type=int, default=5)
     p.add_argument("--repeat", type=int, default=5, help="forward passes timed per worker")
+    p.add_argument("--no-docs", action="store_true",
+                   help="do not write the results into docs/benchmarks.md (a --quick run never does)")
     p.add_argument("--cprofile", action="store_true",
                    help="each worker writes a cProfile of its offload_from_profile (cprofile-*.txt and .prof in "
                         "the results directory); the times then include the profiler's overhead")
@@ -689,7 +692,8 @@ def main() -> None:
         r["private"] = run_private(params, args.private_workers)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    report("bench_session", "SharedOffloadSession benchmark", build_sections(r), r)
+    report("bench_session", "SharedOffloadSession benchmark", build_sections(r), r,
+           docs=not (args.no_docs or args.quick))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Benchmark of the shared-memory foundation (issue 2).
+"""Benchmark of the shared-memory foundation.
 
 1. Publish rate: copying weights into shared memory, against copying the same weights into fresh anonymous
    memory in the same run (goal: >= 0.9x the plain fill). Two ways: *cold* (create and populate the segment, then
@@ -10,7 +10,8 @@
 4. With CUDA: cudaHostRegister ms/GiB, and H2D GB/s from a registered segment against ``pin_memory()`` and
    pageable memory in the same run (goal: >= 0.97x ``pin_memory()``).
 
-Run: ``.venv/bin/python bench/bench_shm.py [--size-gib 2]``.
+Run: ``.venv/bin/python bench/bench_shm.py [--size-gib 2] [--no-docs]``; it writes its tables into
+docs/benchmarks.md unless ``--no-docs`` is given.
 """
 
 from __future__ import annotations
@@ -248,6 +249,7 @@ def main() -> None:
     parser.add_argument("--publish-gib", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--no-docs", action="store_true", help="do not write the results into docs/benchmarks.md")
     args = parser.parse_args()
     size = int(args.size_gib * 2**30)
     publish = bench_publish(int(args.publish_gib * 2**30), args.repeat)
@@ -281,7 +283,7 @@ def main() -> None:
               f"{cuda['ratio_vs_pin_memory']:.3f}x"]],
         )))
     report("bench_shm", "flextensor.shm benchmark", sections,
-           {"publish": publish, "attach": attach, "pss": pss, "cuda": cuda})
+           {"publish": publish, "attach": attach, "pss": pss, "cuda": cuda}, docs=not args.no_docs)
 
 
 if __name__ == "__main__":

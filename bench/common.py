@@ -1,7 +1,9 @@
 """Shared helpers for the benchmarks: machine description, memory readings, timing and table output.
 
-Benchmarks report ratios measured in the same run (the machines are shared and noisy), and print a Markdown
-table headed by the date and machine so the numbers can go straight into the README.
+Benchmarks report ratios measured in the same run (the machines are shared and noisy). Each prints Markdown
+tables headed by the date and machine, saves the raw numbers as JSON under ``bench/results/``, and writes the
+same tables into its own section of ``docs/benchmarks.md`` (between ``<!-- bench:NAME:start -->`` and
+``<!-- bench:NAME:end -->``; ``--no-docs`` skips that), so the document always holds the latest run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 RESULTS_DIR = Path(os.environ.get("FLEXTENSOR_BENCH_OUT", Path(__file__).resolve().parent / "results"))
+DOCS_BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 
 def machine_description() -> str:
@@ -113,11 +116,62 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     return "\n".join([line(headers), sep, *(line(r) for r in rows)])
 
 
-def report(name: str, title: str, sections: list[tuple[str, str]], data: dict) -> None:
-    """Print the Markdown report and save the raw numbers as JSON under bench/results/."""
+def report(name: str, title: str, sections: list[tuple[str, str]], data: dict, *, docs: bool = True) -> None:
+    """Print the Markdown report, save the raw numbers as JSON under bench/results/ and, unless ``docs`` is
+    false, write the report into section ``name`` of docs/benchmarks.md."""
     header = f"## {title}\n\nMeasured {machine_description()}.\n"
     body = "\n\n".join(f"### {heading}\n\n{text}" for heading, text in sections)
     print(header + "\n" + body + "\n", flush=True)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = RESULTS_DIR / f"{name}.json"
     out.write_text(json.dumps({"machine": machine_description(), **data}, indent=2, default=str))
+    if docs:
+        path = write_docs_section(name, docs_body(sections))
+        print(f"wrote the results into {path} (section {name}; --no-docs skips this)", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The latest results in docs/benchmarks.md
+# --------------------------------------------------------------------------------------------------------------
+
+
+def docs_markers(name: str) -> tuple[str, str]:
+    """The two comment lines that delimit benchmark ``name``'s results in docs/benchmarks.md."""
+    return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+
+
+def docs_body(sections: Sequence[tuple[str, str]], when: _dt.datetime | None = None) -> str:
+    """A run's tables for the docs: a line with the date (UTC) and the machine, then one bold heading per table
+    (bold, not a heading level, so the tables sit inside whatever section of the document holds them)."""
+    when = when or _dt.datetime.now(_dt.timezone.utc)
+    stamp = when.strftime("%Y-%m-%d %H:%M UTC")
+    head = f"Latest run: {stamp}; machine: {machine_description().split(', ', 1)[1]}."
+    return "\n\n".join([head, *(f"**{heading}**\n\n{text}" for heading, text in sections)])
+
+
+def replace_docs_section(text: str, name: str, body: str) -> str:
+    """``text`` with everything between benchmark ``name``'s markers replaced by ``body``; the markers and all
+    text outside them stay byte for byte. Raises ``ValueError`` when a marker is missing, repeated or out of
+    order."""
+    start, end = docs_markers(name)
+    for marker in (start, end):
+        count = text.count(marker)
+        if count != 1:
+            raise ValueError(
+                f"docs/benchmarks.md must hold the marker {marker!r} exactly once, found it {count} times; "
+                f"add the pair {start!r} ... {end!r} around the {name} section"
+            )
+    i, j = text.index(start) + len(start), text.index(end)
+    if j < i:
+        raise ValueError(f"marker {end!r} comes before {start!r} in docs/benchmarks.md")
+    return text[:i] + "\n" + body.strip("\n") + "\n" + text[j:]
+
+
+def write_docs_section(name: str, body: str, path: Path = DOCS_BENCHMARKS) -> Path:
+    """Replace benchmark ``name``'s section of ``path`` (docs/benchmarks.md) with ``body``, atomically."""
+    path = Path(path)
+    new = replace_docs_section(path.read_text(encoding="utf-8"), name, body)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(new, encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,10 +1,8 @@
-"""Experiment (issue 3, the warm-up sweep): what copying a layer tensor by tensor costs against one copy.
+"""Experiment (the warm-up sweep): what copying a layer tensor by tensor costs against one copy.
 
 The resident warm-up copies every offloaded tensor once, tensor by tensor, from where the model keeps it
-(registered in place): on the H200 host that first pass ran 0.5-2 ms over the sweep at the pinned peak, and one
-layer copied in pieces from a pinned buffer ran 1-3% below one copy of it (``experiment_profile_anatomy``).
-This takes the difference apart on four layers of the bench model's shapes (per layer: two 8 KiB norms and
-256 MiB of matrices, bf16):
+(registered in place), while a pinned buffer can be copied in one piece. This takes the difference apart on
+four layers of the bench model's shapes (per layer: two 8 KiB norms and 256 MiB of matrices, bf16):
 
 - one ``pin_memory()`` buffer: in one copy, in the six pieces of each layer, the four large pieces only, the
   two norms only (what a tiny copy costs on its own), and the six pieces alternating between two streams;
@@ -17,21 +15,6 @@ difference to the one-copy time divided by the number of extra copies. Prints on
 
 Run on the GPU host: ``python bench/experiment_copy_granularity.py`` (about 15 s).
 
-Tenth session, H200 host, 2026-11-30, two calls a minute apart (04:59 and 05:00 UTC; 1.0 GiB, four layers):
-
-- One pinned buffer: one copy 55.12 / 55.22 GB/s; the same bytes in 24 pieces 55.12 / 54.90 GB/s (0 / 5 us per
-  extra copy), on two streams 55.14 / 54.76. Queued back to back, pieces cost the copy engine little or
-  nothing, and a second stream does not hide what they cost.
-- The two norms a layer alone: 20-30 us per copy, which is the host issuing them (a tiny copy takes well under
-  1 us on the engine): behind a large copy they are free.
-- Registered in place, tensor by tensor: 54.96 / 54.63 GB/s (0.3% / 1.0% under the one-copy rate), its very
-  first copy after registering as fast as the later ones (54.64: no first-touch cost); each tensor
-  ``pin_memory()``'d: 54.54 / 54.80 GB/s.
-
-So the warm-up sweep, which copies the model's own memory registered in place, runs 0.3-1% under the pinned
-peak by its source alone (0.2-0.8 ms for 4.3 GB), and a second copy stream buys nothing. The 1-3% losses
-``experiment_profile_anatomy`` saw for one layer in pieces in other calls were mostly the host's noise of those
-minutes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Experiment (issue 3, profile phase): where the small-batch profile phase's time goes, pass by pass.
+"""Experiment (profile phase): where the small-batch profile phase's time goes, pass by pass.
 
 bench_engine holds the profile phase to ``profiling_iters`` ordinary forwards plus one transfer sweep and reports
 one ratio per run. This takes the same model and small batch apart:
@@ -21,45 +21,6 @@ the per-pass function totals for passes 0, 1, 5, 9 and the first inference pass.
 
 Run on the GPU host: ``python bench/experiment_profile_anatomy.py`` (about 30 s).
 
-Ninth session, H200 host, 2026-11-30, measured by the scratch version of this file (the same model, loops and
-wrappers, in six calls as the engine changed; this file itself was checked on the CPU only). The host's speed
-varied from call to call (twin passes 2.9-9 ms):
-
-- The first pass: lead 0.09-0.18 ms, tail 0.21 ms, the copies' span 78.1-83.3 ms for 4.0 GiB against
-  77.7-78.3 ms at the same run's pinned peak; one layer tensor by tensor ran at 54.4-55.0 GB/s against
-  55.2-55.5 GB/s in one piece.
-- With a CUDA event per trap entry: 17 marks cost 0.10-0.51 ms of host time per pass, reading a pass
-  0.12-0.2 ms (of which ``elapsed_time`` 0.06-0.1 ms, the wait 5-16 us). Timed on the host's clock after the
-  first pass that kept up: 2 marks, 21-30 us; reading 56-77 us (before the hot path was trimmed).
-- The switch: ``plan_inference`` for NthLayer(1) 1.1-1.5 ms before ``prepare_switch`` (pack_block 0.16-0.3 ms
-  of it, the per-tensor loops about 0.55 ms), 0.55-0.8 ms after in the quiet calls; for Adaptive, which
-  streams nothing on this batch (so packs nothing), 1.26 ms before and 1.19-1.2 ms after, 0.54-0.63 ms of it its
-  own planning; ``defer_inference`` 0.14-0.37 ms. ``prepare_switch`` itself took 0.39-0.84 ms at the end of the
-  first pass, hidden behind the sweep.
-
-Tenth session, same host, 2026-11-30 (04:30-04:37 UTC), this file as it was at the span-only clock rule (19a1bcb):
-
-- Two streams for the sweep: one layer tensor by tensor 53.6 / 53.8 GB/s on one / two streams (53.0 in one
-  piece), and in a scratch engine change that alternated the sweep's copies over two side streams (paired runs,
-  one process), the copies' span was 78.1-78.5 ms against 78.05-78.14 ms on one stream, for a peak of 77.95 ms.
-  The sweep is at the peak already (0.1-0.6 ms over it); the change was dropped. (Later that morning
-  ``experiment_copy_granularity`` found 24 pieces as fast as one copy from a pinned buffer, and the model's
-  own registered memory 0.3% under it: the per-piece losses above were that call's noise.)
-- Which clock: with every window required to agree on both clocks, the quieter runs never left device marks
-  (17 marks a pass, their passes +0.3-0.45 ms over the twin). A device-marked pass read 30-50 us apart on its
-  windows (up to 312 us on the first, the sweep's) while its span agreed within 1.3%. With the span alone
-  deciding (``flextensor.runtime.trap_windows``), every run marks passes 3-9 on the host clock, and passes 2-8 cost
-  +0.15-0.27 ms over the twin in the quiet runs (engine functions about 0.15 ms of it: trap entries and exits
-  0.06-0.08, pass begin with reading 0.05, pass end 0.02).
-- The switch: ``_end_pass`` 0.74-0.93 ms for NthLayer(1) (``plan_inference`` 0.63-0.82: the strategy 0.13-0.15,
-  ``defer_inference`` 0.15-0.21, ``can_defer`` 0.05) and 1.33 ms for Adaptive (its planning 0.56, defer 0.28);
-  reading the last pass at the switch 0.12 ms (before 518fbdc, which reads a host-marked last pass from the
-  host alone, and 8a6d139, which spares Adaptive its candidates on this batch). The span columns of the runs
-  above were then sums of the window durations; this file now reads the span itself.
-- This file as it is (05:07 UTC, a slower host: twin passes 3.4-5.2 ms): the spans of passes read on both
-  clocks agreed within 1.5%; the last pass, host-marked, read from the host alone. The switch: ``_end_pass``
-  0.95-1.16 ms for NthLayer(1) (the strategy 0.15-0.18, ``defer_inference`` 0.22-0.25) and 1.26 ms for
-  Adaptive, whose planning took 0.19 ms (0.56 before 8a6d139; ``defer_inference`` 0.45 in that call).
 """
 
 from __future__ import annotations
@@ -80,13 +41,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flextensor as ft  # noqa: E402
 import flextensor.planning.basic_strategies as basic  # noqa: E402
-import flextensor.deferred_build as deferred_build  # noqa: E402
-import flextensor.inference as inference  # noqa: E402
-import flextensor.phases as phases  # noqa: E402
+import flextensor.engine.build as build  # noqa: E402
+import flextensor.engine.profiling as profiling  # noqa: E402
+import flextensor.engine.switch as switch  # noqa: E402
+import flextensor.manager as manager  # noqa: E402
 import flextensor.planning.strategies as strategies  # noqa: E402
 import flextensor.runtime.timing as timing  # noqa: E402
 import flextensor.runtime.trap_windows as trap_windows  # noqa: E402
-import flextensor.warm_copies as warm_copies  # noqa: E402
 from bench_engine import pinned_peak_gbps  # noqa: E402
 from common import cuda_forward  # noqa: E402
 from experiment_copy_granularity import copy_times_ms  # noqa: E402
@@ -146,21 +107,21 @@ def _read_pass(clock: Any, record: Any, check_span: bool = True) -> Any:
 
 
 def instrument() -> None:
-    # The traps bind _trap_enter/_trap_exit at offload(), so wrapping the class first reaches them too; phases
-    # imports plan_inference and prepare_switch from flextensor.inference at call time.
-    for owner, name in [(phases.PhaseMixin, "_begin_pass"), (phases.PhaseMixin, "_end_pass"),
-                        (phases.PhaseMixin, "_trap_enter"), (phases.PhaseMixin, "_trap_exit"),
-                        (phases.PhaseMixin, "_resolve_windows"), (phases.PhaseMixin, "_recycle_windows"),
-                        (phases.PhaseMixin, "_start_inference"), (timing.TimingCollector, "mark"),
-                        (warm_copies.WarmCopiesMixin, "_preload_warmup"),
-                        (warm_copies.WarmCopiesMixin, "_warm_samples"),
-                        (inference, "plan_inference"), (inference, "prepare_switch"), (inference, "pack_block"),
-                        (inference, "can_defer"), (inference, "defer_inference"), (inference, "_resolve_budget"),
-                        (inference, "bypass_resident_traps"), (deferred_build, "make_provider"),
+    # The traps bind the manager's _trap_enter/_trap_exit at offload(), so wrapping the class first reaches them
+    # too; a function one engine module imported from another by name is wrapped where it is called.
+    handler = profiling.ProfilingHandler
+    for owner, name in [(manager.OffloadManager, "_begin_pass"), (manager.OffloadManager, "_end_pass"),
+                        (manager.OffloadManager, "_trap_enter"), (manager.OffloadManager, "_trap_exit"),
+                        (handler, "begin_pass"), (handler, "end_pass"), (handler, "enter"), (handler, "exit"),
+                        (profiling, "resolve_windows"), (profiling, "recycle_windows"), (timing.TimingCollector, "mark"),
+                        (profiling, "preload"), (switch, "sweep_samples"),
+                        (profiling, "plan_switch"), (profiling, "prepare_switch"), (profiling, "enter_inference"),
+                        (switch, "pack_block"), (build, "can_defer"), (build, "defer_inference"),
+                        (switch, "resolve_device_budget"), (build, "_bypass_resident_traps"), (manager, "make_provider"),
                         (strategies.AdaptiveStrategy, "plan"), (basic.NthLayerStrategy, "plan")]:
         _wrap(owner, name)
     timing.TimingCollector.read_windows_ms = _read_windows_ms
-    phases.read_pass = _read_pass  # phases imported the name
+    profiling.read_pass = _read_pass  # profiling imported the name
 
 
 def _ms(seconds: float) -> float:

@@ -1,25 +1,14 @@
-"""Experiment (issue 3, profile phase): why are some resident warm-up passes slower than resident passes?
+"""Experiment (profile phase): why are some resident warm-up passes slower than resident passes?
 
-bench_engine measured warm-up (PROFILING) passes of 7.3 ms for ``NthLayerStrategy(1)`` against 4.3 ms for the
-default strategy and 4.1 ms for the plain resident model, on the same model and input. During PROFILING the
-strategy plays no part, so the suspects are the order of the runs, the state left by earlier runs, and the
-host-side cost of the traps. This runs the same offload several times in alternating order and, per pass,
-records the wall time (synchronized), the time until ``model()`` returns (host launch time) and the GPU time
-between two events around the pass; for one pass of each run a ``torch.profiler`` table of the host side.
+Warm-up (PROFILING) passes of ``NthLayerStrategy(1)`` can measure slower than the default strategy's and the
+plain resident model's on the same model and input. During PROFILING the strategy plays no part, so the
+suspects are the order of the runs, the state left by earlier runs, and the host-side cost of the traps.
+This runs the same offload several times in alternating order and, per pass, records the wall time
+(synchronized), the time until ``model()`` returns (host launch time) and the GPU time between two events
+around the pass; for one pass of each run a ``torch.profiler`` table of the host side.
 
 Run on the GPU host: ``python bench/experiment_profile_phase.py`` (about a minute). Prints JSON lines.
 
-Ran on the H200 host on 2026-11-29 (session 3), with the engine's overlapped preload and pooled events:
-
-- 32 timing events per pass cost 0.29 ms of host time created anew, 0.23 ms reused: not the cause.
-- Warm-up passes are launch-bound (host launch time = GPU time = wall time, e.g. 5.5-6.3 ms), and so are
-  resident passes (4.5-4.8 ms here; 2.7-4.8 ms in another process, speeding up over its first passes).
-- Caution for reading it: every pass after a ``torch.profiler`` pass ran about 2x slower for the rest of the
-  process (10-12 ms), so the profiled pass distorts the runs after it; the runs before it are the data.
-- The first pass (sweep overlapped with compute) took 78.6-83 ms for 4.0 GiB: the sweep at ~52-55 GB/s.
-- A cProfile of 5 warm-up passes in a separate script (``.devrun``, not kept) put the engine's trap enter and
-  exit at 12.6 us each per trap, and those passes at 3.3-3.5 ms, as fast as resident passes in that process;
-  in bench_engine the same passes measure 1.2-1.3x the resident twin run beside them. Not explained yet.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Experiment (issue 2, publish rate): is there a faster way to fill a fresh /dev/shm segment than populate + copy?
+"""Experiment (publish rate): is there a faster way to fill a fresh /dev/shm segment than populate + copy?
 
 Against a copy into fresh anonymous memory (ratio > 1 is faster): parallel MADV_POPULATE_WRITE then copy,
 MAP_POPULATE then copy, and pwrite() from the source tensor's memory with 1-16 threads (no page faults, and tmpfs
 need not zero a page it is about to overwrite). Argument: GiB (default 1).
 
-2026-11-29, H200 host (gVisor, anon copy 10.5-13.2 GB/s with THP): populate+copy 0.23-0.28x, MAP_POPULATE
-0.14-0.17x, pwrite 0.16-0.25x at any thread count. CPU VM (2 cores, anon 3.7-4.1 GB/s): populate+copy 0.64x,
-MAP_POPULATE 0.40x, pwrite 0.63-0.71x. Allocating tmpfs pages is the cost on both, whatever the method; so the
-session creator allocates its segments ahead, while its checkpoint loads (ShmOwner.prepare_segments).
 """
 import ctypes, mmap, os, time, sys
 from concurrent.futures import ThreadPoolExecutor

@@ -1,4 +1,4 @@
-"""Experiment (issue 4, follower time to ready): how fast can a follower register its fresh mapping of the blocks?
+"""Experiment (follower time to ready): how fast can a follower register its fresh mapping of the blocks?
 
 24 x 64 MiB POSIX shared-memory segments are written by this process; each variant then runs in a fresh process
 (a follower: new CUDA context, new mapping without page-table entries) and registers all 1.5 GiB:
@@ -6,11 +6,6 @@
 ``popread`` (MADV_POPULATE_READ from 8 threads first), flags 9 (Portable | ReadOnly); then 4 and 8 followers at
 once. Last, 1 GiB from PyTorch's pinned allocator against an anonymous fill + cudaHostRegister.
 
-Ran on the H200 host on 2026-11-29 (ms for 1.5 GiB, two rounds): plain 203-225 whatever the thread count (the
-driver serialises); MAP_POPULATE 119-158; MADV_POPULATE_READ 39-46 + register 51-53 = 95-114; read-only 94-101
-(8 threads: 116-131); 4 followers at once 156-345 each, 8 at once 274-554. Torch pinned 1 GiB: 551-660 ms;
-anonymous fill 212-217 + register 52-55 ms. Hence shm/background_pin.py: pre-fault, read-only, one thread,
-behind the follower's return.
 """
 import ctypes, mmap, os, sys, time, json
 from concurrent.futures import ThreadPoolExecutor

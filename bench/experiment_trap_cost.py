@@ -1,4 +1,4 @@
-"""Experiment (issue 3): what one trap costs a launch-bound pass, and what stalls the first inference pass.
+"""Experiment: what one trap costs a launch-bound pass, and what stalls the first inference pass.
 
 1. *Per-trap host cost.* 16 tiny layers (``Linear(64, 64)``) on the device, so a pass is launch-bound and any
    host work the engine adds shows in the wall time. Offloaded passes alternate with passes of a resident twin
@@ -13,24 +13,6 @@
 
 Run on the GPU host: ``python bench/experiment_trap_cost.py`` (under a minute). Prints JSON lines.
 
-Ninth session, H200 host, 2026-11-30 03:38 UTC (this file as it is):
-
-- PROFILING: 11.4 us per trap with a device mark at every entry, 3.8 us as the engine runs it (twin passes
-  371 and 317 us: a slow host that minute).
-- INFERENCE of a plan that streams nothing: 1.76 us per trap with the wrapper, 0.25 us bypassed.
-- A microbenchmark beside it (scratch, same day): one ``Event.record`` cost 1.6-2.2 us and one
-  ``elapsed_time`` 0.7 us in a tight loop, but 6-11 us and 3.7 us per mark inside a pass of the engine
-  benchmark's model: the event's cost is paid in the pass, not in the driver call alone.
-
-Eighth session, same host (scratch experiments this file gathered; the ctypes and host-clock variants are gone
-since): PROFILING 9.3-10.3 us per trap with an event per entry, 9.1-9.8 us with the events recorded through
-ctypes on raw handles, 3.2-3.6 us with host-clock marks, so the cost is the event, not PyTorch's binding.
-INFERENCE 2.6 us per trap with the wrapper, 0.33 us bypassed. Unregistering 4 GiB (64 regions) in one go: 85 ms
-on the thread, and the one main-thread pass meanwhile took 85 ms against 2.8 ms idle: ``cudaHostUnregister``
-holds a lock the launches wait for (the same through PyTorch's binding and through ctypes). Freeing the memory
-afterwards: 119 ms on the thread, main-thread passes 4.1 ms median (no stall). Region by region with 1 ms
-pauses: 317 ms on the thread, passes 4.3 ms median and 5.9 ms at most. (Ninth session, unchanged: 75 ms in one
-go; 268 ms paced, passes 4.4 ms median and 6.7 ms at most against 2.9 ms idle.)
 """
 
 from __future__ import annotations
@@ -46,8 +28,8 @@ import torch
 from torch import nn
 
 import flextensor as ft
-import flextensor.inference as inference
-import flextensor.phases as phases
+import flextensor.engine.build as build
+import flextensor.engine.profiling as profiling
 from flextensor.shm.pinning import host_register, host_unregister
 
 LAYERS = 16
@@ -89,13 +71,13 @@ def _always_device_marks(real: Callable) -> Callable:
 
 def trap_costs(device: torch.device) -> list[dict]:
     x = torch.randn(1, 64, device=device)
-    real = phases.read_pass
+    real = profiling.read_pass
     variants = [("PROFILING, a device mark per entry (forced)", _always_device_marks(real)),
                 ("PROFILING, as the engine runs it (host clock once a pass kept up)", real)]
     out = []
     try:
         for label, read in variants:
-            phases.read_pass = read
+            profiling.read_pass = read
             model = Tiny().to(device)
             twin = copy.deepcopy(model)
             proxy = ft.offload(model, ft.OffloadConfig(include_patterns=["blocks.*"], skip_discovery=True,
@@ -103,11 +85,11 @@ def trap_costs(device: torch.device) -> list[dict]:
             out.append({"variant": label, **per_trap_us(proxy, twin, x)})
             ft.release("cost")
     finally:
-        phases.read_pass = real
-    bypass = inference.bypass_resident_traps
+        profiling.read_pass = real
+    bypass = build._bypass_resident_traps
     for label, patched in [("INFERENCE, nothing streamed, traps bypassed", bypass),
-                           ("INFERENCE, nothing streamed, wrapper kept", lambda m, streamed: None)]:
-        inference.bypass_resident_traps = patched
+                           ("INFERENCE, nothing streamed, wrapper kept", lambda ctx, streamed: None)]:
+        build._bypass_resident_traps = patched
         try:
             model = Tiny().to(device)
             twin = copy.deepcopy(model)
@@ -122,7 +104,7 @@ def trap_costs(device: torch.device) -> list[dict]:
             out.append({"variant": label, "streamed_traps": streamed, **per_trap_us(proxy, twin, x)})
             ft.release("cost")
         finally:
-            inference.bypass_resident_traps = bypass
+            build._bypass_resident_traps = bypass
     return out
 
 
