@@ -7,9 +7,68 @@ The public API (``import flextensor as ft``) is resolved lazily (PEP 562): ``imp
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flextensor.shm._version import __version__  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:  # pragma: no cover - what a type checker sees for ``ft.X`` (resolved lazily at run time)
+    from flextensor.api import (
+        DEFAULT_MANAGER_NAME as DEFAULT_MANAGER_NAME,
+        StrategyReplanStatus as StrategyReplanStatus,
+        clear_profiling_durations as clear_profiling_durations,
+        collect_offload_timing as collect_offload_timing,
+        format_offload_timing_table as format_offload_timing_table,
+        get_gpu_memory_usage as get_gpu_memory_usage,
+        get_offload_manager as get_offload_manager,
+        init as init,
+        load_profile as load_profile,
+        offload as offload,
+        offload_block as offload_block,
+        offload_from_profile as offload_from_profile,
+        offload_from_state as offload_from_state,
+        offload_units as offload_units,
+        pause_profiling as pause_profiling,
+        release as release,
+        request_strategy_replan as request_strategy_replan,
+        reset_offload_timing as reset_offload_timing,
+        resident_units as resident_units,
+        resume_profiling as resume_profiling,
+        save_profile as save_profile,
+        set_config as set_config,
+        strategy_replan_status as strategy_replan_status,
+        suspend_profiling as suspend_profiling,
+        update_offload_timing as update_offload_timing,
+        update_state as update_state,
+    )
+    from flextensor.config import OffloadConfig as OffloadConfig
+    from flextensor.config_loading import (
+        load_config as load_config,
+        load_config_from_env as load_config_from_env,
+        load_config_from_file as load_config_from_file,
+    )
+    from flextensor.manager import (
+        GPUMemoryUsage as GPUMemoryUsage,
+        OffloadManager as OffloadManager,
+        Phase as Phase,
+    )
+    from flextensor.planning.strategies import (
+        AdaptiveStrategy as AdaptiveStrategy,
+        BudgetFillStrategy as BudgetFillStrategy,
+        GreedyStrategy as GreedyStrategy,
+        KnapsackStrategy as KnapsackStrategy,
+        NthLayerStrategy as NthLayerStrategy,
+    )
+    from flextensor.runtime.timing import (
+        OffloadTimingReport as OffloadTimingReport,
+        OffloadTimingSnapshot as OffloadTimingSnapshot,
+        TrapTimingRecord as TrapTimingRecord,
+        TrapTimingStats as TrapTimingStats,
+    )
+    from flextensor.session import SharedOffloadSession as SharedOffloadSession
+    from flextensor.shm.errors import (
+        ShmCreatorDiedError as ShmCreatorDiedError,
+        ShmCreatorFailedError as ShmCreatorFailedError,
+    )
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {

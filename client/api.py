@@ -8,8 +8,8 @@ down and removes it from the registry.
 With ``OffloadConfig(enabled=False)`` every call is a pass-through / no-op (``offload`` returns the model
 untouched, profiling controls do nothing and never freeze a counter, timing collection returns ``None``).
 
-Strategy replanning (the spec's ``request_strategy_replan`` / ``update_state`` / replan status) is NOT implemented
-in this project: the names exist so code written against the spec runs, and they say what they do honestly
+Strategy replanning (``request_strategy_replan`` / ``update_state`` / replan status) is NOT implemented
+in this project: the names exist so code written against the full API runs, and they say what they do honestly
 (``request_strategy_replan`` warns and arms nothing, the status is always idle and not requestable). Eager timing
 is stored at the end of every forward and there is no CUDA-graph replay path, so ``update_offload_timing`` has
 nothing to publish. ``offload_units`` / ``resident_units`` are real (see ``flextensor.units``).
@@ -252,7 +252,7 @@ def request_strategy_replan(name: str = DEFAULT_MANAGER_NAME, *, manual_update_s
 def strategy_replan_status(name: str = DEFAULT_MANAGER_NAME) -> StrategyReplanStatus:
     """The replan status of manager ``name``: always idle, not requestable, nothing applied (not implemented).
 
-    The spec reads this from ``OffloadManager.strategy_replan_status``; here it is a module-level function.
+    A module-level function (FlexTensor 0.5.0 reads it from ``OffloadManager.strategy_replan_status``).
     """
     get_offload_manager(name)
     return _units.REPLAN_NOT_AVAILABLE
@@ -261,7 +261,7 @@ def strategy_replan_status(name: str = DEFAULT_MANAGER_NAME) -> StrategyReplanSt
 def update_state(name: str = DEFAULT_MANAGER_NAME, *, replay_generation: int = -1) -> None:
     """A no-op: phases advance in the root forward hook, and no replan is ever armed (nothing to step).
 
-    The spec needs this after ``graph.replay()`` (which runs no forward hooks) while a replan measures; neither
+    A CUDA-graph user needs this after ``graph.replay()`` (which runs no forward hooks) while a replan measures; neither
     CUDA-graph timing nor replanning exists in this project.
     """
     _check_generation("update_state", replay_generation)

@@ -1,19 +1,19 @@
-"""`OffloadConfig`: every option of the configuration spec, validated when the object is built.
+"""`OffloadConfig`: every configuration option (``docs/configuration.md``), validated when the object is built.
 
 Why validate at construction: a bad value found later (at the first forward pass, or inside a worker process
 of a shared session) is far from the line that set it. Every check here raises ``ValueError`` whose message
 names the option, the bad value and what is allowed, so loaders can prefix the source (env var, file) and the
 user can fix it without reading code.
 
-Scope decisions (where this engine is narrower than the upstream documentation):
+Scope decisions (options whose values this engine does not all implement yet):
 
 - ``transfer_mode``: the engine implements ``"allocation_block_transfer"`` and ``"strategy"``.
-  ``"raw_block_transfer"`` is documented upstream but not implemented here, so it is rejected at construction
+  ``"raw_block_transfer"`` (direct block management) is not implemented, so it is rejected at construction
   rather than silently treated as another mode.
-- ``profile_mode``: ``"view"`` and ``"getter"`` are implemented. ``"torch_function"`` (upstream: only valid
+- ``profile_mode``: ``"view"`` and ``"getter"`` are implemented. ``"torch_function"`` (valid only
   with ``transfer_mode="strategy"``) is not implemented and is rejected with that explanation.
 - ``offload_timing``: ``"off"`` and ``"eager"`` are implemented; ``"cuda_graph"`` is rejected. ``"eager"``
-  needs a block transfer mode (not ``"strategy"``), as the spec says.
+  needs a block transfer mode (not ``"strategy"``).
 
 The dataclass is mutable (sessions and managers derive variants with :func:`dataclasses.replace`, which
 re-runs validation). Assigning attributes directly skips validation; call :meth:`OffloadConfig.validate`
@@ -163,10 +163,10 @@ def _choice_checker(supported: Sequence[str], noun: str, unimplemented: dict[str
 
 
 _check_transfer_mode = _choice_checker(SUPPORTED_TRANSFER_MODES, "modes", {
-    "raw_block_transfer": "'raw_block_transfer' is documented upstream but not implemented by this engine",
+    "raw_block_transfer": "'raw_block_transfer' (direct block management) is not implemented by this engine",
 })
 _check_profile_mode = _choice_checker(SUPPORTED_PROFILE_MODES, "modes", {
-    "torch_function": "'torch_function' is not implemented by this engine (upstream it is only valid with "
+    "torch_function": "'torch_function' is not implemented by this engine (it would be valid only with "
                       "transfer_mode='strategy')",
 })
 _check_offload_timing = _choice_checker(SUPPORTED_OFFLOAD_TIMING_MODES, "values", {
@@ -299,10 +299,10 @@ def validate_option(name: str, value: Any) -> Any:
 
 @dataclass(kw_only=True)
 class OffloadConfig:
-    """All knobs of the offload engine. Keyword-only; see the configuration spec for what each one does.
+    """All knobs of the offload engine. Keyword-only; ``docs/configuration.md`` says what each one does.
 
-    Groups (spec tables): core, memory, profiling, transfer, strategy, profile phase, profile storage,
-    debugging. Defaults are the spec's; construction validates every option and their combinations.
+    Groups: core, memory, profiling, transfer, strategy, profile phase, profile storage,
+    debugging. Construction validates every option and their combinations.
     """
 
     # core

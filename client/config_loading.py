@@ -17,7 +17,7 @@ options that are not strings):
 
 Environment-only loading (``load_config_from_env``, or ``load_config`` with ``use_env=True`` and no file)
 defaults ``enabled`` to ``False`` unless ``FT_ENABLED`` is set: a partially configured environment must not
-switch offloading on by accident (spec, "Environment-only Loading").
+switch offloading on by accident (environment-only loading).
 
 Other parts of flextensor read their own ``FT_*`` variables (the daemon's ``FT_DAEMON_*``, the compile path's
 ``FT_EXTERNAL_COMPILE``); those are skipped here. Any other unknown ``FT_*`` variable is an error that

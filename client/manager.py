@@ -1,16 +1,11 @@
 """``OffloadManager``: one named engine instance; patches a model in place and owns its phase.
 
-Lifecycle:
-
-1. ``offload(model)`` selects traps from the patterns, patches each trap module's ``forward`` (an instance
-   attribute) and the root module's ``forward`` (which frames a pass), keeps on the device every tensor no trap
-   can offload, and returns the model itself: identity, ``isinstance``, attributes and ``state_dict`` keys are
-   unchanged (``flextensor.engine.discovery``).
-2. DISCOVERY (``discovery_iters`` passes; skipped with ``skip_discovery``) learns which trap uses which
-   parameter; PROFILING (``profiling_iters`` counted passes) times each trap; the switch plans what streams
-   (``flextensor.engine.switch``).
-3. INFERENCE streams the plan's host blocks through a few rotating device blocks (``flextensor.engine.build``,
-   ``flextensor.engine.inference``). Adoption (``offload_from_state`` / profiles) starts here.
+Lifecycle: ``offload(model)`` selects traps from the patterns, patches each trap module's ``forward`` (an
+instance attribute) and the root module's ``forward`` (which frames a pass), and returns the model itself, so
+identity, ``isinstance`` and ``state_dict`` keys are unchanged (``flextensor.engine.discovery``). DISCOVERY learns
+which trap uses which parameter, PROFILING times each trap, the switch plans what streams
+(``flextensor.engine.switch``), and INFERENCE streams host blocks through a few rotating device blocks
+(``flextensor.engine.build``, ``flextensor.engine.inference``). Adoption of a profile or state starts there.
 
 The manager holds the engine's state in one :class:`~flextensor.engine.context.EngineContext` (``engine``) and
 the current phase handler, and it is the only place the handler changes (Note [phases and handlers] in

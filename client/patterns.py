@@ -80,7 +80,7 @@ def parse_pattern(entry: str) -> Pattern:
         raise ValueError(f"pattern {entry!r} has unknown prefix {kind + ':'!r}; use 'name:', 'class:' or none")
     if not glob:
         raise ValueError(f"pattern {entry!r} has an empty glob")
-    # fnmatch.translate gives "any sequence" semantics for '*' across dots, which is what the spec documents.
+    # fnmatch.translate gives "any sequence" semantics for '*' across dots, which is what the pattern syntax documents.
     return Pattern(kind, glob, re.compile(fnmatch.translate(glob)))
 
 

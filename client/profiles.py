@@ -1,6 +1,6 @@
 """Profile files: a ``TensorManagerState`` as schema-versioned JSON in ``<dir>/profile.json``.
 
-Why a directory and not a file: the spec's ``profile_storage_dir`` names a directory, and a profile may later
+Why a directory and not a file: ``profile_storage_dir`` names a directory, and a profile may later
 grow companion files (instrumentation, per-device timings) without changing its address.
 
 Writes are atomic (temporary file in the same directory, then ``os.replace``), so a reader never sees a

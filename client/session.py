@@ -76,7 +76,7 @@ __all__ = ["SharedOffloadSession", "ManagerShare", "PLAN_KIND"]
 
 #: Kind of the blob that carries the published plan (``/{ns}.g{gen}.p``).
 PLAN_KIND = "p"
-#: Heartbeat lease of every participant (the spec's 30 s); tests shorten it through the constructor.
+#: Heartbeat lease of every participant (30 s); tests shorten it through the constructor.
 DEFAULT_LEASE_SECONDS = 30.0
 
 _reserved_lock = threading.Lock()
@@ -510,6 +510,11 @@ class SharedOffloadSession:
 
     def role(self, name: str = "default") -> str:
         return self._shares[name].role
+
+    def namespace_for(self, name: str = "default") -> str:
+        """The per-manager namespace that manager ``name`` shares under (what ``ftd ls`` and the segment names
+        in ``/dev/shm`` show): this session's base namespace and the manager name, hashed to a short name."""
+        return manager_namespace(self.namespace, validate_manager_name(name))
 
     # ------------------------------------------------------------------------------------------ supervisors
     @staticmethod

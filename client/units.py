@@ -1,6 +1,6 @@
 """Compile units (``offload_units`` / ``resident_units``) and the strategy-replan status of the simplified API.
 
-Why this module exists: the spec's "Offload timing and strategy replan" section has two halves.
+Why this module exists: offload timing and strategy replanning have two halves.
 
 1. *Units*, which this project implements. After INFERENCE a caller that wants to ``torch.compile`` per unit
    (one graph per unit, so no compiled graph spans a block that the loader swaps) needs to know which modules
@@ -19,7 +19,7 @@ Why this module exists: the spec's "Offload timing and strategy replan" section 
    ``(qualified_name, module)`` pairs in the model's module order.
 
 2. *Strategy replanning* (rebuilding the plan from compiled or CUDA-graph timings), which this project does NOT
-   implement (see the README). The status is therefore always :data:`REPLAN_NOT_AVAILABLE`: ``"idle"``, cannot be
+   implement yet. The status is therefore always :data:`REPLAN_NOT_AVAILABLE`: ``"idle"``, cannot be
    requested, nothing applied. The API functions say so instead of pretending to measure.
 """
 
@@ -59,7 +59,7 @@ class StrategyReplanStatus:
     ``"done"`` once it finished, ``"failed"`` when the rebuild raised. ``can_request``: whether
     ``request_strategy_replan()`` is supported now. ``applied``: ``None`` before/during a request, then whether
     the rebuild was applied. Replanning is not implemented here, so the only value this project produces is
-    :data:`REPLAN_NOT_AVAILABLE`; the other states exist so callers written against the spec type-check.
+    :data:`REPLAN_NOT_AVAILABLE`; the other states exist so callers written against the full API type-check.
     """
 
     state: StrategyReplanState

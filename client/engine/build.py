@@ -63,33 +63,24 @@ Sequence and threads
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
 from flextensor.engine.hooks import assign_data, bypass_resident_traps
-from flextensor.runtime.host_memory import (BlockLayout, FillProgress, HostBlock, HostBlockProvider, block_views)
+from flextensor.engine.context import DeferredPlan
+from flextensor.runtime.host_block_build import HostBlockBuild
+from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_views
 from flextensor.runtime.loader import BlockLoader
 
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
     from flextensor.engine.switch import Plan
 
-__all__ = ["DeferredPlan", "HostBlockBuild", "build_inference", "can_defer", "defer_inference", "enter_inference",
+__all__ = ["build_inference", "can_defer", "defer_inference", "enter_inference",
            "install_deferred", "start_loader"]
 
 logger = logging.getLogger("flextensor.manager")
-
-
-class DeferredPlan(NamedTuple):
-    """What a deferred build will stream, kept until :func:`install_deferred` points the tensors at it."""
-
-    layouts: list[BlockLayout]
-    schedule: list[str]
-    num_slots: int
-    streamed: list[list[torch.Tensor]]  # the model's tensor objects, one list per block
 
 
 def enter_inference(ctx: EngineContext, plan: Plan) -> None:
@@ -105,113 +96,6 @@ def enter_inference(ctx: EngineContext, plan: Plan) -> None:
 def _bypass_resident_traps(ctx: EngineContext, streamed: set[str]) -> None:
     if ctx.timing is None:  # offload timing times every trap call
         bypass_resident_traps(ctx.traps.values(), streamed)
-
-
-#: The build thread's pause between two ``cudaHostUnregister`` calls. Each call holds a driver lock that the main
-#: thread's launches wait for: released in one piece, the 4.3 GB staging of a plan that streams nothing stalled
-#: its first inference pass for 214-745 ms (H200 host). With this pause, while 4 GiB in 64 regions were released,
-#: launch-bound passes took 4.3 ms (median) and 5.9 ms at most against 2.8 ms idle; the build takes about one
-#: pause per region longer.
-UNREGISTER_PAUSE_S = 0.001
-
-
-def _let_launches_through() -> None:
-    """The pause itself (a function of its own so tests can record the pauses instead of sleeping)."""
-    time.sleep(UNREGISTER_PAUSE_S)
-
-
-class HostBlockBuild:
-    """Allocates and fills the host blocks of ``layouts`` from ``sources`` on a thread of its own."""
-
-    def __init__(self, manager_name: str, layouts: Sequence[BlockLayout], sources: list[list[torch.Tensor]],
-                 provider: HostBlockProvider, release_sources, device: torch.device,
-                 release_after: Sequence[str] = ()) -> None:
-        if len(sources) != len(layouts):
-            raise ValueError("HostBlockBuild: one source list per layout is needed")
-        self.manager_name = manager_name
-        self.layouts = list(layouts)
-        self.provider = provider
-        self.blocks: list[HostBlock] = []
-        self.error: BaseException | None = None
-        self.finished = False  # every block built and the provider finished (not cancelled, no error)
-        self.elapsed_s = 0.0
-        self._sources = sources
-        # callable(names, between): the staged originals of one block may go; ``between`` runs between two
-        # unregistrations (PinnedStaging.release)
-        self._release_sources = release_sources
-        self._release_after = list(release_after)  # staged names of the tensors that stay resident
-        self._device = device
-        self._cancel = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ft-host-blocks", daemon=True)
-
-    @property
-    def started(self) -> bool:
-        return self._thread.ident is not None
-
-    def start(self) -> HostBlockBuild:
-        """Start the build thread (idempotent)."""
-        if not self.started:
-            self._thread.start()
-        return self
-
-    @property
-    def done(self) -> bool:
-        """Started and finished (built, failed or cancelled)."""
-        return self.started and not self._thread.is_alive()
-
-    def wait(self) -> None:
-        """Start the build if nobody did yet, and wait for it."""
-        self.start()
-        self._thread.join()
-
-    def cancel(self) -> None:
-        """Stop after the block in flight and join (release during the build); a build never started never runs."""
-        self._cancel.set()
-        if self.started:
-            self._thread.join()
-        else:
-            self._sources = []
-
-    def _pause(self) -> None:
-        """Between two unregistrations: let the main thread's launches through, unless the build is cancelled
-        (``release()`` joins it, and its teardown unregisters the rest anyway)."""
-        if not self._cancel.is_set():
-            _let_launches_through()
-
-    def _run(self) -> None:
-        start = time.monotonic()
-        try:
-            if self._device.type == "cuda":
-                torch.cuda.set_device(self._device)
-            self.provider.reserve([layout.nbytes for layout in self.layouts])
-            progress = FillProgress(self.manager_name, sum(p.nbytes for layout in self.layouts for p in layout.tensors))
-            for layout in self.layouts:
-                if self._cancel.is_set():
-                    return
-                block = self.provider.allocate(layout.index, layout.nbytes)
-                views = block_views(block.tensor, layout.tensors)
-                for placement, view, source in zip(layout.tensors, views, self._sources[layout.index]):
-                    view.copy_(source)
-                    progress.add(placement.nbytes)
-                self.blocks.append(block)
-                self._sources[layout.index] = []
-                self._release_sources([p.name for p in layout.tensors], self._pause)
-            progress.finish()
-            self._release_sources(self._release_after, self._pause)
-            if self._cancel.is_set():
-                return
-            self.provider.finish()
-            self.finished = True
-        except BaseException as exc:  # noqa: BLE001 - raised on the manager's thread at install time
-            self.error = exc
-        finally:
-            self._sources = []
-            self.elapsed_s = time.monotonic() - start
-            outcome = ("built" if self.finished else f"failed ({self.error})" if self.error is not None
-                       else "cancelled")
-            if self.layouts or not self.finished:  # an empty build that worked is reported at its install
-                logger.info("manager %r: host blocks %s in the background after %.2f s (%d of %d blocks)",
-                            self.manager_name, outcome, self.elapsed_s, len(self.blocks), len(self.layouts))
 
 
 def _lookup_weight(ctx, name: str, weights: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
@@ -242,7 +126,8 @@ def build_inference(
     block_names: Sequence[str] | None = None,
     host_block_gate: Callable[[int], None] | None = None,
 ) -> None:
-    cfg = ctx.config
+    """Host blocks for ``layouts`` (the provider's, or ``host_blocks`` given prefilled), tensors pointed at them,
+    everything else on the device, then the loader (see the module docstring)."""
     _settle_warmup(ctx, {p.name for layout in layouts for p in layout.tensors})
     if host_blocks is None and layouts:
         ctx.inference.provider = ctx.provider_factory()

@@ -21,12 +21,15 @@ Groups, in the order a model meets them:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from flextensor.config import OffloadConfig
+from flextensor.planning.plan_model import TrapCost
+from flextensor.planning.warmup_rule import WarmupDecision
+from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, HostBlock, HostBlockProvider, TensorPlacement
 from flextensor.runtime.loader import BlockLoader
 from flextensor.runtime.staging import PinnedStaging
@@ -37,16 +40,40 @@ from flextensor.runtime.warm_loader import WarmLoader
 from flextensor.state import ModelTensor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flextensor.engine.build import DeferredPlan, HostBlockBuild
     from flextensor.engine.hooks import Trap
-    from flextensor.engine.switch import SwitchInputs
-    from flextensor.engine.warmup import WarmupDecision
 
-__all__ = ["EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState"]
+__all__ = ["EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan"]
 
 #: Makes the provider of the INFERENCE host blocks. The manager supplies it: private pinned or pageable memory,
 #: or shared memory whose namespace membership the session (or the manager's low-level path) already holds.
 ProviderFactory = Callable[[], HostBlockProvider]
+
+
+class SwitchInputs(NamedTuple):
+    """What the switch to INFERENCE needs that no PROFILING timing changes, per trap label.
+
+    ``traps``: the planner's ``TrapCost`` of each trap with its exclusive tensors of non-zero size (aligned
+    bytes, the trap's order) and no timings yet (``flextensor.engine.switch`` adds them with ``TrapCost.timed``); ``whole``: the
+    packed block of all of them, with the names it packs, for the usual plan that streams a trap whole (a plan
+    streaming part of a trap packs that part at the switch); ``exclusive_bytes``: each exclusive tensor's
+    unaligned bytes; ``others``: every other model tensor, whose bytes are counted at the switch (a buffer may
+    grow in place while the model is profiled; exclusive tensors are parameters, whose shape, dtype and layout
+    are taken as fixed from the first counted pass on).
+    """
+
+    traps: dict[str, TrapCost]
+    whole: dict[str, tuple[tuple[str, ...], BlockLayout]]
+    exclusive_bytes: dict[str, int]
+    others: tuple[torch.Tensor, ...]
+
+
+class DeferredPlan(NamedTuple):
+    """What a deferred build will stream, kept until :func:`install_deferred` points the tensors at it."""
+
+    layouts: list[BlockLayout]
+    schedule: list[str]
+    num_slots: int
+    streamed: list[list[torch.Tensor]]  # the model's tensor objects, one list per block
 
 
 @dataclass(eq=False)

@@ -14,10 +14,11 @@ import logging
 import statistics
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from flextensor.engine.context import SwitchInputs
 from flextensor.engine.warmup import sweep_samples
 from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
 from flextensor.planning.strategies import AdaptiveStrategy, resolve_budget
@@ -29,7 +30,7 @@ from flextensor.state import tensor_nbytes
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
 
-__all__ = ["Plan", "SwitchInputs", "plan_switch", "prepare_switch", "resolve_device_budget"]
+__all__ = ["Plan", "plan_switch", "prepare_switch", "resolve_device_budget"]
 
 logger = logging.getLogger("flextensor.manager")
 NOTICE = 25  # the block assignment table is logged at "NOTICE" level
@@ -54,24 +55,6 @@ class Plan:
     num_slots: int
     strategy_name: str
     explanation: tuple[str, ...]
-
-
-class SwitchInputs(NamedTuple):
-    """What the switch to INFERENCE needs that no PROFILING timing changes, per trap label.
-
-    ``traps``: the planner's ``TrapCost`` of each trap with its exclusive tensors of non-zero size (aligned
-    bytes, the trap's order) and no timings yet (the switch adds them with ``TrapCost.timed``); ``whole``: the
-    packed block of all of them, with the names it packs, for the usual plan that streams a trap whole (a plan
-    streaming part of a trap packs that part at the switch); ``exclusive_bytes``: each exclusive tensor's
-    unaligned bytes; ``others``: every other model tensor, whose bytes are counted at the switch (a buffer may
-    grow in place while the model is profiled; exclusive tensors are parameters, whose shape, dtype and layout
-    are taken as fixed from the first counted pass on).
-    """
-
-    traps: dict[str, TrapCost]
-    whole: dict[str, tuple[tuple[str, ...], BlockLayout]]
-    exclusive_bytes: dict[str, int]
-    others: tuple[torch.Tensor, ...]
 
 
 def prepare_switch(ctx: EngineContext) -> SwitchInputs:

@@ -65,6 +65,7 @@ def teardown(ctx: EngineContext, preserve_model: bool) -> None:
         trap.uninstall()
     close_resources(ctx)
 
+
 def close_resources(ctx: EngineContext) -> None:
     """Step 4: staging registrations, the loader and the host blocks go (also after a failed build)."""
     ctx.warm.staging.release_all()

@@ -1,6 +1,6 @@
 """Plain-text tables that explain a strategy's choice (``OffloadConfig(enable_diagnostics=True)``).
 
-The spec names three tables logged after strategy computation: Memory Transfer Statistics (tensor size ->
+Three tables are logged after strategy computation: Memory Transfer Statistics (tensor size ->
 transfer time and bandwidth), Trap Duration Statistics (per trap: min, max, median, avg, std, coefficient of
 variation; it lists every trap created during profiling, so it is how users confirm which patterns became
 traps) and the block assignment table. ``format_candidates`` adds what AdaptiveStrategy compared.

@@ -82,7 +82,7 @@ class TrapCost:
     """One trap in execution order: measured compute seconds and the tensors it may offload.
 
     A trap without tensors is a *gap trap*: it offloads nothing but its compute still widens the transfer
-    window of the next offloaded trap (spec "Gap Traps and Transfer Windows").
+    window of the next offloaded trap.
 
     ``stream_cost_s``: what streaming this trap costs a pass beyond its copy, whatever its bytes: the loader's
     work at its entry and exit (issuing the copy, ordering two streams with events, pointing the parameters at
@@ -103,7 +103,7 @@ class TrapCost:
             raise ValueError(f"TrapCost.label must be a non-empty str, got {self.label!r}")
         object.__setattr__(self, "compute_s", self._seconds("compute_s", self.compute_s))
         object.__setattr__(self, "stream_cost_s", self._seconds("stream_cost_s", self.stream_cost_s))
-        tensors = tuple(self.tensors)  # accept lists (DESIGN.md's older spelling)
+        tensors = tuple(self.tensors)  # accept lists (the older spelling)
         for tensor in tensors:
             if not isinstance(tensor, TensorCost):
                 raise ValueError(f"trap {self.label!r}: tensors must be TensorCost objects, got {tensor!r}")

@@ -17,7 +17,7 @@ forward is always visible to ``collect_offload_timing``. There is no CUDA-graph 
 ``offload_timing="cuda_graph"``), which is why ``ft.update_offload_timing`` has nothing to finalize and returns
 ``True``.
 
-The public dataclasses follow the simplified-API spec: records and snapshots hold the canonical data and all
+The public dataclasses are the simplified API's: records and snapshots hold the canonical data and all
 totals are derived properties, so they cannot drift.
 """
 

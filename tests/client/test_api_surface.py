@@ -24,7 +24,7 @@ from flextensor.api import (
     update_state,
 )
 from flextensor.manager import Phase
-from tests.client.models import (  # noqa: F401  (release_managers: autouse fixture)
+from tests.helpers.models import (  # noqa: F401  (release_managers: autouse fixture)
     DEVICE,
     ManualBlockModel,
     cpu_config,
@@ -267,3 +267,26 @@ def test_functions_keep_the_thread_contract():
     errors = errors_on_another_thread(update_offload_timing, update_state, request_strategy_replan,
                                       strategy_replan_status, offload_units, resident_units)
     assert len(errors) == 6 and all(isinstance(e, RuntimeError) and "single-threaded" in str(e) for e in errors)
+
+
+def test_every_public_name_is_typed_for_checkers():
+    """``ft.X`` resolves lazily at run time; a type checker reads the TYPE_CHECKING imports of the package and
+    the ``py.typed`` marker instead. Each public name is imported there from the module that defines it."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import flextensor
+
+    init = Path(flextensor.__file__)
+    assert (init.parent / "py.typed").is_file()
+    typed: dict[str, str] = {}
+    for node in ast.walk(ast.parse(init.read_text())):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for stmt in node.body:
+                assert isinstance(stmt, ast.ImportFrom)
+                typed.update({alias.asname or alias.name: stmt.module for alias in stmt.names})
+    lazy = flextensor._LAZY
+    assert typed == lazy
+    for name, module in typed.items():
+        assert getattr(flextensor, name) is getattr(importlib.import_module(module), name)

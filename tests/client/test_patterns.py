@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flextensor.patterns import PatternSet, parse_pattern, select_traps
-from tests.client.models import SharedSubmoduleModel, tiny_transformer
+from tests.helpers.models import SharedSubmoduleModel, tiny_transformer
 
 
 def _traps(model, include, exclude=()):
@@ -41,7 +41,7 @@ def test_explicit_name_prefix_equals_bare(model):
 
 def test_class_short_and_fully_qualified(model):
     short = _traps(model, ["class:DecoderBlock"])
-    fq = _traps(model, ["class:tests.client.models.DecoderBlock"])
+    fq = _traps(model, ["class:tests.helpers.models.DecoderBlock"])
     glob = _traps(model, ["class:*Block"])
     assert list(short) == list(fq) == list(glob) == [f"blocks.{i}" for i in range(4)]
     assert list(_traps(model, ["class:torch.nn.*.Linear"])) == [

@@ -17,7 +17,7 @@ from flextensor.api import offload_from_state  # not (yet) exported lazily by fl
 from flextensor.manager import Phase
 from flextensor.profiles import profile_path, read_profile
 from flextensor.state import SCHEMA_VERSION, model_tensors
-from tests.client.models import (
+from tests.helpers.models import (
     ALL,
     DEVICE,
     reference,
@@ -194,7 +194,7 @@ CHILD = textwrap.dedent(
     import flextensor as ft
     from flextensor.profiles import load_weights
     from safetensors.torch import save_file
-    from tests.client.models import DEVICE, TinyTransformer, cpu_config, token_ids
+    from tests.helpers.models import DEVICE, TinyTransformer, cpu_config, token_ids
 
     with torch.device("meta"):
         model = TinyTransformer().eval()

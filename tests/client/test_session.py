@@ -18,7 +18,7 @@ import flextensor as ft
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.names import journal_path, manager_namespace
 from tests.leftovers import shm_names
-from tests.client.models import (
+from tests.helpers.models import (
     DEVICE,
     cpu_config,
     reference,
@@ -59,7 +59,7 @@ def expected_output() -> torch.Tensor:
 
 def spawn(ns: str, profile: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.client.session_worker", "--ns", ns, "--profile", profile,
+        [sys.executable, "-m", "tests.helpers.session_worker", "--ns", ns, "--profile", profile,
          "--lease", str(LEASE), *args],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

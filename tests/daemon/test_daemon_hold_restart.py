@@ -1,7 +1,7 @@
 """Holds survive a daemon restart: ``<socket>.state`` carries them (and the watched processes) to the next daemon.
 
 Everything runs for real: ``ftd serve`` subprocesses on one socket, ``SharedOffloadSession`` workers
-(tests/client/session_worker.py) or bare coordinators (tests/daemon/worker.py), SIGKILL for every crash.
+(tests/helpers/session_worker.py) or bare coordinators (tests/daemon/worker.py), SIGKILL for every crash.
 """
 
 from __future__ import annotations

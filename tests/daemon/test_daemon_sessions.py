@@ -1,4 +1,4 @@
-"""``ftd`` with real ``SharedOffloadSession`` workers (tests/client/session_worker.py), not bare coordinators.
+"""``ftd`` with real ``SharedOffloadSession`` workers (tests/helpers/session_worker.py), not bare coordinators.
 
 Each worker is a full process that imports torch, elects a creator, publishes or attaches a tiny transformer
 and runs a forward pass; the session registers every participant with the daemon found through

@@ -13,7 +13,7 @@ from flextensor.runtime.host_memory import pack_block, packed_stride
 from flextensor.engine.switch import prepare_switch
 from flextensor.manager import Phase
 from flextensor.planning.plan_model import make_plan
-from tests.client.models import (
+from tests.helpers.models import (
     ALL,
     DEVICE,
     cpu_config,

@@ -26,7 +26,7 @@ from flextensor.runtime.host_memory import (
 )
 from flextensor.runtime.loader import BlockLoader
 from flextensor.runtime.timing import TimingCollector
-from tests.client.models import (  # noqa: F401
+from tests.helpers.models import (  # noqa: F401
     DEVICE, count_new_streams, cpu_config, mlp_stack, reference, release_managers, same,
 )
 

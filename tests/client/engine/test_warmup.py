@@ -25,9 +25,10 @@ from torch import nn
 import flextensor as ft
 import flextensor.engine.build as inference_mod
 from flextensor.engine.phase import Phase
-from flextensor.engine.warmup import WarmupMode, decide_warmup, sweep_samples, warmup_margin
+from flextensor.engine.warmup import sweep_samples
+from flextensor.planning.warmup_rule import WarmupMode, decide_warmup, warmup_margin
 from flextensor.runtime.warm_loader import WarmLoader
-from tests.client.models import (
+from tests.helpers.models import (
     ALL,
     DEVICE,
     count_new_streams,

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import flextensor as ft
-import flextensor.engine.build as deferred_mod
+import flextensor.runtime.host_block_build as deferred_mod
 import flextensor.manager as manager_mod
 from flextensor.runtime.host_memory import block_view
 from flextensor.engine.phase import Phase
-from tests.client.fake_cudart import FakeCudart, inject_staging
-from tests.client.models import (
+from tests.helpers.fake_cudart import FakeCudart, inject_staging
+from tests.helpers.models import (
     ALL,
     DEVICE,
     cpu_config,

@@ -1,6 +1,6 @@
 """One worker process of a SharedOffloadSession, for the multi-process session tests.
 
-Run as ``python -m tests.client.session_worker --ns NS --profile DIR [--mode MODE] ...``. Prints one JSON line:
+Run as ``python -m tests.helpers.session_worker --ns NS --profile DIR [--mode MODE] ...``. Prints one JSON line:
 ``{"role": ..., "generation": ..., "out": <hex of the output bytes>}`` on success, or
 ``{"error": <exception class>, "message": ...}`` (exit status 3) on failure. Modes shape the creator factory
 (``fail`` raises, ``hang`` blocks forever, ``slow`` takes a second) or the follower model (``mismatch``).
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import flextensor as ft
-from tests.client.models import TinyTransformer, tiny_transformer, token_ids
+from tests.helpers.models import TinyTransformer, tiny_transformer, token_ids
 
 
 def _touch(path: str | None) -> None:

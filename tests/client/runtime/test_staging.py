@@ -21,8 +21,8 @@ from torch import nn
 import flextensor as ft
 from flextensor.engine.phase import Phase
 from flextensor.runtime.staging import PinnedStaging, plan_regions
-from tests.client.fake_cudart import FakeCudart, inject_staging
-from tests.client.models import (
+from tests.helpers.fake_cudart import FakeCudart, inject_staging
+from tests.helpers.models import (
     ALL,
     DEVICE,
     cpu_config,

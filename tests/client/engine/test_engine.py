@@ -11,7 +11,7 @@ from torch import nn
 
 import flextensor as ft
 from flextensor.manager import Phase
-from tests.client.models import (
+from tests.helpers.models import (
     ALL,
     DEVICE,
     reference,
