@@ -199,7 +199,7 @@ def test_message_names_the_bad_value():
 def test_raw_block_transfer_message_lists_supported_modes():
     with pytest.raises(ValueError) as info:
         OffloadConfig(transfer_mode="raw_block_transfer")
-    assert "documented upstream" in str(info.value)
+    assert "raw_block_transfer' (direct block management) is not implemented" in str(info.value)
     assert "'allocation_block_transfer', 'strategy'" in str(info.value)
 
 
