@@ -1,0 +1,85 @@
+"""Helpers of the launcher-example tests: free ports, the examples' command lines, plain-model references, and a
+summary of the numbers the tests measure (printed at the end of the run; nothing timed is asserted)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+VENV_BIN = Path(sys.executable).parent
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+#: (test, line) pairs printed in the terminal summary.
+MEASURED: list[tuple[str, str]] = []
+
+
+def record(request: pytest.FixtureRequest, line: str) -> None:
+    """Keep a measured number for the end-of-run summary (and print it, for ``-s`` runs)."""
+    MEASURED.append((request.node.nodeid, line))
+    print(line)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if MEASURED:
+        terminalreporter.section("launcher examples: measured")
+        for nodeid, line in MEASURED:
+            terminalreporter.write_line(f"{nodeid.split('::')[-1]}: {line}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], *, timeout: float, cwd: Path = REPO, **kwargs) -> subprocess.CompletedProcess:
+    """Run a command, fail the test with its output when it fails (or runs past ``timeout``)."""
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s\nstdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\n" \
+                                 f"stderr:\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def tiny_args(layers: int = 8, **kw):
+    """The examples' argparse namespace for ``--tiny-llama LAYERS`` (for building references in-process)."""
+    import argparse
+
+    from shared_generate import add_model_args
+
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    argv = ["--tiny-llama", str(layers), "--profile", kw.pop("profile", "unused")]
+    for key, value in kw.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return parser.parse_args(argv)
+
+
+def plain_tokens(args, indices: list[int]) -> dict[int, list[int]]:
+    """The plain (not offloaded) model's greedy tokens for each replica's prompt."""
+    import torch
+
+    from shared_generate import generate, load_model, prompt_ids
+
+    model = load_model(args)
+    return {i: generate(model, prompt_ids(args, i, model.config.vocab_size), args.max_new_tokens,
+                        torch.device("cpu")) for i in indices}
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    """The environment for example processes: this test's TMPDIR (hence lock directory), one thread each."""
+    e = dict(os.environ)
+    e["OMP_NUM_THREADS"] = "1"
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), str(EXAMPLES), e.get("PYTHONPATH", "")])
+    return e
