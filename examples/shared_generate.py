@@ -105,14 +105,14 @@ def model_config(args: argparse.Namespace):
 
 def load_model(args: argparse.Namespace) -> nn.Module:
     """The real weights, on the CPU (the creator's factory, and the profiler's model)."""
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dtype = weights_dtype(args)
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     else:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(_tiny_llama_config(args)).to(dtype)
+        model = AutoModelForCausalLM.from_config(_tiny_llama_config(args), dtype=dtype)
     return model.eval()
 
 

@@ -59,7 +59,7 @@ def tiny_args(layers: int = 8, **kw):
 
     parser = argparse.ArgumentParser()
     add_model_args(parser)
-    argv = ["--tiny-llama", str(layers), "--profile", kw.pop("profile", "unused")]
+    argv = ["--tiny-llama", str(layers), "--profile", str(kw.pop("profile", "unused"))]
     for key, value in kw.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     return parser.parse_args(argv)
@@ -83,3 +83,27 @@ def env() -> dict[str, str]:
     e["OMP_NUM_THREADS"] = "1"
     e["PYTHONPATH"] = os.pathsep.join([str(REPO), str(EXAMPLES), e.get("PYTHONPATH", "")])
     return e
+
+
+@pytest.fixture
+def jobs(env: dict[str, str], tmp_path: Path):
+    """Start example workers (``jobs.start(namespace, index, model_argv)``); all reclaimed after the test."""
+    from tests.examples.workers import Jobs
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    started = Jobs(env, logs)
+    yield started
+    started.teardown()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread in this process while an example test runs: the tests' processes share two cores, and
+    torch's default of one thread per core makes each tiny forward wait on the others (about 8x slower here)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
