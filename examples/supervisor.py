@@ -12,7 +12,7 @@ What it does:
 - starts ``--workers`` worker processes (this file with ``--worker``), all in the job's namespace; the first to
   arrive loads the checkpoint, the others attach to it;
 - a worker that exits unexpectedly (a crash, SIGKILL, the OOM killer) is restarted after ``--restart-delay``
-  while the others keep serving: the new process joins the live generation as a follower (the dead one's lease
+  (deaths within that delay count as one event) while the others keep serving: the new process joins the live generation as a follower (the dead one's lease
   runs out after ``--lease`` seconds, or at once when ``ftd`` runs). After ``--max-restarts`` restarts of one
   worker the supervisor gives up;
 - when every worker is dead at once, it calls ``cleanup_namespace`` (waiting for the dead leases to expire)
@@ -131,6 +131,11 @@ class Supervisor:
     def start_worker(self, index: int, restarts: int = 0) -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), *self.argv, "--worker", "--index", str(index),
                "--namespace", self.namespace]
+        if index in self.workers:  # the dead worker's pipe
+            try:
+                self.workers[index].proc.stdin.close()
+            except OSError:
+                pass
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.workers[index] = Worker(index, proc, restarts)
         threading.Thread(target=self._pump, args=(index, proc), daemon=True).start()
@@ -167,9 +172,10 @@ class Supervisor:
         status = 0
         while not self.stopping:
             self._forward_lines(timeout=0.2)
-            dead = [w for w in self.workers.values() if w.proc.poll() is not None]
-            if not dead or self.stopping:
+            if self.stopping or all(w.proc.poll() is None for w in self.workers.values()):
                 continue
+            time.sleep(self.args.restart_delay)  # deaths that come together (a node-wide kill) are seen together
+            dead = [w for w in self.workers.values() if w.proc.poll() is not None]
             for w in dead:
                 emit("exited", worker=w.index, pid=w.proc.pid, status=w.proc.returncode)
             if len(dead) == len(self.workers):  # nobody holds the generation: reclaim it before starting again
@@ -178,7 +184,6 @@ class Supervisor:
                 emit("giving-up", workers=[w.index for w in dead])
                 status = 1
                 break
-            time.sleep(self.args.restart_delay)
             for w in dead:
                 emit("restarting", worker=w.index)
                 self.start_worker(w.index, w.restarts + 1)

@@ -23,6 +23,7 @@ def shm_entries(namespace: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if compact in n)
 
 
+@pytest.mark.slow
 def test_two_jobs_isolated_crash_and_cleanup_of_one_leaves_the_other(namespace: str, tmp_path: Path, jobs) -> None:
     profile = tmp_path / "profile"
     args = tiny_args(8, profile=profile)

@@ -20,6 +20,7 @@ pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_ray_replicas_share_one_copy_and_restart_reattaches(tmp_path: Path, env: dict[str, str], request) -> None:
     profile = tmp_path / "profile"
     args = tiny_args(8, profile=profile)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flextensor.shm import manager_namespace
 from tests.examples.conftest import EXAMPLES, REPO, plain_tokens, record, tiny_args
 
 pytest.importorskip("transformers")
@@ -58,16 +59,16 @@ def is_ready(e: dict) -> bool:
     return e.get("event") == "ready"
 
 
+@pytest.mark.slow
 def test_supervisor_restarts_crashed_workers_and_stops_clean(namespace: str, tmp_path: Path, env, request) -> None:
     profile = tmp_path / "profile"
     args = tiny_args(8, profile=profile)
     make_profile(args, torch.device("cpu"), profile)
     expected = plain_tokens(args, [0, 1])
-    lease = 2.0
+    lease = 1.0
     argv = ["--workers", "2", "--tiny-llama", "8", "--profile", str(profile), "--job-id", namespace,
-            "--lease", str(lease), "--grace", "30", "--restart-delay", "0.2"]
-    compact = __import__("flextensor.shm", fromlist=["manager_namespace"]).manager_namespace(
-        job_namespace("sup", namespace, args), MANAGER)
+            "--lease", str(lease), "--grace", "30", "--restart-delay", "0.5"]
+    compact = manager_namespace(job_namespace("sup", namespace, args), MANAGER)
     proc = subprocess.Popen([sys.executable, str(EXAMPLES / "supervisor.py"), *argv], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=open(tmp_path / "supervisor.log", "wb"), text=True,
                             start_new_session=True)

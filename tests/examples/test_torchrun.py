@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 RANKS = 3
 
 
+@pytest.mark.slow
 def test_torchrun_three_ranks_one_creator_outputs_equal(tmp_path: Path, env: dict[str, str], request) -> None:
     # A checkpoint directory as a user has one (save_pretrained), big enough for the memory numbers to mean
     # something (8 layers, hidden 512: about 80 MiB of float32), small enough for a 2-core machine.
