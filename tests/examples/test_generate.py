@@ -3,7 +3,6 @@ tokens, the KV cache, and what ``transformers`` reads from the model (config, de
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
