@@ -35,7 +35,8 @@ def test_torchrun_three_ranks_one_creator_outputs_equal(tmp_path: Path, env: dic
     assert len({r["generation"] for r in results}) == 1 and len({r["namespace"] for r in results}) == 1
     assert sum(r["made_profile"] for r in results) == 1, "exactly one rank profiles (under the file lock)"
     assert (profile / "profile.json").is_file()
-    assert not [p.name for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith(".profile.")], "no half-written profile left"
+    leftover = [p.name for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith(".profile.")]
+    assert not leftover, f"a temporary profile directory was left: {leftover}"
     for r in results:
         assert r["tokens"] == expected[r["rank"]], f"rank {r['rank']} ({r['role']}) differs from the plain model"
         assert len(r["tokens"]) == args.max_new_tokens
