@@ -12,9 +12,9 @@ What it does:
 - starts ``--workers`` worker processes (this file with ``--worker``), all in the job's namespace; the first to
   arrive loads the checkpoint, the others attach to it;
 - a worker that exits unexpectedly (a crash, SIGKILL, the OOM killer) is restarted after ``--restart-delay``
-  (deaths within that delay count as one event) while the others keep serving: the new process joins the live generation as a follower (the dead one's lease
-  runs out after ``--lease`` seconds, or at once when ``ftd`` runs). After ``--max-restarts`` restarts of one
-  worker the supervisor gives up;
+  (deaths within that delay count as one event) while the others keep serving: the new process joins the live
+  generation as a follower (the dead one's lease runs out after ``--lease`` seconds, or at once when ``ftd``
+  runs). After ``--max-restarts`` restarts of one worker the supervisor gives up;
 - when every worker is dead at once, it calls ``cleanup_namespace`` (waiting for the dead leases to expire)
   before it starts them again, so nothing of the dead generation stays in ``/dev/shm``;
 - SIGTERM or SIGINT (Kubernetes sends SIGTERM at pod deletion): SIGTERM to every worker, which closes its session
