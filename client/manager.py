@@ -36,7 +36,7 @@ from torch import nn
 from flextensor.config import OffloadConfig
 from flextensor.engine import adoption
 from flextensor.engine.build import install_deferred
-from flextensor.engine.context import EngineContext
+from flextensor.engine.context import EngineContext, compute_device
 from flextensor.engine.discovery import start_warmup
 from flextensor.engine.hooks import RootForward, Trap
 from flextensor.engine.phase import Phase, PhaseHandler
@@ -88,15 +88,12 @@ class GPUMemoryUsage:
         return self.resident_mb
 
 
-def compute_device(config: OffloadConfig) -> torch.device:
-    """Where a manager with ``config`` computes: its ``gpu_device`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", config.gpu_device)
-    return torch.device("cpu")
-
-
 class OffloadManager:
     """One named offload engine instance (see the module docstring)."""
+
+    #: Internal (tests): a CPU compute device streams through the loader as a GPU does, instead of computing from
+    #: the host blocks in place (Note [CPU in place] in flextensor.engine.build).
+    _stream_on_cpu = False
 
     def __init__(self, name: str = "default", config: OffloadConfig | None = None) -> None:
         self.name = name
@@ -249,7 +246,7 @@ class OffloadManager:
         device = compute_device(cfg)
         ctx = EngineContext(self.name, cfg, device, model, tensors, self._provider_factory(cfg, device, shm_owner),
                             compile_fn=compile_fn, budget_bytes=self._budget_override,
-                            warmup_override=self._warmup_override)
+                            warmup_override=self._warmup_override, stream_on_cpu=self._stream_on_cpu)
         ctx.profile.suspend, self._suspend_pending = self._suspend_pending, 0
         self.model, self._ctx = model, ctx
         self._root = RootForward(model, self._begin_pass, self._end_pass)

@@ -13,6 +13,16 @@ staged storages are unregistered and dropped as soon as its block is filled, so 
 block by block. No staging registration outlives the build. The engine never joins a shared-memory namespace
 itself: a shared provider comes from whoever holds the membership (the session).
 
+Note [CPU in place]
+-------------------
+When the compute device is the CPU, the host blocks are in the memory the CPU computes from: every offloaded
+tensor stays a view of its host block (of the shared arena, for a session's workers), and INFERENCE has no
+loader, no rotating blocks and no per-pass copies; its traps call their forwards directly. A shared block is
+then read by every worker in place, so N CPU workers pay for one copy of the offloaded weights, not N copies of
+the rotating blocks. Outputs are bit-identical: the same kernels read the same bytes. (``stream_on_cpu``, an
+internal switch of the manager, makes a CPU stream through the loader as a GPU does, so tests on hosts without
+CUDA still run that path.)
+
 The deferred build: why
 -----------------------
 At the end of PROFILING the plan is known, but the host blocks it streams from do not exist yet: they must be
@@ -167,16 +177,23 @@ def build_inference(
 
 def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[HostBlock], schedule: list[str],
                  num_slots: int, host_block_gate: Callable[[int], None] | None = None) -> None:
-    """The last step of every INFERENCE build: host blocks in place, tensors pointed at them; create the loader."""
+    """The last step of every INFERENCE build: host blocks in place, tensors pointed at them; create the loader
+    (none on a CPU compute device: Note [CPU in place])."""
     cfg = ctx.config
+    block_of = {layout.label: layout.index for layout in layouts}
     ctx.inference.layouts = layouts
-    ctx.inference.block_of = {layout.label: layout.index for layout in layouts}
     ctx.inference.host_blocks = blocks
     ctx.warm.staging.release_all()
-    loader_schedule = [ctx.inference.block_of[label] for label in schedule if label in ctx.inference.block_of]
+    loader_schedule = [block_of[label] for label in schedule if label in block_of]
     missing = [layout.label for layout in layouts if layout.index not in loader_schedule]
     if missing:
         raise ValueError(f"offloaded trap(s) {missing} never appear in the trap schedule {schedule}")
+    ctx.sequence = list(schedule)
+    if ctx.in_place:
+        ctx.inference.block_of = {}
+        _bypass_resident_traps(ctx, set())
+        return
+    ctx.inference.block_of = block_of
     ctx.inference.loader = BlockLoader(
         device=ctx.device,
         layouts=layouts,
@@ -188,8 +205,7 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
         timing=ctx.timing,
         host_block_gate=host_block_gate,
     )
-    ctx.sequence = list(schedule)
-    _bypass_resident_traps(ctx, set(ctx.inference.block_of))
+    _bypass_resident_traps(ctx, set(block_of))
 
 
 def _settle_warmup(ctx: EngineContext, placed: set[str]) -> None:

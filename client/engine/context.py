@@ -42,7 +42,7 @@ from flextensor.state import ModelTensor
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.hooks import Trap
 
-__all__ = ["EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan"]
+__all__ = ["compute_device", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan"]
 
 #: Makes the provider of the INFERENCE host blocks. The manager supplies it: private pinned or pageable memory,
 #: or shared memory whose namespace membership the session (or the manager's low-level path) already holds.
@@ -74,6 +74,13 @@ class DeferredPlan(NamedTuple):
     schedule: list[str]
     num_slots: int
     streamed: list[list[torch.Tensor]]  # the model's tensor objects, one list per block
+
+
+def compute_device(config: OffloadConfig) -> torch.device:
+    """Where an engine with ``config`` computes: its ``gpu_device`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", config.gpu_device)
+    return torch.device("cpu")
 
 
 @dataclass(eq=False)
@@ -147,6 +154,7 @@ class EngineContext:
     budget_bytes: int | None = None  # set_memory_budget(): used instead of max_gpu_mem_fraction
     warmup_override: str | None = None  # internal (tests): force "resident" or "stream" warm-up
     adopted: bool = False  # INFERENCE from a profile or state, without warm-up passes
+    stream_on_cpu: bool = False  # internal (tests): a CPU compute device streams through the loader too
     orig_device: dict[str, torch.device] = field(default_factory=dict)
     traps: dict[str, Trap] = field(default_factory=dict)
     shared: set[str] = field(default_factory=set)  # candidates of several traps: resident
@@ -166,6 +174,12 @@ class EngineContext:
         self.clock = TimingCollector(use_cuda, self.device)
         if self.config.offload_timing == "eager":
             self.timing = TimingCollector(use_cuda, self.device)
+
+    @property
+    def in_place(self) -> bool:
+        """Offloaded tensors are computed from their host blocks directly (Note [CPU in place] in
+        ``flextensor.engine.build``)."""
+        return self.device.type == "cpu" and not self.stream_on_cpu
 
     @property
     def iters_before_inference(self) -> int:

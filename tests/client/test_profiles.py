@@ -73,6 +73,7 @@ def test_round_trip_in_process(tmp_path):
     assert [t for t in again.tensors if t.offloaded] == [t for t in first.tensors if t.offloaded]
 
 
+@pytest.mark.usefixtures("stream_on_cpu")
 def test_a_profile_adopted_with_resident_traps_calls_them_directly(tmp_path):
     """Adoption installs the traps after the build; the ones the profile keeps resident are bypassed then too."""
     x = torch.randn(3, 16, device=DEVICE)

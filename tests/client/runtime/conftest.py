@@ -1,0 +1,10 @@
+"""The streaming path is what these tests exercise: on a host without CUDA it runs with the CPU as the device."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _streaming(stream_on_cpu: None) -> None:
+    """Every test here streams through the block loader, also on a CPU compute device."""
