@@ -27,16 +27,36 @@ def _touch(path: str | None) -> None:
         Path(path).write_text("started")
 
 
-def _views_shared_memory(model: torch.nn.Module) -> bool:
-    """Whether any parameter or buffer still points into a /dev/shm mapping of this process."""
+def _shm_ranges() -> list[tuple[int, int]]:
+    """The address ranges of this process's /dev/shm mappings."""
     ranges = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             if "/dev/shm/" in line:
                 start, end = (int(x, 16) for x in line.split()[0].split("-"))
                 ranges.append((start, end))
-    tensors = [*model.parameters(), *model.buffers()]
-    return any(start <= t.data_ptr() < end for t in tensors if t.device.type == "cpu" for start, end in ranges)
+    return ranges
+
+
+def _in_shared_memory(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    return tensor.device.type == "cpu" and any(start <= tensor.data_ptr() < end for start, end in ranges)
+
+
+def _views_shared_memory(model: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer still points into a /dev/shm mapping of this process."""
+    ranges = _shm_ranges()
+    return any(_in_shared_memory(t, ranges) for t in [*model.parameters(), *model.buffers()])
+
+
+def _where_tensors_live(model: torch.nn.Module, manager: ft.OffloadManager) -> dict:
+    """How many offloaded and resident tensors view /dev/shm, and whether the engine has a block loader."""
+    ranges = _shm_ranges()
+    offloaded = {n for names in manager.offloaded_tensors.values() for n in names}
+    tensors = dict([*model.named_parameters(), *model.named_buffers()])
+    in_shm = {n for n, t in tensors.items() if _in_shared_memory(t, ranges)}
+    return {"offloaded": len(offloaded), "offloaded_in_shm": len(offloaded & in_shm),
+            "resident_in_shm": len(in_shm - offloaded), "resident": len(set(tensors) - offloaded),
+            "loader": manager.loader is not None}
 
 
 def main() -> int:
@@ -84,7 +104,8 @@ def main() -> int:
             out = model(token_ids().to(ft.get_offload_manager(args.name).device)).cpu()
         report = session.report()[0]
         print(json.dumps({"role": report["role"], "generation": report["generation"],
-                          "registered": report.get("registered"), "out": out.numpy().tobytes().hex()}), flush=True)
+                          "registered": report.get("registered"), "out": out.numpy().tobytes().hex(),
+                          "tensors": _where_tensors_live(model, ft.get_offload_manager(args.name))}), flush=True)
         if args.hold:
             sys.stdin.readline()
         if args.preserve:
