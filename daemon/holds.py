@@ -7,7 +7,7 @@ has a live lease, so the last worker's ``close()`` does not remove it, and a res
 ``ShmCoordinator`` finds a live READY generation and *joins it as a follower*: it attaches the published
 blocks instead of loading the checkpoint again.
 
-Rules (same as any joiner, see the spec): a hold needs an existing READY generation with at least one live
+Rules (same as any joiner): a hold needs an existing READY generation with at least one live
 lease (holding an INITIALIZING generation could keep a dead creator's half-published state alive); it is
 refused for a draining namespace.  ``ftd release`` leaves the slot under the coordinator lock and, if the
 daemon was the last participant, reclaims the generation at once.
