@@ -1,6 +1,6 @@
 """Exceptions of :mod:`flextensor.shm`.
 
-The spec names two of them (``ShmCreatorFailedError`` and ``ShmCreatorDiedError``); the others exist so that
+The public API names two of them (``ShmCreatorFailedError`` and ``ShmCreatorDiedError``); the others exist so that
 callers can tell "the shared state is corrupt / of another protocol" and "/dev/shm is full" apart from the
 builtin errors without parsing messages.  Each one subclasses the builtin a caller would naturally catch
 (``RuntimeError``, ``ValueError``, ``OSError``), so ``except OSError`` still sees a full ``/dev/shm``.

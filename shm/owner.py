@@ -16,7 +16,7 @@ Blobs (``write_blob``/``read_blob``) are small segments for manifests and plans:
     offset 8   length bytes of payload
 
 Segments made ahead (``prepare_segments``): allocating tmpfs pages is the slow part of publishing (a fresh
-anonymous copy is 1.4-4x faster on the machines measured, see README "Benchmarks"), and a creator knows its block
+anonymous copy is 1.4-4x faster on the machines measured, see ``docs/benchmarks.md``), and a creator knows its block
 sizes from the profile before its checkpoint is loaded. So it can have the segments created, journaled and
 populated on a background thread (``ft-prepare``) while it loads; ``create_segment(kind, size)`` then hands out
 the prepared segment (waiting for it if needed, raising its creation error such as ``ShmSpaceError``) instead of
