@@ -305,7 +305,14 @@ class Registry:
             if slot.identity is None:
                 continue
             token = slot.identity.token
-            if slot.state == SlotState.ACTIVE and not slot.live:
+            if slot.state == SlotState.ACTIVE and slot.process_gone:
+                # Its process is gone (same host and pid namespace): the lease reader stopped counting it at once,
+                # before any pidfd event or registration; a death, not an expiry.
+                if self._note_death(view, token, now):
+                    logger.info("%s of %s exited (lease slot %d no longer counts)", slot.identity.describe(),
+                                view.namespace, slot.index)
+                end = view.dead_at_ns[token]
+            elif slot.state == SlotState.ACTIVE and not slot.live:
                 if token not in view.expired_seen:
                     view.expired_seen.add(token)
                     self.metrics.lease_expiries.inc()
@@ -322,6 +329,14 @@ class Registry:
             view.reclaimable_since_ns = None
         elif view.reclaimable_since_ns is None:
             view.reclaimable_since_ns = min(last_end or now, now)
+
+    def _note_death(self, view: NamespaceView, token: str, now: int) -> bool:
+        """Record a participant's death once (metric and reclaim reason); True the first time."""
+        if token in view.dead_at_ns:
+            return False
+        view.dead_at_ns[token] = now
+        self.metrics.deaths.inc()
+        return True
 
     def _maybe_adopt(self, view: NamespaceView, slot) -> None:
         identity = slot.identity
@@ -436,7 +451,8 @@ class Registry:
             slot = None if table is None else table.slot(slot_index)
         except (ShmProtocolError, AbortedCreationError, ValueError, PermissionError, IndexError, OSError):
             return "gone"
-        if slot is None or slot.state != SlotState.ACTIVE or slot.identity != identity or not slot.live:
+        if slot is None or slot.state != SlotState.ACTIVE or slot.identity != identity or not (
+                slot.live or slot.process_gone):
             return "gone"
         if (namespace, identity.token) in self.participants:
             return "watching"  # adopted by the first scan already
@@ -446,8 +462,7 @@ class Registry:
             return "watching"
         if not table.end_lease(slot_index, identity):
             return "gone"
-        view.dead_at_ns[identity.token] = host_clock_ns()
-        self.metrics.deaths.inc()
+        self._note_death(view, identity.token, host_clock_ns())
         logger.info("%s of %s exited while no daemon ran (lease slot %d): lease ended", identity.describe(),
                     namespace, slot_index)
         self.refresh(view)
@@ -473,8 +488,7 @@ class Registry:
                     continue
                 # Compare-and-end: only the lease the dead process still holds, never a slot reused since.
                 if table.end_lease(participant.slot_index, participant.identity):
-                    view.dead_at_ns[participant.identity.token] = now
-                    self.metrics.deaths.inc()
+                    self._note_death(view, participant.identity.token, now)
                     logger.info("%s of %s exited holding lease slot %d: lease ended",
                                 participant.identity.describe(), view.namespace, participant.slot_index)
                 self.refresh(view)

@@ -15,10 +15,18 @@ is bounded by ``timeout`` (the participant's heartbeat thread starts right after
 Anything that cannot be trusted (bad magic, another protocol, a truncated segment, a malformed journal, a
 different flextensor version) raises ``ShmProtocolError`` and changes nothing.
 
+Liveness is the lease reader's (``leases.py``): a fresh heartbeat whose process is not known to be gone. On
+one host and in one pid namespace a SIGKILLed participant is therefore dead at once, not after its lease.
+
+Admission of a restarted job: a generation still INITIALIZING whose creator is dead but whose followers have
+not left yet is not joined; the election releases the lock and retries (up to ``_DOOMED_WAIT_S``) until they
+left, then reclaims it and creates the next generation. A restart needs no supervisor and no second try.
+
 Readiness: the creator publishes through ``memory_owner`` and calls ``notify_ready()`` (state READY) or
 ``mark_failed(error)`` (message, then FAILED). Followers poll the header in ``wait_for_ready`` every 10 ms:
 READY returns, FAILED raises ``ShmCreatorFailedError`` with the creator's message, and the creator's lease
-running out (or being ended) while INITIALIZING raises ``ShmCreatorDiedError``.
+ending while INITIALIZING (its process gone, its heartbeat expired or ended by ``ftd``) raises
+``ShmCreatorDiedError``.
 
 Leaving (``close``): wait for local setup through the owner; a creator that never published marks the
 generation FAILED so followers learn it at once; then, under the lock, stop the heartbeat, free the slot,
@@ -43,6 +51,7 @@ from flextensor.shm.cleanup import (
     inspect_namespace_locked,
     reclaim_stale_locked,
     remove_generation_locked,
+    sweep_orphans_locked,
     remove_lock_file_locked,
 )
 from flextensor.shm.errors import ShmCreatorDiedError, ShmCreatorFailedError, ShmProtocolError
@@ -73,6 +82,9 @@ __all__ = ["ShmCoordinator", "peek_ready"]
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.01
+#: How long an election waits for the followers of a dead creator to leave before joining them anyway.
+_DOOMED_WAIT_S = 5.0
+_DOOMED_RETRY_S = 0.05
 
 
 def _describe_error(error: BaseException | str) -> str:
@@ -129,8 +141,7 @@ class ShmCoordinator:
         self._left = False
         self._closed = False
         self._header: HeaderInfo | None = None
-        with self._locked(join_wait):
-            self._elect()
+        self._elect_until_admitted(join_wait)
         assert self._header is not None and self._table is not None
         self._is_creator = self._header.creator.token == self._identity.token
         self._generation = self._header.generation
@@ -185,14 +196,39 @@ class ShmCoordinator:
                 )
             yield
 
-    # ------------------------------------------------------------------ election (lock held)
-    def _elect(self) -> None:
+    # ------------------------------------------------------------------ election
+    def _elect_until_admitted(self, timeout: float | None) -> None:
+        """Run the election; while the generation here is doomed (its creator died while INITIALIZING but some
+        of its followers have not noticed yet), release the lock and try again, so a job restarted right after
+        such a crash creates a new generation instead of joining one that can only fail.  The followers see the
+        death at their next poll (10 ms) and leave; after ``_DOOMED_WAIT_S`` (a follower that never waits for
+        READY) we join anyway, and ``wait_for_ready`` raises ``ShmCreatorDiedError`` at once."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            patient = time.monotonic() - start < _DOOMED_WAIT_S and (deadline is None or time.monotonic() < deadline)
+            with self._locked(remaining):
+                if self._elect(wait_if_doomed=patient):
+                    return
+            time.sleep(_DOOMED_RETRY_S)
+
+    def _elect(self, *, wait_if_doomed: bool = False) -> bool:
+        """One election under the lock; False (nothing changed) when the caller should retry later."""
         state = inspect_namespace_locked(self._namespace)
         try:
             if state.header is not None:
-                if state.live_slots():
+                live = state.live_slots()
+                if live:
+                    header = state.header
+                    creator_live = any(s.index == header.creator_slot and s.identity == header.creator for s in live)
+                    if wait_if_doomed and header.state == State.INITIALIZING and not creator_live:
+                        logger.info("namespace %s generation %d: its creator (%s) died while INITIALIZING; waiting "
+                                    "for its %d remaining participant(s) to leave before electing a new creator",
+                                    self._namespace, header.generation, header.creator.describe(), len(live))
+                        return False
                     self._join(state)
-                    return
+                    return True
                 reason = (f"no participant of generation {state.header.generation} holds a live lease any more "
                           f"(state {state.header.state.name}, creator {state.header.creator.describe()})")
             elif state.coordinator_exists:
@@ -201,8 +237,13 @@ class ShmCoordinator:
                 reason = "its journal survived without a coordinator segment (interrupted creation or cleanup)"
             else:
                 reason = ""
-            previous = reclaim_stale_locked(self._namespace, state, reason) if reason else None
+            if reason:
+                previous = reclaim_stale_locked(self._namespace, state, reason)
+            else:
+                previous = None
+                sweep_orphans_locked(self._namespace)
             self._create((previous or 0) + 1)
+            return True
         finally:
             state.close()
 
@@ -362,9 +403,9 @@ class ShmCoordinator:
                 if read_state(buf, self._segment_name) == State.INITIALIZING:
                     raise ShmCreatorDiedError(
                         f"the creator of namespace {self._namespace!r} generation {self._generation} (pid "
-                        f"{creator.pid}) stopped heartbeating while INITIALIZING: it died or was killed before "
-                        "publishing. Close this coordinator; the next one elects a new creator once every "
-                        "participant of this generation has left"
+                        f"{creator.pid}) died or was killed before publishing. This worker cannot use it: close "
+                        "the session (or coordinator) and start the workers again; the next start elects a new "
+                        "creator"
                     )
                 continue
             if deadline is not None:
