@@ -29,6 +29,7 @@ generation that differs from the header's, or a name outside this namespace and 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Literal
 import msgspec
 
 from flextensor.shm.errors import ShmProtocolError
-from flextensor.shm.header import LIBRARY_VERSION, PROTOCOL_VERSION
+from flextensor.shm.header import LIBRARY_VERSION
 from flextensor.shm.names import journal_path, resolve_lock_directory, validate_namespace
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
 ]
 
 JOURNAL_SUFFIX = ".journal"
+#: The journal format's own version (the coordinator header has another, ``header.PROTOCOL_VERSION``).
+PROTOCOL_VERSION = 1
 IntentKind = Literal["segment", "semaphore", "lockfile"]
 _KIND_PART = r"[A-Za-z][A-Za-z0-9_-]{0,31}"
 
@@ -113,12 +116,17 @@ def resolve_journal_path(ns_or_path: str | os.PathLike[str],
     return journal_path(text, lock_dir)
 
 
-def _write_line(fd: int, record: JournalHeader | Intent) -> None:
+def _write_line(fd: int, record: JournalHeader | Intent, path: Path) -> None:
     line = _encoder.encode(record) + b"\n"
-    written = os.write(fd, line)  # one write: a killed writer leaves a whole line or none (O_APPEND)
-    if written != len(line):
-        raise OSError(f"short write to the ownership journal ({written} of {len(line)} bytes)")
-    os.fsync(fd)
+    try:
+        written = os.write(fd, line)  # one write: a killed writer leaves a whole line or none (O_APPEND)
+        if written != len(line):
+            raise OSError(errno.ENOSPC, f"short write ({written} of {len(line)} bytes)")
+        os.fsync(fd)
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot write the ownership journal {path} ({exc.strerror}): free space in "
+                        f"the lock directory {path.parent} (under TMPDIR) or point TMPDIR at a writable "
+                        "directory shared by every worker", str(path)) from exc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -141,7 +149,7 @@ def create_journal(namespace: str, generation: int, *, lock_dir: str | os.PathLi
                            generation=generation)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
-        _write_line(fd, header)
+        _write_line(fd, header, path)
     except BaseException:
         os.close(fd)
         os.unlink(path)
@@ -163,7 +171,7 @@ def append_intent(namespace: str, kind: IntentKind, name: str, generation: int, 
     path = journal_path(namespace, lock_dir)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     try:
-        _write_line(fd, intent)
+        _write_line(fd, intent, path)
     finally:
         os.close(fd)
 
