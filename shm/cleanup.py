@@ -319,6 +319,7 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
 def _force_cleanup(namespace: str, directory: Path, deadline: float, start: float) -> CleanupReport:
     """``force=True``: under the coordinator lock, unlink every derivable resource of the namespace's owner."""
     lock = FileLock(coordinator_lock_path(namespace, directory))
+    existed = lock.path.exists()  # a lock file we create only to take the lock is not something we "removed"
     try:
         try:
             lock.acquire(max(0.0, deadline - time.monotonic()))
@@ -341,7 +342,7 @@ def _force_cleanup(namespace: str, directory: Path, deadline: float, start: floa
                 if path.name == f"{namespace}.lock":
                     continue  # last, while held
                 (removed if _unlink_path(path) else absent).append(str(path))
-            if lock.unlink_if_held():
+            if lock.unlink_if_held() and existed:
                 removed.append(str(lock.path))
         finally:
             lock.release()

@@ -45,7 +45,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from flextensor.shm.checks import check_seconds
+from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import (
     NamespaceState,
     inspect_namespace_locked,
@@ -125,7 +125,7 @@ class ShmCoordinator:
     def __init__(self, namespace: str, *, lease_seconds: float = 30.0, timeout: float | None = None,
                  join_timeout: float | None = None) -> None:
         self._namespace = validate_namespace(namespace)
-        lease = check_seconds(lease_seconds, "lease_seconds", allow_none=False, positive=True)
+        lease = check_lease_seconds(lease_seconds)
         self._timeout = check_seconds(timeout, "timeout", allow_none=True)
         join_wait = self._timeout if join_timeout is None else check_seconds(join_timeout, "join_timeout",
                                                                              allow_none=False)
