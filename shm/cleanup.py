@@ -40,6 +40,7 @@ coordinator lock alike.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -179,14 +180,23 @@ def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | 
 
 
 def _unlink_intent(intent: Intent, lock_dir: Path) -> bool:
-    if intent.kind == "segment":
-        return SharedSegment.unlink_name(intent.name)
-    if intent.kind == "semaphore":
-        try:
-            posix_ipc.unlink_semaphore(intent.name)
-        except posix_ipc.ExistentialError:
-            return False
-        return True
+    """Unlink one journaled resource; False when absent. A journaled name that belongs to another user was
+    never ours (its creation failed on the squatter's file, after the intent was written): it is left alone
+    with a WARNING, and counts as absent."""
+    try:
+        if intent.kind == "segment":
+            return SharedSegment.unlink_name(intent.name)
+        if intent.kind == "semaphore":
+            try:
+                posix_ipc.unlink_semaphore(intent.name)
+            except posix_ipc.ExistentialError:
+                return False
+            except posix_ipc.PermissionsError as exc:
+                raise PermissionError(errno.EACCES, f"{exc}") from None
+            return True
+    except PermissionError as exc:
+        logger.warning("left %s in place: %s (it was never created by this namespace's workers)", intent.name, exc)
+        return False
     try:  # lockfile: a plain file name inside the lock directory (validated by read_journal)
         os.unlink(lock_dir / intent.name)
     except FileNotFoundError:

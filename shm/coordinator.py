@@ -348,6 +348,7 @@ class ShmCoordinator:
         if current == State.FAILED:
             raise RuntimeError(f"namespace {self._namespace!r} generation {self._generation} is already FAILED; "
                                "it cannot become READY")
+        self._owner.check_intact()  # never publish a segment that was truncated meanwhile (SIGBUS for readers)
         store_state(buf, State.READY)
         logger.info("namespace %s generation %d is READY", self._namespace, self._generation)
 
