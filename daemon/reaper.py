@@ -49,6 +49,7 @@ class PendingCleanup:
     lock_dir: LockDir
     namespaces: list[str]
     deadline: float  # time.monotonic()
+    uid: int = -1  # the requester (bounds how many cleanups one user may queue)
     started: float = dataclasses.field(default_factory=time.monotonic)
     reports: list[CleanupRow] = dataclasses.field(default_factory=list)
     last_error: str = ""

@@ -49,18 +49,19 @@ import dataclasses
 import logging
 import os
 import select
+import stat
 import time
 from pathlib import Path
 
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordinator_segment, read_state
 from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns, process_start_time
-from flextensor.shm.journal import list_journals, read_journal
+from flextensor.shm.journal import MAX_JOURNAL_BYTES, list_journals, read_journal
 from flextensor.shm.leases import LeaseTable, SlotState
 from flextensor.shm.names import coordinator_segment_name
 from flextensor.shm.segment import SHM_DIR, SharedSegment
 
-from flextensor.daemon.lockdirs import LockDir, inspect_lock_dir
+from flextensor.daemon.lockdirs import LockDir, inspect_lock_dir, segment_owner_uid
 
 __all__ = ["Participant", "NamespaceView", "Registry"]
 
@@ -151,6 +152,7 @@ class Registry:
         self.labels: dict[str, tuple[str | None, str | None]] = {}  # namespace -> (base, manager)
         self.metrics = metrics
         self._logged_dir_errors: set[str] = set()
+        self._distrusted: set[tuple[str, str, str]] = set()  # journals ignored (logged once each)
         self._boot_id = boot_id()
         self.on_watch_added = lambda fd: None  # set by the server: start polling a pidfd
         self.on_watch_removed = lambda fd: None
@@ -190,6 +192,8 @@ class Registry:
                 for ns in list_journals(lock_dir.path):
                     if ns in seen:
                         continue  # the same namespace in two lock directories: first one wins
+                    if not self._journal_trusted(lock_dir, ns):
+                        continue
                     seen.add(ns)
                     view = self.views.get(ns)
                     if view is None or view.lock_dir.path != lock_dir.path:
@@ -203,6 +207,36 @@ class Registry:
             self.forget(ns)
         self.update_gauges()
         return list(self.views.values())
+
+    def _journal_trusted(self, lock_dir: LockDir, ns: str) -> bool:
+        """A journal counts only when it is a regular file of the lock directory's owner, at most
+        ``MAX_JOURNAL_BYTES`` long, for a namespace whose coordinator segment (if any) belongs to that same
+        owner: a file another user planted in their own lock directory never decides how we treat a namespace
+        of someone else (and a huge sparse file is never read)."""
+        path = Path(lock_dir.path) / f"{ns}.journal"
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        problem = None
+        if not stat.S_ISREG(st.st_mode):
+            problem = "it is not a regular file"
+        elif st.st_uid != lock_dir.uid:
+            problem = f"it belongs to uid {st.st_uid}, not to the lock directory's owner (uid {lock_dir.uid})"
+        elif st.st_size > MAX_JOURNAL_BYTES:
+            problem = f"it holds {st.st_size} bytes, more than a journal ever does ({MAX_JOURNAL_BYTES})"
+        else:
+            owner = segment_owner_uid(ns)
+            if owner is not None and owner != lock_dir.uid:
+                problem = (f"namespace {ns}'s coordinator segment belongs to uid {owner}, not to the owner of this "
+                           f"lock directory (uid {lock_dir.uid})")
+        if problem is None:
+            return True
+        key = (lock_dir.path, ns, problem)
+        if key not in self._distrusted:
+            self._distrusted.add(key)
+            logger.warning("ignoring journal %s: %s", path, problem)
+        return False
 
     def view_for(self, namespace: str, lock_dir: LockDir) -> NamespaceView:
         """The view of ``namespace`` (created and refreshed when new)."""
@@ -252,6 +286,10 @@ class Registry:
                 state = "CREATING"  # header not written yet, or its creator died: the reaper checks under the lock
             else:
                 journal = read_journal(journal_file)
+                header = journal.header
+                if header.base is not None and ns not in self.labels:  # read_journal checked they derive ns
+                    self.labels[ns] = (header.base, header.manager)
+                    view.base, view.manager = header.base, header.manager
         except FileNotFoundError:
             pass
         except ShmProtocolError as exc:
@@ -511,12 +549,23 @@ class Registry:
         self.update_gauges()
 
     # ------------------------------------------------------------------ summaries
-    def is_draining(self, namespace: str, base: str | None) -> bool:
-        return namespace in self.draining or (base is not None and base in self.draining_bases)
+    def is_draining(self, namespace: str, base: str | None, owner_uid: int | None) -> bool:
+        """Whether a drain applies to ``namespace`` owned by ``owner_uid``.
+
+        A drain only ever applies to namespaces its requester owns (or root's drains, to anyone's): a user who
+        drains a name another user has not used yet must not be able to refuse that user's workers.
+        """
+        def applies(drainer: int | None) -> bool:
+            return drainer is not None and (drainer == 0 or owner_uid is None or drainer == owner_uid)
+
+        if applies(self.draining.get(namespace)):
+            return True
+        return base is not None and applies(self.draining_bases.get(base))
 
     def row_state(self, view: NamespaceView) -> str:
         base = view.base or self.labels.get(view.namespace, (None, None))[0]
-        if self.is_draining(view.namespace, base):
+        if self.is_draining(view.namespace, base, view.owner_uid if view.owner_uid is not None
+                            else view.lock_dir.uid):
             return "DRAINING"
         return view.state
 
