@@ -238,7 +238,8 @@ class SharedOffloadSession:
                                                                             follower_model_factory)
             if share is None:
                 begin = time.monotonic()
-                coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining())
+                coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining(),
+                                             base=self.namespace, manager=name)
                 share = self._new_share(name, ns, coordinator, joined_s=time.monotonic() - begin)
                 with _step(share.steps, "daemon"):
                     _register_with_daemon(coordinator, self.namespace, name)
@@ -301,7 +302,8 @@ class SharedOffloadSession:
             remaining = deadline.remaining()
             wait = ELECT_LOCK_WAIT_S if remaining is None else min(ELECT_LOCK_WAIT_S, remaining)
             try:  # only the election's wait is short; later registrations and the close keep the session's
-                joined = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=remaining, join_timeout=wait)
+                joined = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=remaining, join_timeout=wait,
+                                        base=self.namespace, manager=name)
             except TimeoutError:
                 return None, None
             steps["join"] = time.monotonic() - begin

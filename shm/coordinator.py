@@ -73,7 +73,7 @@ from flextensor.shm.identity import ParticipantIdentity
 from flextensor.shm.journal import create_journal, remove_journal
 from flextensor.shm.leases import Heartbeat, LeaseTable
 from flextensor.shm.locks import FileLock
-from flextensor.shm.names import coordinator_lock_path, coordinator_segment_name, validate_namespace
+from flextensor.shm.names import coordinator_lock_path, coordinator_segment_name, manager_namespace, validate_namespace
 from flextensor.shm.owner import ShmOwner
 from flextensor.shm.segment import SharedSegment
 
@@ -117,14 +117,19 @@ class ShmCoordinator:
 
     ``lease_seconds``: how long this participant stays counted without a heartbeat (heartbeats every quarter
     of it). ``timeout``: bound on acquiring the coordinator lock (None: wait as long as it takes), for the
-    election and every later registration and close. ``join_timeout``, when given, bounds the election's wait
-    alone (a caller that would rather do something else than wait long for the join, as a follower's attach
+    election and every later registration and close. ``base``/``manager``: the names ``namespace`` was derived
+    from, recorded in the journal so that operators' tools can show them. ``join_timeout``, when given, bounds
+    the election's wait alone (a caller that would rather do something else than wait long for the join, as a follower's attach
     thread does); the later waits keep ``timeout``.
     """
 
     def __init__(self, namespace: str, *, lease_seconds: float = 30.0, timeout: float | None = None,
-                 join_timeout: float | None = None) -> None:
+                 join_timeout: float | None = None, base: str | None = None, manager: str | None = None) -> None:
         self._namespace = validate_namespace(namespace)
+        if (base is None) != (manager is None) or (base is not None and manager_namespace(base, manager) != namespace):
+            raise ValueError(f"base {base!r} and manager {manager!r} must both be given and derive namespace "
+                             f"{namespace!r} (manager_namespace(base, manager)), or both be None")
+        self._labels = (base, manager)
         lease = check_lease_seconds(lease_seconds)
         self._timeout = check_seconds(timeout, "timeout", allow_none=True)
         join_wait = self._timeout if join_timeout is None else check_seconds(join_timeout, "join_timeout",
@@ -183,16 +188,18 @@ class ShmCoordinator:
     def _registration(self) -> Iterator[None]:
         """For the owner: hold the coordinator lock to journal a resource, while this handle participates."""
         if self._left:
-            raise RuntimeError(f"coordinator of {self._namespace!r} has left its generation; no new resources")
+            raise RuntimeError(f"the session of namespace {self._namespace!r} is closing or closed (it left generation "
+                               f"{self._generation}); it can create no new shared resources: open a new session")
         with self._locked(self._timeout):
             assert self._table is not None
             if not self._table.is_live(self._slot, self._identity):
                 # Our lease ran out (a stall longer than the lease) or ftd ended it: the generation may have
                 # been reclaimed already, so registering more resources in it could leak them.
                 raise RuntimeError(
-                    f"the lease of this participant of {self._namespace!r} generation {self._generation} expired "
-                    "or was ended; it no longer keeps the generation alive. Close this coordinator and open a new "
-                    "one"
+                    f"this worker's lease in namespace {self._namespace!r} generation {self._generation} expired or "
+                    "was ended (a stall longer than lease_seconds, or `ftd` saw it as dead); it no longer keeps the "
+                    "shared weights alive. Close the session and start the worker again (raise lease_seconds if it "
+                    "stalls that long)"
                 )
             yield
 
@@ -263,7 +270,7 @@ class ShmCoordinator:
         self._header = header
 
     def _create(self, generation: int) -> None:
-        create_journal(self._namespace, generation)
+        create_journal(self._namespace, generation, base=self._labels[0], manager=self._labels[1])
         try:
             segment = SharedSegment.create(self._segment_name, coordinator_segment_size(DEFAULT_SLOT_COUNT))
         except BaseException:
