@@ -338,7 +338,8 @@ class ShmCoordinator:
 
     def _buffer(self) -> memoryview:
         if self._segment is None:
-            raise RuntimeError(f"coordinator of {self._namespace!r} is closed")
+            raise RuntimeError(f"the session of namespace {self._namespace!r} is closed (its coordinator was closed); "
+                               "open a new session")
         return self._segment.buffer
 
     # ------------------------------------------------------------------ creator
@@ -440,8 +441,8 @@ class ShmCoordinator:
         self._owner.close(timeout)
         if self._is_creator and not self._left and self._segment is not None:
             if read_state(self._segment.buffer, self._segment_name) == State.INITIALIZING:
-                write_failure(self._segment.buffer, "the creator closed its coordinator before calling "
-                                                    "notify_ready() (initialization did not complete)")
+                write_failure(self._segment.buffer, "the creator's session closed before it published the "
+                                                    "weights (initialization did not complete)")
         with self._locked(timeout):
             if not self._left:
                 assert self._heartbeat is not None and self._table is not None

@@ -109,7 +109,7 @@ class ShmOwner:
             if self._closed and not self._active[me]:
                 raise RuntimeError(
                     f"the shared-memory owner of namespace {self._namespace!r} (generation {self._generation}) is "
-                    "closed: no new setup after ShmCoordinator.close(); open a new coordinator"
+                    "closed (its session or coordinator was closed): it creates nothing more; open a new session"
                 )
             self._active[me] += 1
         try:

@@ -310,7 +310,7 @@ def test_creator_closing_before_ready_fails_followers(ns):
     creator = ShmCoordinator(ns, lease_seconds=LEASE)
     follower = ShmCoordinator(ns, lease_seconds=LEASE)
     creator.close()
-    with pytest.raises(ShmCreatorFailedError, match="before calling notify_ready"):
+    with pytest.raises(ShmCreatorFailedError, match="closed before it published the weights"):
         follower.wait_for_ready(1)
     follower.close()
     assert_gone(ns)
