@@ -133,3 +133,4 @@ def test_one_user_cannot_queue_unbounded_cleanups(socket_path, lock_dir, workers
     finally:
         daemon.stop()
     assert shm_names(manager_namespace(namespace, "m")) == []
+
