@@ -5,8 +5,9 @@ Three callers share this code so there is exactly one definition of "what a gene
 * ``ShmCoordinator.close()`` of the last live participant,
 * ``ShmCoordinator(...)`` finding a generation whose participants all died (reclaim, then a new generation),
 * ``cleanup_manager_namespace`` — offline cleanup for operators, ``SharedOffloadSession.cleanup_namespace``
-  and ``ftd``. It creates no coordinator and loads no model: it reads the journal and the lease table only,
-  never probes pids (they mean nothing across containers).
+  and ``ftd``. It creates no coordinator and loads no model: it reads the journal and the lease table, whose
+  reader counts a participant as gone when its pid namespace is ours and its process no longer exists (pids
+  of another pid namespace are never probed: those participants count until their lease runs out).
 
 Everything happens under the coordinator lock (``{lock_dir}/{ns}.lock``), and everything is *validated
 before anything is deleted*: an unknown protocol or malformed journal/header raises ``ShmProtocolError``
