@@ -98,6 +98,11 @@ def test_journals_planted_in_another_users_lock_directory_are_ignored(shared_dir
         daemon.stop()
 
 
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime (fields 14, 15)
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -128,6 +133,10 @@ def test_one_user_cannot_queue_unbounded_cleanups(socket_path, lock_dir, workers
             refused.append(proto.decode_reply(s.recv()))
         assert len(refused) == 5 and all(r.code == "busy" and "cleanups waiting" in r.message for r in refused)
         assert daemon.answers()
+        # The accepted ones wait with back-off: they cost the daemon little CPU while the lease stays live.
+        before = _cpu_s(daemon.proc.pid)
+        time.sleep(2.0)
+        assert _cpu_s(daemon.proc.pid) - before < 0.25
         s.close(0)
         w.close()
     finally:
