@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -60,7 +61,7 @@ from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
 from flextensor.shm.background_pin import BackgroundPinner, PinRange
 from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator, arena_layout
-from flextensor.shm.checks import check_seconds
+from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator, peek_ready
 from flextensor.shm.header import State
@@ -179,7 +180,7 @@ class SharedOffloadSession:
         self.validate_options(namespace, wait_timeout=wait_timeout)
         self.namespace = namespace
         self.wait_timeout = float(wait_timeout)
-        self.lease_seconds = check_seconds(lease_seconds, "lease_seconds", allow_none=False, positive=True)
+        self.lease_seconds = check_lease_seconds(lease_seconds)
         self._thread = threading.get_ident()
         self._shares: dict[str, ManagerShare] = {}
         self._closed = False
@@ -236,7 +237,8 @@ class SharedOffloadSession:
                                                                             follower_model_factory)
             if share is None:
                 begin = time.monotonic()
-                coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining())
+                coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining(),
+                                             base=self.namespace, manager=name)
                 share = self._new_share(name, ns, coordinator, joined_s=time.monotonic() - begin)
                 with _step(share.steps, "daemon"):
                     _register_with_daemon(coordinator, self.namespace, name)
@@ -299,7 +301,8 @@ class SharedOffloadSession:
             remaining = deadline.remaining()
             wait = ELECT_LOCK_WAIT_S if remaining is None else min(ELECT_LOCK_WAIT_S, remaining)
             try:  # only the election's wait is short; later registrations and the close keep the session's
-                joined = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=remaining, join_timeout=wait)
+                joined = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=remaining, join_timeout=wait,
+                                        base=self.namespace, manager=name)
             except TimeoutError:
                 return None, None
             steps["join"] = time.monotonic() - begin
@@ -518,12 +521,16 @@ class SharedOffloadSession:
 
     # ------------------------------------------------------------------------------------------ supervisors
     @staticmethod
-    def cleanup_namespace(namespace: str, *, manager_names: Iterable[str], timeout: float = 60.0) -> list[CleanupReport]:
+    def cleanup_namespace(namespace: str, *, manager_names: Iterable[str], timeout: float = 60.0,
+                          lock_dir: str | os.PathLike[str] | None = None, force: bool = False) -> list[CleanupReport]:
         """Reclaim what killed workers left, from the journal and leases only (no coordinator, no model).
 
-        ``timeout`` bounds the wait for live leases across all managers (0: try once, now). Missing
-        generations are a no-op; unknown protocols or malformed metadata raise without deleting anything.
-        Earlier managers may already be removed when a later one fails; retrying is safe.
+        ``timeout`` bounds the wait for live leases across all managers (0: try once, now); workers killed on
+        this host count as gone at once. ``lock_dir``: the workers' lock directory (default: this process's,
+        from its ``TMPDIR``). ``force=True``, once every worker is stopped, removes everything derivable from
+        the namespace even when its metadata is corrupt or lost. Missing generations are a no-op; unknown
+        protocols or malformed metadata raise without deleting anything. Earlier managers may already be
+        removed when a later one fails; retrying is safe.
         """
         validate_base_namespace(namespace)
         if isinstance(manager_names, str):
@@ -535,7 +542,8 @@ class SharedOffloadSession:
         reports = []
         for name in names:
             remaining = max(0.0, deadline - time.monotonic())
-            reports.append(cleanup_manager_namespace(manager_namespace(namespace, name), timeout=remaining))
+            reports.append(cleanup_manager_namespace(manager_namespace(namespace, name), timeout=remaining,
+                                                     lock_dir=lock_dir, force=force))
         return reports
 
     # ------------------------------------------------------------------------------------------ reservations

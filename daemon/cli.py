@@ -6,13 +6,14 @@ Commands (each takes ``--socket PATH`` and ``--json``)::
                 [--keep-holds]
     ftd status                       daemon up?  version, uptime, counts       (exit 1 when no daemon answers)
     ftd ls                           one row per generation
-    ftd cleanup NS --manager NAME [--manager NAME ...] [--timeout S] [--local]
+    ftd cleanup NS [--manager NAME ...] [--timeout S] [--local] [--lock-dir DIR] [--force]
     ftd drain   NS [--manager NAME ...] [--undo]
-    ftd hold    NS --manager NAME
-    ftd release NS --manager NAME
+    ftd hold    NS [--manager NAME]
+    ftd release NS [--manager NAME]
 
-``NS`` is the *base* namespace given to the session; the per-manager namespace is
-``flextensor.shm.names.manager_namespace(NS, NAME)``.  ``cleanup`` goes through the daemon when one answers
+``NS`` is the *base* namespace given to the session (``--manager`` defaults to ``default``, the library's
+default manager), or a per-manager namespace ``flextensor.shm.names.manager_namespace(NS, NAME)`` as ``ftd ls``
+shows it in its ID column (then without ``--manager``).  ``cleanup`` exits 1 when the name matches nothing.  ``cleanup`` goes through the daemon when one answers
 (it then also updates its view and metrics) and runs locally otherwise (or with ``--local``): it needs the
 workers' ``TMPDIR`` (lock directory) either way.  ``hold``/``release``/``drain``/``status``/``ls`` need the daemon.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import logging
 import sys
 import time
@@ -38,6 +40,9 @@ from flextensor.shm.ftd_client import DaemonUnavailableError, daemon_available, 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 COMMANDS = ("serve", "status", "ls", "cleanup", "drain", "hold", "release")
+#: The library's default manager name (``SharedOffloadSession.load(..., name="default")``).
+DEFAULT_MANAGER = "default"
+_PER_MANAGER_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,7}[A-Za-z0-9_-]{0,12}-[0-9a-f]{16}")
 _REQUEST_TIMEOUT_S = 10.0
 
 
@@ -54,8 +59,10 @@ class CommandError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
+    from flextensor.shm.ftd_client import default_socket_path
+
     common.add_argument("--socket", metavar="PATH", default=None,
-                        help="daemon socket (default: $FT_DAEMON_SOCKET, else the per-user default path)")
+                        help="daemon socket (default: $FT_DAEMON_SOCKET, else %s)" % default_socket_path())
     common.add_argument("--json", action="store_true", help="machine-readable output")
     parser = argparse.ArgumentParser(prog="ftd", description="flextensor per-host namespace daemon and its control "
                                      "commands")
@@ -77,17 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", parents=[common], help="is the daemon up; version, uptime, counts")
     sub.add_parser("ls", parents=[common], help="one row per generation")
 
-    def namespaced(name: str, help_text: str, manager_required: bool, multiple: bool) -> argparse.ArgumentParser:
+    def namespaced(name: str, help_text: str, manager_default: bool, multiple: bool) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_text)
-        p.add_argument("namespace", metavar="NAMESPACE", help="base namespace (as given to the session)")
-        p.add_argument("--manager", action="append" if multiple else "store", required=manager_required,
-                       metavar="NAME", help="manager name" + (" (repeatable)" if multiple else ""))
+        p.add_argument("namespace", metavar="NAMESPACE",
+                       help="base namespace (as given to the session), or a per-manager namespace as `ftd ls` shows "
+                            "it in its ID column (then without --manager)")
+        default = f" (default: {DEFAULT_MANAGER})" if manager_default else " (default: every known manager)"
+        p.add_argument("--manager", action="append" if multiple else "store", default=None,
+                       metavar="NAME", help="manager name" + (" (repeatable)" if multiple else "") + default)
         return p
 
     cleanup = namespaced("cleanup", "reclaim a namespace's managers after their workers are gone", True, True)
     cleanup.add_argument("--timeout", type=float, default=0.0, metavar="S",
                          help="wait up to S seconds in all for leases to expire (default 0: check once)")
     cleanup.add_argument("--local", action="store_true", help="do not go through the daemon")
+    cleanup.add_argument("--force", action="store_true",
+                         help="every worker is stopped and the namespace's metadata is corrupt or lost: remove "
+                              "everything derivable from its name, without reading header, journal or leases (runs "
+                              "locally, as the namespace's owner)")
     cleanup.add_argument("--lock-dir", metavar="DIR", help="the workers' lock directory (default: from $TMPDIR)")
     drain = namespaced("drain", "refuse new registrations; reclaim when the last participant leaves", False, True)
     drain.add_argument("--undo", action="store_true", help="stop draining")
@@ -139,14 +153,49 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _namespaces(parser: argparse.ArgumentParser, base: str, managers: list[str]) -> list[str]:
-    from flextensor.shm.names import manager_namespace
+def _is_per_manager(name: str, lock_dir: str | None) -> bool:
+    """NAMESPACE names an existing per-manager namespace (``ftd ls``'s ID column): it has the shape of one and
+    its coordinator segment or journal exists.  (A base namespace made by ``compute_shm_namespace`` has the same
+    shape, so the shape alone does not decide.)"""
+    if not _PER_MANAGER_RE.fullmatch(name):
+        return False
+    import os
 
+    if os.path.exists(f"/dev/shm/{name}.c"):
+        return True
+    return lock_dir is not None and os.path.exists(os.path.join(lock_dir, f"{name}.journal"))
+
+
+def _namespaces(parser: argparse.ArgumentParser, base: str, managers: list[str] | None,
+                lock_dir: str | None = None) -> list[str]:
+    """Per-manager namespaces from NAMESPACE and --manager: an existing per-manager namespace given without
+    --manager (as `ftd ls` shows it) is used as it is; otherwise NAMESPACE is the base and --manager defaults
+    to ``default``."""
+    from flextensor.shm.names import manager_namespace, validate_namespace
+
+    if managers is None and _is_per_manager(base, lock_dir):
+        try:
+            return [validate_namespace(base)]
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
-        return [manager_namespace(base, m) for m in managers]
+        return [manager_namespace(base, m) for m in (managers or [DEFAULT_MANAGER])]
     except ValueError as exc:
         parser.error(str(exc))
         raise  # pragma: no cover
+
+
+def _labels(args: argparse.Namespace, namespaces: list[str]) -> tuple[str | None, list[str]]:
+    """(base, managers) to send along, when NAMESPACE was a base namespace."""
+    from flextensor.shm.names import manager_namespace
+
+    managers = args.manager if isinstance(args.manager, list) else [args.manager or DEFAULT_MANAGER]
+    try:
+        if [manager_namespace(args.namespace, m) for m in managers] == namespaces:
+            return args.namespace, managers
+    except ValueError:
+        pass
+    return None, []
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -209,9 +258,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         _print_json(rows)
         return 0
     print(_table(
-        ["NAMESPACE", "MANAGER", "GENERATION", "STATE", "PARTICIPANTS", "BYTES", "AGE"],
-        [[r["namespace"], r["manager"] or "-", str(r["generation"] or "-"), r["state"], str(r["participants"]),
-          _human_bytes(r["bytes"]), f"{r['age']:.0f}s"] for r in rows],
+        ["NAMESPACE", "MANAGER", "ID", "GENERATION", "STATE", "PARTICIPANTS", "BYTES", "AGE"],
+        [[r["base"] or "?", r["manager"] or "?", r["namespace"], str(r["generation"] or "-"), r["state"],
+          str(r["participants"]), _human_bytes(r["bytes"]), f"{r['age']:.0f}s"] for r in rows],
     ))
     return 0
 
@@ -219,31 +268,45 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def _cmd_cleanup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not (args.timeout >= 0):
         parser.error(f"--timeout must be >= 0 seconds, got {args.timeout}")
-    namespaces = _namespaces(parser, args.namespace, args.manager)
     lock_dir = _lock_dir(args)
-    if not args.local and daemon_available(args.socket):
+    namespaces = _namespaces(parser, args.namespace, args.manager, lock_dir)
+    base, managers = _labels(args, namespaces)
+    if args.force:
+        reports = _local_cleanup(namespaces, args.timeout, lock_dir, force=True)
+        where = "local, forced"
+    elif not args.local and daemon_available(args.socket):
         message = proto.CleanupRequest(namespaces=namespaces, lock_dir=lock_dir, timeout=args.timeout,
-                                       base=args.namespace, managers=list(args.manager))
+                                       base=base, managers=managers)
         reply = _ask(args, message, timeout=args.timeout + _REQUEST_TIMEOUT_S)
         reports = [msgspec.structs.asdict(r) for r in reply.reports]
         where = "daemon"
     else:
         reports = _local_cleanup(namespaces, args.timeout, lock_dir)
         where = "local"
+    matched = any(r["generation"] is not None or r["removed"] for r in reports)
     if args.json:
         _print_json(reports)
-        return 0
-    for manager, report in zip(args.manager, reports):
-        if report["generation"] is None:
-            print(f"{args.namespace} / {manager} ({report['namespace']}): nothing to clean up ({where})")
-        else:
-            print(f"{args.namespace} / {manager} ({report['namespace']}): generation {report['generation']} removed, "
-                  f"{len(report['removed'])} resources ({len(report['already_absent'])} already absent, waited "
-                  f"{report['waited_s']:.2f} s, {where})")
+    else:
+        names = [f"{base} / {m} ({ns})" for m, ns in zip(managers, namespaces)] if base else namespaces
+        for name, report in zip(names, reports):
+            if report["generation"] is None and not report["removed"]:
+                print(f"{name}: nothing to clean up ({where})")
+            else:
+                print(f"{name}: generation {report['generation']} removed, {len(report['removed'])} resources "
+                      f"({len(report['already_absent'])} already absent, waited {report['waited_s']:.2f} s, "
+                      f"{where})")
+                if args.force:
+                    for path in report["removed"]:
+                        print(f"  removed {path}")
+    if not matched:
+        print(f"ftd cleanup: {args.namespace!r} matches nothing in {lock_dir} or /dev/shm (looked for "
+              f"{', '.join(namespaces)}): check the name and --manager (`ftd ls` lists namespaces), and pass the "
+              "workers' lock directory with --lock-dir", file=sys.stderr)
+        return 1
     return 0
 
 
-def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str) -> list[dict]:
+def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str, *, force: bool = False) -> list[dict]:
     """Cleanup in this process (no daemon): the lock directory must be this user's (flextensor-<uid>)."""
     import os
     from pathlib import Path
@@ -270,7 +333,8 @@ def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str) -> list
     reports = []
     for ns in namespaces:
         try:
-            report = cleanup_manager_namespace(ns, timeout=max(0.0, deadline - time.monotonic()), lock_dir=checked)
+            report = cleanup_manager_namespace(ns, timeout=max(0.0, deadline - time.monotonic()), lock_dir=checked,
+                                               force=force)
         except (TimeoutError, ShmProtocolError, PermissionError) as exc:
             done = ", ".join(r["namespace"] for r in reports)
             raise CommandError(f"{exc}" + (f" (already cleaned: {done})" if done else ""),
@@ -281,6 +345,10 @@ def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str) -> list
 
 def _cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     managers = args.manager or []
+    if not managers and _is_per_manager(args.namespace, _lock_dir(args)):
+        reply = _ask(args, proto.DrainRequest(namespaces=[args.namespace], base=None, managers=[],
+                                              lock_dir=_lock_dir(args), undo=args.undo))
+        return _ok(args, reply)
     namespaces = _namespaces(parser, args.namespace, managers) if managers else []
     if not managers:
         from flextensor.shm.names import validate_base_namespace
@@ -295,14 +363,15 @@ def _cmd_drain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def _cmd_hold(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    (ns,) = _namespaces(parser, args.namespace, [args.manager])
-    reply = _ask(args, proto.HoldRequest(namespace=ns, lock_dir=_lock_dir(args), base=args.namespace,
-                                         manager=args.manager))
+    (ns,) = _namespaces(parser, args.namespace, None if args.manager is None else [args.manager], _lock_dir(args))
+    base, managers = _labels(args, [ns])
+    reply = _ask(args, proto.HoldRequest(namespace=ns, lock_dir=_lock_dir(args), base=base,
+                                         manager=managers[0] if managers else None))
     return _ok(args, reply)
 
 
 def _cmd_release(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    (ns,) = _namespaces(parser, args.namespace, [args.manager])
+    (ns,) = _namespaces(parser, args.namespace, None if args.manager is None else [args.manager], _lock_dir(args))
     return _ok(args, _ask(args, proto.ReleaseRequest(namespace=ns)))
 
 

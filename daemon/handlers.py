@@ -35,6 +35,10 @@ __all__ = ["Peer", "peer_of", "RequestHandler"]
 
 logger = logging.getLogger(__name__)
 
+#: Bounds on the work one user can queue (a cleanup waiting for leases is retried at every poll).
+MAX_PENDING_CLEANUPS_PER_UID = 8
+MAX_CLEANUP_NAMESPACES = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
@@ -186,6 +190,7 @@ class RequestHandler:
                 participants=view.live,
                 bytes=view.bytes,
                 age=round(max(0.0, now - view.created_at), 3) if view.created_at else 0.0,
+                base=view.base,
             ))
         return proto.ListReply(rows=rows)
 
@@ -195,7 +200,7 @@ class RequestHandler:
         lock_dir = self._lock_dir(request.lock_dir, peer, "register")
         self._labels(ns, request.base, request.manager)
         base = request.base or self.registry.labels.get(ns, (None, None))[0]
-        if self.registry.is_draining(ns, base):
+        if self.registry.is_draining(ns, base, lock_dir.uid):
             raise _Refused("draining", f"namespace {ns} is draining (ftd drain): the daemon accepts no new "
                                        "participants for it; undo with `ftd drain --undo`")
         owner = segment_owner_uid(ns)
@@ -305,7 +310,7 @@ class RequestHandler:
             raise _Refused("forbidden", f"hold refused: namespace {ns} belongs to uid {owner}, not to the owner of "
                                         f"{lock_dir.path}")
         base = request.base or self.registry.labels.get(ns, (None, None))[0]
-        if self.registry.is_draining(ns, base):
+        if self.registry.is_draining(ns, base, owner if owner is not None else lock_dir.uid):
             raise _Refused("draining", f"hold refused: namespace {ns} is draining")
         if ns in self.registry.holds:
             return proto.OkReply(message=f"already holding {ns} generation {self.registry.holds[ns].generation}")
@@ -337,6 +342,9 @@ class RequestHandler:
         namespaces = [self._valid_ns(ns) for ns in request.namespaces]
         if not namespaces:
             raise _Refused("bad_request", "cleanup needs at least one namespace")
+        if len(namespaces) > MAX_CLEANUP_NAMESPACES:
+            raise _Refused("bad_request", f"cleanup of {len(namespaces)} namespaces in one request: at most "
+                                          f"{MAX_CLEANUP_NAMESPACES}")
         if not (request.timeout >= 0 and request.timeout <= 3600):
             raise _Refused("bad_request", f"cleanup timeout {request.timeout!r} must be within [0, 3600] seconds")
         for ns, manager in zip(namespaces, request.managers):
@@ -355,6 +363,11 @@ class RequestHandler:
             return proto.CleanupReply(reports=[proto.CleanupRow(namespace=ns, generation=None, removed=[],
                                                                 already_absent=[], waited_s=0.0)
                                                for ns in namespaces])
+        queued = sum(1 for job in self.reaper.pending if job.uid == peer.uid)
+        if queued >= MAX_PENDING_CLEANUPS_PER_UID:
+            raise _Refused("busy", f"cleanup refused: uid {peer.uid} already has {queued} cleanups waiting (at most "
+                                   f"{MAX_PENDING_CLEANUPS_PER_UID}); wait for them to finish, or use a shorter "
+                                   "--timeout")
         for ns in namespaces:
             owner = self._authorize(ns, peer, "clean up", fallback_owner=lock_dir.uid)
             if owner is not None and owner != lock_dir.uid:
@@ -363,7 +376,7 @@ class RequestHandler:
             if ns in self.registry.holds:
                 raise _Refused("conflict", f"the daemon holds {ns}: `ftd release` it first")
         job = PendingCleanup(reply_to=reply_to, lock_dir=lock_dir, namespaces=namespaces,
-                             deadline=time.monotonic() + request.timeout)
+                             deadline=time.monotonic() + request.timeout, uid=peer.uid)
         self.reaper.add_pending(job)
         for frames, reply in self.reaper.poll_pending():
             if frames is reply_to:

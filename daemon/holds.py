@@ -2,7 +2,9 @@
 
 ``ftd hold NS --manager NAME`` joins the lease table of the per-manager namespace's current generation with
 the daemon's own identity (a fresh token) and starts a heartbeat thread, exactly like a follower's
-``ShmCoordinator`` would, but without mapping any data segment.  While the hold lasts the generation always
+``ShmCoordinator`` would, but without mapping any data segment.  Its slot is DURABLE (``leases.py``): it
+outlives the daemon's process by up to one lease, so that a restarted daemon can take it over, while a
+worker's slot ends with its process.  While the hold lasts the generation always
 has a live lease, so the last worker's ``close()`` does not remove it, and a restarted worker's
 ``ShmCoordinator`` finds a live READY generation and *joins it as a follower*: it attaches the published
 blocks instead of loading the checkpoint again.
@@ -104,7 +106,7 @@ def take_hold(namespace: str, lock_dir: LockDir, owner_uid: int) -> Hold:
                                                    "live participant left; nothing to keep warm")
                 table = LeaseTable(state.segment.buffer, header.slot_count, segment=header.segment)
                 identity = ParticipantIdentity.current()
-                slot = table.join(identity, header.lease_ns)
+                slot = table.join(identity, header.lease_ns, durable=True)
                 segment, state.segment = state.segment, None  # keep the mapping for the heartbeat
             finally:
                 state.close()
@@ -198,4 +200,4 @@ def _rejoin_locked(record: PersistedHold, state: NamespaceState, lock: FileLock,
             else:
                 table.leave(record.slot, record.identity)  # our own expired slot: free it rather than let it linger
     identity = ParticipantIdentity.current()
-    return table, table.join(identity, header.lease_ns), identity, header.lease_ns, False
+    return table, table.join(identity, header.lease_ns, durable=True), identity, header.lease_ns, False

@@ -41,6 +41,12 @@ logger = logging.getLogger(__name__)
 RECLAIMABLE_STATES = ("INITIALIZING", "READY", "FAILED", "ORPHAN", "CREATING")
 
 
+#: A waiting cleanup is retried after 50 ms, then less and less often, up to every 0.5 s: a handful of queued
+#: requests must not keep the daemon busy (deaths on this host are seen at once; expiries come when they come).
+PENDING_RETRY_MIN_S = 0.05
+PENDING_RETRY_MAX_S = 0.5
+
+
 @dataclasses.dataclass
 class PendingCleanup:
     """A ``cleanup`` request waiting for leases to expire (answered by the server when done)."""
@@ -49,6 +55,9 @@ class PendingCleanup:
     lock_dir: LockDir
     namespaces: list[str]
     deadline: float  # time.monotonic()
+    uid: int = -1  # the requester (bounds how many cleanups one user may queue)
+    next_try: float = 0.0  # time.monotonic() of the next attempt (backs off while leases stay live)
+    backoff: float = PENDING_RETRY_MIN_S
     started: float = dataclasses.field(default_factory=time.monotonic)
     reports: list[CleanupRow] = dataclasses.field(default_factory=list)
     last_error: str = ""
@@ -142,8 +151,12 @@ class Reaper:
         done = []
         now = time.monotonic()
         for job in list(self.pending):
+            if now < job.next_try and now < job.deadline:
+                continue
             finished = self._advance(job)
             if not finished and now < job.deadline:
+                job.next_try = now + job.backoff
+                job.backoff = min(job.backoff * 2, PENDING_RETRY_MAX_S)
                 continue
             self.pending.remove(job)
             if job.last_error:
@@ -157,4 +170,7 @@ class Reaper:
 
     def next_pending_delay(self) -> float | None:
         """Seconds until pending jobs should be retried (None: nothing pending)."""
-        return 0.05 if self.pending else None
+        if not self.pending:
+            return None
+        now = time.monotonic()
+        return max(0.0, min(min(job.next_try, job.deadline) for job in self.pending) - now)

@@ -49,18 +49,19 @@ import dataclasses
 import logging
 import os
 import select
+import stat
 import time
 from pathlib import Path
 
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordinator_segment, read_state
 from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns, process_start_time
-from flextensor.shm.journal import list_journals, read_journal
+from flextensor.shm.journal import MAX_JOURNAL_BYTES, list_journals, read_journal
 from flextensor.shm.leases import LeaseTable, SlotState
 from flextensor.shm.names import coordinator_segment_name
 from flextensor.shm.segment import SHM_DIR, SharedSegment
 
-from flextensor.daemon.lockdirs import LockDir, inspect_lock_dir
+from flextensor.daemon.lockdirs import LockDir, inspect_lock_dir, segment_owner_uid
 
 __all__ = ["Participant", "NamespaceView", "Registry"]
 
@@ -151,6 +152,7 @@ class Registry:
         self.labels: dict[str, tuple[str | None, str | None]] = {}  # namespace -> (base, manager)
         self.metrics = metrics
         self._logged_dir_errors: set[str] = set()
+        self._distrusted: set[tuple[str, str, str]] = set()  # journals ignored (logged once each)
         self._boot_id = boot_id()
         self.on_watch_added = lambda fd: None  # set by the server: start polling a pidfd
         self.on_watch_removed = lambda fd: None
@@ -190,6 +192,8 @@ class Registry:
                 for ns in list_journals(lock_dir.path):
                     if ns in seen:
                         continue  # the same namespace in two lock directories: first one wins
+                    if not self._journal_trusted(lock_dir, ns):
+                        continue
                     seen.add(ns)
                     view = self.views.get(ns)
                     if view is None or view.lock_dir.path != lock_dir.path:
@@ -203,6 +207,36 @@ class Registry:
             self.forget(ns)
         self.update_gauges()
         return list(self.views.values())
+
+    def _journal_trusted(self, lock_dir: LockDir, ns: str) -> bool:
+        """A journal counts only when it is a regular file of the lock directory's owner, at most
+        ``MAX_JOURNAL_BYTES`` long, for a namespace whose coordinator segment (if any) belongs to that same
+        owner: a file another user planted in their own lock directory never decides how we treat a namespace
+        of someone else (and a huge sparse file is never read)."""
+        path = Path(lock_dir.path) / f"{ns}.journal"
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        problem = None
+        if not stat.S_ISREG(st.st_mode):
+            problem = "it is not a regular file"
+        elif st.st_uid != lock_dir.uid:
+            problem = f"it belongs to uid {st.st_uid}, not to the lock directory's owner (uid {lock_dir.uid})"
+        elif st.st_size > MAX_JOURNAL_BYTES:
+            problem = f"it holds {st.st_size} bytes, more than a journal ever does ({MAX_JOURNAL_BYTES})"
+        else:
+            owner = segment_owner_uid(ns)
+            if owner is not None and owner != lock_dir.uid:
+                problem = (f"namespace {ns}'s coordinator segment belongs to uid {owner}, not to the owner of this "
+                           f"lock directory (uid {lock_dir.uid})")
+        if problem is None:
+            return True
+        key = (lock_dir.path, ns, problem)
+        if key not in self._distrusted:
+            self._distrusted.add(key)
+            logger.warning("ignoring journal %s: %s", path, problem)
+        return False
 
     def view_for(self, namespace: str, lock_dir: LockDir) -> NamespaceView:
         """The view of ``namespace`` (created and refreshed when new)."""
@@ -252,6 +286,10 @@ class Registry:
                 state = "CREATING"  # header not written yet, or its creator died: the reaper checks under the lock
             else:
                 journal = read_journal(journal_file)
+                header = journal.header
+                if header.base is not None and ns not in self.labels:  # read_journal checked they derive ns
+                    self.labels[ns] = (header.base, header.manager)
+                    view.base, view.manager = header.base, header.manager
         except FileNotFoundError:
             pass
         except ShmProtocolError as exc:
@@ -305,7 +343,14 @@ class Registry:
             if slot.identity is None:
                 continue
             token = slot.identity.token
-            if slot.state == SlotState.ACTIVE and not slot.live:
+            if slot.state == SlotState.ACTIVE and slot.process_gone:
+                # Its process is gone (same host and pid namespace): the lease reader stopped counting it at once,
+                # before any pidfd event or registration; a death, not an expiry.
+                if self._note_death(view, token, now):
+                    logger.info("%s of %s exited (lease slot %d no longer counts)", slot.identity.describe(),
+                                view.namespace, slot.index)
+                end = view.dead_at_ns[token]
+            elif slot.state == SlotState.ACTIVE and not slot.live:
                 if token not in view.expired_seen:
                     view.expired_seen.add(token)
                     self.metrics.lease_expiries.inc()
@@ -322,6 +367,14 @@ class Registry:
             view.reclaimable_since_ns = None
         elif view.reclaimable_since_ns is None:
             view.reclaimable_since_ns = min(last_end or now, now)
+
+    def _note_death(self, view: NamespaceView, token: str, now: int) -> bool:
+        """Record a participant's death once (metric and reclaim reason); True the first time."""
+        if token in view.dead_at_ns:
+            return False
+        view.dead_at_ns[token] = now
+        self.metrics.deaths.inc()
+        return True
 
     def _maybe_adopt(self, view: NamespaceView, slot) -> None:
         identity = slot.identity
@@ -436,7 +489,8 @@ class Registry:
             slot = None if table is None else table.slot(slot_index)
         except (ShmProtocolError, AbortedCreationError, ValueError, PermissionError, IndexError, OSError):
             return "gone"
-        if slot is None or slot.state != SlotState.ACTIVE or slot.identity != identity or not slot.live:
+        if slot is None or slot.state != SlotState.ACTIVE or slot.identity != identity or not (
+                slot.live or slot.process_gone):
             return "gone"
         if (namespace, identity.token) in self.participants:
             return "watching"  # adopted by the first scan already
@@ -446,8 +500,7 @@ class Registry:
             return "watching"
         if not table.end_lease(slot_index, identity):
             return "gone"
-        view.dead_at_ns[identity.token] = host_clock_ns()
-        self.metrics.deaths.inc()
+        self._note_death(view, identity.token, host_clock_ns())
         logger.info("%s of %s exited while no daemon ran (lease slot %d): lease ended", identity.describe(),
                     namespace, slot_index)
         self.refresh(view)
@@ -473,8 +526,7 @@ class Registry:
                     continue
                 # Compare-and-end: only the lease the dead process still holds, never a slot reused since.
                 if table.end_lease(participant.slot_index, participant.identity):
-                    view.dead_at_ns[participant.identity.token] = now
-                    self.metrics.deaths.inc()
+                    self._note_death(view, participant.identity.token, now)
                     logger.info("%s of %s exited holding lease slot %d: lease ended",
                                 participant.identity.describe(), view.namespace, participant.slot_index)
                 self.refresh(view)
@@ -497,12 +549,23 @@ class Registry:
         self.update_gauges()
 
     # ------------------------------------------------------------------ summaries
-    def is_draining(self, namespace: str, base: str | None) -> bool:
-        return namespace in self.draining or (base is not None and base in self.draining_bases)
+    def is_draining(self, namespace: str, base: str | None, owner_uid: int | None) -> bool:
+        """Whether a drain applies to ``namespace`` owned by ``owner_uid``.
+
+        A drain only ever applies to namespaces its requester owns (or root's drains, to anyone's): a user who
+        drains a name another user has not used yet must not be able to refuse that user's workers.
+        """
+        def applies(drainer: int | None) -> bool:
+            return drainer is not None and (drainer == 0 or owner_uid is None or drainer == owner_uid)
+
+        if applies(self.draining.get(namespace)):
+            return True
+        return base is not None and applies(self.draining_bases.get(base))
 
     def row_state(self, view: NamespaceView) -> str:
         base = view.base or self.labels.get(view.namespace, (None, None))[0]
-        if self.is_draining(view.namespace, base):
+        if self.is_draining(view.namespace, base, view.owner_uid if view.owner_uid is not None
+                            else view.lock_dir.uid):
             return "DRAINING"
         return view.state
 

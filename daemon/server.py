@@ -138,6 +138,25 @@ def _socket_alive(path: str) -> bool:
         probe.close()
 
 
+def _check_lock_dirs(paths: list[str]) -> None:
+    """Refuse to start with a configured lock directory that can never be watched (a daemon that serves on,
+    logging one ERROR, would silently never reclaim anything there).  A directory that does not exist *yet* is
+    fine when its parent does (no worker of that user ran yet): it is checked again at every scan."""
+    for path in paths:
+        try:
+            inspect_lock_dir(path)
+        except FileNotFoundError:
+            parent = Path(path).parent
+            if not parent.is_dir():
+                raise StartupError(f"lock directory {path}: its parent {parent} does not exist; pass the workers' "
+                                   "$TMPDIR/flextensor-<uid>") from None
+            if not Path(path).name.startswith("flextensor-") or not Path(path).name[len("flextensor-"):].isdigit():
+                raise StartupError(f"lock directory {path} is not a flextensor lock directory: it must be named "
+                                   "flextensor-<uid of its owner> ($TMPDIR/flextensor-<uid> of the workers)") from None
+        except (PermissionError, OSError) as exc:
+            raise StartupError(f"cannot watch lock directory {path}: {exc}") from None
+
+
 class Daemon:
     """One ``ftd`` instance; :meth:`start` then :meth:`serve_forever` (or :func:`run`)."""
 
@@ -180,6 +199,7 @@ class Daemon:
     # ------------------------------------------------------------------ start-up
     def start(self) -> None:
         """Take the instance lock, bind the socket, start metrics, install signal handlers, first scan."""
+        _check_lock_dirs(self.settings.lock_dirs)
         gid = _resolve_group(self.settings.socket_group)
         path = Path(self.socket_path)
         _prepare_directory(path.parent, gid)

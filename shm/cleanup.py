@@ -5,8 +5,9 @@ Three callers share this code so there is exactly one definition of "what a gene
 * ``ShmCoordinator.close()`` of the last live participant,
 * ``ShmCoordinator(...)`` finding a generation whose participants all died (reclaim, then a new generation),
 * ``cleanup_manager_namespace`` — offline cleanup for operators, ``SharedOffloadSession.cleanup_namespace``
-  and ``ftd``. It creates no coordinator and loads no model: it reads the journal and the lease table only,
-  never probes pids (they mean nothing across containers).
+  and ``ftd``. It creates no coordinator and loads no model: it reads the journal and the lease table, whose
+  reader counts a participant as gone when its pid namespace is ours and its process no longer exists (pids
+  of another pid namespace are never probed: those participants count until their lease runs out).
 
 Everything happens under the coordinator lock (``{lock_dir}/{ns}.lock``), and everything is *validated
 before anything is deleted*: an unknown protocol or malformed journal/header raises ``ShmProtocolError``
@@ -15,8 +16,21 @@ journal, then — only when the caller is done with the namespace — the lock f
 and the journal goes last but one, so a removal that fails half-way can simply be retried.
 
 Aborted creations: the election writes the journal header, then creates ``/{ns}.c`` and its header (magic
-last), all under the lock. Holding the lock and finding an empty journal, or a coordinator segment that is
-empty / has a zero magic, therefore proves its creator died mid-creation; those are reclaimed too.
+last), all under the lock. Holding the lock and finding an empty journal *without* a valid coordinator
+segment, or a coordinator segment that is empty / has a zero magic, therefore proves its creator died
+mid-creation; those are reclaimed too.
+
+Lost journals: an empty journal beside a *valid* coordinator header was truncated after the fact (a full disk,
+an operator), so it says nothing about what the generation created.  Its resources are derivable from the
+namespace (``orphans.py``), and removing a generation always sweeps every ``{ns}.g{N}.*`` of the namespace's
+owner besides the journal's intents, so nothing is orphaned.  A journal that is *missing* beside a valid
+header is refused (the usual cause is a caller whose TMPDIR differs from the workers': its coordinator lock
+is not theirs), unless the operator forces it.
+
+Forced cleanup (``force=True``): for an operator who has stopped every worker and whose metadata is corrupt
+or lost (a header state that no version writes, a deleted journal).  Under the coordinator lock, it removes
+every resource derivable from the namespace that belongs to the lock directory's owner, without reading the
+header, the journal or the leases, and reports each path.
 
 Lock directory: every entry point takes ``lock_dir`` (default ``None``: ``lock_directory()`` of the calling
 process, i.e. derived from its ``TMPDIR`` and uid).  ``ftd`` passes the directory it learned from a
@@ -27,6 +41,7 @@ coordinator lock alike.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -42,6 +57,7 @@ from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordin
 from flextensor.shm.journal import Intent, Journal, read_journal
 from flextensor.shm.leases import LeaseTable
 from flextensor.shm.locks import FileLock
+from flextensor.shm.orphans import derived_resources
 from flextensor.shm.names import (
     coordinator_lock_path,
     coordinator_segment_name,
@@ -79,7 +95,8 @@ class NamespaceState:
     namespace: str
     lock_dir: Path
     journal: Journal | None = None
-    journal_exists: bool = False  # also True for an empty (aborted) journal
+    journal_exists: bool = False  # also True for an empty (aborted or truncated) journal
+    journal_lost: bool = False  # an empty journal beside a valid header: resources are found by name
     segment: SharedSegment | None = None
     header: HeaderInfo | None = None
     coordinator_exists: bool = False  # also True for an aborted coordinator segment
@@ -140,10 +157,17 @@ def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | 
             if not state.journal_exists:
                 raise ShmProtocolError(
                     f"coordinator segment {coordinator_segment_name(namespace)} exists (generation "
-                    f"{state.header.generation}) but its ownership journal {jpath} does not: the caller's TMPDIR "
-                    "(lock directory) probably differs from the workers'. Nothing was removed; run cleanup with the "
-                    "same TMPDIR as the workers"
+                    f"{state.header.generation}) but its ownership journal {jpath} does not. Nothing was removed. "
+                    "Either this process's lock directory is not the workers' (give cleanup their lock directory: "
+                    "`ftd cleanup --lock-dir DIR`, `cleanup_namespace(..., lock_dir=DIR)`, or the workers' TMPDIR), "
+                    "or the journal was deleted: then stop every worker of this namespace and run `ftd cleanup "
+                    "NS --force` (`cleanup_namespace(..., force=True)`)"
                 )
+            if state.journal is None:
+                state.journal_lost = True
+                logger.warning("ownership journal %s is empty but coordinator segment %s holds generation %d: the "
+                               "journal was truncated; its resources are found by name instead", jpath,
+                               state.header.segment, state.header.generation)
             if state.journal is not None and state.journal.generation != state.header.generation:
                 raise ShmProtocolError(
                     f"ownership journal {jpath} describes generation {state.journal.generation} but coordinator "
@@ -157,14 +181,23 @@ def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | 
 
 
 def _unlink_intent(intent: Intent, lock_dir: Path) -> bool:
-    if intent.kind == "segment":
-        return SharedSegment.unlink_name(intent.name)
-    if intent.kind == "semaphore":
-        try:
-            posix_ipc.unlink_semaphore(intent.name)
-        except posix_ipc.ExistentialError:
-            return False
-        return True
+    """Unlink one journaled resource; False when absent. A journaled name that belongs to another user was
+    never ours (its creation failed on the squatter's file, after the intent was written): it is left alone
+    with a WARNING, and counts as absent."""
+    try:
+        if intent.kind == "segment":
+            return SharedSegment.unlink_name(intent.name)
+        if intent.kind == "semaphore":
+            try:
+                posix_ipc.unlink_semaphore(intent.name)
+            except posix_ipc.ExistentialError:
+                return False
+            except posix_ipc.PermissionsError as exc:
+                raise PermissionError(errno.EACCES, f"{exc}") from None
+            return True
+    except PermissionError as exc:
+        logger.warning("left %s in place: %s (it was never created by this namespace's workers)", intent.name, exc)
+        return False
     try:  # lockfile: a plain file name inside the lock directory (validated by read_journal)
         os.unlink(lock_dir / intent.name)
     except FileNotFoundError:
@@ -176,14 +209,45 @@ def _record(state: NamespaceState, what: str, existed: bool) -> None:
     (state.removed if existed else state.already_absent).append(what)
 
 
+def namespace_owner(lock_dir: Path) -> int:
+    """The uid whose resources a cleanup in ``lock_dir`` may remove: the lock directory's owner (``ftd``
+    switches its effective uid to it), or this process's effective uid when the directory is missing."""
+    try:
+        return os.stat(lock_dir).st_uid
+    except OSError:
+        return os.geteuid()
+
+
+def _unlink_path(path: Path) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def sweep_generations_locked(state: NamespaceState) -> None:
+    """Unlink every ``{ns}.g{N}.*`` of the namespace's owner that is still there (caller holds the lock and
+    knows no lease is live): resources of a lost journal, or orphans of an older generation."""
+    found = derived_resources(state.namespace, state.lock_dir, owner_uid=namespace_owner(state.lock_dir))
+    for path in found.generation_shm:
+        name = path.name
+        shown = f"/{name[4:]}" if name.startswith("sem.") else f"/{name}"  # the POSIX name, as journals say
+        _record(state, shown, _unlink_path(path))
+    for path in found.generation_locks:
+        _record(state, str(path), _unlink_path(path))
+
+
 def remove_generation_locked(state: NamespaceState) -> None:
     """Unlink everything ``state`` names except the lock file (caller holds the lock and checked that no
-    lease is live). Appends to ``state.removed`` / ``state.already_absent``; unmaps ``state.segment``."""
+    lease is live), and every other ``{ns}.g{N}.*`` left (``sweep_generations_locked``). Appends to
+    ``state.removed`` / ``state.already_absent``; unmaps ``state.segment``."""
     state.close()
     if state.journal is not None:
         for intent in state.journal.resources():
             what = intent.name if intent.kind != "lockfile" else str(state.lock_dir / intent.name)
             _record(state, what, _unlink_intent(intent, state.lock_dir))
+    sweep_generations_locked(state)
     cname = coordinator_segment_name(state.namespace)
     _record(state, cname, SharedSegment.unlink_name(cname))
     jpath = journal_path(state.namespace, state.lock_dir)
@@ -200,10 +264,15 @@ def remove_lock_file_locked(state: NamespaceState, lock: FileLock) -> None:
 
 
 def cleanup_manager_namespace(namespace: str, *, timeout: float,
-                              lock_dir: str | os.PathLike[str] | None = None) -> CleanupReport:
-    """Remove everything one per-manager namespace owns, after its participants' leases ran out.
+                              lock_dir: str | os.PathLike[str] | None = None, force: bool = False) -> CleanupReport:
+    """Remove everything one per-manager namespace owns, after its participants left or died.
 
     ``lock_dir`` is the workers' lock directory (default ``lock_directory()``, from this process's ``TMPDIR``).
+    A participant whose process is gone (same host and pid namespace) counts as left at once; one in another
+    pid namespace counts until its lease runs out.
+
+    ``force=True``: every worker was stopped and the metadata cannot be trusted (see the module docstring):
+    remove everything derivable from the namespace without reading header, journal or leases.
 
     Waits up to ``timeout`` seconds (0: check once) for live leases to expire, then unlinks every resource
     the journal names, the coordinator segment, the journal and the lock file. A namespace with neither a
@@ -218,6 +287,8 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
     start = time.monotonic()
     deadline = start + timeout
     directory = resolve_lock_directory(lock_dir)
+    if force:
+        return _force_cleanup(namespace, directory, deadline, start)
     lock = FileLock(coordinator_lock_path(namespace, directory))
     try:
         while True:
@@ -247,12 +318,62 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
                 pids = ", ".join(str(s.identity.pid) for s in live if s.identity is not None)
                 raise TimeoutError(
                     f"cleanup of namespace {namespace!r}: {len(live)} participant(s) still hold live leases after "
-                    f"{now - start:.1f} s (pids {pids}). Stop those workers (killed ones expire after their lease, "
-                    "30 s by default) and retry, or pass a longer timeout"
+                    f"{now - start:.1f} s (pids {pids}). Stop those workers and retry (a killed worker counts as gone "
+                    "at once on this host; one in another pid namespace only when its lease runs out, 30 s by "
+                    "default), or pass a longer timeout"
                 )
             time.sleep(min(_POLL_S, deadline - now))
     finally:
         lock.close()
+
+
+def _force_cleanup(namespace: str, directory: Path, deadline: float, start: float) -> CleanupReport:
+    """``force=True``: under the coordinator lock, unlink every derivable resource of the namespace's owner."""
+    lock = FileLock(coordinator_lock_path(namespace, directory))
+    existed = lock.path.exists()  # a lock file we create only to take the lock is not something we "removed"
+    try:
+        try:
+            lock.acquire(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise TimeoutError(
+                f"forced cleanup of namespace {namespace!r}: its coordinator lock "
+                f"{coordinator_lock_path(namespace, directory)} is held by a running process (a lock is released "
+                "when its holder exits): stop every worker of this namespace first, or pass a longer timeout"
+            ) from None
+        try:
+            generation = None
+            try:
+                generation = read_journal(journal_path(namespace, directory)).generation
+            except (OSError, ShmProtocolError):
+                pass
+            found = derived_resources(namespace, directory, owner_uid=namespace_owner(directory))
+            removed: list[str] = []
+            absent: list[str] = []
+            for path in found.all():
+                if path.name == f"{namespace}.lock":
+                    continue  # last, while held
+                (removed if _unlink_path(path) else absent).append(str(path))
+            if lock.unlink_if_held() and existed:
+                removed.append(str(lock.path))
+        finally:
+            lock.release()
+    finally:
+        lock.close()
+    if removed:
+        logger.warning("forced cleanup of %s removed %s", namespace, ", ".join(removed))
+    return CleanupReport(namespace, generation, removed, absent, time.monotonic() - start)
+
+
+def sweep_orphans_locked(namespace: str, lock_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """Before creating generation 1 of an empty namespace (lock held): remove ``{ns}.g{N}.*`` orphans that
+    an older version or a lost journal left behind (they would make the creation fail with
+    ``FileExistsError``). Returns what was removed."""
+    state = NamespaceState(namespace, resolve_lock_directory(lock_dir))
+    sweep_generations_locked(state)
+    if state.removed:
+        logger.warning("namespace %s had no coordinator segment and no journal; removed orphaned resources of an "
+                       "earlier generation: %s", namespace, ", ".join(state.removed))
+    return state.removed
 
 
 def reclaim_stale_locked(namespace: str, state: NamespaceState, reason: str) -> int | None:

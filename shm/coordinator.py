@@ -15,10 +15,18 @@ is bounded by ``timeout`` (the participant's heartbeat thread starts right after
 Anything that cannot be trusted (bad magic, another protocol, a truncated segment, a malformed journal, a
 different flextensor version) raises ``ShmProtocolError`` and changes nothing.
 
+Liveness is the lease reader's (``leases.py``): a fresh heartbeat whose process is not known to be gone. On
+one host and in one pid namespace a SIGKILLed participant is therefore dead at once, not after its lease.
+
+Admission of a restarted job: a generation still INITIALIZING whose creator is dead but whose followers have
+not left yet is not joined; the election releases the lock and retries (up to ``_DOOMED_WAIT_S``) until they
+left, then reclaims it and creates the next generation. A restart needs no supervisor and no second try.
+
 Readiness: the creator publishes through ``memory_owner`` and calls ``notify_ready()`` (state READY) or
 ``mark_failed(error)`` (message, then FAILED). Followers poll the header in ``wait_for_ready`` every 10 ms:
 READY returns, FAILED raises ``ShmCreatorFailedError`` with the creator's message, and the creator's lease
-running out (or being ended) while INITIALIZING raises ``ShmCreatorDiedError``.
+ending while INITIALIZING (its process gone, its heartbeat expired or ended by ``ftd``) raises
+``ShmCreatorDiedError``.
 
 Leaving (``close``): wait for local setup through the owner; a creator that never published marks the
 generation FAILED so followers learn it at once; then, under the lock, stop the heartbeat, free the slot,
@@ -37,12 +45,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from flextensor.shm.checks import check_seconds
+from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import (
     NamespaceState,
     inspect_namespace_locked,
     reclaim_stale_locked,
     remove_generation_locked,
+    sweep_orphans_locked,
     remove_lock_file_locked,
 )
 from flextensor.shm.errors import ShmCreatorDiedError, ShmCreatorFailedError, ShmProtocolError
@@ -64,7 +73,7 @@ from flextensor.shm.identity import ParticipantIdentity
 from flextensor.shm.journal import create_journal, remove_journal
 from flextensor.shm.leases import Heartbeat, LeaseTable
 from flextensor.shm.locks import FileLock
-from flextensor.shm.names import coordinator_lock_path, coordinator_segment_name, validate_namespace
+from flextensor.shm.names import coordinator_lock_path, coordinator_segment_name, manager_namespace, validate_namespace
 from flextensor.shm.owner import ShmOwner
 from flextensor.shm.segment import SharedSegment
 
@@ -73,6 +82,9 @@ __all__ = ["ShmCoordinator", "peek_ready"]
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.01
+#: How long an election waits for the followers of a dead creator to leave before joining them anyway.
+_DOOMED_WAIT_S = 5.0
+_DOOMED_RETRY_S = 0.05
 
 
 def _describe_error(error: BaseException | str) -> str:
@@ -105,15 +117,20 @@ class ShmCoordinator:
 
     ``lease_seconds``: how long this participant stays counted without a heartbeat (heartbeats every quarter
     of it). ``timeout``: bound on acquiring the coordinator lock (None: wait as long as it takes), for the
-    election and every later registration and close. ``join_timeout``, when given, bounds the election's wait
-    alone (a caller that would rather do something else than wait long for the join, as a follower's attach
+    election and every later registration and close. ``base``/``manager``: the names ``namespace`` was derived
+    from, recorded in the journal so that operators' tools can show them. ``join_timeout``, when given, bounds
+    the election's wait alone (a caller that would rather do something else than wait long for the join, as a follower's attach
     thread does); the later waits keep ``timeout``.
     """
 
     def __init__(self, namespace: str, *, lease_seconds: float = 30.0, timeout: float | None = None,
-                 join_timeout: float | None = None) -> None:
+                 join_timeout: float | None = None, base: str | None = None, manager: str | None = None) -> None:
         self._namespace = validate_namespace(namespace)
-        lease = check_seconds(lease_seconds, "lease_seconds", allow_none=False, positive=True)
+        if (base is None) != (manager is None) or (base is not None and manager_namespace(base, manager) != namespace):
+            raise ValueError(f"base {base!r} and manager {manager!r} must both be given and derive namespace "
+                             f"{namespace!r} (manager_namespace(base, manager)), or both be None")
+        self._labels = (base, manager)
+        lease = check_lease_seconds(lease_seconds)
         self._timeout = check_seconds(timeout, "timeout", allow_none=True)
         join_wait = self._timeout if join_timeout is None else check_seconds(join_timeout, "join_timeout",
                                                                              allow_none=False)
@@ -129,8 +146,7 @@ class ShmCoordinator:
         self._left = False
         self._closed = False
         self._header: HeaderInfo | None = None
-        with self._locked(join_wait):
-            self._elect()
+        self._elect_until_admitted(join_wait)
         assert self._header is not None and self._table is not None
         self._is_creator = self._header.creator.token == self._identity.token
         self._generation = self._header.generation
@@ -172,27 +188,54 @@ class ShmCoordinator:
     def _registration(self) -> Iterator[None]:
         """For the owner: hold the coordinator lock to journal a resource, while this handle participates."""
         if self._left:
-            raise RuntimeError(f"coordinator of {self._namespace!r} has left its generation; no new resources")
+            raise RuntimeError(f"the session of namespace {self._namespace!r} is closing or closed (it left generation "
+                               f"{self._generation}); it can create no new shared resources: open a new session")
         with self._locked(self._timeout):
             assert self._table is not None
             if not self._table.is_live(self._slot, self._identity):
                 # Our lease ran out (a stall longer than the lease) or ftd ended it: the generation may have
                 # been reclaimed already, so registering more resources in it could leak them.
                 raise RuntimeError(
-                    f"the lease of this participant of {self._namespace!r} generation {self._generation} expired "
-                    "or was ended; it no longer keeps the generation alive. Close this coordinator and open a new "
-                    "one"
+                    f"this worker's lease in namespace {self._namespace!r} generation {self._generation} expired or "
+                    "was ended (a stall longer than lease_seconds, or `ftd` saw it as dead); it no longer keeps the "
+                    "shared weights alive. Close the session and start the worker again (raise lease_seconds if it "
+                    "stalls that long)"
                 )
             yield
 
-    # ------------------------------------------------------------------ election (lock held)
-    def _elect(self) -> None:
+    # ------------------------------------------------------------------ election
+    def _elect_until_admitted(self, timeout: float | None) -> None:
+        """Run the election; while the generation here is doomed (its creator died while INITIALIZING but some
+        of its followers have not noticed yet), release the lock and try again, so a job restarted right after
+        such a crash creates a new generation instead of joining one that can only fail.  The followers see the
+        death at their next poll (10 ms) and leave; after ``_DOOMED_WAIT_S`` (a follower that never waits for
+        READY) we join anyway, and ``wait_for_ready`` raises ``ShmCreatorDiedError`` at once."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            patient = time.monotonic() - start < _DOOMED_WAIT_S and (deadline is None or time.monotonic() < deadline)
+            with self._locked(remaining):
+                if self._elect(wait_if_doomed=patient):
+                    return
+            time.sleep(_DOOMED_RETRY_S)
+
+    def _elect(self, *, wait_if_doomed: bool = False) -> bool:
+        """One election under the lock; False (nothing changed) when the caller should retry later."""
         state = inspect_namespace_locked(self._namespace)
         try:
             if state.header is not None:
-                if state.live_slots():
+                live = state.live_slots()
+                if live:
+                    header = state.header
+                    creator_live = any(s.index == header.creator_slot and s.identity == header.creator for s in live)
+                    if wait_if_doomed and header.state == State.INITIALIZING and not creator_live:
+                        logger.info("namespace %s generation %d: its creator (%s) died while INITIALIZING; waiting "
+                                    "for its %d remaining participant(s) to leave before electing a new creator",
+                                    self._namespace, header.generation, header.creator.describe(), len(live))
+                        return False
                     self._join(state)
-                    return
+                    return True
                 reason = (f"no participant of generation {state.header.generation} holds a live lease any more "
                           f"(state {state.header.state.name}, creator {state.header.creator.describe()})")
             elif state.coordinator_exists:
@@ -201,8 +244,13 @@ class ShmCoordinator:
                 reason = "its journal survived without a coordinator segment (interrupted creation or cleanup)"
             else:
                 reason = ""
-            previous = reclaim_stale_locked(self._namespace, state, reason) if reason else None
+            if reason:
+                previous = reclaim_stale_locked(self._namespace, state, reason)
+            else:
+                previous = None
+                sweep_orphans_locked(self._namespace)
             self._create((previous or 0) + 1)
+            return True
         finally:
             state.close()
 
@@ -222,7 +270,7 @@ class ShmCoordinator:
         self._header = header
 
     def _create(self, generation: int) -> None:
-        create_journal(self._namespace, generation)
+        create_journal(self._namespace, generation, base=self._labels[0], manager=self._labels[1])
         try:
             segment = SharedSegment.create(self._segment_name, coordinator_segment_size(DEFAULT_SLOT_COUNT))
         except BaseException:
@@ -290,7 +338,8 @@ class ShmCoordinator:
 
     def _buffer(self) -> memoryview:
         if self._segment is None:
-            raise RuntimeError(f"coordinator of {self._namespace!r} is closed")
+            raise RuntimeError(f"the session of namespace {self._namespace!r} is closed (its coordinator was closed); "
+                               "open a new session")
         return self._segment.buffer
 
     # ------------------------------------------------------------------ creator
@@ -307,6 +356,7 @@ class ShmCoordinator:
         if current == State.FAILED:
             raise RuntimeError(f"namespace {self._namespace!r} generation {self._generation} is already FAILED; "
                                "it cannot become READY")
+        self._owner.check_intact()  # never publish a segment that was truncated meanwhile (SIGBUS for readers)
         store_state(buf, State.READY)
         logger.info("namespace %s generation %d is READY", self._namespace, self._generation)
 
@@ -362,9 +412,9 @@ class ShmCoordinator:
                 if read_state(buf, self._segment_name) == State.INITIALIZING:
                     raise ShmCreatorDiedError(
                         f"the creator of namespace {self._namespace!r} generation {self._generation} (pid "
-                        f"{creator.pid}) stopped heartbeating while INITIALIZING: it died or was killed before "
-                        "publishing. Close this coordinator; the next one elects a new creator once every "
-                        "participant of this generation has left"
+                        f"{creator.pid}) died or was killed before publishing. This worker cannot use it: close "
+                        "the session (or coordinator) and start the workers again; the next start elects a new "
+                        "creator"
                     )
                 continue
             if deadline is not None:
@@ -391,8 +441,8 @@ class ShmCoordinator:
         self._owner.close(timeout)
         if self._is_creator and not self._left and self._segment is not None:
             if read_state(self._segment.buffer, self._segment_name) == State.INITIALIZING:
-                write_failure(self._segment.buffer, "the creator closed its coordinator before calling "
-                                                    "notify_ready() (initialization did not complete)")
+                write_failure(self._segment.buffer, "the creator's session closed before it published the "
+                                                    "weights (initialization did not complete)")
         with self._locked(timeout):
             if not self._left:
                 assert self._heartbeat is not None and self._table is not None

@@ -224,13 +224,14 @@ class StatusReply(_Message, tag="status_reply"):
 class GenerationRow(msgspec.Struct, forbid_unknown_fields=True):
     """One row of ``ftd ls``; the JSON keys of ``ftd ls --json`` are exactly these field names."""
 
-    namespace: str
+    namespace: str  # the per-manager namespace (what names the segments)
     manager: str | None
     generation: int
     state: str  # INITIALIZING / READY / FAILED / DRAINING / STALE (older generation with leftovers)
     participants: int
     bytes: int
     age: float  # seconds since the generation's creator wrote its header
+    base: str | None = None  # the base namespace it derives from, when known (journal, registration, request)
 
 
 class ListReply(_Message, tag="ls_reply"):

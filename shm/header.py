@@ -8,11 +8,11 @@ Byte order is the host's native order (the segment never leaves the host); every
 aligned to its own size, so the state and the lease heartbeats can be read and written with single aligned
 4/8-byte loads and stores (``ctypes.c_uint32/c_uint64.from_buffer``), which other processes never see torn.
 
-Header page (protocol 1, ``HEADER_SIZE`` = 4096 bytes)::
+Header page (protocol 2, ``HEADER_SIZE`` = 4096 bytes)::
 
     offset size  field             meaning
     0      8     magic             b"FLXTNSR\\0"
-    8      4     protocol          u32, PROTOCOL_VERSION (1); another value -> ShmProtocolError
+    8      4     protocol          u32, PROTOCOL_VERSION (2); another value -> ShmProtocolError
     12     4     header_size       u32, 4096: the lease table starts here
     16     16    library_version   ASCII, NUL padded: flextensor.__version__ of the creator
     32     4     state             u32, State: 1 INITIALIZING, 2 READY, 3 FAILED (aligned store)
@@ -20,7 +20,7 @@ Header page (protocol 1, ``HEADER_SIZE`` = 4096 bytes)::
     40     8     generation        u64, >= 1, one per creator election in this namespace
     48     8     lease_ns          u64, the creator's lease length (each slot also carries its own)
     56     8     created_at_ns     u64, wall clock (time.time_ns) when the creator wrote the header
-    64     4     slot_size         u32, 64 (bytes per lease slot)
+    64     4     slot_size         u32, 128 (bytes per lease slot)
     68     4     creator_slot      u32, index of the creator's lease slot
     72     48    creator identity  see "identity record" below
     120    4     failure_len       u32, bytes of failure message used (<= FAILURE_CAPACITY)
@@ -91,9 +91,9 @@ __all__ = [
 ]
 
 MAGIC = b"FLXTNSR\x00"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: 128-byte lease slots with pid namespace and flags
 HEADER_SIZE = 4096
-SLOT_SIZE = 64
+SLOT_SIZE = 128
 DEFAULT_SLOT_COUNT = 128
 MAX_SLOT_COUNT = 4096
 FAILURE_CAPACITY = 2048
@@ -279,8 +279,7 @@ def read_state(buf: memoryview, segment: str = "coordinator segment") -> State:
     except ValueError:
         raise ShmProtocolError(
             f"{segment}: header state {value} is not one of INITIALIZING/READY/FAILED; the segment is corrupt: "
-            "stop every worker of this namespace and run cleanup (ftd cleanup / "
-            "SharedOffloadSession.cleanup_namespace)"
+            f"{force_remedy(segment)}"
         ) from None
 
 
@@ -289,14 +288,18 @@ def read_failure(buf: memoryview) -> str:
     return bytes(buf[OFF_FAILURE:OFF_FAILURE + length]).decode("utf-8", errors="replace")
 
 
-def _protocol_error(segment: str, problem: str, fix: str | None = None) -> ShmProtocolError:
-    # Not "run cleanup": cleanup refuses an untrustworthy header too (it never guesses what to delete).
+def force_remedy(segment: str) -> str:
+    """The way out of metadata nobody can trust: plain cleanup refuses it (it never guesses), a forced one
+    removes everything derivable from the namespace's name."""
     ns = segment.lstrip("/").removesuffix(".c")
-    fix = fix or (
-        "nothing was removed. Stop every worker of this namespace, then remove its resources by hand: "
-        f"/dev/shm/{ns}.*, /dev/shm/sem.{ns}.* and $TMPDIR/flextensor-$UID/{ns}.* (or, if the segment was "
-        "written by another flextensor version, run cleanup with that version)"
-    )
+    return (f"nothing was removed. Stop every worker of namespace {ns}, then run cleanup with force: "
+            f"`ftd cleanup {ns} --force` (or SharedOffloadSession.cleanup_namespace(..., force=True)), which "
+            f"removes /dev/shm/{ns}.*, /dev/shm/sem.{ns}.* and the namespace's files in the lock directory")
+
+
+def _protocol_error(segment: str, problem: str, fix: str | None = None) -> ShmProtocolError:
+    fix = fix or (force_remedy(segment) + " (or, if the segment was written by another flextensor version, run "
+                  "cleanup with that version)")
     return ShmProtocolError(f"coordinator segment {segment}: {problem}; {fix}")
 
 

@@ -10,9 +10,11 @@ has a later start time, and after a reboot the boot id differs (shared memory do
 journals in a persistent TMPDIR may).  The random token distinguishes handles *inside* one process: two
 coordinators opened by the same process are two participants with two leases.
 
-Liveness from identity is a shortcut for cleanup tools; the authority is the lease heartbeat (see
-``leases.py``).  Caveat: pids are per pid-namespace, so a participant in another container has a pid that
-means nothing here; such participants are judged by their leases only.
+Liveness from identity: a lease slot records its process's pid namespace (:func:`pid_namespace`) next to
+pid, start time and boot id.  When that namespace is ours and the boot is this one, "no process runs with
+this pid and start time" is a *certain* death, seen at once (:func:`process_gone`), whatever the heartbeat
+says.  A process in another pid namespace (another container sharing /dev/shm) has a pid that means
+nothing here; such participants are judged by their lease heartbeat only.
 
 Clock: ``host_clock_ns()`` is CLOCK_BOOTTIME, which all processes of a host share, is monotonic, and keeps
 counting across suspend (so a suspended host does not make every lease look fresh on resume).
@@ -31,6 +33,8 @@ __all__ = [
     "ParticipantIdentity",
     "process_start_time",
     "is_same_process_alive",
+    "pid_namespace",
+    "process_gone",
     "host_clock_ns",
     "boot_id",
 ]
@@ -110,6 +114,60 @@ def is_same_process_alive(identity: ParticipantIdentity) -> bool:
         return False
 
 
+def process_gone(pid: int, start_time: int, boot: str | bytes, pid_ns: int) -> bool:
+    """True only when the process (``pid``, ``start_time``) of this boot and of pid namespace ``pid_ns`` is
+    certainly gone: ``pid_ns`` is ours (and known, not 0), the boot is this one, and no process runs with
+    that pid and start time (a zombie counts as gone).
+
+    False whenever we cannot tell (another pid namespace, another boot, an unknown namespace): the caller
+    then relies on the lease heartbeat.  A pid hidden from us by ``hidepid`` is never taken for a dead one:
+    ``kill(pid, 0)`` still tells "no such process" (ESRCH) apart from "not yours" (EPERM).
+    """
+    ours = pid_namespace()
+    if not ours or pid_ns != ours or pid <= 0:
+        return False
+    this_boot = boot_id() if isinstance(boot, str) else _boot_id_raw()
+    if boot != this_boot:
+        return False
+    fields = _stat_fields(pid)
+    if fields is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False  # it exists, we just cannot read its /proc entry
+        return False  # exists but /proc/<pid>/stat unreadable: cannot tell
+    try:
+        state = fields[_STATE_FIELD - 3]
+        start = int(fields[_START_TIME_FIELD - 3])
+    except (IndexError, ValueError):
+        return False
+    return state in ("Z", "X", "x") or start != start_time
+
+
+_pid_ns_cache: tuple[int, int] | None = None  # (pid, namespace): a forked child looks again
+
+
+def pid_namespace() -> int:
+    """Inode number of this process's pid namespace (``/proc/self/ns/pid``); 0 when it cannot be known.
+
+    0 also when the mounted /proc belongs to another pid namespace (``/proc/self`` is not our pid): pids read
+    from that /proc would not be ours, so no death can be concluded from them.  Namespace inode numbers are
+    32-bit proc inodes; they are stored in a 64-bit field anyway.
+    """
+    global _pid_ns_cache
+    pid = os.getpid()
+    if _pid_ns_cache is not None and _pid_ns_cache[0] == pid:
+        return _pid_ns_cache[1]
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino if int(os.readlink("/proc/self")) == pid else 0
+    except (OSError, ValueError):
+        ns = 0
+    _pid_ns_cache = (pid, ns)
+    return ns
+
+
 def host_clock_ns() -> int:
     """Host-wide monotonic clock (CLOCK_BOOTTIME) in nanoseconds, for lease heartbeats."""
     return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
@@ -120,3 +178,10 @@ def boot_id() -> str:
     """This boot's id (/proc/sys/kernel/random/boot_id); constant for the life of the process."""
     with open(_BOOT_ID_PATH, encoding="ascii") as f:
         return f.read().strip()
+
+
+@functools.cache
+def _boot_id_raw() -> bytes:
+    import uuid
+
+    return uuid.UUID(boot_id()).bytes

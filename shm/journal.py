@@ -3,9 +3,10 @@
 ``{lock_dir}/{ns}.journal`` (mode 0600) is a JSON-lines file; every line is one msgspec Struct
 tagged by its ``record`` field:
 
-line 1, ``JournalHeader``::
+line 1, ``JournalHeader`` (``base`` and ``manager`` only when the creator was given them)::
 
-    {"record": "header", "protocol": 1, "library_version": "0.1.0", "namespace": "<ns>", "generation": 3}
+    {"record": "header", "protocol": 1, "library_version": "0.1.0", "namespace": "<ns>", "generation": 3,
+     "base": "my_run", "manager": "default"}
 
 lines 2.., ``Intent`` (one per resource, appended and fsynced *before* the resource is created)::
 
@@ -29,6 +30,7 @@ generation that differs from the header's, or a name outside this namespace and 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -37,11 +39,12 @@ from typing import Literal
 import msgspec
 
 from flextensor.shm.errors import ShmProtocolError
-from flextensor.shm.header import LIBRARY_VERSION, PROTOCOL_VERSION
+from flextensor.shm.header import LIBRARY_VERSION
 from flextensor.shm.names import journal_path, resolve_lock_directory, validate_namespace
 
 __all__ = [
     "JOURNAL_SUFFIX",
+    "MAX_JOURNAL_BYTES",
     "IntentKind",
     "JournalHeader",
     "Intent",
@@ -55,15 +58,25 @@ __all__ = [
 ]
 
 JOURNAL_SUFFIX = ".journal"
+#: The journal format's own version (the coordinator header has another, ``header.PROTOCOL_VERSION``).
+PROTOCOL_VERSION = 1
+#: No journal is ever this long (a generation journals a few resources per host block); larger files are refused
+#: unread, so a planted sparse file cannot make a reader (``ftd``) load gigabytes.
+MAX_JOURNAL_BYTES = 1 << 20
 IntentKind = Literal["segment", "semaphore", "lockfile"]
 _KIND_PART = r"[A-Za-z][A-Za-z0-9_-]{0,31}"
 
 
-class JournalHeader(msgspec.Struct, tag="header", tag_field="record", forbid_unknown_fields=True, frozen=True):
+class JournalHeader(msgspec.Struct, tag="header", tag_field="record", forbid_unknown_fields=True, frozen=True,
+                    omit_defaults=True):
     protocol: int
     library_version: str
     namespace: str
     generation: int
+    #: The base namespace and manager name the per-manager namespace was derived from (when the creator knew
+    #: them): what operators type, shown by ``ftd ls``. Readers check ``manager_namespace(base, manager)``.
+    base: str | None = None
+    manager: str | None = None
 
 
 class Intent(msgspec.Struct, tag="intent", tag_field="record", forbid_unknown_fields=True, frozen=True):
@@ -113,12 +126,17 @@ def resolve_journal_path(ns_or_path: str | os.PathLike[str],
     return journal_path(text, lock_dir)
 
 
-def _write_line(fd: int, record: JournalHeader | Intent) -> None:
+def _write_line(fd: int, record: JournalHeader | Intent, path: Path) -> None:
     line = _encoder.encode(record) + b"\n"
-    written = os.write(fd, line)  # one write: a killed writer leaves a whole line or none (O_APPEND)
-    if written != len(line):
-        raise OSError(f"short write to the ownership journal ({written} of {len(line)} bytes)")
-    os.fsync(fd)
+    try:
+        written = os.write(fd, line)  # one write: a killed writer leaves a whole line or none (O_APPEND)
+        if written != len(line):
+            raise OSError(errno.ENOSPC, f"short write ({written} of {len(line)} bytes)")
+        os.fsync(fd)
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot write the ownership journal {path} ({exc.strerror}): free space in "
+                        f"the lock directory {path.parent} (under TMPDIR) or point TMPDIR at a writable "
+                        "directory shared by every worker", str(path)) from exc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -129,7 +147,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def create_journal(namespace: str, generation: int, *, lock_dir: str | os.PathLike[str] | None = None) -> Path:
+def create_journal(namespace: str, generation: int, *, lock_dir: str | os.PathLike[str] | None = None,
+                   base: str | None = None, manager: str | None = None) -> Path:
     """Create ``{ns}.journal`` holding only the header (exclusively; caller holds the coordinator lock).
 
     ``lock_dir`` defaults to ``lock_directory()``. ``FileExistsError`` when a journal is already there
@@ -137,11 +156,18 @@ def create_journal(namespace: str, generation: int, *, lock_dir: str | os.PathLi
     """
     validate_namespace(namespace)
     path = journal_path(namespace, lock_dir)
+    if (base is None) != (manager is None):
+        raise ValueError("pass both base and manager, or neither")
+    if base is not None:
+        from flextensor.shm.names import manager_namespace
+
+        if manager_namespace(base, manager) != namespace:  # type: ignore[arg-type]
+            raise ValueError(f"base {base!r} and manager {manager!r} do not derive namespace {namespace!r}")
     header = JournalHeader(protocol=PROTOCOL_VERSION, library_version=LIBRARY_VERSION, namespace=namespace,
-                           generation=generation)
+                           generation=generation, base=base, manager=manager)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
-        _write_line(fd, header)
+        _write_line(fd, header, path)
     except BaseException:
         os.close(fd)
         os.unlink(path)
@@ -163,7 +189,7 @@ def append_intent(namespace: str, kind: IntentKind, name: str, generation: int, 
     path = journal_path(namespace, lock_dir)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     try:
-        _write_line(fd, intent)
+        _write_line(fd, intent, path)
     finally:
         os.close(fd)
 
@@ -198,7 +224,10 @@ def read_journal(ns_or_path: str | os.PathLike[str], *, lock_dir: str | os.PathL
     """Read and validate a journal (by namespace, in ``lock_dir``, or by path). ``FileNotFoundError`` when it
     does not exist."""
     path = resolve_journal_path(ns_or_path, lock_dir)
-    data = path.read_bytes()
+    with open(path, "rb") as f:
+        data = f.read(MAX_JOURNAL_BYTES + 1)
+    if len(data) > MAX_JOURNAL_BYTES:
+        raise _fail(path, 1, f"the file is larger than {MAX_JOURNAL_BYTES} bytes, which no journal is")
     if not data:
         raise _fail(path, 1, "the file is empty (its creator died before writing the header?)")
     lines = data.split(b"\n")
@@ -235,6 +264,18 @@ def read_journal(ns_or_path: str | os.PathLike[str], *, lock_dir: str | os.PathL
         raise _fail(path, 1, f"the header names namespace {header.namespace!r}, not the file's")
     if header.generation < 1:
         raise _fail(path, 1, f"generation {header.generation} is invalid")
+    if (header.base is None) != (header.manager is None):
+        raise _fail(path, 1, "base and manager must both be present or both absent")
+    if header.base is not None:
+        from flextensor.shm.names import manager_namespace
+
+        try:
+            derived = manager_namespace(header.base, header.manager)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise _fail(path, 1, f"invalid base or manager ({exc})") from None
+        if derived != header.namespace:
+            raise _fail(path, 1, f"base {header.base!r} and manager {header.manager!r} do not derive namespace "
+                                 f"{header.namespace!r}")
     intents: list[Intent] = []
     for lineno, record in enumerate(records[1:], start=2):
         if not isinstance(record, Intent):

@@ -2,11 +2,9 @@
 
 Every participant of a generation (creator and followers, one per ``ShmCoordinator`` handle) owns one slot
 of the table that follows the 4 KiB header page of ``/{ns}.c``. A participant is alive while its slot is
-ACTIVE and its heartbeat is fresher than its lease; a process that is SIGKILLed stops heartbeating and is
-seen as gone once the lease runs out (or at once when ``ftd`` notices the exit and calls ``end_lease``).
-Leases, not pids, are the authority: pids mean nothing across pid namespaces (containers sharing /dev/shm).
+ACTIVE, its heartbeat is fresher than its lease, and its process is not *known* to be gone.
 
-Slot layout (``SLOT_SIZE`` = 64 bytes at ``HEADER_SIZE + index * 64``, native byte order)::
+Slot layout (``SLOT_SIZE`` = 128 bytes at ``HEADER_SIZE + index * 128``, native byte order, protocol 2)::
 
     offset size field         meaning
     0      4    state         u32 SlotState: 0 FREE, 1 ACTIVE, 2 DEAD (ended by close-less death / ftd)
@@ -16,30 +14,46 @@ Slot layout (``SLOT_SIZE`` = 64 bytes at ``HEADER_SIZE + index * 64``, native by
     24     8    start_time    u64 process start time, clock ticks after boot
     32     16   boot_id       raw UUID bytes
     48     16   token         16 random bytes of the handle's identity
+    64     8    pid_ns        u64 inode of the holder's pid namespace (0: unknown, judge by heartbeat only)
+    72     4    flags         u32 bit 0 DURABLE: the lease outlives its process (an ftd hold, see below)
+    76     52   reserved      0
 
-Live = state ACTIVE, same boot as this host, and ``host_clock_ns() - heartbeat_ns <= lease_ns``.
+The one liveness rule (``LeaseTable._live_at``; every reader uses it: the last-participant check, the
+election, a follower's wait for READY, cleanup and ``ftd``)::
+
+    live = ACTIVE and same boot as this host and now - heartbeat_ns <= lease_ns
+           and not (not DURABLE and process_gone(pid, start_time, boot_id, pid_ns))
+
+``process_gone`` (``identity.py``) is True only when the slot's pid namespace is ours and no process runs
+with that pid and start time: a SIGKILLed participant on this host is dead *now*, not after its lease.
+Participants in another pid namespace (containers sharing /dev/shm) are judged by the heartbeat alone.
+A DURABLE slot (a daemon's warm hold) is meant to survive its holder for one lease, so that a restarted
+daemon can take it over; only its heartbeat counts.
 
 Write ordering and locking:
 
 * ``join`` (claim) and ``leave`` (release) run under the coordinator ``FileLock`` (the caller holds it), so
-  two joiners never pick the same slot. ``join`` prefers FREE slots, then DEAD ones, then expired ACTIVE
-  ones; it writes identity, lease and a fresh heartbeat first and the ACTIVE state last.
+  two joiners never pick the same slot. ``join`` prefers FREE slots, then DEAD ones, then ones whose
+  heartbeat expired; it writes identity, lease and a fresh heartbeat first and the ACTIVE state last.  It
+  never takes a slot whose heartbeat is still fresh, even when its process is gone: ``end_lease`` below may
+  be about to store DEAD there.
 * ``leave`` stores FREE first, then clears the rest; it only touches a slot still holding the caller's
   token, so a handle whose expired slot was reused never frees the new owner's slot.
 * Heartbeats are single aligned 8-byte stores from a daemon thread every ``lease / 4``; before each store
   the thread checks that the slot is still ACTIVE with its token, and stops (``lost``) otherwise.
 * ``end_lease`` is one aligned 4-byte store of DEAD and needs no lock (``ftd`` uses it). Given the identity
   it believes holds the slot, it is a compare-and-end: it stores DEAD only if, right before the store, the
-  slot is ACTIVE, held by exactly that identity and *unexpired*. The last condition is what makes the
-  lock-free check sound: ``join`` takes over only FREE, DEAD or expired slots, so nobody can replace an
-  unexpired holder between the check and the store (its owner is dead and will not ``leave`` either). An
-  expired slot is left alone: it is not counted as live anyway, and a joiner may be claiming it right now.
+  slot is ACTIVE, held by exactly that identity and its heartbeat is *unexpired*. The last condition is what
+  makes the lock-free check sound: ``join`` takes over only FREE, DEAD or heartbeat-expired slots, so nobody
+  can replace an unexpired holder between the check and the store (its owner is dead and will not ``leave``
+  either). An expired slot is left alone: it is not counted as live anyway, and a joiner may be claiming it.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import uuid
 
@@ -55,7 +69,7 @@ from flextensor.shm.header import (
     store_u32,
     store_u64,
 )
-from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns
+from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns, pid_namespace, process_gone
 
 __all__ = ["SlotState", "LeaseSlot", "LeaseTable", "Heartbeat"]
 
@@ -68,6 +82,10 @@ OFF_LEASE = 16
 OFF_START_TIME = 24
 OFF_BOOT_ID = 32
 OFF_TOKEN = 48
+OFF_PID_NS = 64
+OFF_FLAGS = 72
+
+FLAG_DURABLE = 1
 
 
 class SlotState(enum.IntEnum):
@@ -88,6 +106,9 @@ class LeaseSlot(msgspec.Struct, frozen=True):
     heartbeat_ns: int
     lease_ns: int
     live: bool
+    pid_ns: int = 0
+    durable: bool = False
+    process_gone: bool = False  # its process is known to be gone (it may still be heartbeat-fresh)
 
 
 def _uuid_bytes(text: str) -> bytes:
@@ -147,7 +168,9 @@ class LeaseTable:
             raise IndexError(f"lease slot {index!r} is outside the {self.slot_count}-slot table of {self.segment}")
         return HEADER_SIZE + index * SLOT_SIZE
 
-    def _live_at(self, base: int, now: int) -> bool:
+    def _fresh_at(self, base: int, now: int) -> bool:
+        """ACTIVE, this boot, heartbeat within its lease: the heartbeat half of liveness (``join`` and
+        ``end_lease`` use it alone, see the module docstring)."""
         if load_u32(self._buf, base + OFF_STATE) != SlotState.ACTIVE:
             return False
         if bytes(self._buf[base + OFF_BOOT_ID:base + OFF_BOOT_ID + 16]) != self._boot_raw:
@@ -155,6 +178,21 @@ class LeaseTable:
         heartbeat = load_u64(self._buf, base + OFF_HEARTBEAT)
         lease = load_u64(self._buf, base + OFF_LEASE)
         return now - heartbeat <= lease  # a heartbeat stored after we read `now` is negative: live
+
+    def _gone(self, base: int) -> bool:
+        """The slot's process is certainly gone (same boot, our pid namespace, no such pid + start time)."""
+        if load_u32(self._buf, base + OFF_FLAGS) & FLAG_DURABLE:
+            return False
+        return process_gone(
+            load_u32(self._buf, base + OFF_PID),
+            load_u64(self._buf, base + OFF_START_TIME),
+            bytes(self._buf[base + OFF_BOOT_ID:base + OFF_BOOT_ID + 16]),
+            load_u64(self._buf, base + OFF_PID_NS),
+        )
+
+    def _live_at(self, base: int, now: int) -> bool:
+        """THE liveness rule (module docstring): fresh heartbeat and a process not known to be gone."""
+        return self._fresh_at(base, now) and not self._gone(base)
 
     def _identity(self, base: int) -> ParticipantIdentity:
         return ParticipantIdentity(
@@ -179,15 +217,22 @@ class LeaseTable:
         except ValueError:
             from flextensor.shm.errors import ShmProtocolError
 
+            from flextensor.shm.header import force_remedy
+
             raise ShmProtocolError(f"{self.segment}: lease slot {index} has unknown state {raw_state}; the "
-                                   "segment is corrupt: stop the workers and run cleanup") from None
+                                   f"segment is corrupt: {force_remedy(self.segment)}") from None
+        fresh = self._fresh_at(base, now)
+        gone = state == SlotState.ACTIVE and self._gone(base)
         return LeaseSlot(
             index=index,
             state=state,
             identity=None if state == SlotState.FREE else self._identity(base),
             heartbeat_ns=load_u64(self._buf, base + OFF_HEARTBEAT),
             lease_ns=load_u64(self._buf, base + OFF_LEASE),
-            live=self._live_at(base, now),
+            live=fresh and not gone,
+            pid_ns=load_u64(self._buf, base + OFF_PID_NS),
+            durable=bool(load_u32(self._buf, base + OFF_FLAGS) & FLAG_DURABLE),
+            process_gone=gone,
         )
 
     def slots(self, now: int | None = None) -> list[LeaseSlot]:
@@ -222,10 +267,13 @@ class LeaseTable:
         return self._live_at(base, now)
 
     # ------------------------------------------------------------------ writing
-    def join(self, identity: ParticipantIdentity, lease_ns: int) -> int:
+    def join(self, identity: ParticipantIdentity, lease_ns: int, *, durable: bool = False) -> int:
         """Claim a slot for ``identity`` with a fresh heartbeat; returns its index.
 
-        The caller holds the coordinator lock. ``RuntimeError`` when every slot is held by a live lease.
+        The caller holds the coordinator lock. The slot records this process's pid namespace when
+        ``identity`` is this process (otherwise 0: only its heartbeat will count). ``durable``: the lease
+        outlives the process by up to one lease (a daemon's hold). ``RuntimeError`` when every slot is held
+        by a fresh heartbeat.
         """
         if lease_ns <= 0:
             raise ValueError(f"lease must be > 0 ns, got {lease_ns}")
@@ -236,7 +284,7 @@ class LeaseTable:
                 base = HEADER_SIZE + i * SLOT_SIZE
                 state = load_u32(self._buf, base + OFF_STATE)
                 if wanted is None:
-                    if state == SlotState.ACTIVE and not self._live_at(base, now):
+                    if state == SlotState.ACTIVE and not self._fresh_at(base, now):
                         choice = i
                         break
                 elif state == wanted:
@@ -255,6 +303,9 @@ class LeaseTable:
         store_u64(self._buf, base + OFF_START_TIME, identity.start_time)
         self._buf[base + OFF_BOOT_ID:base + OFF_BOOT_ID + 16] = _uuid_bytes(identity.boot_id)
         self._buf[base + OFF_TOKEN:base + OFF_TOKEN + 16] = bytes.fromhex(identity.token)
+        store_u64(self._buf, base + OFF_PID_NS, pid_namespace() if identity.pid == os.getpid() else 0)
+        store_u32(self._buf, base + OFF_FLAGS, FLAG_DURABLE if durable else 0)
+        self._buf[base + OFF_FLAGS + 4:base + SLOT_SIZE] = bytes(SLOT_SIZE - OFF_FLAGS - 4)
         store_u64(self._buf, base + OFF_LEASE, lease_ns)
         store_u64(self._buf, base + OFF_HEARTBEAT, host_clock_ns())
         store_u32(self._buf, base + OFF_STATE, SlotState.ACTIVE)
@@ -280,7 +331,7 @@ class LeaseTable:
         """
         base = self._base(index)
         if identity is not None:
-            if not self._live_at(base, host_clock_ns()) or self._identity(base) != identity:
+            if not self._fresh_at(base, host_clock_ns()) or self._identity(base) != identity:
                 return False
         elif load_u32(self._buf, base + OFF_STATE) != SlotState.ACTIVE:
             return False

@@ -199,8 +199,11 @@ class SemaphoreLock:
                 name, posix_ipc.O_CREAT, mode=0o600, initial_value=1
             )
         except posix_ipc.PermissionsError as exc:
-            raise PermissionError(errno.EACCES, f"cannot open semaphore {name!r}: {exc}; it belongs to another "
-                                  "user or has a restrictive mode") from None
+            from flextensor.shm.segment import squatter_hint
+
+            hint = squatter_hint(name, f"/dev/shm/sem.{name[1:]}") or ("; it belongs to another user or has a "
+                                                                         "restrictive mode")
+            raise PermissionError(errno.EACCES, f"cannot open semaphore {name!r}: {exc}{hint}") from None
 
     @property
     def held(self) -> bool:

@@ -16,7 +16,9 @@ below NAME_MAX (255) and below the 64 characters some tools (and old BSD-derived
     {lock_directory()}/{ns}.lock     coordinator file lock
     {lock_directory()}/{ns}.journal  ownership journal
 
-The lock directory lives under ``TMPDIR`` (read at call time, so tests and users can move it) and is private
+The lock directory lives under ``TMPDIR`` (read from the environment at every call: not through ``tempfile``,
+which caches its choice at first use and silently falls back to ``/tmp`` when ``TMPDIR`` is full or not
+writable; a lock directory that cannot be made or written is an error naming it) and is private
 to the uid: it is created 0700 and refused when someone else owns it or can write into it, because a foreign
 writer there could plant lock files or journals that make us unlink the wrong resources.
 
@@ -33,7 +35,6 @@ import json
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "coordinator_segment_name",
     "generation_resource_name",
     "lock_directory",
+    "temp_base",
     "resolve_lock_directory",
     "coordinator_lock_path",
     "journal_path",
@@ -228,18 +230,35 @@ def generation_resource_name(ns: str, generation: int, kind: str) -> str:
     return segment_name(ns, f"g{generation}.{kind}")
 
 
+def temp_base() -> Path:
+    """The first of ``$TMPDIR``, ``$TEMP``, ``$TMP`` that is set (non-empty), else ``/tmp``; read now, never
+    cached, never replaced by another directory when it is unusable."""
+    for var in ("TMPDIR", "TEMP", "TMP"):
+        value = os.environ.get(var)
+        if value:
+            return Path(value)
+    return Path("/tmp")
+
+
 def lock_directory() -> Path:
     """``$TMPDIR/flextensor-{uid}``, created 0700 when missing and checked to be private to this uid.
 
     Raises ``PermissionError`` when the path exists but is not a real directory owned by us, or when group or
-    others may write into it.
+    others may write into it; ``OSError`` naming the directory when it cannot be created (``TMPDIR`` missing,
+    full or read-only): there is no silent fall-back to another directory, which would hide the journals
+    from the other workers and from cleanup.
     """
     uid = os.getuid()
-    path = Path(tempfile.gettempdir()) / f"flextensor-{uid}"
+    base = temp_base()
+    path = base / f"flextensor-{uid}"
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot create the flextensor lock directory {path} ({exc.strerror}): "
+                        f"TMPDIR={str(base)!r} must be an existing, writable directory with free space, the "
+                        "same for every worker of a job", str(path)) from exc
     else:
         os.chmod(path, 0o700)  # mkdir honours the umask; make the mode exact
     st = os.lstat(path)

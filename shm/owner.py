@@ -43,7 +43,7 @@ from flextensor.shm.header import load_u64, store_u64
 from flextensor.shm.journal import IntentKind, append_intent
 from flextensor.shm.locks import FileLock, LockBackend, SemaphoreLock
 from flextensor.shm.names import generation_resource_name, lock_directory
-from flextensor.shm.segment import SharedSegment
+from flextensor.shm.segment import SharedSegment, check_file_intact
 
 __all__ = ["ShmOwner", "BLOB_HEADER_SIZE"]
 
@@ -76,6 +76,7 @@ class ShmOwner:
         self._closed = False
         self._preparer: ThreadPoolExecutor | None = None
         self._prepared: dict[str, tuple[int, Future[SharedSegment]]] = {}  # kind -> (size, segment being made)
+        self._made: list[tuple[str, int, int | None]] = []  # (name, size, inode) of every segment created here
 
     # ------------------------------------------------------------------ identity
     @property
@@ -108,7 +109,7 @@ class ShmOwner:
             if self._closed and not self._active[me]:
                 raise RuntimeError(
                     f"the shared-memory owner of namespace {self._namespace!r} (generation {self._generation}) is "
-                    "closed: no new setup after ShmCoordinator.close(); open a new coordinator"
+                    "closed (its session or coordinator was closed): it creates nothing more; open a new session"
                 )
             self._active[me] += 1
         try:
@@ -180,7 +181,7 @@ class ShmOwner:
                     pass
                 SharedSegment.unlink_name(name)
             self._journal("segment", name)
-            return SharedSegment.create(name, size, populate=populate)
+            return self._track(SharedSegment.create(name, size, populate=populate))
 
     def prepare_segments(self, sizes: Mapping[str, int]) -> None:
         """Start creating (journal, allocate, populate) these segments on a background thread; see the module
@@ -200,10 +201,24 @@ class ShmOwner:
         with self.setup():
             name = self.resource_name(kind)
             self._journal("segment", name)
-            return SharedSegment.create(name, size, populate=True)
+            return self._track(SharedSegment.create(name, size, populate=True))
+
+    def _track(self, segment: SharedSegment) -> SharedSegment:
+        with self._cond:
+            self._made.append((segment.name, segment.size, segment.inode))
+        return segment
+
+    def check_intact(self) -> None:
+        """``ShmProtocolError`` when a segment this owner created was truncated since (see
+        ``SharedSegment.check_intact``); the coordinator calls it right before publishing READY."""
+        with self._cond:
+            made = list(self._made)
+        for name, size, inode in made:
+            check_file_intact(name, size, inode)
 
     def open_segment(self, kind: str, *, min_size: int = 0) -> SharedSegment:
-        """Map ``/{ns}.g{gen}.{kind}`` (``FileNotFoundError`` when the creator has not made it)."""
+        """Map ``/{ns}.g{gen}.{kind}`` (``FileNotFoundError`` when the creator has not made it; ``ValueError``
+        when it holds fewer than ``min_size`` bytes, e.g. truncated since it was published)."""
         with self.setup():
             return SharedSegment.open(self.resource_name(kind), min_size=min_size)
 
@@ -239,6 +254,7 @@ class ShmOwner:
         with self.setup():
             segment = self.create_segment(kind, BLOB_HEADER_SIZE + len(payload))
             try:
+                segment.check_intact()
                 buf = segment.buffer
                 buf[BLOB_HEADER_SIZE:BLOB_HEADER_SIZE + len(payload)] = payload
                 store_u64(buf, 0, len(payload))

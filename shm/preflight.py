@@ -12,6 +12,11 @@ Two things stop a shared publish half-way on real deployments:
   it); a registration that does fail raises with the CUDA error and is published to the followers.
 
 The creator publishes any failure through the coordinator, so followers see the same message.
+
+``check_shm_capacity`` only reads the free space, so two jobs starting together could both pass it. The
+decision that counts is taken when a segment is allocated: ``SharedSegment.create`` checks the free space and
+reserves every page under a host-wide lock (an ``flock`` on ``/dev/shm`` itself), so of two jobs that do not
+fit together, one allocates and the other gets ``ShmSpaceError`` with the remedy at once.
 """
 
 from __future__ import annotations

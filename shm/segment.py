@@ -51,7 +51,7 @@ from .sizes import align_up, format_bytes
 if TYPE_CHECKING:  # torch is imported lazily: flextensor.shm must import in milliseconds
     import torch
 
-__all__ = ["SharedSegment", "SHM_DIR", "format_bytes"]
+__all__ = ["SharedSegment", "SHM_DIR", "format_bytes", "check_file_intact", "squatter_hint"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,97 @@ def _page_end(n: int) -> int:
 
 def _validate_name(name: object) -> str:
     return validate_posix_name(name, "segment", _NAME_MAX)
+
+
+#: Segments at least this large take the host-wide allocation lock (small blobs do not need it).
+ALLOCATION_LOCK_MIN_BYTES = 1 << 20
+#: Longest wait for that lock; past it, allocate anyway (a stopped process must not wedge every creator).
+ALLOCATION_LOCK_WAIT_S = 120.0
+
+
+def _allocation_lock(size: int) -> int | None:
+    """Take the host-wide allocation lock: an ``flock`` on the ``/dev/shm`` directory itself.
+
+    Why: two jobs that each fit in ``/dev/shm`` alone, allocating at the same time in one too small for both,
+    would each get part of the pages and both fail with ENOSPC.  Under this lock a creator checks the free
+    space and allocates (reserves every page) before the next one looks, so one wins and the other gets
+    ``ShmSpaceError`` with the remedy, at once.  The directory is shared by every process that can use the
+    segments and locking it creates no file; the kernel drops the lock when its holder dies.  Returns the fd
+    (None when the segment is small or the lock could not be had in ``ALLOCATION_LOCK_WAIT_S``).
+    """
+    if size < ALLOCATION_LOCK_MIN_BYTES:
+        return None
+    import fcntl
+    import time
+
+    try:
+        fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    deadline = time.monotonic() + ALLOCATION_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                logger.warning("the allocation lock on %s was held for more than %.0f s; allocating without it",
+                               SHM_DIR, ALLOCATION_LOCK_WAIT_S)
+                os.close(fd)
+                return None
+            time.sleep(0.005)
+        except OSError:
+            os.close(fd)
+            return None
+
+
+def _release(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # closing the only fd of the open file description drops the flock
+
+
+def check_file_intact(name: str, size: int, inode: int | None) -> None:
+    """Raise ``ShmProtocolError`` when segment ``name`` (the file with ``inode``) now holds fewer than ``size``
+    bytes.
+
+    Touching a mapped page beyond the end of a truncated tmpfs file kills the process with SIGBUS, so
+    publishers check before each step and attachers on open.  A name that was unlinked (or now names another
+    file) no longer reaches our file and cannot truncate it: that is not an error.
+    """
+    if inode is None:
+        return
+    try:
+        st = os.stat(SHM_DIR + name)
+    except FileNotFoundError:
+        return
+    if st.st_ino == inode and st.st_size < size:
+        from .errors import ShmProtocolError
+
+        raise ShmProtocolError(
+            f"shared-memory segment {name!r} ({SHM_DIR}{name}) was truncated to {st.st_size} bytes while in use "
+            f"({size} expected): another process of the same user (uid {st.st_uid}) changed it. Nothing of it "
+            "can be trusted: stop every worker of this namespace, clean it up and start again"
+        )
+
+
+def squatter_hint(name: str, path: str | None = None) -> str:
+    """When POSIX name ``name`` (file ``path``, default ``/dev/shm{name}``) exists and belongs to another user:
+    who, and what to do (else "")."""
+    path = path or SHM_DIR + name
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    if st.st_uid == os.geteuid():
+        return ""
+    try:
+        import pwd
+
+        who = f"uid {st.st_uid} ({pwd.getpwuid(st.st_uid).pw_name})"
+    except (KeyError, ImportError):
+        who = f"uid {st.st_uid}"
+    return (f"; {path} belongs to {who}, not to this user (uid {os.geteuid()}): that user or root must remove "
+            f"it (`rm {path}`, or `ftd cleanup --force` as that user), or use another namespace")
 
 
 def _shm_free_bytes() -> int | None:
@@ -113,6 +204,7 @@ class SharedSegment:
         self._mmap: mmap.mmap | None = mapping
         self._buffer: memoryview | None = None
         self._pinned: dict[int, int] = {}  # registered ranges: offset -> bytes
+        self.inode: int | None = None  # of the file mapped (set by create/open): check_intact() compares it
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -134,10 +226,12 @@ class SharedSegment:
         except posix_ipc.ExistentialError:
             raise FileExistsError(errno.EEXIST, f"shared-memory segment {name!r} already exists "
                                   f"({SHM_DIR}{name}); another process created it, or a crashed run left it "
-                                  "(clean up with `ftd cleanup`)") from None
+                                  f"(clean up with `ftd cleanup`){squatter_hint(name)}") from None
         except posix_ipc.PermissionsError as exc:
-            raise PermissionError(errno.EACCES, f"cannot create shared-memory segment {name!r}: {exc}") from None
+            raise PermissionError(errno.EACCES, f"cannot create shared-memory segment {name!r}: {exc}"
+                                  f"{squatter_hint(name)}") from None
         fd = shm.fd
+        reservation = _allocation_lock(size)
         try:
             os.fchmod(fd, mode)  # shm_open applied the umask; make the mode exactly what was asked
             free = _shm_free_bytes()
@@ -162,9 +256,14 @@ class SharedSegment:
             shm.close_fd()
             cls.unlink_name(name)
             raise
+        finally:
+            _release(reservation)
+        inode = os.fstat(fd).st_ino
         shm.close_fd()
         logger.debug("created shared-memory segment %s (%d bytes, mode %04o)", name, size, mode)
-        return cls(name, size, True, mapping)
+        segment = cls(name, size, True, mapping)
+        segment.inode = inode
+        return segment
 
     @classmethod
     def open(cls, name: str, min_size: int = 0, *, populate: bool = False) -> SharedSegment:
@@ -182,8 +281,8 @@ class SharedSegment:
                                     f"({SHM_DIR}{name}): its creator has not made it yet, or it was already "
                                     "removed") from None
         except posix_ipc.PermissionsError as exc:
-            raise PermissionError(errno.EACCES, f"cannot open shared-memory segment {name!r}: {exc}; it belongs "
-                                  "to another user or has a restrictive mode") from None
+            hint = squatter_hint(name) or "; it belongs to another user or has a restrictive mode"
+            raise PermissionError(errno.EACCES, f"cannot open shared-memory segment {name!r}: {exc}{hint}") from None
         try:
             st = os.fstat(shm.fd)
             size = st.st_size
@@ -196,16 +295,29 @@ class SharedSegment:
             mapping = mmap.mmap(shm.fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             shm.close_fd()
-        return cls(name, size, False, mapping)
+        segment = cls(name, size, False, mapping)
+        segment.inode = st.st_ino
+        return segment
+
+    def check_intact(self) -> None:
+        """Raise ``ShmProtocolError`` when the file this handle maps was truncated below the mapped size
+        (see :func:`check_file_intact`)."""
+        check_file_intact(self.name, self.size, self.inode)
 
     @staticmethod
     def unlink_name(name: str) -> bool:
-        """Remove the name ``name`` (mappings stay valid until unmapped).  True if it existed."""
+        """Remove the name ``name`` (mappings stay valid until unmapped).  True if it existed.
+
+        ``PermissionError`` naming the file and its owner when it belongs to another user (``/dev/shm`` is
+        sticky: only its owner or root may remove it)."""
         _validate_name(name)
         try:
             posix_ipc.unlink_shared_memory(name)
         except posix_ipc.ExistentialError:
             return False
+        except posix_ipc.PermissionsError as exc:
+            raise PermissionError(errno.EACCES, f"cannot remove shared-memory segment {name!r}: {exc}"
+                                  f"{squatter_hint(name)}") from None
         return True
 
     @staticmethod

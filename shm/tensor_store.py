@@ -173,6 +173,7 @@ class SharedTensorStore:
         try:
             records, sources, total = _plan_records(model, names)
             segment = owner.create_segment(DATA_KIND, total)
+            segment.check_intact()
             for record, source in zip(records, sources):
                 view = segment.tensor(_torch_dtype(record.dtype), record.shape, record.stride, record.byte_offset)
                 view.copy_(source.detach())
@@ -183,6 +184,7 @@ class SharedTensorStore:
                 data_size=total,
                 tensors=records,
             )
+            segment.check_intact()
             owner.write_blob(MANIFEST_KIND, encode_manifest(manifest))
             logger.info(
                 "published %d tensors (%.1f MiB) to %s generation %d",

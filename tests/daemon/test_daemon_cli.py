@@ -13,7 +13,7 @@ from flextensor.shm.names import manager_namespace
 
 from tests.daemon.helpers import PY, REPO, Daemon, run_cli, shm_names, wait_until
 
-LS_KEYS = {"namespace", "manager", "generation", "state", "participants", "bytes", "age"}
+LS_KEYS = {"namespace", "base", "manager", "generation", "state", "participants", "bytes", "age"}
 WEIGHTS = 1 << 20
 
 
@@ -108,8 +108,9 @@ def test_cleanup_without_a_daemon_runs_locally(workers, namespace, lock_dir, tmp
     _, reports, _ = run_cli("cleanup", namespace, "--manager", "m", "--timeout", "5", "--json")
     assert reports[0]["namespace"] == ns and reports[0]["generation"] == 1
     assert shm_names(ns) == [] and not any(lock_dir.iterdir())
-    _, again, _ = run_cli("cleanup", namespace, "--manager", "m", "--json")  # idempotent
-    assert again[0]["generation"] is None
+    # Idempotent (nothing is removed), but a name that matches nothing is reported with exit status 1.
+    _, again, err = run_cli("cleanup", namespace, "--manager", "m", "--json", expect=1)
+    assert again[0]["generation"] is None and "matches nothing" in err
     assert run_cli("cleanup", "bad/name", "--manager", "m", expect=2)[0] == 2
 
 

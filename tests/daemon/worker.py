@@ -63,7 +63,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     ns = manager_namespace(args.base, args.manager)
     t0 = time.monotonic()
-    coord = ShmCoordinator(ns, lease_seconds=args.lease, timeout=10.0)
+    coord = ShmCoordinator(ns, lease_seconds=args.lease, timeout=10.0, base=args.base, manager=args.manager)
     registered = False
     if not args.no_register:
         t_reg = time.monotonic()

@@ -5,7 +5,8 @@ reply per stdout line. The child imports only ``flextensor.shm`` (never torch), 
 fraction of a second, and the test drives each one step by step (open, publish, wait, close) and kills
 them with SIGKILL where a test needs a crash. ``Child`` is the parent-side handle.
 
-Commands (``op``): open(ns, lease, timeout), ready, fail(message), wait(timeout), segment(kind, size),
+Commands (``op``): open(ns, lease, timeout), ready, fail(message), wait(timeout), wait_close(timeout),
+segment(kind, size),
 lock(kind, backend), write_blob(kind, data), read_blob(kind), state, close(timeout), hold_lock(ns),
 release_lock, exit. Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": <type>, "message": ...,
 "creator_message": ...}``.
@@ -74,6 +75,13 @@ def _serve() -> None:
                 coordinator.memory_owner.write_blob(cmd["kind"], bytes.fromhex(cmd["data"]))
             elif op == "read_blob":
                 out["data"] = coordinator.memory_owner.read_blob(cmd["kind"]).hex()
+            elif op == "wait_close":  # what a session does: wait for READY, and leave whatever happened
+                start = time.monotonic()
+                try:
+                    coordinator.wait_for_ready(cmd.get("timeout"))
+                finally:
+                    out["elapsed"] = time.monotonic() - start
+                    coordinator.close(5)
             elif op == "state":
                 out["state"] = coordinator.state.name
             elif op == "close":

@@ -55,7 +55,7 @@ def test_cleanup_after_everyone_was_killed_twice(ns, children):
         p.kill()
     report = cleanup_manager_namespace(ns, timeout=5)
     assert report.namespace == ns and report.generation == 1
-    assert 0.3 <= report.waited_s <= LEASE + 1.5  # it waited for the leases to run out
+    assert report.waited_s < 1.0  # killed processes are gone at once: nothing to wait for
     assert sorted(report.removed) == sorted([
         f"/{ns}.g1.sd", f"/{ns}.g1.sm", f"/{ns}.g1.lb0", str(lock_directory() / f"{ns}.g1.lb0.lock"),
         f"/{ns}.c", str(journal_path(ns)), str(lock_directory() / f"{ns}.lock"),
@@ -144,7 +144,7 @@ def test_cleanup_with_an_explicit_lock_dir_from_another_tmpdir(ns, tmp_path, mon
         assert table.end_lease(c.lease_slot, c.identity)  # as ftd does when it sees the process exit
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(elsewhere))
+    monkeypatch.setenv("TMPDIR", str(elsewhere))
     assert lock_directory() != workers_dir
     with pytest.raises(ShmProtocolError, match="TMPDIR"):
         cleanup_manager_namespace(ns, timeout=0)  # the default lock directory has no journal: nothing removed
@@ -163,6 +163,6 @@ def test_cleanup_with_an_explicit_lock_dir_from_another_tmpdir(ns, tmp_path, mon
                                              str(workers_dir / f"{ns}.lock")])
     assert shm_names(ns) == [] and sorted(p.name for p in workers_dir.iterdir()) == []
     assert list(elsewhere.iterdir()) == [elsewhere / f"flextensor-{os.getuid()}"]  # made by lock_directory() only
-    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setenv("TMPDIR", str(workers_dir.parent))
     c.close()
     assert lock_files() == []

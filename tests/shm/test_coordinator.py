@@ -310,7 +310,7 @@ def test_creator_closing_before_ready_fails_followers(ns):
     creator = ShmCoordinator(ns, lease_seconds=LEASE)
     follower = ShmCoordinator(ns, lease_seconds=LEASE)
     creator.close()
-    with pytest.raises(ShmCreatorFailedError, match="before calling notify_ready"):
+    with pytest.raises(ShmCreatorFailedError, match="closed before it published the weights"):
         follower.wait_for_ready(1)
     follower.close()
     assert_gone(ns)
@@ -378,9 +378,9 @@ def _header_bytes() -> bytearray:
 def test_header_layout_is_fixed():
     buf = _header_bytes()
     assert buf[0:8] == MAGIC == b"FLXTNSR\x00"
-    assert struct.unpack_from("=II", buf, 8) == (PROTOCOL_VERSION, HEADER_SIZE) == (1, 4096)
+    assert struct.unpack_from("=II", buf, 8) == (PROTOCOL_VERSION, HEADER_SIZE) == (2, 4096)
     assert buf[16:32].rstrip(b"\x00").decode() == validate_header(memoryview(buf), "/x.c").library_version
-    assert struct.unpack_from("=IIQQQII", buf, 32) == (State.INITIALIZING, 4, 7, 123, 99, 64, 2)
+    assert struct.unpack_from("=IIQQQII", buf, 32) == (State.INITIALIZING, 4, 7, 123, 99, 128, 2)
     pid, _, start, boot, token = struct.unpack_from("=IIQ16s16s", buf, 72)
     ident = validate_header(memoryview(buf), "/x.c").creator
     assert (pid, start, token.hex()) == (ident.pid, ident.start_time, ident.token) and pid == os.getpid()
@@ -417,8 +417,8 @@ def test_coordinator_refuses_corrupt_segment(ns, kind):
         seg.buffer[0:8] = b"NOTFLXT!"
         match = "bad magic.*run cleanup"
     elif kind == "protocol":
-        struct.pack_into("=I", seg.buffer, 8, 2)
-        match = "protocol version 2.*same flextensor version"
+        struct.pack_into("=I", seg.buffer, 8, 1)
+        match = "protocol version 1.*same flextensor version"
     else:
         seg.buffer[16:32] = b"9.9.9".ljust(16, b"\x00")
         match = "flextensor 9.9.9.*same flextensor version"

@@ -10,7 +10,7 @@ import pytest
 
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.header import HEADER_SIZE, SLOT_SIZE, coordinator_segment_size
-from flextensor.shm.identity import ParticipantIdentity, host_clock_ns
+from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns
 from flextensor.shm.leases import Heartbeat, LeaseTable, SlotState
 from flextensor.shm.names import manager_namespace
 from tests.shm.procs import start_children
@@ -123,12 +123,13 @@ def test_heartbeat_notices_an_ended_lease():
     assert table.slot(index).state == SlotState.DEAD
 
 
-def test_sigkilled_participant_is_seen_gone_after_its_lease(namespace):
+def test_sigkilled_participant_is_seen_gone_at_once(namespace):
+    """Same host, same pid namespace: a process that no longer exists is dead now, whatever its heartbeat."""
     ns = manager_namespace(namespace, "leases")
     (child,) = start_children(1)
     try:
-        with ShmCoordinator(ns, lease_seconds=1.0) as me:
-            reply = child.ok("open", ns=ns, lease=1.0)
+        with ShmCoordinator(ns, lease_seconds=30.0) as me:
+            reply = child.ok("open", ns=ns, lease=30.0)
             with LeaseTable.open(ns) as table:
                 assert table.header is not None and table.header.generation == me.generation
                 live = {s.identity.pid for s in table.live_slots()}
@@ -136,16 +137,71 @@ def test_sigkilled_participant_is_seen_gone_after_its_lease(namespace):
                 child.kill()
                 killed = time.monotonic()
                 while table.slot(reply["slot"]).live:
-                    assert time.monotonic() - killed < 2.5
-                    time.sleep(0.02)
-                assert time.monotonic() - killed >= 0.5  # it stays counted for about its lease
+                    assert time.monotonic() - killed < 1.0, "a dead process must not wait for its 30 s lease"
+                    time.sleep(0.01)
+                dead = table.slot(reply["slot"])
+                assert dead.process_gone and dead.state == SlotState.ACTIVE and not dead.durable
                 assert table.live_count() == 1
-                # ftd's path: ending a lease at once
-                table.end_lease(me.lease_slot)
-                assert table.live_count() == 0
+                # ftd's path (end_lease) still works on a heartbeat-fresh slot of a dead process
+                assert table.end_lease(reply["slot"], dead.identity)
+                assert table.slot(reply["slot"]).state == SlotState.DEAD
     finally:
         child.kill()
         child.stop()
+
+
+def test_participant_of_another_pid_namespace_is_judged_by_its_lease(namespace):
+    """A slot whose pid namespace is not ours: its pid means nothing here, so only its heartbeat counts."""
+    from flextensor.shm.leases import OFF_PID_NS
+
+    ns = manager_namespace(namespace, "leases")
+    (child,) = start_children(1)
+    try:
+        with ShmCoordinator(ns, lease_seconds=30.0):
+            reply = child.ok("open", ns=ns, lease=0.6)
+            with LeaseTable.open(ns) as table:
+                base = HEADER_SIZE + reply["slot"] * SLOT_SIZE
+                struct.pack_into("=Q", table._buf, base + OFF_PID_NS, 4026531835)  # not ours
+                child.kill()
+                killed = time.monotonic()
+                time.sleep(0.2)
+                assert table.slot(reply["slot"]).live and not table.slot(reply["slot"]).process_gone
+                while table.slot(reply["slot"]).live:
+                    assert time.monotonic() - killed < 2.0
+                    time.sleep(0.02)
+                assert time.monotonic() - killed >= 0.3  # it stayed counted for about its lease
+    finally:
+        child.kill()
+        child.stop()
+
+
+def test_durable_slot_outlives_its_process_for_one_lease():
+    """A daemon's hold: its slot keeps counting after its process is gone, until its heartbeat expires."""
+    import subprocess
+    import sys
+
+    from flextensor.shm.identity import process_start_time
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ident = ParticipantIdentity(pid=proc.pid, start_time=process_start_time(proc.pid), boot_id=boot_id(),
+                                    token="ab" * 16)
+        buf, table = make_table(2)
+        durable = table.join(ident, 30 * SECOND, durable=True)
+        plain = table.join(ident, 30 * SECOND)
+        from flextensor.shm.identity import pid_namespace
+        from flextensor.shm.leases import OFF_PID_NS
+
+        for index in (durable, plain):  # join records our namespace only for our own pid: claim it for the child
+            struct.pack_into("=Q", buf, HEADER_SIZE + index * SLOT_SIZE + OFF_PID_NS, pid_namespace())
+        assert table.slot(durable).live and table.slot(plain).live
+        proc.kill()
+        proc.wait()
+        assert table.slot(durable).live and table.slot(durable).durable
+        assert not table.slot(plain).live and table.slot(plain).process_gone
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_open_missing_namespace(namespace):

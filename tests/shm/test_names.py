@@ -208,7 +208,7 @@ def test_explicit_lock_dir_is_used_as_given(isolated_host, tmp_path):
 def test_lock_directory_follows_tmpdir_at_call_time(tmp_path, monkeypatch):
     other = tmp_path / "elsewhere"
     other.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(other))
+    monkeypatch.setenv("TMPDIR", str(other))
     assert lock_directory() == other / f"flextensor-{os.getuid()}"
     assert (other / f"flextensor-{os.getuid()}").is_dir()
 
