@@ -88,7 +88,7 @@ def test_plan_input_validation():
     shared = TensorCost("w", 4)
     with pytest.raises(ValueError, match="fixed_resident_bytes"):
         inp([TrapCost("a", 1.0, (shared,)), TrapCost("b", 1.0, (shared,))])
-    # DESIGN.md spelled the containers as lists: accepted and frozen into tuples.
+    # older callers spelled the containers as lists: accepted and frozen into tuples.
     listed = PlanInput([TrapCost("a", 1.0, [TensorCost("w", 4)])], UNIT, None, 2)
     assert isinstance(listed.traps, tuple) and isinstance(listed.traps[0].tensors, tuple)
 
