@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from flextensor.runtime.compile_guard import disable_compile
 from flextensor.runtime.host_memory import BlockLayout, block_views
 from flextensor.runtime.timing import CurrentStream, TimingCollector
 
@@ -222,13 +223,13 @@ class BlockLoader:
         self._issued = entry
         self.copies_issued += 1
 
-    @torch.compiler.disable
     def enter(self, block: int) -> None:
         """Make block ``block``'s tensors usable on the device, then prefetch the next entries.
 
         Never traced by torch.compile (dynamo breaks the graph here and runs it eagerly): it swaps parameter
         data and orders streams with CUDA events, which dynamo in torch 2.11 refuses to trace ("expected event to
-        be a torch.Event object"), and it is host-side bookkeeping that a compiled graph should not capture.
+        be a torch.Event object"), and it is host-side bookkeeping that a compiled graph should not capture
+        (Note [compile-disabled on dynamo's import] in ``flextensor.runtime.compile_guard``).
         """
         if self._active is not None:
             raise RuntimeError(
@@ -260,7 +261,6 @@ class BlockLoader:
         for ahead in range(max(self._issued + 1, entry + 1), entry + self._depth + 1):
             self._issue(ahead, compute)
 
-    @torch.compiler.disable
     def exit(self, block: int) -> None:
         """Mark the running trap's slot free for reuse once the compute stream passes this point."""
         if self._active is None:
@@ -284,3 +284,6 @@ class BlockLoader:
         self._views.clear()
         self._copy_pairs.clear()
         self._pending_timing.clear()
+
+
+disable_compile(BlockLoader, ("enter", "exit"))
