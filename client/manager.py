@@ -253,15 +253,15 @@ class OffloadManager:
         return ctx
 
     def _provider_factory(self, cfg: OffloadConfig, device: torch.device,
-                          shm_owner: Any) -> Callable[[], HostBlockProvider]:
+                          shm_owner: Any) -> Callable[..., HostBlockProvider]:
         """What the engine calls for its host-block provider. Shared memory needs a namespace membership: the
         session's (``shm_owner``), or for ``shm_enabled`` without a session (the caller coordinates roles)
         this manager's own, joined when the first block is needed and left at ``release()``."""
-        def factory() -> HostBlockProvider:
+        def factory(*, background: bool = False) -> HostBlockProvider:
             owner = shm_owner
             if cfg.shm_enabled and owner is None:
                 owner = self._join_namespace(cfg)
-            return make_provider(cfg, device, shm_owner=owner)
+            return make_provider(cfg, device, shm_owner=owner, background=background)
 
         return factory
 

@@ -53,10 +53,11 @@ Sequence and threads
    block by block: allocate, copy each tensor from its host data, drop those sources and release their staging
    registration (so host RAM holds the originals and the blocks for about one arena at a time, as in the
    synchronous build), region by region with a pause between (``UNREGISTER_PAUSE_S``; none once cancelled);
-   finally ``provider.finish()`` (``host_register`` pins its arenas there). On CUDA the thread first makes the
-   manager's device current. With PyTorch's default pinned allocator each fresh arena is one ``cudaHostAlloc``,
-   which holds up the main thread's launches while it runs (0.8 s for 2 GiB on the H200 host); the provider
-   logs once how to configure PyTorch out of it (``flextensor.runtime.host_memory.pinned_allocator_hint``).
+   finally ``provider.finish()``, which registers the filled blocks in place one at a time with the same
+   pause between. On CUDA the thread first makes the manager's device current. Its pinned memory never comes
+   from PyTorch's pinned allocator, whatever ``pinned_memory_mode``: each fresh arena there is one
+   ``cudaHostAlloc``, which holds up every launch of the process while it runs (0.8 s for 2 GiB on the H200
+   host), so the first inference passes stalled for it (``make_provider(..., background=True)``).
 3. Main thread, at the start of the first pass after the build finished (``InferenceHandler.begin_pass``), or at any
    call that needs the INFERENCE layout (``export_state``, ``get_gpu_memory_usage``, ``offloaded_tensors``,
    ``loader``, ``save_profile``: they wait for the build): :func:`install_deferred` points every streamed tensor
@@ -253,7 +254,7 @@ def defer_inference(ctx: EngineContext, layouts: list[BlockLayout], schedule: li
     for entry in ctx.tensors.values():  # (the warm-up holds no copy now: streamed ones detached, the rest committed)
         if not entry.tensor.is_meta and entry.tensor.device != ctx.device:
             ctx.to_device(entry.tensor)
-    provider = ctx.provider_factory()
+    provider = ctx.provider_factory(background=True)  # no cudaHostAlloc behind running passes
     # The build thread is the only user of the staging from here until install_deferred joined it.
     ctx.inference.deferred = HostBlockBuild(ctx.name, layouts, sources, provider, ctx.warm.staging.release,
                                             ctx.device, release_after=resident)

@@ -44,9 +44,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["compute_device", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan"]
 
-#: Makes the provider of the INFERENCE host blocks. The manager supplies it: private pinned or pageable memory,
-#: or shared memory whose namespace membership the session (or the manager's low-level path) already holds.
-ProviderFactory = Callable[[], HostBlockProvider]
+#: Makes the provider of the INFERENCE host blocks (``background=True``: for a build on a thread behind running
+#: inference). The manager supplies it: private pinned or pageable memory, or shared memory whose namespace
+#: membership the session (or the manager's low-level path) already holds.
+ProviderFactory = Callable[..., HostBlockProvider]
 
 
 class SwitchInputs(NamedTuple):

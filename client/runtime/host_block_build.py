@@ -116,7 +116,7 @@ class HostBlockBuild:
             self._release_sources(self._release_after, self._pause)
             if self._cancel.is_set():
                 return
-            self.provider.finish()
+            self.provider.finish(between=self._pause)
             self.finished = True
         except BaseException as exc:  # noqa: BLE001 - raised on the manager's thread at install time
             self.error = exc

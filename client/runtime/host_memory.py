@@ -54,7 +54,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -256,8 +256,10 @@ class HostBlockProvider:
     def allocate(self, index: int, nbytes: int) -> HostBlock:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def finish(self) -> None:
-        """Every block was allocated and filled; the engine copies from them from now on (default: nothing)."""
+    def finish(self, between: Callable[[], None] | None = None) -> None:
+        """Every block was allocated and filled; the engine copies from them from now on (default: nothing).
+        ``between``, when given, runs between two driver calls that hold up the process's launches (a background
+        build's pause)."""
 
     def close(self) -> None:
         """Release what the provider holds (unpin, unmap). Tensors still viewing a block keep its memory."""
@@ -376,11 +378,16 @@ class TorchPinnedProvider(ArenaProvider):
 
 
 class HostRegisterProvider(ArenaProvider):
-    """Plain host arenas registered in place with ``cudaHostRegister`` (exact size, no rounding).
+    """Plain host arenas registered in place with ``cudaHostRegister``, block by block (exact size, no rounding).
 
     Registration waits for :meth:`finish` (the engine calls it once every block is filled): on fresh memory
     ``cudaHostRegister`` must fault in and zero every page itself, in one thread inside the driver; after the
-    fill - a parallel copy that faults the pages in anyway - it only locks populated pages (~37 ms/GiB).
+    fill - a parallel copy that faults the pages in anyway - it only locks populated pages (~37 ms/GiB). Each
+    block is registered on its own: every call holds a driver lock that the process's kernel launches wait for,
+    so a block at a time, with ``between`` (a background build's pause) after each, holds a running forward up
+    for one block's registration at most, where a 2 GiB arena in one call held it for about 75 ms. Arenas start
+    on a page and blocks on page boundaries within them, so no two registrations share a page; every copy the
+    loader makes reads one block, hence one registration.
     """
 
     kind = "host_register"
@@ -388,33 +395,40 @@ class HostRegisterProvider(ArenaProvider):
 
     def __init__(self, *, max_arena_bytes: int = ARENA_MAX_BYTES) -> None:
         super().__init__(max_arena_bytes=max_arena_bytes)
+        self._unregistered: list[torch.Tensor] = []  # allocated blocks, registered at finish()
         self._registered: list[tuple[int, torch.Tensor]] = []
 
     def _new_arena(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        return raw.narrow(0, (-raw.data_ptr()) % PAGE, nbytes)  # page-aligned; the view keeps ``raw`` alive
 
-    def finish(self) -> None:
+    def allocate(self, index: int, nbytes: int) -> HostBlock:
+        block = super().allocate(index, nbytes)
+        self._unregistered.append(block.tensor)
+        return block
+
+    def finish(self, between: Callable[[], None] | None = None) -> None:
         from flextensor.shm.pinning import host_register
 
-        done = {ptr for ptr, _ in self._registered}
-        for arena in [*self._arenas.values(), *self._extra]:
-            ptr = arena.data_ptr()
-            if ptr in done:
-                continue
+        while self._unregistered:
+            if between is not None and self._registered:
+                between()
+            block = self._unregistered[0]
             try:
-                host_register(ptr, arena.numel())
+                host_register(block.data_ptr(), block.numel())
             except RuntimeError:
                 from flextensor.runtime.staging import clear_cuda_error
 
                 clear_cuda_error()  # the caller gets the exception; torch must not trip over the stale error later
                 raise
-            self._registered.append((ptr, arena))
+            self._registered.append((block.data_ptr(), self._unregistered.pop(0)))
 
     def close(self) -> None:
         from flextensor.shm.pinning import host_unregister
 
-        # The provider keeps a reference to every registered arena, so the memory cannot be freed (and reused
+        # The provider keeps a reference to every registered block, so the memory cannot be freed (and reused
         # by another allocation) while it is still registered.
+        self._unregistered.clear()
         while self._registered:
             ptr, _tensor = self._registered.pop()
             try:
@@ -423,7 +437,7 @@ class HostRegisterProvider(ArenaProvider):
                 from flextensor.runtime.staging import clear_cuda_error
 
                 clear_cuda_error()
-                logger.warning("could not unregister host arena at %#x: %s", ptr, exc)
+                logger.warning("could not unregister host block at %#x: %s", ptr, exc)
         super().close()
 
 
@@ -473,7 +487,7 @@ class ShmProvider(HostBlockProvider):
             raise ValueError(f"shared host block {index} was reserved with {view.numel()} bytes, not {nbytes}")
         return HostBlock(view, name=self._arena.name, prefilled=not self.owner.is_creator)
 
-    def finish(self) -> None:
+    def finish(self, between: Callable[[], None] | None = None) -> None:
         if self.pinned and self._arena is not None and not self._arena.pinned:
             self._arena.pin(read_only=True)
 
@@ -487,9 +501,15 @@ class ShmProvider(HostBlockProvider):
                 logger.warning("could not close the shared host blocks %s: %s", getattr(arena, "name", "?"), exc)
 
 
-def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None) -> HostBlockProvider:
+def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None,
+                  background: bool = False) -> HostBlockProvider:
     """The provider the config asks for. ``pinned_memory`` on a CPU compute device is refused earlier, at
-    manager construction; here it can only mean CUDA."""
+    manager construction; here it can only mean CUDA.
+
+    ``background``: the blocks are built on a thread while inference runs. PyTorch's pinned allocator
+    (``pinned_memory_mode="torch"``) allocates with ``cudaHostAlloc``, which holds every kernel launch of the
+    process until it returns (0.8 s for 2 GiB on the H200 host), so such a build registers plain memory in
+    place instead, block by block (:class:`HostRegisterProvider`): the same pinned result, no stalled pass."""
     pin = bool(config.pinned_memory) and device.type == "cuda"
     if config.shm_enabled:
         if shm_owner is None:
@@ -500,14 +520,15 @@ def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None) -
         return ShmProvider(shm_owner, pin=pin)
     if not pin:
         return PageableProvider()
-    if config.pinned_memory_mode == "host_register":
+    if config.pinned_memory_mode == "host_register" or background:
         from flextensor.shm.pinning import cudart_available
 
         if cudart_available():
             return HostRegisterProvider()
         logger.warning(
-            "pinned_memory_mode='host_register' requested but the CUDA runtime binding (torch.cuda.cudart()) is "
-            "unusable; falling back to pinned_memory_mode='torch' (tensor.pin_memory())"
+            "registering host blocks in place (pinned_memory_mode='host_register', or a background build) needs "
+            "the CUDA runtime binding torch.cuda.cudart(), which is unusable here; falling back to PyTorch's "
+            "pinned allocator (tensor.pin_memory())"
         )
     return TorchPinnedProvider()
 
@@ -530,7 +551,7 @@ class FillProgress:
             self.last = now
             self._log(now, "filling host blocks")
 
-    def finish(self) -> None:
+    def finish(self, between: Callable[[], None] | None = None) -> None:
         now = time.monotonic()
         if self.done and now - self.start >= PROGRESS_INTERVAL_S:  # nothing to say for prefilled blocks
             self._log(now, "filled host blocks")

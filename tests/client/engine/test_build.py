@@ -54,8 +54,8 @@ class SlowOrFailingProvider:
         self.allocated.append(index)
         return self.inner.allocate(index, nbytes)
 
-    def finish(self):
-        return self.inner.finish()
+    def finish(self, between=None):
+        return self.inner.finish(between=between)
 
     def close(self):
         self.closed = True
