@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import mmap
 import os
 import threading
 import time
@@ -399,8 +400,9 @@ class HostRegisterProvider(ArenaProvider):
         self._registered: list[tuple[int, torch.Tensor]] = []
 
     def _new_arena(self, nbytes: int) -> torch.Tensor:
-        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-        return raw.narrow(0, (-raw.data_ptr()) % PAGE, nbytes)  # page-aligned; the view keeps ``raw`` alive
+        # Anonymous pages of their own: page-aligned, and the storage starts where block 0 does, so a block
+        # view's is_pinned() (PyTorch asks about the storage's start) sees the registration.
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
     def allocate(self, index: int, nbytes: int) -> HostBlock:
         block = super().allocate(index, nbytes)
