@@ -10,7 +10,15 @@ import textwrap
 import torch
 
 import flextensor as ft
-from tests.helpers.models import ALL, cpu_config, reference, tiny_transformer, token_ids
+from tests.helpers.models import (  # noqa: F401 - release_managers: every test releases its managers
+    ALL,
+    DEVICE,
+    cpu_config,
+    reference,
+    release_managers,
+    tiny_transformer,
+    token_ids,
+)
 
 REPO_ROOT = __file__.rsplit("/tests/", 1)[0]
 
@@ -23,14 +31,14 @@ def test_offload_and_inference_import_no_dynamo():
         import torch
         import flextensor as ft
         from flextensor.manager import OffloadManager
-        from tests.helpers.models import ALL, cpu_config, tiny_transformer, token_ids
+        from tests.helpers.models import ALL, DEVICE, cpu_config, tiny_transformer, token_ids
 
         OffloadManager._stream_on_cpu = True  # the loader exists on the CPU too
         model = tiny_transformer()
         ft.offload(model, cpu_config(include_patterns=["blocks.*"], load_strategy=ALL, profiling_iters=2))
         with torch.no_grad():
             for _ in range(ft.get_offload_manager().iters_before_inference + 2):
-                model(token_ids())
+                model(token_ids().to(DEVICE))
         assert ft.get_offload_manager().loader is not None
         heavy = [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
         from flextensor.runtime.loader import BlockLoader
@@ -50,15 +58,16 @@ def test_a_compiled_streamed_model_equals_eager():
     import torch._dynamo  # noqa: F401 - what torch.compile imports first; the guard marks the loader then
 
     model = tiny_transformer()
-    ids = token_ids()
+    ids = token_ids().to(DEVICE)
     ref = reference(model, ids)
     ft.offload(model, cpu_config(include_patterns=["blocks.*"], load_strategy=ALL, profiling_iters=2))
     om = ft.get_offload_manager()
     with torch.no_grad():
         for _ in range(om.iters_before_inference):
             model(ids)
+        om.wait_for_host_blocks()  # stream from now on: the switch itself is not made under a compiled pass
         compiled = torch.compile(model, backend="eager")
         outs = [compiled(ids) for _ in range(3)]
     assert om.loader is not None and om.offloaded_tensors
-    assert all(torch.allclose(out, ref, atol=1e-6, rtol=1e-6) for out in outs)
+    assert all(torch.allclose(out.float(), ref.float(), atol=1e-4, rtol=1e-4) for out in outs)
     torch._dynamo.reset()
