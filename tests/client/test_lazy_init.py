@@ -161,3 +161,27 @@ def test_diagnose_logs_where_every_tensor_comes_from(tmp_path: Path, profile: st
     assert "head.weight" not in SafetensorsCheckpoint(path)
     assert "embed.weight [parameter aliases ['head.weight']] <- checkpoint 'embed.weight'" in text
     assert "blocks.0.attn.mask [buffer] <- constructor (non-persistent buffer)" in text
+
+
+def test_a_transformers_llama_saved_sharded_by_save_pretrained(tmp_path: Path) -> None:
+    """A real architecture, saved the way users get it (``save_pretrained`` shards + index), loaded on meta."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers.checkpoints import make_profile
+    from tests.helpers.models import llama_config, tiny_llama
+
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    source = tiny_llama()
+    expected = reference(source, ids).logits
+    source.save_pretrained(tmp_path / "llama", max_shard_size="100KB", safe_serialization=True)
+    assert (tmp_path / "llama" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "llama").glob("*.safetensors"))) > 2
+    profile = make_profile(tiny_llama(), ids, tmp_path / "profile", include=["class:*DecoderLayer"])
+    ft.init(cpu_config(include_patterns=["class:*DecoderLayer"], load_strategy=ALL), name="lazy")
+    manager = ft.get_offload_manager("lazy")
+    model = ft.load_model_from_profile(manager, profile, LlamaForCausalLM, model_args=(llama_config(),),
+                                       safetensor_path=str(tmp_path / "llama"), strict=True)
+    assert list(manager.offloaded_tensors) == [f"model.layers.{i}" for i in range(4)]
+    with torch.no_grad():
+        assert same(model(ids.to(manager.device)).logits, expected)
