@@ -32,7 +32,7 @@ from typing import Iterator, Mapping
 import torch
 
 __all__ = ["CHUNK_BYTES", "READ_THREADS", "PROGRESS_INTERVAL_S", "TensorEntry", "SafetensorsCheckpoint",
-           "ReadPlan", "CheckpointTensor", "CheckpointWeights", "describe"]
+           "ReadPlan", "CheckpointTensor", "CheckpointWeights"]
 
 logger = logging.getLogger(__name__)
 
@@ -358,20 +358,16 @@ class _Progress:
             logger.debug("read %s: %d bytes in %.2f s", self.label, self.total, elapsed)
 
 
-def describe(checkpoint: SafetensorsCheckpoint) -> Mapping[str, tuple[str, list[int]]]:
-    """key -> (dtype, shape), for diagnostics."""
-    return {k: (str(e.dtype).removeprefix("torch."), list(e.shape)) for k, e in checkpoint.entries.items()}
-
-
 class CheckpointTensor:
     """A checkpoint tensor not read yet: what the engine's build gets as a ``weights`` value for a meta tensor.
 
     ``read_into(view)`` queues the read into the host-block view (done at :meth:`CheckpointWeights.flush`, all
     reads together in file order); ``to(device)`` reads it now into a fresh tensor (a resident weight)."""
 
-    def __init__(self, entry: TensorEntry, plan: ReadPlan) -> None:
+    def __init__(self, entry: TensorEntry, plan: ReadPlan, owner: "CheckpointWeights | None" = None) -> None:
         self.entry = entry
         self._plan = plan
+        self._owner = owner
 
     @property
     def dtype(self) -> torch.dtype:
@@ -388,7 +384,9 @@ class CheckpointTensor:
         out = torch.empty(self.entry.shape, dtype=self.entry.dtype)
         plan = ReadPlan(threads=self._plan.threads, label=f"{self._plan.label} ({self.entry.key})")
         plan.add(self.entry, out)
-        plan.run()
+        read = plan.run()
+        if self._owner is not None:
+            self._owner.bytes_read += read
         return out if torch.device(device).type == "cpu" else out.to(device)
 
 
@@ -402,8 +400,9 @@ class CheckpointWeights(Mapping[str, CheckpointTensor]):
                  ) -> None:
         self.checkpoint = checkpoint
         self.plan = ReadPlan(label=label)
-        self._values = {name: CheckpointTensor(checkpoint.entries[key], self.plan) for name, key in keys.items()}
-        self.bytes_read = 0
+        self.bytes_read = 0  # block reads at flush() and resident reads (CheckpointTensor.to) alike
+        self._values = {name: CheckpointTensor(checkpoint.entries[key], self.plan, self)
+                        for name, key in keys.items()}
 
     def __getitem__(self, name: str) -> CheckpointTensor:
         return self._values[name]

@@ -185,3 +185,18 @@ def test_a_transformers_llama_saved_sharded_by_save_pretrained(tmp_path: Path) -
     assert list(manager.offloaded_tensors) == [f"model.layers.{i}" for i in range(4)]
     with torch.no_grad():
         assert same(model(ids.to(manager.device)).logits, expected)
+
+
+def test_every_checkpoint_byte_is_read_exactly_once(tmp_path: Path, profile: str) -> None:
+    """Offloaded tensors are read into their blocks, resident ones into their own tensor: no tensor twice."""
+    from flextensor.profiles import read_profile
+
+    checkpoint = SafetensorsCheckpoint(save_checkpoint(tiny_transformer(seed=0), tmp_path / "ckpt", shards=2))
+    with init_empty_weights():
+        model = TinyTransformer()
+    weights = prepare_checkpoint(model, checkpoint, strict=True)
+    manager = _manager()
+    state = read_profile(profile)
+    assert any(t.offloaded for t in state.tensors) and any(not t.offloaded for t in state.tensors)
+    manager.offload_from_state(model, state, weights=weights)
+    assert weights.bytes_read == checkpoint.nbytes
