@@ -41,6 +41,10 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees for ``ft.X`` (r
         update_state as update_state,
     )
     from flextensor.config import OffloadConfig as OffloadConfig
+    from flextensor.lazy_init import (
+        init_empty_weights as init_empty_weights,
+        load_model_from_profile as load_model_from_profile,
+    )
     from flextensor.config_loading import (
         load_config as load_config,
         load_config_from_env as load_config_from_env,
@@ -104,6 +108,9 @@ _LAZY: dict[str, str] = {
     "offload_units": "flextensor.api",
     "resident_units": "flextensor.api",
     "update_state": "flextensor.api",
+    # lazy initialisation from a checkpoint
+    "load_model_from_profile": "flextensor.lazy_init",
+    "init_empty_weights": "flextensor.lazy_init",
     # engine
     "OffloadManager": "flextensor.manager",
     "GPUMemoryUsage": "flextensor.manager",

@@ -57,6 +57,7 @@ import flextensor.engine.adoption  # noqa: F401
 from flextensor.api import get_offload_manager
 from flextensor.attach_prefetch import ELECT_LOCK_WAIT_S, FollowerPrefetch
 from flextensor.config import OffloadConfig
+from flextensor.creator_source import CreatorSource
 from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
 from flextensor.shm.background_pin import BackgroundPinner, PinRange
@@ -206,16 +207,25 @@ class SharedOffloadSession:
         *,
         config: OffloadConfig | None = None,
         name: str = "default",
-        creator_model_factory: Callable[[], nn.Module],
+        creator_model_factory: Callable[[], nn.Module] | None = None,
         follower_model_factory: Callable[[], nn.Module],
+        checkpoint: str | os.PathLike[str] | None = None,
     ) -> nn.Module:
-        """Elect, then publish (creator) or attach (follower); return the offloaded model, ready for inference."""
+        """Elect, then publish (creator) or attach (follower); return the offloaded model, ready for inference.
+
+        With ``checkpoint`` (a safetensors file, a directory of shards, or its index JSON) the creator builds its
+        model with ``creator_model_factory`` if given, else ``follower_model_factory`` (parameters on ``meta``),
+        and reads every tensor once, straight into the shared blocks (``flextensor.creator_source``); a missing
+        tensor is a ``KeyError``, a dtype or shape mismatch a ``ValueError``, both published to the followers."""
         self._check_thread()
         if self._closed:
             raise RuntimeError("this SharedOffloadSession is closed; create a new one")
         validate_manager_name(name)
-        if not callable(creator_model_factory) or not callable(follower_model_factory):
-            raise TypeError("creator_model_factory and follower_model_factory must be callables returning nn.Module")
+        if not callable(follower_model_factory) or not (
+                callable(creator_model_factory) or (creator_model_factory is None and checkpoint is not None)):
+            raise TypeError("follower_model_factory and creator_model_factory must be callables returning nn.Module "
+                            "(creator_model_factory may be omitted when checkpoint= is given)")
+        source = CreatorSource(creator_model_factory or follower_model_factory, checkpoint)
         if name in self._shares:
             raise RuntimeError(f"this session already offloads manager {name!r}; close() it before offloading again")
         manager = get_offload_manager(name)
@@ -253,7 +263,7 @@ class SharedOffloadSession:
             if share.coordinator.is_creator:
                 share.role = "creator"
                 logger.info("session %s/%s: elected creator of generation %d", self.namespace, name, share.generation)
-                model = self._publish(share, manager, cfg, profile_dir, creator_model_factory)
+                model = self._publish(share, manager, cfg, profile_dir, source)
             elif prefetch is not None and prefetch.state is not None:
                 logger.info("session %s/%s: follower of generation %d (joined while the model was built)",
                             self.namespace, name, share.generation)
@@ -339,7 +349,7 @@ class SharedOffloadSession:
 
     # ------------------------------------------------------------------------------------------ creator
     def _publish(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, profile_dir: str,
-                 factory: Callable[[], nn.Module]) -> nn.Module:
+                 source: CreatorSource) -> nn.Module:
         coordinator = share.coordinator
         owner = coordinator.memory_owner
         try:
@@ -355,15 +365,18 @@ class SharedOffloadSession:
                     logger.warning("session %s: %s", share.namespace, shortfall)
             # The blocks' pages are allocated while the checkpoint loads: allocating tmpfs pages, not copying into
             # them, is what makes publishing slow (see flextensor.shm.owner, "Segments made ahead").
+            # A model built in RAM is freed into the blocks as they fill: their pages come block by block then.
             if sizes:
-                owner.prepare_segments({ARENA_KIND: block_bytes})
+                owner.prepare_segments({ARENA_KIND: block_bytes}, reserve=not source.in_ram)
             t0 = time.monotonic()
-            model = factory()
-            if not isinstance(model, nn.Module):
-                raise TypeError(f"creator_model_factory returned {type(model).__name__}, not an nn.Module")
-            logger.info("session %s: checkpoint loaded in %.2f s", share.namespace, time.monotonic() - t0)
+            model = source.build()
+            logger.info("session %s: model built in %.2f s", share.namespace, time.monotonic() - t0)
             t1 = time.monotonic()
-            proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, shm_owner=owner)
+            try:
+                proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, shm_owner=owner,
+                                                   weights=source.weights)
+            finally:
+                source.close()
             published = manager.export_state()
             resident = [t.name for t in published.tensors if not t.offloaded]
             share.store = SharedTensorStore.create_from_model(share.namespace, model, names=resident,

@@ -162,7 +162,7 @@ class ShmOwner:
         self._journaled.add(key)
 
     # ------------------------------------------------------------------ segments
-    def create_segment(self, kind: str, size: int, *, populate: bool = True) -> SharedSegment:
+    def create_segment(self, kind: str, size: int, *, populate: bool = True, reserve: bool = True) -> SharedSegment:
         """Journal, then create ``/{ns}.g{gen}.{kind}`` of ``size`` bytes (``FileExistsError`` if it exists).
 
         A segment prepared for ``kind`` (:meth:`prepare_segments`) is handed out instead, once it is ready.
@@ -181,11 +181,13 @@ class ShmOwner:
                     pass
                 SharedSegment.unlink_name(name)
             self._journal("segment", name)
-            return self._track(SharedSegment.create(name, size, populate=populate))
+            return self._track(SharedSegment.create(name, size, populate=populate, reserve=reserve))
 
-    def prepare_segments(self, sizes: Mapping[str, int]) -> None:
+    def prepare_segments(self, sizes: Mapping[str, int], *, reserve: bool = True) -> None:
         """Start creating (journal, allocate, populate) these segments on a background thread; see the module
-        docs. Errors surface from the :meth:`create_segment` call that takes the segment."""
+        docs. Errors surface from the :meth:`create_segment` call that takes the segment. ``reserve=False``
+        only creates and maps them: their pages are allocated range by range as they are filled
+        (``SharedSegment.reserve_range``), for a creator whose private copy of the data is freed meanwhile."""
         with self.setup():
             if not self._is_creator:
                 raise RuntimeError(f"only the creator of {self._namespace!r} prepares segments")
@@ -195,13 +197,14 @@ class ShmOwner:
                 if kind in self._prepared:
                     continue
                 self.resource_name(kind)  # ValueError for a bad kind, now rather than later
-                self._prepared[kind] = (int(size), self._preparer.submit(self._create_now, kind, int(size)))
+                self._prepared[kind] = (int(size), self._preparer.submit(self._create_now, kind, int(size),
+                                                                         reserve))
 
-    def _create_now(self, kind: str, size: int) -> SharedSegment:
+    def _create_now(self, kind: str, size: int, reserve: bool = True) -> SharedSegment:
         with self.setup():
             name = self.resource_name(kind)
             self._journal("segment", name)
-            return self._track(SharedSegment.create(name, size, populate=True))
+            return self._track(SharedSegment.create(name, size, populate=True, reserve=reserve))
 
     def _track(self, segment: SharedSegment) -> SharedSegment:
         with self._cond:

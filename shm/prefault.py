@@ -52,6 +52,12 @@ def populate_write(mapping: mmap.mmap, size: int) -> bool:
         del anchor  # release the buffer export so the mapping can be closed later
 
 
+def populate_write_range(address: int, size: int) -> bool:
+    """Allocate and map every page of ``size`` bytes at ``address`` (a shared mapping), in parallel; False when
+    the kernel lacks ``MADV_POPULATE_WRITE``. ``OSError`` as :func:`populate_write`."""
+    return _populate_range(address, size, MADV_POPULATE_WRITE)
+
+
 def populate_read(address: int, size: int) -> bool:
     """Map every (existing) page of ``size`` bytes at ``address`` into this process, in parallel.
 

@@ -45,7 +45,7 @@ from .errors import ShmSpaceError
 from .manifest import contiguous_stride
 from .names import validate_posix_name
 from .pinning import host_register, host_unregister
-from .prefault import populate_read, populate_write
+from .prefault import populate_read, populate_write, populate_write_range
 from .sizes import align_up, format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily: flextensor.shm must import in milliseconds
@@ -205,16 +205,22 @@ class SharedSegment:
         self._buffer: memoryview | None = None
         self._pinned: dict[int, int] = {}  # registered ranges: offset -> bytes
         self.inode: int | None = None  # of the file mapped (set by create/open): check_intact() compares it
+        self.reserved = True  # every page allocated (False: ranges are reserved one by one, reserve_range)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def create(cls, name: str, size: int, *, mode: int = 0o600, populate: bool = True) -> SharedSegment:
+    def create(cls, name: str, size: int, *, mode: int = 0o600, populate: bool = True,
+               reserve: bool = True) -> SharedSegment:
         """Create ``name`` exclusively with ``size`` bytes of allocated, zeroed memory and map it.
 
         ``FileExistsError`` when the name exists; ``ShmSpaceError`` (an ``OSError`` with ``errno.ENOSPC``)
         when ``/dev/shm`` is too small, with nothing left behind; ``ValueError`` for a bad name or size.
         ``populate=True`` (the default, for a creator about to write) also maps every page into this process;
         ``populate=False`` only reserves them, for a segment that this process will not touch soon.
+        ``reserve=False`` allocates nothing yet: the creator reserves each range with :meth:`reserve_range`
+        just before it writes there, so host memory grows only as fast as it is filled (a creator that frees its
+        private copy of the weights while it fills the segment never holds both). Writing to a range that was
+        not reserved risks SIGBUS on a full ``/dev/shm``; the free space is still checked here.
         """
         _validate_name(name)
         if isinstance(size, bool) or not isinstance(size, int) or not 0 < size < 1 << 62:
@@ -244,7 +250,7 @@ class SharedSegment:
                 # Allocate every page now, so a full /dev/shm fails here and not as SIGBUS in the middle of a
                 # copy: populate=True also maps them in this process (parallel MADV_POPULATE_WRITE, see
                 # prefault.py; the fast path), populate=False only reserves them (posix_fallocate, one thread).
-                if not (populate and populate_write(mapping, size)):
+                if reserve and not (populate and populate_write(mapping, size)):
                     os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 if mapping is not None:
@@ -263,6 +269,7 @@ class SharedSegment:
         logger.debug("created shared-memory segment %s (%d bytes, mode %04o)", name, size, mode)
         segment = cls(name, size, True, mapping)
         segment.inode = inode
+        segment.reserved = reserve
         return segment
 
     @classmethod
@@ -399,6 +406,30 @@ class SharedSegment:
         # A fresh memoryview per view: it pins the mmap (BufferError on close) for exactly the view's lifetime.
         flat = torch.frombuffer(memoryview(mapping), dtype=dtype, offset=offset, count=span)
         return flat.as_strided(shape_t, stride_t)
+
+    def reserve_range(self, offset: int, nbytes: int) -> None:
+        """Allocate and map the pages of ``[offset, offset + nbytes)`` of a segment created with
+        ``reserve=False``, before writing there; a full ``/dev/shm`` is a :class:`ShmSpaceError` here rather
+        than a SIGBUS in the copy. A no-op on a segment reserved whole."""
+        if self.reserved or nbytes <= 0:
+            return
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) is not inside segment {self.name!r} "
+                             f"({self.size} bytes)")
+        start = offset - offset % mmap.PAGESIZE
+        length = _page_end(offset + nbytes) - start
+        length = min(length, self.size - start)
+        try:
+            if not populate_write_range(self.address + start, length):  # kernels before 5.14
+                shm = posix_ipc.SharedMemory(self.name, 0)
+                try:
+                    os.posix_fallocate(shm.fd, start, length)
+                finally:
+                    shm.close_fd()
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EFAULT):
+                raise _space_error(self.name, self.size, exc.errno) from None
+            raise
 
     # ------------------------------------------------------------------ pinning
     @property

@@ -127,6 +127,24 @@ def _lookup_weight(ctx, name: str, weights: Mapping[str, torch.Tensor] | None) -
     )
 
 
+def _copy_weight(view: torch.Tensor, source) -> None:
+    """Fill one host-block view. A lazily read weight (``flextensor.checkpoint.CheckpointTensor``) queues a read
+    straight into the view instead: the checkpoint is read once, into the block, with no staging copy."""
+    read_into = getattr(source, "read_into", None)
+    if read_into is not None:
+        read_into(view)
+    else:
+        view.copy_(source)
+
+
+def _flush_weights(weights: Mapping[str, torch.Tensor] | None) -> None:
+    """Finish the queued checkpoint reads (``flextensor.checkpoint.CheckpointWeights.flush``) before the blocks are
+    pinned or read: every block exists by now, so the reads run together, in file order."""
+    flush = getattr(weights, "flush", None)
+    if flush is not None:
+        flush()
+
+
 def build_inference(
     ctx: EngineContext,
     layouts: list[BlockLayout],
@@ -158,11 +176,12 @@ def build_inference(
             tensor = ctx.tensors[placement.name].tensor
             if not block.prefilled:
                 source = _lookup_weight(ctx, placement.name, weights) if tensor.is_meta else tensor.data
-                view.copy_(source)
+                _copy_weight(view, source)
                 progress.add(placement.nbytes)
             assign_data(tensor, view)
             ctx.inference.placement[placement.name] = (layout.index, placement)
         ctx.warm.staging.release(p.name for p in layout.tensors)  # this block is filled: its sources may go
+    _flush_weights(weights)
     progress.finish()
     if ctx.inference.provider is not None:
         ctx.inference.provider.finish()  # e.g. host_register pins the filled (populated) arenas now

@@ -59,6 +59,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
+from flextensor.runtime.heap import return_free_heap
 from flextensor.shm.manifest import contiguous_stride
 from flextensor.shm.sizes import align_up
 
@@ -297,6 +298,9 @@ class ArenaProvider(HostBlockProvider):
         return [a.numel() for _, a in sorted(self._arenas.items())] + [a.numel() for a in self._extra]
 
     def allocate(self, index: int, nbytes: int) -> HostBlock:
+        # The engine dropped the previous blocks' source weights: hand their heap pages back before this block's
+        # pages are touched, so the build holds one copy of the weights plus a block, not two copies.
+        return_free_heap()
         slot = self._slots.get(index)
         if slot is None or slot[2] != nbytes:
             arena = self._new_arena(align_up(max(nbytes, 1), PAGE))
@@ -463,6 +467,7 @@ class ShmProvider(HostBlockProvider):
         self._allocator = SharedBlockAllocator(owner)
         self._arena: Any = None
         self._views: list[torch.Tensor] = []
+        self._offsets: tuple[int, ...] = ()
 
     def reserve(self, sizes: Sequence[int]) -> None:
         if self._arena is not None:
@@ -477,6 +482,7 @@ class ShmProvider(HostBlockProvider):
         arena = self._allocator.create(layout) if creator else self._allocator.attach(layout)
         self._arena = arena
         self._views = self._allocator.views(arena, layout)
+        self._offsets = layout.offsets
         if self.pinned and not creator:  # the device only ever reads host blocks (host -> device copies)
             arena.pin(read_only=True)
 
@@ -487,6 +493,12 @@ class ShmProvider(HostBlockProvider):
         view = self._views[index]
         if view.numel() != nbytes:
             raise ValueError(f"shared host block {index} was reserved with {view.numel()} bytes, not {nbytes}")
+        if self.owner.is_creator and not self._arena.reserved:
+            # An arena whose pages come as it is filled (a creator that frees its private weights meanwhile):
+            # the previous blocks' sources are gone by now, so their heap pages go back to the OS before this
+            # block's pages are taken (see flextensor.runtime.heap).
+            return_free_heap()
+            self._arena.reserve_range(self._offsets[index], nbytes)
         return HostBlock(view, name=self._arena.name, prefilled=not self.owner.is_creator)
 
     def finish(self, between: Callable[[], None] | None = None) -> None:

@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--preserve", action="store_true",
                         help="close(preserve_models=True), then run the model again and report whether it still views SHM")
     parser.add_argument("--log", action="store_true", help="log INFO lines to stderr (tests wait on them)")
+    parser.add_argument("--checkpoint", help="the creator reads this safetensors checkpoint (no creator factory)")
     args = parser.parse_args()
     if args.log:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -90,6 +91,9 @@ def main() -> int:
         return tiny_transformer(seed=0)
 
     def follower_factory() -> torch.nn.Module:
+        if args.checkpoint:  # the creator builds with this factory too: buffers stay real, parameters go meta
+            with ft.init_empty_weights():
+                return TinyTransformer()
         with torch.device("meta"):
             return TinyTransformer(d=48) if args.mode == "mismatch" else TinyTransformer()
 
@@ -98,7 +102,8 @@ def main() -> int:
     try:
         model = session.offload_from_profile(
             args.profile, config=config, name=args.name,
-            creator_model_factory=creator_factory, follower_model_factory=follower_factory,
+            creator_model_factory=None if args.checkpoint else creator_factory,
+            follower_model_factory=follower_factory, checkpoint=args.checkpoint,
         )
         with torch.no_grad():
             out = model(token_ids().to(ft.get_offload_manager(args.name).device)).cpu()

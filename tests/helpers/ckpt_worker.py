@@ -1,0 +1,121 @@
+"""One process that loads the 512 MiB test model one way and reports its peak RSS growth, for the checkpoint tests
+and ``bench/bench_checkpoint.py``.
+
+Run as ``python -m tests.helpers.ckpt_worker --mode MODE --profile DIR [--checkpoint PATH] [--ns NS]``. Prints one
+JSON line: ``role``, ``growth`` (bytes: the process's peak RSS during the call, ``VmHWM``, minus its ``VmRSS``
+just before it; the peak is reset first through ``/proc/self/clear_refs`` so only the call counts),
+``model_bytes``, ``ready_s``, ``device_block_bytes`` (the loader's rotating blocks when the compute device is the
+CPU: host memory, touched by forwards) and ``out`` (hex of the output), or ``{"error", "message"}`` with exit status 3.
+
+Modes: ``lazy`` (``ft.load_model_from_profile``), ``session`` (a ``SharedOffloadSession`` creator or follower
+reading ``--checkpoint``), ``inram`` (a session whose creator factory builds the model in RAM), ``offload`` (a
+single-process ``ft.offload_from_profile`` of a model already in RAM: the growth is what it adds), ``profile``
+(``ft.offload`` of a model in RAM through discovery, profiling and the switch to INFERENCE: what it adds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+import torch
+
+import flextensor as ft
+from tests.helpers.checkpoints import BIG, BigMLP, big_input, big_mlp, big_mlp_meta, model_bytes
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux 4.0+)
+    except OSError:
+        pass
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", required=True, choices=["lazy", "session", "inram", "offload", "profile"])
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--ns")
+    parser.add_argument("--lease", type=float, default=1.0)
+    parser.add_argument("--hold", action="store_true", help="keep the session open until a line arrives on stdin")
+    parser.add_argument("--log", action="store_true")
+    args = parser.parse_args()
+    if args.log:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    config = ft.OffloadConfig(pinned_memory=torch.cuda.is_available(), num_blocks=2, min_blocks=2)
+    x = big_input()
+    session = None
+    try:
+        model_in_ram = big_mlp() if args.mode in ("offload", "profile") else None
+        size = model_bytes(big_mlp_meta())
+        import flextensor.lazy_init  # noqa: F401 - imported before the measurement: a one-time cost per process
+        import flextensor.session  # noqa: F401
+
+        _reset_peak()
+        before = _status("VmRSS")
+        start = time.monotonic()
+        role = "single"
+        if args.mode == "lazy":
+            ft.init(config, name="model")
+            model = ft.load_model_from_profile(ft.get_offload_manager("model"), args.profile, BigMLP,
+                                               safetensor_path=args.checkpoint, strict=True)
+        elif args.mode == "profile":  # discovery, profiling and the switch to INFERENCE, all on this model
+            cfg = ft.OffloadConfig(pinned_memory=torch.cuda.is_available(), num_blocks=2, min_blocks=2,
+                                   include_patterns=["class:MLPBlock"], load_strategy=ft.NthLayerStrategy(1))
+            model = ft.offload(model_in_ram, cfg, name="model")
+            del model_in_ram
+            manager = ft.get_offload_manager("model")
+            with torch.no_grad():
+                for _ in range(manager.iters_before_inference):
+                    model(x.to(manager.device))
+            manager.wait_for_host_blocks()
+        elif args.mode == "offload":
+            model = ft.offload_from_profile(model_in_ram, args.profile, config, name="model")
+            del model_in_ram
+        else:
+            session = ft.SharedOffloadSession(args.ns, wait_timeout=120, lease_seconds=args.lease)
+            if args.mode == "session":
+                model = session.offload_from_profile(args.profile, config=config, name="model",
+                                                     follower_model_factory=big_mlp_meta, checkpoint=args.checkpoint)
+            else:
+                model = session.offload_from_profile(args.profile, config=config, name="model",
+                                                     creator_model_factory=big_mlp,
+                                                     follower_model_factory=big_mlp_meta)
+            role = session.role("model")
+        ready_s = time.monotonic() - start
+        growth = _status("VmHWM") - before
+        manager = ft.get_offload_manager("model")
+        # On a CPU compute device the loader's rotating "device" blocks are host memory too (touched by forwards).
+        device_blocks = manager.get_gpu_memory_usage().block_bytes if manager.device.type == "cpu" else 0
+        with torch.no_grad():
+            out = model(x.to(manager.device)).cpu()
+        print(json.dumps({"role": role, "growth": growth, "model_bytes": size, "ready_s": ready_s,
+                          "device_block_bytes": device_blocks, "out": out.numpy().tobytes().hex()}), flush=True)
+        if args.hold:
+            sys.stdin.readline()
+        if session is not None:
+            session.close()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - the test reads the class and message
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+        if session is not None:
+            session.close()
+        return 3
+
+
+if __name__ == "__main__":
+    assert BIG  # the model the growth is measured on
+    sys.exit(main())
