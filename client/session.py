@@ -44,9 +44,7 @@ import logging
 import os
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -66,18 +64,17 @@ from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator, peek_ready
 from flextensor.shm.header import State
-from flextensor.shm.ftd_client import register_participant
-from flextensor.shm.names import lock_directory, manager_namespace, validate_base_namespace, validate_manager_name
+from flextensor.shm.names import manager_namespace, validate_base_namespace, validate_manager_name
 from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
+from flextensor.share import (PLAN_KIND, ManagerShare, check_offloaded_metadata, device_index, privatize_shared_views,
+                              read_published_plan, register_with_daemon, run_factory_while_attaching, timed_step)
 from flextensor.shm.tensor_store import SharedTensorStore
-from flextensor.state import TensorManagerState, model_tensors
+from flextensor.state import TensorManagerState
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SharedOffloadSession", "ManagerShare", "PLAN_KIND"]
 
-#: Kind of the blob that carries the published plan (``/{ns}.g{gen}.p``).
-PLAN_KIND = "p"
 #: Heartbeat lease of every participant (30 s); tests shorten it through the constructor.
 DEFAULT_LEASE_SECONDS = 30.0
 
@@ -94,83 +91,6 @@ class _Deadline:
     def remaining(self) -> float | None:
         return None if self.end is None else max(0.0, self.end - time.monotonic())
 
-
-@contextmanager
-def _step(steps: dict[str, float], name: str) -> Iterator[None]:
-    """Time one step of attaching (reported by ``session.report()`` so slow steps can be found)."""
-    start = time.monotonic()
-    try:
-        yield
-    finally:
-        steps[name] = time.monotonic() - start
-
-
-def _run_factory_while_attaching(prefetch: FollowerPrefetch, factory: Callable[[], Any], steps: dict[str, float],
-                                 take_over: Callable[[], None]) -> nn.Module:
-    """Run the follower's model factory on this thread while the attach thread works, then join the thread.
-
-    The thread is joined even when the factory fails or the caller is interrupted, and ``take_over`` gives
-    whatever the thread opened an owner before any error propagates; then the thread's error, then the factory's
-    result is checked."""
-    model = None
-    try:
-        with _step(steps, "factory"):
-            model = factory()
-    finally:
-        try:
-            with _step(steps, "prefetch_wait"):
-                prefetch.join()  # waits for the thread even when interrupted
-        finally:
-            take_over()
-    if prefetch.error is not None:
-        raise prefetch.error
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"follower_model_factory returned {type(model).__name__}, not an nn.Module")
-    return model
-
-
-def _read_published_plan(owner: Any, namespace: str) -> TensorManagerState:
-    """The plan the creator of ``namespace``'s generation published (``PLAN_KIND``), validated."""
-    return TensorManagerState.from_json(owner.read_blob(PLAN_KIND), source=f"published plan of {namespace}")
-
-
-@dataclass
-class ManagerShare:
-    """What one manager of the session holds, and how it got there (reported by ``session.report()``)."""
-
-    name: str
-    namespace: str
-    coordinator: ShmCoordinator
-    role: str = "follower"
-    generation: int = 0
-    model: nn.Module | None = None
-    store: SharedTensorStore | None = None
-    segments: list[Any] = field(default_factory=list)
-    released: bool = False
-    ready_s: float = 0.0
-    wait_s: float = 0.0
-    shared_bytes: int = 0
-    pinner: BackgroundPinner | None = None  # a follower's background registration of its block mappings
-    steps: dict[str, float] = field(default_factory=dict)  # seconds per follower step (see _attach)
-
-    def take_from(self, prefetch: FollowerPrefetch) -> None:
-        """Own what a follower's attach thread opened (store, arena), so the session's cleanup closes it, and
-        report the thread's parts as ``prefetch_*`` steps."""
-        self.store = prefetch.store
-        self.segments.extend(prefetch.segments)
-        self.steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
-
-    def summary(self) -> dict[str, Any]:
-        pinner = self.pinner
-        report = {
-            "manager": self.name, "namespace": self.namespace, "role": self.role, "generation": self.generation,
-            "ready_s": self.ready_s, "wait_s": self.wait_s, "shared_bytes": self.shared_bytes,
-            # a CUDA follower's background registration so far (a creator pins inside its publish: not reported)
-            "register_s": pinner.elapsed_s if pinner is not None else 0.0, "steps": dict(self.steps),
-        }
-        if pinner is not None:  # registration runs in the background: is it finished, how long did copies wait
-            report.update(registered=pinner.pinned_blocks == pinner.block_count, register_wait_s=pinner.waited_s)
-        return report
 
 
 class SharedOffloadSession:
@@ -250,8 +170,8 @@ class SharedOffloadSession:
                 coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining(),
                                              base=self.namespace, manager=name)
                 share = self._new_share(name, ns, coordinator, joined_s=time.monotonic() - begin)
-                with _step(share.steps, "daemon"):
-                    _register_with_daemon(coordinator, self.namespace, name)
+                with timed_step(share.steps, "daemon"):
+                    register_with_daemon(coordinator, self.namespace, name)
         except BaseException:
             share = share or self._shares.get(name)  # _join_while_building registers one before it raises
             if share is None:
@@ -316,12 +236,12 @@ class SharedOffloadSession:
             except TimeoutError:
                 return None, None
             steps["join"] = time.monotonic() - begin
-            with _step(steps, "daemon"):  # a failure from here leaves ``joined`` to take_over, then _abandon
-                _register_with_daemon(joined, self.namespace, name)
+            with timed_step(steps, "daemon"):  # a failure from here leaves ``joined`` to take_over, then _abandon
+                register_with_daemon(joined, self.namespace, name)
             if joined.is_creator or joined.state is not State.READY:
                 return joined, None
-            with _step(steps, "plan"):
-                state = _read_published_plan(joined.memory_owner, ns)
+            with timed_step(steps, "plan"):
+                state = read_published_plan(joined.memory_owner, ns)
             return joined, state
 
         prefetch = FollowerPrefetch(ns, compute_device(cfg), num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
@@ -335,7 +255,7 @@ class SharedOffloadSession:
                 share.steps.update(steps)
                 share.take_from(prefetch)
 
-        model = _run_factory_while_attaching(prefetch, factory, steps, take_over)
+        model = run_factory_while_attaching(prefetch, factory, steps, take_over)
         return share, model, prefetch, steps["factory"]
 
     def _session_config(self, config: OffloadConfig | None, ns: str) -> OffloadConfig:
@@ -404,17 +324,17 @@ class SharedOffloadSession:
         coordinator = share.coordinator
         owner = coordinator.memory_owner
         steps = share.steps
-        with _step(steps, "wait"):
+        with timed_step(steps, "wait"):
             coordinator.wait_for_ready(deadline.remaining())
         share.wait_s = steps["wait"]
-        with _step(steps, "plan"):
-            state = _read_published_plan(owner, share.namespace)
+        with timed_step(steps, "plan"):
+            state = read_published_plan(owner, share.namespace)
         device = compute_device(cfg)
         # Store, host blocks and resident copies are opened on a thread while the factory builds the model.
         prefetch = FollowerPrefetch(share.namespace, device, num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
                                     owner=owner, state=state).start()
 
-        model = _run_factory_while_attaching(prefetch, factory, steps, lambda: share.take_from(prefetch))
+        model = run_factory_while_attaching(prefetch, factory, steps, lambda: share.take_from(prefetch))
         return self._adopt_published(share, manager, cfg, model, prefetch)
 
     def _adopt_published(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, model: nn.Module,
@@ -431,9 +351,9 @@ class SharedOffloadSession:
                 f"internal error in session {self.namespace!r}: the attach thread finished without the published "
                 "plan or the arena layout; please report it (a fresh start of the worker joins again)"
             )
-        with _step(steps, "validate"):
-            _check_offloaded_metadata(model, state)
-        with _step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
+        with timed_step(steps, "validate"):
+            check_offloaded_metadata(model, state)
+        with timed_step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
             share.store.materialize(model, device, copies=prefetch.device_copies)
         sizes = layout.sizes
         host_blocks = SharedBlockAllocator.views(share.segments[0], layout) if sizes else []
@@ -445,10 +365,10 @@ class SharedOffloadSession:
             index_of = {b.label: b.index for b in state.blocks}
             order = [index_of[label] for label in state.schedule if label in index_of]
             ranges = [PinRange(share.segments[0], offset, size) for offset, size in zip(layout.offsets, sizes)]
-            share.pinner = BackgroundPinner(ranges, order, device=_device_index(device),
+            share.pinner = BackgroundPinner(ranges, order, device=device_index(device),
                                             label=f"session {share.namespace}")
             gate = share.pinner.wait
-        with _step(steps, "adopt"):
+        with timed_step(steps, "adopt"):
             proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False,
                                                host_blocks=host_blocks, host_block_gate=gate)
         if share.pinner is not None:
@@ -472,7 +392,7 @@ class SharedOffloadSession:
                 model = manager.model
                 manager.release(preserve_model=preserve)
                 if preserve and share.store is not None:
-                    _privatize_shared_views(model, share.store)
+                    privatize_shared_views(model, share.store)
             share.released = True
         if share.pinner is not None:  # no registration may race the unpin and unmap below
             share.pinner.close()
@@ -574,46 +494,3 @@ class SharedOffloadSession:
     def _unreserve(name: str) -> None:
         with _reserved_lock:
             _reserved.discard(name)
-
-
-def _check_offloaded_metadata(model: nn.Module, state: TensorManagerState) -> None:
-    """Compare the plan's dtype/shape of every tensor with the follower's model, naming the first mismatch."""
-    tensors = model_tensors(model)
-    for t in state.tensors:
-        entry = tensors.get(t.name)
-        if entry is None:
-            raise ValueError(f"published tensor {t.name!r} does not exist in the follower's model: both factories "
-                             "must build the same topology")
-        dtype = str(entry.tensor.dtype).removeprefix("torch.")
-        if dtype != t.dtype or list(entry.tensor.shape) != list(t.shape):
-            raise ValueError(
-                f"published tensor {t.name!r} is {t.dtype}{tuple(t.shape)} but the follower's model has "
-                f"{dtype}{tuple(entry.tensor.shape)}: both factories must build the same model"
-            )
-    extra = sorted(set(tensors) - {t.name for t in state.tensors})
-    if extra:
-        raise ValueError(f"the follower's model has tensor {extra[0]!r} that the published plan does not know")
-
-
-def _privatize_shared_views(model: nn.Module, store: SharedTensorStore) -> None:
-    """Give the store's tensors that still view shared memory (CPU hosts) private storage of their own."""
-    shared = {name for record in store.records for name in record.all_names}
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-            if name in shared and tensor.device.type == "cpu":
-                tensor.data = tensor.data.clone()
-
-
-def _device_index(device: torch.device) -> int | None:
-    """The CUDA device ordinal the background registration must make current (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _register_with_daemon(coordinator: ShmCoordinator, base: str, manager: str) -> None:
-    """Tell a running ``ftd`` about this participant (death seen at once, not after the lease); without a daemon
-    this costs a ``stat`` and returns. A draining namespace refuses the join: ``NamespaceDrainingError``
-    (a ``RuntimeError``) propagates and the session leaves the generation."""
-    register_participant(coordinator.namespace, coordinator.lease_slot, coordinator.identity, lock_directory(),
-                         base=base, manager=manager, refuse_if_draining=True)

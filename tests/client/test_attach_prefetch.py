@@ -246,7 +246,7 @@ def test_a_failure_after_the_join_on_the_thread_leaves_the_generation(namespace:
     def refuse(*_args, **_kwargs):
         raise RuntimeError("ftd refused the participant (test)")
 
-    monkeypatch.setattr(session_mod, "_register_with_daemon", refuse)
+    monkeypatch.setattr(session_mod, "register_with_daemon", refuse)
     session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
     with pytest.raises(RuntimeError, match="refused the participant"):
         session.offload_from_profile(profile, config=cpu_config(), name="model",
