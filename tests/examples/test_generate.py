@@ -10,6 +10,8 @@ import torch
 
 import flextensor as ft
 from tests.examples.conftest import tiny_args
+from tests.helpers.models import release_managers  # noqa: F401 - autouse: every test releases its managers
+from tests.helpers.session_worker import shm_ranges
 
 pytest.importorskip("transformers")
 
@@ -21,29 +23,11 @@ CPU = torch.device("cpu")
 NEW_TOKENS = 32
 
 
-@pytest.fixture(autouse=True)
-def release_managers():
-    yield
-    from flextensor.api import release_all
-
-    release_all()
-
-
 def cache_tensors(cache) -> list[torch.Tensor]:
     """Every key and value tensor of a ``transformers`` cache object."""
     if hasattr(cache, "layers"):
         return [t for layer in cache.layers for t in (layer.keys, layer.values)]
     return [*cache.key_cache, *cache.value_cache]
-
-
-def shm_ranges() -> list[tuple[int, int]]:
-    ranges = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if "/dev/shm/" in line:
-                start, end = (int(x, 16) for x in line.split()[0].split("-"))
-                ranges.append((start, end))
-    return ranges
 
 
 def in_shared_memory(t: torch.Tensor) -> bool:

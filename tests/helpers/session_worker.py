@@ -27,7 +27,7 @@ def _touch(path: str | None) -> None:
         Path(path).write_text("started")
 
 
-def _shm_ranges() -> list[tuple[int, int]]:
+def shm_ranges() -> list[tuple[int, int]]:
     """The address ranges of this process's /dev/shm mappings."""
     ranges = []
     with open("/proc/self/maps") as maps:
@@ -44,13 +44,13 @@ def _in_shared_memory(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bo
 
 def _views_shared_memory(model: torch.nn.Module) -> bool:
     """Whether any parameter or buffer still points into a /dev/shm mapping of this process."""
-    ranges = _shm_ranges()
+    ranges = shm_ranges()
     return any(_in_shared_memory(t, ranges) for t in [*model.parameters(), *model.buffers()])
 
 
 def _where_tensors_live(model: torch.nn.Module, manager: ft.OffloadManager) -> dict:
     """How many offloaded and resident tensors view /dev/shm, and whether the engine has a block loader."""
-    ranges = _shm_ranges()
+    ranges = shm_ranges()
     offloaded = {n for names in manager.offloaded_tensors.values() for n in names}
     tensors = dict([*model.named_parameters(), *model.named_buffers()])
     in_shm = {n for n, t in tensors.items() if _in_shared_memory(t, ranges)}
