@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from flextensor.config import OffloadConfig, validate_option
+from flextensor.text_settings import parse_bool, yaml_mapping
 
 __all__ = [
     "load_config",
@@ -62,8 +63,6 @@ FOREIGN_ENV_NAMES: tuple[str, ...] = ("EXTERNAL_COMPILE",)
 _INI_SUFFIXES = (".ini", ".conf", ".cfg")
 _YAML_SUFFIXES = (".yaml", ".yml")
 _JSON_SUFFIXES = (".json",)
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 _NONE = frozenset({"", "none", "null"})
 
 # Options that cannot be expressed as text: they must be passed in code.
@@ -137,12 +136,7 @@ def _parse_text(kind: Kind, text: str) -> Any:
     """Parse one textual value; raises ValueError with a short reason (the caller adds option and source)."""
     stripped = text.strip()
     if kind == "bool":
-        lowered = stripped.lower()
-        if lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
-        raise ValueError("not a boolean")
+        return parse_bool(stripped)
     if kind == "int":
         return int(stripped)
     if kind == "float":
@@ -255,26 +249,15 @@ def _read_file(path: str | os.PathLike[str]) -> dict[str, _Value]:
         return _read_mapping(dict(parser.items(INI_SECTION)), source, from_text=True)
 
     if suffix in _YAML_SUFFIXES:
-        import yaml  # local: only YAML users pay for the import
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{source}: not valid YAML: {exc}") from None
-        kind = "YAML"
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{source}: not valid JSON: {exc}") from None
-        kind = "JSON"
+        return _read_mapping(yaml_mapping(text, source), source, from_text=False)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: not valid JSON: {exc}") from None
     if data is None:
         data = {}  # an empty file is an empty configuration
     if not isinstance(data, dict):
-        raise ValueError(
-            f"{source}: the top level of a {kind} config must be a mapping of option names to values, "
-            f"got {type(data).__name__}"
-        )
+        raise ValueError(f"{source}: the top level must be a mapping of names to values, got {type(data).__name__}")
     return _read_mapping(data, source, from_text=False)
 
 

@@ -32,17 +32,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from flextensor.shm.ftd_client import default_socket_path
+from flextensor.text_settings import parse_bool, yaml_mapping
 from flextensor.shm.ftd_protocol import MAX_FRAME_BYTES
 
 __all__ = ["DaemonSettings", "load_settings", "default_lock_dir", "ENV_PREFIX"]
 
 ENV_PREFIX = "FT_DAEMON_"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 def default_lock_dir() -> str:
@@ -120,11 +117,7 @@ def _from_text(name: str, text: str, source: str) -> Any:
         if name == "socket_group":
             return text or None
         if name == "keep_holds_on_exit":
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise ValueError(text)
+            return parse_bool(text)
     except ValueError:
         raise ValueError(f"{source}: {text!r} is not a valid value for {name}") from None
     return text
@@ -133,15 +126,10 @@ def _from_text(name: str, text: str, source: str) -> Any:
 def _read_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            text = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"ftd config file {path} does not exist; fix --config / FT_DAEMON_CONFIG") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"ftd config file {path} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise ValueError(f"ftd config file {path} must hold a mapping of settings, got {type(data).__name__}")
+    data = yaml_mapping(text, f"ftd config file {path}")
     unknown = sorted(set(data) - _FIELDS)
     if unknown:
         raise ValueError(f"ftd config file {path}: unknown key(s) {', '.join(map(str, unknown))}; known keys are "
