@@ -278,7 +278,8 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
     the journal names, the coordinator segment, the journal and the lock file. A namespace with neither a
     journal nor a coordinator segment is a no-op. Safe to retry after a partial failure.
 
-    Raises ``TimeoutError`` (naming how many participants are live and their pids) when leases stay live or
+    Raises ``FileNotFoundError`` when a ``lock_dir`` given does not exist, ``TimeoutError`` (naming how many
+    participants are live and their pids) when leases stay live or
     the coordinator lock stays taken; ``ShmProtocolError`` with nothing removed when the journal or header is
     of an unknown protocol or malformed; ``ValueError`` for a bad namespace or timeout.
     """
@@ -287,6 +288,11 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
     start = time.monotonic()
     deadline = start + timeout
     directory = resolve_lock_directory(lock_dir)
+    if lock_dir is not None and not directory.is_dir():
+        raise FileNotFoundError(
+            f"lock directory {str(directory)!r} does not exist: pass the workers' lock directory (their "
+            f"TMPDIR/flextensor-<uid>, the directory that holds {namespace}.journal)"
+        )
     if force:
         return _force_cleanup(namespace, directory, deadline, start)
     lock = FileLock(coordinator_lock_path(namespace, directory))
