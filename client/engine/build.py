@@ -77,11 +77,12 @@ import logging
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
+from torch import nn
 
-from flextensor.engine.hooks import assign_data, bypass_resident_traps
 from flextensor.engine.context import DeferredPlan
+from flextensor.engine.hooks import assign_data, bypass_resident_traps
 from flextensor.runtime.host_block_build import HostBlockBuild
-from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_views
+from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_view, block_views
 from flextensor.runtime.loader import BlockLoader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -214,6 +215,7 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
         _bypass_resident_traps(ctx, set())
         return
     ctx.inference.block_of = block_of
+    _read_state_dict_from_host_blocks(ctx)
     ctx.inference.loader = BlockLoader(
         device=ctx.device,
         layouts=layouts,
@@ -226,6 +228,22 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
         host_block_gate=host_block_gate,
     )
     _bypass_resident_traps(ctx, set(block_of))
+
+
+def _read_state_dict_from_host_blocks(ctx: EngineContext) -> None:
+    """Between passes a streamed parameter points at a rotating device block, which holds whichever trap ran in
+    it last: ``state_dict()`` (and ``save_pretrained``, which reads it) gets each streamed tensor's host view
+    instead, under its name and its tied aliases. The hook goes at teardown."""
+    placement, blocks, tensors = ctx.inference.placement, ctx.inference.host_blocks, ctx.tensors
+    keys = {key: name for name in placement for key in (name, *tensors[name].aliases)}
+
+    def host_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        for key, name in keys.items():
+            if prefix + key in state_dict:
+                index, place = placement[name]
+                state_dict[prefix + key] = block_view(blocks[index].tensor, place)
+
+    ctx.inference.state_dict_hook = ctx.model.register_state_dict_post_hook(host_values)
 
 
 def _settle_warmup(ctx: EngineContext, placed: set[str]) -> None:

@@ -139,6 +139,7 @@ class InferenceState:
     deferred: HostBlockBuild | None = None  # host blocks building behind resident inference
     deferred_plan: DeferredPlan | None = None  # what the deferred build streams, kept until it is installed
     host_build_s: float | None = None  # how long the last background host-block build took
+    state_dict_hook: Any = None  # makes state_dict() read streamed tensors from their host blocks
 
 
 @dataclass(eq=False)

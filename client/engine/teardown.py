@@ -43,6 +43,9 @@ def teardown(ctx: EngineContext, preserve_model: bool) -> None:
     if not preserve_model:  # what INFERENCE would stream is dropped like streamed weights: onto meta
         for t in streamed:
             assign_data(t, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    if ctx.inference.state_dict_hook is not None:
+        ctx.inference.state_dict_hook.remove()
+        ctx.inference.state_dict_hook = None
     if ctx.inference.loader is not None:
         ctx.inference.loader.close()
     ctx.warm.loader.unload()

@@ -541,3 +541,30 @@ def test_a_forward_replaced_after_offload_is_not_bypassed_and_instance_forwards_
     ft.release()
     assert model[3].__dict__["forward"] is own
     assert same(reference(model, x), ref)
+
+
+def test_state_dict_of_a_streamed_model_reads_the_host_blocks_and_saves_round_trip(tmp_path):
+    """Between passes streamed parameters point at rotating device blocks; state_dict() still gives every
+    tensor's own values (from its host block), so a checkpoint saved from it loads into a plain model."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_transformer()
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = token_ids().to(DEVICE)
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2))
+    om = ft.get_offload_manager()
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + 2):
+            model(ids)
+    om.wait_for_host_blocks()
+    assert om.loader is not None and om.offloaded_tensors
+    state = model.state_dict()
+    assert state.keys() == plain.keys()
+    assert all(torch.equal(state[k].cpu(), plain[k].cpu()) for k in plain)
+    copies = {k: v.cpu().clone(memory_format=torch.contiguous_format) for k, v in state.items()}  # untie, pack
+    save_file(copies, str(tmp_path / "model.safetensors"))
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(loaded[k], plain[k].cpu()) for k in plain)
+    ft.release()
+    after = model.state_dict()
+    assert all(torch.equal(after[k].cpu(), plain[k].cpu()) for k in plain)
