@@ -44,6 +44,8 @@ STREAMED_TRAP_COST_S = 70e-6
 # Measured on the same host where the device lagged the host: 5 streamed layers of a 7.6 ms pass (1x1024
 # tokens) +66 us each, 15 of a 60.5 ms pass (4x2048) +23 us each; the floor is about the lower one.
 STREAMED_TRAP_DEVICE_S = 25e-6
+#: The transfer model of a CPU computing from its host blocks in place: an offloaded tensor costs no copy.
+IN_PLACE_TRANSFER = TransferModel(1e15)
 
 
 @dataclass(frozen=True)
@@ -116,9 +118,12 @@ def plan_switch(ctx: EngineContext) -> Plan:
         costs.append(template.timed(compute, _trap_stream_cost(compute, host, calls[label])))
     fixed = (sum(tensor_nbytes(t) for t in inputs.others)
              + sum(nbytes for n, nbytes in inputs.exclusive_bytes.items() if n not in offloadable))
-    record.samples = sweep_samples(ctx) or transfer_sweep(ctx.device, [c.total_bytes for c in costs],
-                                                          pinned=cfg.pinned_memory)
-    transfer = TransferModel.fit(record.samples) if record.samples else TransferModel(1e9)
+    if ctx.in_place:  # nothing is ever copied (Note [CPU in place]): no sweep, and its buffers never allocated
+        record.samples, transfer = [], IN_PLACE_TRANSFER
+    else:
+        record.samples = sweep_samples(ctx) or transfer_sweep(ctx.device, [c.total_bytes for c in costs],
+                                                              pinned=cfg.pinned_memory)
+        transfer = TransferModel.fit(record.samples) if record.samples else TransferModel(1e9)
     budget = resolve_device_budget(ctx)
     strategy = cfg.load_strategy if cfg.load_strategy is not None else AdaptiveStrategy()
     if offloadable:
