@@ -42,7 +42,7 @@ class Replica:
         import torch
 
         import flextensor as ft
-        from shared_generate import compute_device, ensure_profile, open_shared_model, prompt_ids
+        from shared_generate import build_meta_model, compute_device, ensure_profile, open_shared_model, prompt_ids
 
         self.args, self.index = args, index
         # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU(s): it is cuda:0 in here.
@@ -50,6 +50,8 @@ class Replica:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         ensure_profile(args, self.device)
+        # The model classes' first import takes seconds: done here, a restarted actor's join is the attach alone.
+        build_meta_model(args)
         self.session = ft.SharedOffloadSession(namespace, wait_timeout=args.wait_timeout, lease_seconds=args.lease)
         self.model = open_shared_model(self.session, args, self.device)
         self.prompt = prompt_ids(args, index, self.model.config.vocab_size)
@@ -57,7 +59,8 @@ class Replica:
     def info(self) -> dict[str, Any]:
         share = self.session.report()[0]
         return {"replica": self.index, "pid": os.getpid(), "role": share["role"], "generation": share["generation"],
-                "ready_s": round(share["ready_s"], 3)}
+                "ready_s": round(share["ready_s"], 3), "wait_s": round(share["wait_s"], 3),
+                "steps": {k: round(v, 3) for k, v in share["steps"].items()}}
 
     def generate(self) -> list[int]:
         from shared_generate import generate

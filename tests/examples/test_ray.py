@@ -55,4 +55,5 @@ def test_ray_replicas_share_one_copy_and_restart_reattaches(tmp_path: Path, env:
     assert any(e["event"] == "cleanup" for e in events)
     record(request, f"ray: 2 actors ready in {ready[0]['ready_s']:.2f} / {ready[1]['ready_s']:.2f} s; a killed "
                     f"actor restarted and re-attached (its session ready in {restarted['ready_s']:.2f} s, no "
-                    f"checkpoint read), answering again after {restarted['restart_s']:.1f} s")
+                    f"checkpoint read), answering again after {restarted['restart_s']:.1f} s; its steps "
+                    f"{restarted.get('steps')}, waited {restarted.get('wait_s')} s")
