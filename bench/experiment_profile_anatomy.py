@@ -117,7 +117,7 @@ def instrument() -> None:
                         (profiling, "preload"), (switch, "sweep_samples"),
                         (profiling, "plan_switch"), (profiling, "prepare_switch"), (profiling, "enter_inference"),
                         (switch, "pack_block"), (build, "can_defer"), (build, "defer_inference"),
-                        (switch, "resolve_device_budget"), (build, "_bypass_resident_traps"), (manager, "make_provider"),
+                        (switch, "resolve_device_budget"), (build, "bypass_untimed_traps"), (manager, "make_provider"),
                         (strategies.AdaptiveStrategy, "plan"), (basic.NthLayerStrategy, "plan")]:
         _wrap(owner, name)
     timing.TimingCollector.read_windows_ms = _read_windows_ms

@@ -86,10 +86,10 @@ def trap_costs(device: torch.device) -> list[dict]:
             ft.release("cost")
     finally:
         profiling.read_pass = real
-    bypass = build._bypass_resident_traps
+    bypass = build.bypass_untimed_traps
     for label, patched in [("INFERENCE, nothing streamed, traps bypassed", bypass),
                            ("INFERENCE, nothing streamed, wrapper kept", lambda ctx, streamed: None)]:
-        build._bypass_resident_traps = patched
+        build.bypass_untimed_traps = patched
         try:
             model = Tiny().to(device)
             twin = copy.deepcopy(model)
@@ -104,7 +104,7 @@ def trap_costs(device: torch.device) -> list[dict]:
             out.append({"variant": label, "streamed_traps": streamed, **per_trap_us(proxy, twin, x)})
             ft.release("cost")
         finally:
-            build._bypass_resident_traps = bypass
+            build.bypass_untimed_traps = bypass
     return out
 
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from flextensor.engine.build import build_inference
-from flextensor.engine.hooks import Trap, bypass_resident_traps
+from flextensor.engine.build import build_inference, bypass_untimed_traps
+from flextensor.engine.hooks import Trap
 from flextensor.engine.inference import InferenceHandler
 from flextensor.planning.plan_model import effective_blocks
 from flextensor.runtime.host_memory import BlockLayout, TensorPlacement
@@ -208,8 +208,7 @@ def adopt_state(
                     block_names=[b.name for b in state.blocks], host_block_gate=host_block_gate)
     for trap in ctx.traps.values():
         trap.install(enter, leave, ctx.compile_fn)
-    if ctx.timing is None:  # offload timing times every trap call
-        bypass_resident_traps(ctx.traps.values(), set(ctx.inference.block_of))
+    bypass_untimed_traps(ctx, set(ctx.inference.block_of))  # the traps exist now: the build's call saw none
     return InferenceHandler(ctx)
 
 

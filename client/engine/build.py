@@ -89,7 +89,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
     from flextensor.engine.switch import Plan
 
-__all__ = ["build_inference", "can_defer", "defer_inference", "enter_inference",
+__all__ = ["build_inference", "bypass_untimed_traps", "can_defer", "defer_inference", "enter_inference",
            "install_deferred", "start_loader"]
 
 logger = logging.getLogger("flextensor.manager")
@@ -105,7 +105,8 @@ def enter_inference(ctx: EngineContext, plan: Plan) -> None:
         build_inference(ctx, layouts, list(plan.schedule), plan.num_slots)
 
 
-def _bypass_resident_traps(ctx: EngineContext, streamed: set[str]) -> None:
+def bypass_untimed_traps(ctx: EngineContext, streamed: set[str]) -> None:
+    """Module traps outside ``streamed`` call their forwards directly, unless offload timing times every call."""
     if ctx.timing is None:  # offload timing times every trap call
         bypass_resident_traps(ctx.traps.values(), streamed)
 
@@ -212,7 +213,7 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
     ctx.sequence = list(schedule)
     if ctx.in_place:
         ctx.inference.block_of = {}
-        _bypass_resident_traps(ctx, set())
+        bypass_untimed_traps(ctx, set())
         return
     ctx.inference.block_of = block_of
     _read_state_dict_from_host_blocks(ctx)
@@ -227,7 +228,7 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
         timing=ctx.timing,
         host_block_gate=host_block_gate,
     )
-    _bypass_resident_traps(ctx, set(block_of))
+    bypass_untimed_traps(ctx, set(block_of))
 
 
 def _read_state_dict_from_host_blocks(ctx: EngineContext) -> None:
@@ -297,7 +298,7 @@ def defer_inference(ctx: EngineContext, layouts: list[BlockLayout], schedule: li
                                             ctx.device, release_after=resident)
     ctx.inference.deferred_plan = DeferredPlan(layouts, list(schedule), num_slots, streamed)
     ctx.sequence = list(schedule)
-    _bypass_resident_traps(ctx, {layout.label for layout in layouts})
+    bypass_untimed_traps(ctx, {layout.label for layout in layouts})
     if debug:
         logger.debug("manager %r: INFERENCE starts resident (%d bytes committed); %d host blocks build in the "
                      "background from the first inference pass", ctx.name, kept, len(layouts))
