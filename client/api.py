@@ -8,11 +8,10 @@ down and removes it from the registry.
 With ``OffloadConfig(enabled=False)`` every call is a pass-through / no-op (``offload`` returns the model
 untouched, profiling controls do nothing and never freeze a counter, timing collection returns ``None``).
 
-Strategy replanning (``request_strategy_replan`` / ``update_state`` / replan status) is NOT implemented
-in this project: the names exist so code written against the full API runs, and they say what they do honestly
-(``request_strategy_replan`` warns and arms nothing, the status is always idle and not requestable). Eager timing
-is stored at the end of every forward and there is no CUDA-graph replay path, so ``update_offload_timing`` has
-nothing to publish. ``offload_units`` / ``resident_units`` are real (see ``flextensor.units``).
+Strategy replanning (``request_strategy_replan`` / ``update_state`` / ``strategy_replan_status``) measures the
+passes as served and changes which host blocks stream, between passes (Note [replanning] in
+``flextensor.engine.replan``); ``offload_units`` / ``resident_units`` list the modules to compile per unit
+(``flextensor.units``).
 """
 
 from __future__ import annotations
@@ -217,7 +216,7 @@ def reset_offload_timing(name: str = DEFAULT_MANAGER_NAME) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Offload timing publication, units and strategy replan (replan itself is not implemented: flextensor.units)
+# Offload timing publication, units and strategy replan
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -228,44 +227,32 @@ def _check_generation(function: str, replay_generation: int) -> None:
 
 
 def update_offload_timing(name: str = DEFAULT_MANAGER_NAME, *, replay_generation: int = -1) -> bool:
-    """Publish the current offload-timing pass; always ``True`` here.
-
-    Eager timing (``offload_timing="eager"``) stores each pass when the root forward returns, and CUDA-graph
-    timing is not supported (``offload_timing="cuda_graph"`` is rejected by the config), so there is never a pass
-    waiting to be published: this only checks the manager (name, owning thread) and the argument.
-    """
+    """Publish the current offload-timing pass (``OffloadManager.update_offload_timing``)."""
     _check_generation("update_offload_timing", replay_generation)
-    get_offload_manager(name)
-    return True
+    return get_offload_manager(name).update_offload_timing(replay_generation=replay_generation)
 
 
 def request_strategy_replan(name: str = DEFAULT_MANAGER_NAME, *, manual_update_state: bool = False) -> int:
-    """Not implemented: logs one WARNING and returns 0 ("no replan was armed"); the current plan stays in force."""
+    """Measure the next forwards as served and plan again (``OffloadManager.request_strategy_replan``).
+
+    Returns the forwards to drive (with ``manual_update_state=True``: the ``update_state()`` calls, one after
+    each ``graph.replay()``), or 0 when no replan was armed (the reason is logged)."""
     if not isinstance(manual_update_state, bool):
         raise TypeError(f"request_strategy_replan: manual_update_state must be a bool, "
                         f"got {type(manual_update_state).__name__}")
-    get_offload_manager(name)
-    logger.warning("request_strategy_replan(%r): %s", name, _units.REPLAN_NOT_IMPLEMENTED_MESSAGE)
-    return 0
+    return get_offload_manager(name).request_strategy_replan(manual_update_state=manual_update_state)
 
 
 def strategy_replan_status(name: str = DEFAULT_MANAGER_NAME) -> StrategyReplanStatus:
-    """The replan status of manager ``name``: always idle, not requestable, nothing applied (not implemented).
-
-    A module-level function (FlexTensor 0.5.0 reads it from ``OffloadManager.strategy_replan_status``).
-    """
-    get_offload_manager(name)
-    return _units.REPLAN_NOT_AVAILABLE
+    """The replan state of manager ``name`` (``OffloadManager.strategy_replan_status``); reading it changes nothing."""
+    return get_offload_manager(name).strategy_replan_status
 
 
 def update_state(name: str = DEFAULT_MANAGER_NAME, *, replay_generation: int = -1) -> None:
-    """A no-op: phases advance in the root forward hook, and no replan is ever armed (nothing to step).
-
-    A CUDA-graph user needs this after ``graph.replay()`` (which runs no forward hooks) while a replan measures; neither
-    CUDA-graph timing nor replanning exists in this project.
-    """
+    """Advance a replan armed with ``manual_update_state=True`` by one step (call it after each
+    ``graph.replay()``, which runs no forward hooks); a repeated ``replay_generation`` is counted once."""
     _check_generation("update_state", replay_generation)
-    get_offload_manager(name)
+    get_offload_manager(name).update_state(replay_generation=replay_generation)
 
 
 def offload_units(name: str = DEFAULT_MANAGER_NAME) -> tuple[tuple[str, nn.Module], ...]:

@@ -19,12 +19,10 @@ Threading: a manager belongs to the thread that created it; any other thread get
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -41,51 +39,20 @@ from flextensor.engine.discovery import start_warmup
 from flextensor.engine.hooks import RootForward, Trap
 from flextensor.engine.phase import Phase, PhaseHandler
 from flextensor.engine.profiling import clear_durations, resolve_windows
+from flextensor.engine import replan
 from flextensor.engine.teardown import teardown
+from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage
 from flextensor.patterns import PatternSet
+from flextensor.profiles import read_profile, write_instrumentation, write_profile
 from flextensor.runtime.host_memory import HostBlockProvider, make_provider
 from flextensor.runtime.loader import BlockLoader
 from flextensor.runtime.timing import OffloadTimingReport
-from flextensor.state import TensorManagerState, model_tensors, tensor_nbytes
+from flextensor.state import TensorManagerState, model_tensors
+from flextensor.units import StrategyReplanStatus
 
 __all__ = ["OffloadManager", "Phase", "GPUMemoryUsage", "compute_device"]
 
 logger = logging.getLogger(__name__)
-MB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class GPUMemoryUsage:
-    """Device memory held by the engine: rotating blocks + resident tensors (bytes and MB)."""
-
-    block_bytes: int
-    resident_bytes: int
-    total_bytes: int
-    block_mb: float = field(init=False)
-    resident_mb: float = field(init=False)
-    total_mb: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "block_mb", self.block_bytes / MB)
-        object.__setattr__(self, "resident_mb", self.resident_bytes / MB)
-        object.__setattr__(self, "total_mb", self.total_bytes / MB)
-
-    # FlexTensor 0.5.0's names for the same numbers, so scripts written against it run unchanged.
-    @property
-    def blocks_bytes(self) -> int:
-        return self.block_bytes
-
-    @property
-    def unmapped_tensors_bytes(self) -> int:
-        return self.resident_bytes
-
-    @property
-    def blocks_mb(self) -> float:
-        return self.block_mb
-
-    @property
-    def unmapped_tensors_mb(self) -> float:
-        return self.resident_mb
 
 
 class OffloadManager:
@@ -105,7 +72,7 @@ class OffloadManager:
         self._warmup_override: str | None = None
         self._suspend_pending = 0  # suspend_profiling() before offload(): handed to the next engine
         self._shm_coordinator: Any = None  # a namespace joined for shm_enabled without a session
-        self.allow_strategy_replan = True
+        self._allow_replan = True
         self._reset()
         if config is not None:
             self.set_config(config)
@@ -232,7 +199,7 @@ class OffloadManager:
         ctx = self._begin(model, tensors, compile_fn, shm_owner)
         try:
             self._handler = start_warmup(ctx, specs, self._trap_enter, self._trap_exit)
-            self._write_instrumentation()
+            write_instrumentation(self.name, cfg, ctx)
         except BaseException:
             self._teardown(preserve_model=True)
             raise
@@ -246,7 +213,8 @@ class OffloadManager:
         device = compute_device(cfg)
         ctx = EngineContext(self.name, cfg, device, model, tensors, self._provider_factory(cfg, device, shm_owner),
                             compile_fn=compile_fn, budget_bytes=self._budget_override,
-                            warmup_override=self._warmup_override, stream_on_cpu=self._stream_on_cpu)
+                            warmup_override=self._warmup_override, stream_on_cpu=self._stream_on_cpu,
+                            allow_replan=self._allow_replan)
         ctx.profile.suspend, self._suspend_pending = self._suspend_pending, 0
         self.model, self._ctx = model, ctx
         self._root = RootForward(model, self._begin_pass, self._end_pass)
@@ -433,7 +401,7 @@ class OffloadManager:
             return model
         if self.model is not None:
             raise RuntimeError(f"manager {self.name!r} already offloads a model; release() it first")
-        self.allow_strategy_replan = allow_strategy_replan
+        self._allow_replan = bool(allow_strategy_replan)
         checked = adoption.check_state(model, state, cfg, host_blocks=host_blocks, weights=weights)
         ctx = self._begin(model, checked.tensors, compile_fn, shm_owner)
         try:
@@ -506,12 +474,7 @@ class OffloadManager:
                 f"{self.phase.value if self.phase else 'none'}; it reports after INFERENCE starts "
                 f"({self.iters_before_inference} forward passes after offload())"
             )
-        loader = ctx.inference.loader
-        blocks = loader.device_bytes if loader is not None else 0
-        placement = ctx.inference.placement
-        resident = sum(tensor_nbytes(e.tensor) for n, e in ctx.tensors.items()
-                       if n not in placement and e.tensor.device == ctx.device)
-        return GPUMemoryUsage(blocks, resident, blocks + resident)
+        return engine_memory_usage(ctx)
 
     @property
     def offloaded_tensors(self) -> dict[str, list[str]]:
@@ -519,7 +482,9 @@ class OffloadManager:
         self.wait_for_host_blocks()
         if self._ctx is None:
             return {}
-        return {layout.label: [p.name for p in layout.tensors] for layout in self._ctx.inference.layouts}
+        inference = self._ctx.inference
+        return {layout.label: [p.name for p in layout.tensors] for layout in inference.layouts
+                if layout.label not in inference.resident_blocks}
 
     @property
     def trap_labels(self) -> list[str]:
@@ -540,10 +505,62 @@ class OffloadManager:
         if self._ctx is not None and self._ctx.timing is not None:
             self._ctx.timing.reset()
 
+    def update_offload_timing(self, *, replay_generation: int = -1) -> bool:
+        """``True``: eager timing stores each pass when the root forward returns; nothing is left to publish."""
+        self._check_thread()
+        return True
+
+    # ------------------------------------------------------------------------------------------------ replanning
+    @property
+    def allow_strategy_replan(self) -> bool:
+        """Replans may be requested, and armed by stalled copies in latency mode (``flextensor.engine.replan``)."""
+        return self._allow_replan
+
+    @allow_strategy_replan.setter
+    def allow_strategy_replan(self, value: bool) -> None:
+        self._allow_replan = bool(value)
+        if self._ctx is not None:
+            self._ctx.allow_replan = self._allow_replan
+            replan.attach_probe(self._ctx)
+
+    def request_strategy_replan(self, *, manual_update_state: bool = False) -> int:
+        """Measure the next passes and plan again; the forwards (``update_state()`` steps with
+        ``manual_update_state``) to drive, or 0 when nothing was armed (logged why)."""
+        self._check_thread()
+        self.wait_for_host_blocks()
+        ctx = self._ctx
+        reason = "not in INFERENCE" if ctx is None or self.phase is not Phase.INFERENCE else replan.unavailable_reason(ctx)
+        if reason is not None:
+            logger.warning("request_strategy_replan(%r): not armed: %s", self.name, reason)
+            return 0
+        return replan.request(ctx, manual=manual_update_state)
+
+    @property
+    def strategy_replan_status(self) -> StrategyReplanStatus:
+        """A snapshot of the replan state; reading it arms or advances nothing."""
+        ctx = self._ctx
+        if ctx is None or self.phase is not Phase.INFERENCE:
+            return StrategyReplanStatus("idle", can_request=False, applied=None)
+        r = ctx.inference.replan
+        return StrategyReplanStatus(r.state, replan.unavailable_reason(ctx) is None, r.applied)  # type: ignore[arg-type]
+
+    def update_state(self, *, replay_generation: int = -1) -> None:
+        """One step of a replan armed with ``manual_update_state=True`` (after a ``graph.replay()``, which runs
+        no hooks); a ``replay_generation`` already counted is ignored. Phases advance in the root forward."""
+        self._check_thread()
+        ctx = self._ctx
+        if ctx is None or self.phase is not Phase.INFERENCE:
+            return
+        state = ctx.inference.replan
+        if 0 <= replay_generation == state.generation:
+            return
+        state.generation = replay_generation if replay_generation >= 0 else state.generation
+        if state.state == "in_progress" and state.manual:
+            self.update_offload_timing(replay_generation=replay_generation)
+        replan.step(ctx)
+
     # ------------------------------------------------------------------------------------------------ profiles
     def save_profile(self, profile_directory: str | os.PathLike[str] | None = None) -> Path:
-        from flextensor.profiles import write_profile
-
         self._check_thread()
         cfg = self._config()
         if cfg.profile_read_only:
@@ -557,8 +574,6 @@ class OffloadManager:
     def load_profile(self, profile_directory: str | os.PathLike[str] | None = None, model: nn.Module | None = None,
                      *, weights: Mapping[str, torch.Tensor] | None = None) -> None:
         """Read a profile; adopt it for ``model`` (or the model being offloaded) now, else at ``offload()``."""
-        from flextensor.profiles import read_profile
-
         self._check_thread()
         cfg = self._config()
         directory = profile_directory if profile_directory is not None else cfg.profile_storage_dir
@@ -578,18 +593,6 @@ class OffloadManager:
             compile_fn = self._ctx.compile_fn
             self.release(preserve_model=True)
         self.offload_from_state(target, state, weights=weights, compile_fn=compile_fn)
-
-    # ------------------------------------------------------------------------------------------------ misc
-    def _write_instrumentation(self) -> None:
-        cfg = self._config()
-        ctx = self._ctx
-        if not cfg.enable_instrumentation or ctx is None:
-            return
-        out = Path(cfg.instrumentation_output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        record = {"manager": self.name, "config": cfg.to_dict(), "device": str(ctx.device),
-                  "traps": {label: t.candidates for label, t in ctx.traps.items()}}
-        (out / f"{self.name}.offload_manager.json").write_text(json.dumps(record, indent=1, default=str))
 
     def __repr__(self) -> str:
         phase = self.phase.value if self.phase else "idle"

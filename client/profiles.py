@@ -11,14 +11,19 @@ fits a model is checked on adoption (fingerprint, naming the first differing ten
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from flextensor.state import TensorManagerState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.config import OffloadConfig
+    from flextensor.engine.context import EngineContext
 
 __all__ = ["PROFILE_FILE", "profile_path", "write_profile", "read_profile", "load_weights"]
 
@@ -66,3 +71,14 @@ def load_weights(path: str | os.PathLike[str]) -> Mapping[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path), device="cpu")
+
+
+def write_instrumentation(name: str, cfg: OffloadConfig, ctx: EngineContext) -> None:
+    """``enable_instrumentation``: the manager's config, device and traps as JSON in ``instrumentation_output_dir``."""
+    if not cfg.enable_instrumentation:
+        return
+    out = Path(cfg.instrumentation_output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"manager": name, "config": cfg.to_dict(), "device": str(ctx.device),
+              "traps": {label: t.candidates for label, t in ctx.traps.items()}}
+    (out / f"{name}.offload_manager.json").write_text(json.dumps(record, indent=1, default=str))

@@ -18,9 +18,8 @@ Why this module exists: offload timing and strategy replanning have two halves.
    Both lists keep only the outermost modules (a unit inside another unit is dropped), as
    ``(qualified_name, module)`` pairs in the model's module order.
 
-2. *Strategy replanning* (rebuilding the plan from compiled or CUDA-graph timings), which this project does NOT
-   implement yet. The status is therefore always :data:`REPLAN_NOT_AVAILABLE`: ``"idle"``, cannot be
-   requested, nothing applied. The API functions say so instead of pretending to measure.
+2. *Strategy replanning* (``flextensor.engine.replan``): :class:`StrategyReplanStatus` is the snapshot that
+   ``OffloadManager.strategy_replan_status`` returns.
 """
 
 from __future__ import annotations
@@ -36,30 +35,20 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "StrategyReplanState",
     "StrategyReplanStatus",
-    "REPLAN_NOT_AVAILABLE",
-    "REPLAN_NOT_IMPLEMENTED_MESSAGE",
     "offload_units",
     "resident_units",
 ]
 
 StrategyReplanState = Literal["idle", "in_progress", "done", "failed"]
 
-REPLAN_NOT_IMPLEMENTED_MESSAGE = (
-    "strategy replanning is not implemented in flextensor: the offload plan built at the end of PROFILING (or "
-    "adopted from a profile/state) stays in force; to plan from compiled timings, profile with the compiled "
-    "model (offload(..., compile_fn=...)) and save that profile"
-)
-
-
 @dataclass(frozen=True)
 class StrategyReplanStatus:
     """Passive snapshot of the strategy-replan state (reading it never arms or advances anything).
 
-    ``state``: ``"idle"`` before any request, ``"in_progress"`` while a replan rides the caller's forwards,
-    ``"done"`` once it finished, ``"failed"`` when the rebuild raised. ``can_request``: whether
-    ``request_strategy_replan()`` is supported now. ``applied``: ``None`` before/during a request, then whether
-    the rebuild was applied. Replanning is not implemented here, so the only value this project produces is
-    :data:`REPLAN_NOT_AVAILABLE`; the other states exist so callers written against the full API type-check.
+    ``state``: ``"idle"`` before any replan, ``"in_progress"`` while one measures the caller's forwards and
+    plans, ``"done"`` once it finished (applied or the plan kept), ``"failed"`` when installing the new plan
+    raised (inference is unsafe then: release the model). ``can_request``: whether ``request_strategy_replan()``
+    would arm one now. ``applied``: ``None`` before and during a replan, then whether the streaming changed.
     """
 
     state: StrategyReplanState
@@ -70,9 +59,6 @@ class StrategyReplanStatus:
         if self.state not in ("idle", "in_progress", "done", "failed"):
             raise ValueError(f"StrategyReplanStatus.state must be 'idle', 'in_progress', 'done' or 'failed', "
                              f"got {self.state!r}")
-
-
-REPLAN_NOT_AVAILABLE = StrategyReplanStatus(state="idle", can_request=False, applied=None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ from torch import nn
 
 from flextensor.engine.context import DeferredPlan
 from flextensor.engine.hooks import assign_data, bypass_resident_traps
+from flextensor.engine.replan import attach_probe
 from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_view, block_views
 from flextensor.runtime.loader import BlockLoader
@@ -229,6 +230,7 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
         host_block_gate=host_block_gate,
     )
     bypass_untimed_traps(ctx, set(block_of))
+    attach_probe(ctx)  # latency mode: stalls on copies arm a replan (Note [replanning] in flextensor.engine.replan)
 
 
 def _read_state_dict_from_host_blocks(ctx: EngineContext) -> None:

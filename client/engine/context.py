@@ -33,6 +33,7 @@ from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, HostBlock, HostBlockProvider, TensorPlacement
 from flextensor.runtime.loader import BlockLoader
 from flextensor.runtime.staging import PinnedStaging
+from flextensor.runtime.stall_probe import StallProbe
 from flextensor.runtime.timing import TimingCollector
 from flextensor.runtime.trap_windows import PassWindows, TrapWindow
 from flextensor.runtime.usage_recorder import UsageRecorder
@@ -42,7 +43,8 @@ from flextensor.state import ModelTensor
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.hooks import Trap
 
-__all__ = ["compute_device", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan"]
+__all__ = ["compute_device", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan",
+           "ReplanState"]
 
 #: Makes the provider of the INFERENCE host blocks (``background=True``: for a build on a thread behind running
 #: inference). The manager supplies it: private pinned or pageable memory, or shared memory whose namespace
@@ -140,6 +142,36 @@ class InferenceState:
     deferred_plan: DeferredPlan | None = None  # what the deferred build streams, kept until it is installed
     host_build_s: float | None = None  # how long the last background host-block build took
     state_dict_hook: Any = None  # makes state_dict() read streamed tensors from their host blocks
+    resident_blocks: set[str] = field(default_factory=set)  # traps a replan made resident (host block kept)
+    replan: ReplanState = field(default_factory=lambda: ReplanState())
+
+
+@dataclass(eq=False)
+class ReplanState:
+    """Strategy replanning during INFERENCE (``flextensor.engine.replan``).
+
+    ``state``/``applied`` are what ``strategy_replan_status`` reports. A replan measures ``passes_left`` more
+    passes with ``measure`` (every trap timed), waits for the device to pass ``last_mark``, then plans on a
+    thread (``planner``) and installs the result between two passes. ``floor_s`` is each trap's smallest compute
+    seen (profile and every measurement since), ``excluded`` the traps whose copies were seen to stall: a
+    latency-mode plan must hold at every batch the model met, so neither ever grows back.
+    """
+
+    state: str = "idle"
+    applied: bool | None = None
+    manual: bool = False
+    automatic: bool = False
+    passes_left: int = 0
+    measure: TimingCollector | None = None
+    measuring: bool = False  # this pass reports to ``measure``
+    last_mark: Any = None
+    planner: Any = None  # flextensor.engine.replan.PlannerThread
+    probe: StallProbe | None = None
+    floor_s: dict[str, float] = field(default_factory=dict)
+    excluded: set[str] = field(default_factory=set)
+    stalled: dict[str, float] = field(default_factory=dict)  # trap -> wait ms seen in the measured passes
+    generation: int = -1  # the last replay_generation given to update_state
+    applied_count: int = 0
 
 
 @dataclass(eq=False)
@@ -156,6 +188,7 @@ class EngineContext:
     budget_bytes: int | None = None  # set_memory_budget(): used instead of max_gpu_mem_fraction
     warmup_override: str | None = None  # internal (tests): force "resident" or "stream" warm-up
     adopted: bool = False  # INFERENCE from a profile or state, without warm-up passes
+    allow_replan: bool = True  # allow_strategy_replan: replans may be requested, and armed by stalls
     stream_on_cpu: bool = False  # internal (tests): a CPU compute device streams through the loader too
     orig_device: dict[str, torch.device] = field(default_factory=dict)
     traps: dict[str, Trap] = field(default_factory=dict)

@@ -137,6 +137,15 @@ class Trap:
         module.forward = self._direct_forward()
         self.bypassed = True
 
+    def unbypass(self) -> None:
+        """Undo :meth:`bypass`: the enter/exit wrapper runs again (a replan streams or times this trap now)."""
+        module = self.module
+        if module is None or not self.bypassed:
+            return
+        if module.__dict__.get("forward") is self._direct:
+            module.forward = self._wrapper
+        self.bypassed = False
+
     def prepare_bypass(self) -> None:
         """Build what :meth:`bypass` installs now, ahead of the switch to INFERENCE (where every microsecond is
         the profile phase's; ``functools.update_wrapper`` costs a few per trap)."""

@@ -9,12 +9,16 @@ After a resident warm-up the host blocks are still being built on a thread when 
 (``flextensor.engine.build``): the first inference pass starts that thread, and the first pass that begins
 after it finished installs its blocks and the loader. Until then the model runs resident and offload timing
 records nothing.
+
+Between passes the plan may change (Note [replanning] in ``flextensor.engine.replan``): a replan measures a few
+passes with every trap timed, plans on a thread and installs the new streaming set at a pass's start.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from flextensor.engine import replan
 from flextensor.engine.build import install_deferred
 from flextensor.engine.phase import Phase, PhaseHandler
 
@@ -37,19 +41,26 @@ class InferenceHandler(PhaseHandler):
                 build.start()
             elif build.done:  # host blocks ready: stream from this pass on
                 install_deferred(ctx)
-        if ctx.timing is not None and ctx.inference.deferred is None:  # passes before the switch stream nothing
-            ctx.timing.begin_pass()
+        if ctx.inference.deferred is not None:  # passes before the switch stream nothing: no timing, no replan
+            return
+        replan.begin_pass(ctx)
+        timing = replan.measuring_timing(ctx)
+        if timing is not None and not ctx.inference.replan.measuring:  # a measured pass began in begin_pass
+            timing.begin_pass()
 
     def end_pass(self, ok: bool) -> PhaseHandler:
         ctx = self.ctx
-        if ctx.timing is not None and ctx.inference.deferred is None:
+        if ctx.inference.deferred is not None:
+            return self
+        if ctx.timing is not None and not ctx.inference.replan.measuring:
             ctx.timing.end_pass()
+        replan.end_pass(ctx)
         return self
 
     def enter(self, trap: Trap) -> None:
         ctx = self.ctx
         inference = ctx.inference
-        timing = ctx.timing if inference.deferred is None else None
+        timing = replan.measuring_timing(ctx) if inference.deferred is None else None
         if timing is not None:
             timing.begin_trap(trap.label)
         block = inference.block_of.get(trap.label)
@@ -62,8 +73,9 @@ class InferenceHandler(PhaseHandler):
     def exit(self, trap: Trap) -> None:
         ctx = self.ctx
         inference = ctx.inference
-        if ctx.timing is not None and inference.deferred is None:
-            ctx.timing.end_trap()
+        timing = replan.measuring_timing(ctx) if inference.deferred is None else None
+        if timing is not None:
+            timing.end_trap()
         block = inference.block_of.get(trap.label)
         if block is not None and inference.loader is not None:
             inference.loader.exit(block)

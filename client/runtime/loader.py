@@ -43,12 +43,14 @@ always looks as if it were on the device; their values are only valid inside the
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Sequence
 
 import torch
 
 from flextensor.runtime.compile_guard import disable_compile
 from flextensor.runtime.host_memory import BlockLayout, block_views
+from flextensor.runtime.stall_probe import StallProbe
 from flextensor.runtime.timing import CurrentStream, TimingCollector
 
 __all__ = ["BlockLoader"]
@@ -98,7 +100,9 @@ class BlockLoader:
         self.timing = timing
         self._gate = host_block_gate
         self.cuda = device.type == "cuda"
-        self.slot_bytes = max((layout.nbytes for layout in self.layouts), default=0)
+        # Slots hold scheduled blocks only: after a replan (``flextensor.engine.replan``) the layouts also list
+        # host blocks whose tensors are resident now.
+        self.slot_bytes = max((self.layouts[b].nbytes for b in set(self.schedule)), default=0)
         self.num_slots = slot_count(num_slots, len(self.schedule)) if self.layouts else 0
         self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
         # Host views are only read by per-tensor copies (transfer_mode="strategy"); built on first use, since a
@@ -125,6 +129,7 @@ class BlockLoader:
             self._reader_done = [torch.cuda.Event() for _ in range(self.num_slots)]
         self.copies_issued = 0
         self.resyncs = 0
+        self.probe: StallProbe | None = None  # set by the engine: samples the compute stream's stalls
         # From the start, every streamed parameter rests on a device view (of the slot its first entry uses), as
         # it does between traps later: the model looks as if it were on the device before its first forward too,
         # which torch.compile needs (it traces the parameter swap in enter() only between views of one device).
@@ -240,6 +245,8 @@ class BlockLoader:
         entry = self._find_entry(block)
         slot = entry % self.num_slots
         compute = self._compute_stream() if self.cuda else None
+        probe = self.probe
+        cpu_start = time.perf_counter() if probe is not None and not self.cuda and probe.sampling else None
         if entry > self._issued:
             for skipped in range(self._issued + 1, entry):
                 self._pending_timing.pop(skipped, None)
@@ -249,7 +256,10 @@ class BlockLoader:
         if compute is not None:
             if timing is not None:
                 wait_span = timing.start_span(compute)
-            compute.wait_event(self._copy_done[slot])
+            if probe is not None:
+                probe.wait_for_copy(compute, self._copy_done[slot])
+            else:
+                compute.wait_event(self._copy_done[slot])
             if wait_span is not None:
                 timing.end_span(wait_span, compute)
         if timing is not None:
@@ -260,6 +270,8 @@ class BlockLoader:
         self._cursor = entry + 1
         for ahead in range(max(self._issued + 1, entry + 1), entry + self._depth + 1):
             self._issue(ahead, compute)
+        if cpu_start is not None:  # synchronous copies: the trap (or the next one) waited for all of them
+            probe.add_cpu_wait(time.perf_counter() - cpu_start)
 
     def exit(self, block: int) -> None:
         """Mark the running trap's slot free for reuse once the compute stream passes this point."""
