@@ -16,6 +16,8 @@ cp -r daemon "$site/flextensor/daemon"
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 1
 fi
+# Bytecode compiled ahead, as pip does at install: a first import then costs what it costs a user.
+python3 -m compileall -q "$site" >/dev/null
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FLEXTENSOR_BENCH_OUT="${OUT:-$PWD/bench/results}"
 export PYTHONUNBUFFERED=1
