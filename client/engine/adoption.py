@@ -221,17 +221,24 @@ def export_state(ctx: EngineContext) -> TensorManagerState:
     for label, names in ctx.exclusive.items():
         for n in names:
             owner_of.setdefault(n, label)
+    # Blocks a replan made resident are exported as resident tensors, the streamed ones renumbered in order: the
+    # state describes the plan in force (Note [replanning] in flextensor.engine.replan).
+    streamed = [(l, b) for l, b in zip(ctx.inference.layouts, ctx.inference.host_blocks)
+                if l.label not in ctx.inference.resident_blocks]
+    renumber = {layout.index: i for i, (layout, _block) in enumerate(streamed)}
     tensors = []
     for name, entry in ctx.tensors.items():
         t = entry.tensor
         placed = ctx.inference.placement.get(name)
+        if placed is not None and placed[0] not in renumber:
+            placed = None
         common = dict(name=name, kind=entry.kind, dtype=dtype_name(t.dtype), shape=list(t.shape),
                       nbytes=tensor_nbytes(t), persistent=entry.persistent, aliases=list(entry.aliases),
                       trap=owner_of.get(name, ""))
         if placed is not None:
             index, p = placed
             tensors.append(TensorState(**common, stride=list(p.stride), storage_offset=0, offloaded=True,
-                                       block=index, byte_offset=p.byte_offset))
+                                       block=renumber[index], byte_offset=p.byte_offset))
         else:
             tensors.append(TensorState(**common, stride=list(t.stride()), storage_offset=t.storage_offset()))
     order = list(dict.fromkeys(ctx.sequence))
@@ -244,8 +251,7 @@ def export_state(ctx: EngineContext) -> TensorManagerState:
         traps=[TrapState(label=label, kind=ctx.traps[label].kind) for label in order if label in ctx.traps],
         schedule=list(ctx.sequence),
         tensors=tensors,
-        blocks=[BlockState(index=l.index, label=l.label, nbytes=l.nbytes, name=b.name)
-                for l, b in zip(ctx.inference.layouts, ctx.inference.host_blocks)],
+        blocks=[BlockState(index=renumber[l.index], label=l.label, nbytes=l.nbytes, name=b.name) for l, b in streamed],
         timings=TimingState(compute_s=dict(ctx.plan.compute_s), transfer_samples=list(ctx.plan.samples)),
         strategy=ctx.plan.strategy_name,
         explanation=list(ctx.plan.explanation),

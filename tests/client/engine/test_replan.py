@@ -193,3 +193,18 @@ def test_replan_is_unavailable_where_nothing_can_change(monkeypatch):
     with pytest.raises(TypeError, match="manual_update_state must be a bool"):
         ft.request_strategy_replan(manual_update_state=1)
     assert om.phase is Phase.DISCOVERY
+
+
+def test_a_profile_saved_after_a_replan_records_the_plan_in_force(tmp_path):
+    model, ref, om = _profiled(load_strategy=ft.NthLayerStrategy(1))
+    labels = [layout.label for layout in om.engine.inference.layouts]
+    replan.install_streaming(om.engine, labels[1:3], 2)
+    ft.save_profile(str(tmp_path))
+    streamed = om.offloaded_tensors
+    ft.release()
+    fresh = mlp_stack(n=LAYERS, d=D, h=H)
+    ft.offload_from_profile(fresh, str(tmp_path), _config(load_strategy=ft.NthLayerStrategy(1)))
+    assert ft.get_offload_manager().offloaded_tensors == streamed
+    x = torch.randn(2, D, device=DEVICE)
+    with torch.no_grad():
+        assert same(fresh(x), reference(ref, x))
