@@ -32,9 +32,10 @@ imports and the CUDA context are not in it) for ``load_model_from_profile`` and 
   table says so and gives no verdict.
 "of which reading" is the time spent inside the checkpoint reader (``ReadPlan.run``); the rest of the call
 allocates and pins the blocks, builds the model and publishes. Beside ``cat`` (cold and warm), a reference row
-writes as many bytes of fresh anonymous memory: the page allocation that a load into fresh host blocks pays on
-top of reading (inside its reads when the blocks' pages come as they are written, before them when a session
-creator allocates its shared arena ahead).
+runs the checkpoint reader alone (``ReadPlan`` over every tensor, into memory allocated and written before), and
+another writes as many bytes of fresh anonymous memory: the page allocation that a load into fresh host blocks
+pays on top of reading (inside its reads when the blocks' pages come as they are written, before them when a
+session creator allocates its shared arena ahead).
 
 Set-up, in a separate process: an MLP stack (``--layers`` blocks of ``d x h`` and ``h x d`` weights, float32 on
 a CPU host and bfloat16 on CUDA by default), saved as sharded safetensors with an index (``--shards``), profiled
@@ -336,6 +337,24 @@ class Runner:
         self.runs.append(result)
         return result
 
+    def reader(self, cache: str) -> dict:
+        """The checkpoint reader alone (``ReadPlan``, as a load runs it) into memory allocated and written before:
+        what reading costs without the page allocation and the rest of a load."""
+        from flextensor.checkpoint import ReadPlan, SafetensorsCheckpoint
+
+        checkpoint = SafetensorsCheckpoint(self.root / "ckpt")
+        plan = ReadPlan(label="bench")
+        buffers = [torch.zeros(e.shape, dtype=e.dtype) for e in checkpoint.entries.values()]
+        for entry, buffer in zip(checkpoint.entries.values(), buffers):
+            plan.add(entry, buffer)
+        cached = self.prepare(cache)
+        start = time.monotonic()
+        plan.run()
+        result = {"mode": "reader", "cache": cache, "cached_before": cached, "ready_s": time.monotonic() - start}
+        del buffers
+        self.runs.append(result)
+        return result
+
     def samples(self, mode: str, cache: str) -> list[dict]:
         return [r for r in self.runs if r["mode"] == mode and r["cache"] == cache]
 
@@ -376,12 +395,14 @@ def timing_section(runner: Runner, modes: list[str]) -> str:
     args = runner.args
     for _ in range(args.repeat):
         runner.cat("cold")
+        runner.reader("cold")
         for mode in modes:
             runner.load(mode, "cold")
     for mode in modes:  # the memory rows were the first warm run of each
         for _ in range(args.repeat - len(runner.samples(mode, "warm"))):
             runner.load(mode, "warm")
     runner.cat("warm")
+    runner.reader("warm")
     for _ in range(args.repeat):
         runner.runs.append({"mode": "fresh", "cache": "-", "ready_s": _fresh_memory_s(runner.file_bytes)})
     cat_s, _ = _seconds(runner.samples("cat", "cold"))
@@ -389,6 +410,7 @@ def timing_section(runner: Runner, modes: list[str]) -> str:
     model_bytes = next(r["model_bytes"] for r in runner.runs if "model_bytes" in r)
     scale = WARM_GOAL_BYTES / model_bytes
     references = {("cat", "cold"): "`cat` the files", ("cat", "warm"): "`cat` the files",
+                  ("reader", "cold"): "checkpoint reader alone", ("reader", "warm"): "checkpoint reader alone",
                   ("fresh", "-"): "write as many bytes of fresh memory"}
     rows = []
     for mode, cache in [*references, *[(m, c) for m in modes for c in ("warm", "cold")]]:
@@ -415,6 +437,8 @@ def timing_section(runner: Runner, modes: list[str]) -> str:
         rows.append([LABELS[mode], cache, cached, text, reading, rate, vs_cat, goal])
     text = common.table(["way of loading", "page cache", "cached before", "checkpoint to READY", "of which reading",
                          "rate", "vs cold `cat`", "goal"], rows)
+    text += (f"\n\n{args.repeat} run(s) per row: the median (and the range); the rate is the checkpoint's bytes over "
+             "the median.")
     if not evicted:
         text += ("\n\nThe page cache could not be dropped for these files (tmpfs, or pages kept by someone): the "
                  "\"cold\" rows read cached pages and say nothing about the disk.")
@@ -448,8 +472,7 @@ def run(args: argparse.Namespace) -> None:
         where = f"{args.tmp or tempfile.gettempdir()} ({page_cache.filesystem_type(root)})"
         footer = (f"\n\nModel: {args.layers} blocks of {args.d}x{args.h} {args.dtype}, {common.gib(model_bytes)}, "
                   f"{args.shards} shards in {where}; {args.workers} session workers; host blocks pinned with "
-                  f"pinned_memory_mode={args.pinned_mode!r} on CUDA; {args.repeat} run(s) per timed row (median, "
-                  "range).")
+                  f"pinned_memory_mode={args.pinned_mode!r} on CUDA.")
         data = {"args": vars(args), "runs": runner.runs}
         common.report(NAME, "Checkpoints at bounded host RAM",
                       [("Peak RSS", memory + footer), ("Checkpoint to READY, warm and cold", timing)],
