@@ -42,7 +42,8 @@ def big(tmp_path_factory) -> dict:
     with torch.no_grad():
         expected = model.to(DEVICE)(big_input().to(DEVICE)).cpu()
     model.to("cpu")
-    paths = {"file": save_checkpoint(model, root / "file"), "sharded": save_checkpoint(model, root / "sharded", shards=3)}
+    paths = {"file": save_checkpoint(model, root / "file"),
+             "sharded": save_checkpoint(model, root / "sharded", shards=3)}
     profile = make_profile(model, big_input(), root / "profile", include=["class:MLPBlock"])
     del model
     return {"profile": profile, "expected": expected, **paths}
