@@ -162,7 +162,9 @@ def build_inference(
     everything else on the device, then the loader (see the module docstring)."""
     _settle_warmup(ctx, {p.name for layout in layouts for p in layout.tensors})
     if host_blocks is None and layouts:
-        ctx.inference.provider = ctx.provider_factory()
+        # Blocks read from a checkpoint have no tensor to pin_memory(): they are registered in place at their
+        # exact size, never rounded up by PyTorch's pinned allocator (up to 2x the model's host RAM).
+        ctx.inference.provider = ctx.provider_factory(background=weights is not None)
         ctx.inference.provider.reserve([layout.nbytes for layout in layouts])
     blocks: list[HostBlock] = []
     ctx.inference.host_blocks = blocks  # filled as we go: on a failure, teardown finds every block in use

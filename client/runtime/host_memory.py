@@ -523,7 +523,9 @@ def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None,
     ``background``: the blocks are built on a thread while inference runs. PyTorch's pinned allocator
     (``pinned_memory_mode="torch"``) allocates with ``cudaHostAlloc``, which holds every kernel launch of the
     process until it returns (0.8 s for 2 GiB on the H200 host), so such a build registers plain memory in
-    place instead, block by block (:class:`HostRegisterProvider`): the same pinned result, no stalled pass."""
+    place instead, block by block (:class:`HostRegisterProvider`): the same pinned result, no stalled pass. The
+    build of a model read from a checkpoint asks for the same: exact-size blocks, never rounded up to a power of
+    two by PyTorch's pinned allocator."""
     pin = bool(config.pinned_memory) and device.type == "cuda"
     if config.shm_enabled:
         if shm_owner is None:

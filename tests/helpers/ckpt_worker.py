@@ -9,10 +9,10 @@ just before it; the peak is reset first through ``/proc/self/clear_refs`` so onl
 ``device_block_bytes`` (the loader's rotating blocks when the compute device is the CPU: host memory, touched by
 forwards) and ``out`` (hex of the output), or ``{"error", "message"}`` with exit status 3.
 
-On CUDA the host blocks are pinned with ``pinned_memory_mode="host_register"`` (in place, exact size): the
-default ``"torch"`` mode takes them from PyTorch's pinned allocator, which rounds each arena up to a power of two
-(documented in the configuration guide), so for this model its 640 MiB of arenas alone are 1.25x the model's
-bytes, whatever the loader does. The goals here are about the loader's copies, hence the exact-size mode.
+Host blocks filled from a checkpoint (and shared ones) are always registered in place at their exact size. A
+model already in RAM (``offload``, ``profile``) is pinned on CUDA with ``pinned_memory_mode="host_register"``:
+the default ``"torch"`` takes its blocks from PyTorch's pinned allocator, which rounds each arena up to a power
+of two (documented in the configuration guide): for this model 640 MiB of arenas, 1.25x its bytes.
 
 Modes: ``lazy`` (``ft.load_model_from_profile``), ``session`` (a ``SharedOffloadSession`` creator or follower
 reading ``--checkpoint``), ``inram`` (a session whose creator factory builds the model in RAM), ``offload`` (a
@@ -81,7 +81,8 @@ def main() -> int:
     if args.log:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     cuda = torch.cuda.is_available()
-    pinning = dict(pinned_memory=cuda, pinned_memory_mode="host_register" if cuda else "torch")
+    in_ram = args.mode in ("offload", "profile")
+    pinning = dict(pinned_memory=cuda, pinned_memory_mode="host_register" if cuda and in_ram else "torch")
     config = ft.OffloadConfig(**pinning, num_blocks=2, min_blocks=2)
     x = big_input()
     session = None
