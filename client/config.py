@@ -10,8 +10,10 @@ Scope decisions (options whose values this engine does not all implement yet):
 - ``transfer_mode``: the engine implements ``"allocation_block_transfer"`` and ``"strategy"``.
   ``"raw_block_transfer"`` (direct block management) is not implemented, so it is rejected at construction
   rather than silently treated as another mode.
-- ``profile_mode``: ``"view"`` and ``"getter"`` are implemented. ``"torch_function"`` (valid only
-  with ``transfer_mode="strategy"``) is not implemented and is rejected with that explanation.
+- ``profile_mode``: ``"view"``, ``"getter"`` and ``"torch_function"`` are implemented. ``"torch_function"`` (the
+  indirect runtime, ``flextensor.engine.function_traps``) streams from the model's own parameters tensor by
+  tensor, so it needs ``transfer_mode="strategy"``, and it keeps no weights in shared memory, so it refuses
+  ``shm_enabled``; both combinations are rejected at construction, naming what to use instead.
 - ``offload_timing``: ``"off"`` and ``"eager"`` are implemented; ``"cuda_graph"`` is rejected. ``"eager"``
   needs a block transfer mode (not ``"strategy"``).
 
@@ -53,7 +55,7 @@ PiecewisePrefetch = Literal["off", "warn", "error"]
 PINNED_MEMORY_MODES: tuple[str, ...] = ("torch", "host_register")
 SUPPORTED_TRANSFER_MODES: tuple[str, ...] = ("allocation_block_transfer", "strategy")
 DOCUMENTED_TRANSFER_MODES: tuple[str, ...] = ("strategy", "allocation_block_transfer", "raw_block_transfer")
-SUPPORTED_PROFILE_MODES: tuple[str, ...] = ("view", "getter")
+SUPPORTED_PROFILE_MODES: tuple[str, ...] = ("view", "getter", "torch_function")
 DOCUMENTED_PROFILE_MODES: tuple[str, ...] = ("view", "getter", "torch_function")
 SUPPORTED_OFFLOAD_TIMING_MODES: tuple[str, ...] = ("off", "eager")
 DOCUMENTED_OFFLOAD_TIMING_MODES: tuple[str, ...] = ("off", "eager", "cuda_graph")
@@ -165,10 +167,7 @@ def _choice_checker(supported: Sequence[str], noun: str, unimplemented: dict[str
 _check_transfer_mode = _choice_checker(SUPPORTED_TRANSFER_MODES, "modes", {
     "raw_block_transfer": "'raw_block_transfer' (direct block management) is not implemented by this engine",
 })
-_check_profile_mode = _choice_checker(SUPPORTED_PROFILE_MODES, "modes", {
-    "torch_function": "'torch_function' is not implemented by this engine (it would be valid only with "
-                      "transfer_mode='strategy')",
-})
+_check_profile_mode = _choice_checker(SUPPORTED_PROFILE_MODES, "modes", {})
 _check_offload_timing = _choice_checker(SUPPORTED_OFFLOAD_TIMING_MODES, "values", {
     "cuda_graph": "'cuda_graph' timing is not implemented by this engine",
 })
@@ -359,11 +358,30 @@ class OffloadConfig:
                 f"({_choices(tuple(m for m in SUPPORTED_TRANSFER_MODES if m != 'strategy'))}), "
                 "but transfer_mode='strategy'; use offload_timing='off' or a block transfer mode"
             )
+        if self.profile_mode == "torch_function":
+            self._check_torch_function()
         if self.shm_enabled and not self.shm_namespace:
             raise ValueError(
                 "OffloadConfig option 'shm_namespace' got None, but shm_enabled=True requires an explicit "
                 "non-empty base namespace (e.g. shm_namespace='my_run', or one from "
                 "flextensor.shm.compute_shm_namespace(...)); or use SharedOffloadSession, which supplies it"
+            )
+
+    def _check_torch_function(self) -> None:
+        """``profile_mode="torch_function"`` never moves a parameter: it copies each streamed one from its own
+        storage (per tensor) and keeps none in shared host blocks."""
+        if self.transfer_mode != "strategy":
+            raise ValueError(
+                f"OffloadConfig option 'profile_mode' got 'torch_function', which requires transfer_mode='strategy' "
+                f"(per-tensor copies from the model's own parameters; a block transfer needs the parameters packed "
+                f"into host blocks, which patches the model), but transfer_mode={self.transfer_mode!r}; set "
+                "transfer_mode='strategy', or use profile_mode='view' or 'getter' with block transfers"
+            )
+        if self.shm_enabled:
+            raise ValueError(
+                "OffloadConfig option 'profile_mode' got 'torch_function', which keeps the weights in the model's "
+                "own parameters and cannot share them through shared memory, but shm_enabled=True (a "
+                "SharedOffloadSession sets it); use profile_mode='view' or 'getter' to share weights"
             )
 
     @classmethod

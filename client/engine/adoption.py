@@ -27,8 +27,11 @@ import torch
 from torch import nn
 
 from flextensor.engine.build import build_inference, bypass_untimed_traps
+from flextensor.engine.function_traps import (FunctionTrapsHandler, build_indirect, check_adoptable,
+                                              install_function_traps)
 from flextensor.engine.hooks import Trap
 from flextensor.engine.inference import InferenceHandler
+from flextensor.engine.warmup import stage
 from flextensor.planning.plan_model import effective_blocks
 from flextensor.runtime.host_memory import BlockLayout, TensorPlacement
 from flextensor.state import (
@@ -50,6 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.config import OffloadConfig
     from flextensor.engine.context import EngineContext
     from flextensor.engine.hooks import TrapCallback
+    from flextensor.engine.phase import PhaseHandler
 
 __all__ = ["CheckedState", "adopt_state", "check_state", "export_state", "layouts_from_state"]
 
@@ -189,7 +193,7 @@ def adopt_state(
     host_blocks: Sequence[torch.Tensor] | None = None,
     weights: Mapping[str, torch.Tensor] | None = None,
     host_block_gate: Callable[[int], None] | None = None,
-) -> InferenceHandler:
+) -> PhaseHandler:
     """Build INFERENCE for a checked state on a fresh context and install its traps (``enter``/``leave`` are the
     manager's trap callbacks). On failure the caller tears the context down."""
     state, modules, layouts = checked.state, checked.modules, checked.layouts
@@ -204,6 +208,14 @@ def adopt_state(
     ctx.plan.explanation = list(state.explanation)
     ctx.adopted = True
     num_slots = effective_blocks(cfg.num_blocks, cfg.min_blocks, len(layouts))
+    if cfg.profile_mode == "torch_function":
+        check_adoptable(ctx, host_blocks)
+        traps = install_function_traps(ctx, {n: label for label, t in ctx.traps.items() for n in t.candidates})
+        stage(ctx, {n for t in ctx.traps.values() for n in t.candidates})
+        build_indirect(ctx, layouts, list(state.schedule), num_slots)
+        for trap in ctx.traps.values():
+            trap.install(enter, leave, ctx.compile_fn)
+        return FunctionTrapsHandler(InferenceHandler(ctx), traps)  # no bypass: every trap needs the mode
     build_inference(ctx, layouts, list(state.schedule), num_slots, host_blocks=host_blocks, weights=weights,
                     block_names=[b.name for b in state.blocks], host_block_gate=host_block_gate)
     for trap in ctx.traps.values():
@@ -223,7 +235,7 @@ def export_state(ctx: EngineContext) -> TensorManagerState:
             owner_of.setdefault(n, label)
     # Blocks a replan made resident are exported as resident tensors, the streamed ones renumbered in order: the
     # state describes the plan in force (Note [replanning] in flextensor.engine.replan).
-    streamed = [(l, b) for l, b in zip(ctx.inference.layouts, ctx.inference.host_blocks)
+    streamed = [(l, name) for l, name in zip(ctx.inference.layouts, _block_names(ctx))
                 if l.label not in ctx.inference.resident_blocks]
     renumber = {layout.index: i for i, (layout, _block) in enumerate(streamed)}
     tensors = []
@@ -251,8 +263,15 @@ def export_state(ctx: EngineContext) -> TensorManagerState:
         traps=[TrapState(label=label, kind=ctx.traps[label].kind) for label in order if label in ctx.traps],
         schedule=list(ctx.sequence),
         tensors=tensors,
-        blocks=[BlockState(index=renumber[l.index], label=l.label, nbytes=l.nbytes, name=b.name) for l, b in streamed],
+        blocks=[BlockState(index=renumber[l.index], label=l.label, nbytes=l.nbytes, name=name) for l, name in streamed],
         timings=TimingState(compute_s=dict(ctx.plan.compute_s), transfer_samples=list(ctx.plan.samples)),
         strategy=ctx.plan.strategy_name,
         explanation=list(ctx.plan.explanation),
     )
+
+
+def _block_names(ctx: EngineContext) -> list[str]:
+    """Each block's name ('' for private memory, and for profile_mode="torch_function", which has no host blocks:
+    it streams from the parameters)."""
+    blocks = ctx.inference.host_blocks
+    return [b.name for b in blocks] if blocks else [""] * len(ctx.inference.layouts)

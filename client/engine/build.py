@@ -80,6 +80,7 @@ import torch
 from torch import nn
 
 from flextensor.engine.context import DeferredPlan
+from flextensor.engine.function_traps import build_indirect
 from flextensor.engine.hooks import assign_data, bypass_resident_traps
 from flextensor.engine.replan import attach_probe
 from flextensor.runtime.host_block_build import HostBlockBuild
@@ -100,7 +101,9 @@ def enter_inference(ctx: EngineContext, plan: Plan) -> None:
     """Build INFERENCE for ``plan``: behind resident inference when every streamed weight is still on the device
     (:func:`can_defer`), else now."""
     layouts = list(plan.layouts)
-    if can_defer(ctx, layouts):
+    if ctx.function_traps is not None:  # profile_mode="torch_function": no host blocks to build
+        build_indirect(ctx, layouts, list(plan.schedule), plan.num_slots)
+    elif can_defer(ctx, layouts):
         defer_inference(ctx, layouts, list(plan.schedule), plan.num_slots)
     else:
         build_inference(ctx, layouts, list(plan.schedule), plan.num_slots)

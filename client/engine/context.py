@@ -41,6 +41,7 @@ from flextensor.runtime.warm_loader import WarmLoader
 from flextensor.state import ModelTensor
 
 if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.engine.function_traps import FunctionTraps
     from flextensor.engine.hooks import Trap
 
 __all__ = ["compute_device", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan",
@@ -197,6 +198,8 @@ class EngineContext:
     sequence: list[str] = field(default_factory=list)  # trap labels in call order (one pass)
     clock: TimingCollector | None = None  # PROFILING's trap windows
     timing: TimingCollector | None = None  # offload_timing="eager" records
+    # profile_mode="torch_function": the mode that hands shadows to torch calls (flextensor.engine.function_traps)
+    function_traps: FunctionTraps | None = None
     warm: WarmupState = field(init=False)
     profile: ProfileState = field(default_factory=ProfileState)
     plan: PlanState = field(default_factory=PlanState)

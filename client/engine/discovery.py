@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from flextensor.engine.function_traps import FunctionTrapsHandler, install_function_traps
 from flextensor.engine.hooks import Trap
 from flextensor.engine.phase import Phase, PhaseHandler
 from flextensor.engine.profiling import ProfilingHandler
@@ -46,6 +47,9 @@ def start_warmup(ctx: EngineContext, specs: Any, enter: TrapCallback, leave: Tra
             owners.setdefault(name, spec.label)
         ctx.traps[spec.label] = Trap(spec.label, spec.module, spec.param_names)
     candidates = set(owners) - ctx.shared
+    traps = None
+    if cfg.profile_mode == "torch_function":  # the engine works on shadows of the candidates from here on
+        traps = install_function_traps(ctx, {name: owners[name] for name in sorted(candidates)})
     for name, entry in ctx.tensors.items():
         if name not in candidates:
             ctx.to_device(entry.tensor)
@@ -62,7 +66,7 @@ def start_warmup(ctx: EngineContext, specs: Any, enter: TrapCallback, leave: Tra
         handler = DiscoveryHandler(ctx)
     for trap in ctx.traps.values():
         trap.install(enter, leave, ctx.compile_fn)
-    return handler
+    return handler if traps is None else FunctionTrapsHandler(handler, traps)
 
 
 class DiscoveryHandler(PhaseHandler):

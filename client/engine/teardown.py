@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flextensor.engine.function_traps import release_function_traps
 from flextensor.engine.hooks import assign_data
 from flextensor.runtime.host_memory import block_view
 
@@ -33,7 +34,9 @@ __all__ = ["teardown", "close_resources"]
 
 
 def teardown(ctx: EngineContext, preserve_model: bool) -> None:
-    """Steps 0-4 of the module docstring for ``ctx``."""
+    """Steps 0-4 of the module docstring for ``ctx`` (after profile_mode="torch_function" gave the model's own
+    parameters their places back: ``flextensor.engine.function_traps``)."""
+    release_function_traps(ctx, preserve_model)
     build, ctx.inference.deferred = ctx.inference.deferred, None
     if build is not None:  # host blocks still being built: stop it; the tensors still hold device copies
         build.cancel()

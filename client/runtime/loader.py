@@ -34,7 +34,9 @@ first forward waits only for the blocks it reaches before registration does.
 Transfer modes
 --------------
 ``allocation_block_transfer`` copies a trap's packed host block with ONE copy; ``strategy`` issues one copy per
-tensor (host view -> the tensor's place in the slot). Both use the same slots and events.
+tensor (host view -> the tensor's place in the slot). Both use the same slots and events. With ``host_views`` the per-tensor copies read the given tensors instead of
+views of packed host blocks (``profile_mode="torch_function"`` streams from the model's own parameters, which it
+never moves into a block: ``flextensor.engine.function_traps``).
 
 From the loader's creation on, and after every trap, its parameters point at a slot (device views), so the model
 always looks as if it were on the device; their values are only valid inside the trap.
@@ -63,6 +65,21 @@ def slot_count(num_slots: int, schedule_len: int) -> int:
     return max(1, min(int(num_slots), max(schedule_len, 1)))
 
 
+def _check_host_views(layouts: Sequence[BlockLayout], host_views: Sequence[Sequence[torch.Tensor]],
+                      per_tensor: bool) -> None:
+    """Per-tensor sources must match their placements (a packed copy needs a packed host block)."""
+    if not per_tensor:
+        raise ValueError("BlockLoader: host_views (one source tensor per placement) need per_tensor=True")
+    for layout, views in zip(layouts, host_views):
+        if len(views) != len(layout.tensors):
+            raise ValueError(f"BlockLoader: block {layout.index} (trap {layout.label!r}) places "
+                             f"{len(layout.tensors)} tensors but {len(views)} host views were given")
+        for place, view in zip(layout.tensors, views):
+            if view.dtype != place.dtype or tuple(view.shape) != tuple(place.shape):
+                raise ValueError(f"BlockLoader: host view of {place.name!r} is {view.dtype} "
+                                 f"{tuple(view.shape)}, its placement {place.dtype} {tuple(place.shape)}")
+
+
 class BlockLoader:
     """Streams packed host blocks through ``num_slots`` device blocks, ordered by events."""
 
@@ -78,11 +95,16 @@ class BlockLoader:
         per_tensor: bool = False,
         timing: TimingCollector | None = None,
         host_block_gate: Callable[[int], None] | None = None,
+        host_views: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> None:
-        if not (len(layouts) == len(host_blocks) == len(params)):
+        sources = host_blocks if host_views is None else host_views
+        if not (len(layouts) == len(sources) == len(params)):
             raise ValueError("BlockLoader: layouts, host blocks and parameter lists must have the same length")
         if any(b < 0 or b >= len(layouts) for b in schedule):
             raise ValueError(f"BlockLoader: schedule {list(schedule)} names a block outside 0..{len(layouts) - 1}")
+        if host_views is not None:
+            _check_host_views(layouts, host_views, per_tensor)
+            host_blocks = ()
         for layout, host in zip(layouts, host_blocks):
             if host.dtype != torch.uint8 or host.dim() != 1 or host.numel() < layout.nbytes:
                 raise ValueError(
@@ -108,6 +130,8 @@ class BlockLoader:
         # Host views are only read by per-tensor copies (transfer_mode="strategy"); built on first use, since a
         # view per tensor costs a few microseconds each and a shared-session follower's adoption waits for them.
         self._host_views: dict[int, list[torch.Tensor]] = {}
+        if host_views is not None:
+            self._host_views = {index: list(views) for index, views in enumerate(host_views)}
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._copy_pairs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         L = len(self.schedule)

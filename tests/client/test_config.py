@@ -90,6 +90,7 @@ def test_spec_examples_construct():
         "name:layers.*",
     ]
     assert OffloadConfig(transfer_mode="strategy", profile_mode="getter").transfer_mode == "strategy"
+    assert OffloadConfig(transfer_mode="strategy", profile_mode="torch_function").profile_mode == "torch_function"
     assert OffloadConfig(max_gpu_mem_fraction=1.0).max_gpu_mem_fraction == 1.0
 
 
@@ -149,9 +150,10 @@ INVALID = [
     ({"transfer_mode": "raw_block_transfer"}, "transfer_mode", "not implemented"),
     ({"transfer_mode": "block"}, "transfer_mode", "'allocation_block_transfer', 'strategy'"),
     ({"transfer_mode": None}, "transfer_mode", "'allocation_block_transfer', 'strategy'"),
-    ({"profile_mode": "torch_function"}, "profile_mode", "not implemented"),
-    ({"profile_mode": "torch_function", "transfer_mode": "strategy"}, "profile_mode", "not implemented"),
-    ({"profile_mode": "views"}, "profile_mode", "'view', 'getter'"),
+    ({"profile_mode": "torch_function"}, "profile_mode", "requires transfer_mode='strategy'"),
+    ({"profile_mode": "torch_function", "transfer_mode": "strategy", "shm_enabled": True, "shm_namespace": "n"},
+     "profile_mode", "shm_enabled=True"),
+    ({"profile_mode": "views"}, "profile_mode", "'view', 'getter', 'torch_function'"),
     ({"offload_timing": "cuda_graph"}, "offload_timing", "not implemented"),
     ({"offload_timing": "on"}, "offload_timing", "'off', 'eager'"),
     ({"offload_timing": "eager", "transfer_mode": "strategy"}, "offload_timing", "transfer_mode"),

@@ -251,7 +251,7 @@ def test_env_overrides_file_fraction_with_none(monkeypatch, tmp_path):
         ("FT_TRANSFER_BUDGET_SCALE", "0", ["FT_TRANSFER_BUDGET_SCALE", "> 0.0"]),
         ("FT_PINNED_MEMORY_MODE", "cuda", ["FT_PINNED_MEMORY_MODE", "'cuda'", "'host_register'"]),
         ("FT_TRANSFER_MODE", "raw_block_transfer", ["FT_TRANSFER_MODE", "not implemented"]),
-        ("FT_PROFILE_MODE", "torch_function", ["FT_PROFILE_MODE", "not implemented"]),
+        ("FT_PROFILE_MODE", "torch_function", ["FT_PROFILE_MODE", "transfer_mode='strategy'"]),
         ("FT_OFFLOAD_TIMING", "cuda_graph", ["FT_OFFLOAD_TIMING", "not implemented"]),
         ("FT_PIECEWISE_PREFETCH", "loud", ["FT_PIECEWISE_PREFETCH", "'warn'"]),
         ("FT_INCLUDE_PATTERNS", "layers.*,klass:Linear", ["FT_INCLUDE_PATTERNS", "'klass:Linear'", "prefix"]),
