@@ -136,6 +136,11 @@ def finish_discovery(ctx: EngineContext) -> None:
         else:
             names = [n for n, users in usage.items()
                      if users == {label} and n not in owned and ctx.tensors[n].kind == "parameter"]
+            if names and ctx.function_traps is not None:
+                logger.warning("manager %r: offload_block(%r) keeps its %d parameters resident: profile_mode="
+                               "'torch_function' streams only parameters of module traps (it moves every other "
+                               "parameter to the device at offload())", ctx.name, label, len(names))
+                names = []
         exclusive[label] = names
     keep = {n for names in exclusive.values() for n in names}
     made_resident = sorted(owned - keep)

@@ -17,7 +17,9 @@ of one made outside the mode, into the shadow (or the same view of the shadow). 
 module's forward sees the device copy however it reaches its parameters. A tied parameter is one object, so it
 has one shadow (and a parameter used by several traps is never a candidate: it is resident as in every mode).
 Tensors that are not candidates (buffers, parameters outside traps or shared by traps) are placed on the
-compute device as in the other modes.
+compute device as in the other modes, by reassignment; so are the parameters a manual ``offload_block`` uses
+(they are not known at ``offload()``), which therefore stay resident here (with a warning at the end of
+DISCOVERY, ``flextensor.engine.discovery``).
 
 INFERENCE streams from the parameters themselves: each streamed parameter's host storage (page-locked in place
 when ``pinned_memory``) is the source of one per-tensor copy into the loader's slot (``transfer_mode="strategy"``:
@@ -41,15 +43,14 @@ Traps are never bypassed in this mode (``Trap.bypass``): a resident trap's param
 calls need the mode, also outside a pass. Composition, not a second set of phases: :class:`FunctionTrapsHandler`
 wraps each phase's own handler, which works on the shadows as it works on parameters in the other modes.
 
-Costs: every torch call of a pass pays the rewrite (a Python ``tree_map`` over its arguments), and the mode is
-not ``torch.compile``-compatible (``compile_fn`` is refused).
+Costs: every torch call of a pass pays the rewrite (a Python walk over its arguments), and the mode is not
+``torch.compile``-compatible (``compile_fn`` is refused).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
@@ -68,8 +69,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["FunctionTraps", "FunctionTrapsHandler", "HiddenReads", "build_indirect", "check_adoptable",
            "install_function_traps", "release_function_traps"]
-
-logger = logging.getLogger("flextensor.manager")
 
 _OTHER_MODE = "profile_mode='view' (or 'getter')"
 

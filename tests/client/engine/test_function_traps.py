@@ -1,8 +1,9 @@
 """profile_mode="torch_function": exact outputs in every phase while the offloaded parameters are never touched.
 
 On the CPU these tests stream through the loader (``stream_on_cpu``, this folder's conftest), so every trap's ops
-read rotating slots, as on a GPU. The models' parameters refuse ``.data`` assignment (:class:`LockedParameter`),
-so any reassignment by the engine fails the test; probes record which storage the ops inside a trap read.
+read rotating slots, as on a GPU; on a GPU host they run on the GPU. The trap modules' parameters refuse
+``.data`` assignment (:class:`LockedParameter`), so any reassignment by the engine fails the test; probes record
+which storage the ops inside a trap read. References come from an identical twin of each model (same seed).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flextensor.manager import OffloadManager, Phase
 from tests.helpers.models import (
     ALL,
     DEVICE,
+    ManualBlockModel,
     cpu_config,
     mlp_stack,
     reference,
@@ -39,7 +41,8 @@ class LockedParameter(nn.Parameter):
 
 
 def lock(model: nn.Module) -> nn.Module:
-    """Every parameter of ``model`` becomes a LockedParameter over the same values (tied ones stay tied)."""
+    """Every parameter of ``model`` becomes a LockedParameter over the same values (tied ones stay tied). Lock
+    only trap modules: parameters outside traps move to the device by reassignment, as in every mode."""
     locked: dict[int, LockedParameter] = {}
     for module in list(model.modules()):
         for attr, param in list(module._parameters.items()):
@@ -53,6 +56,12 @@ def lock(model: nn.Module) -> nn.Module:
 def storages(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     """Per parameter: the object's id, its data pointer and its storage's pointer (read outside any pass)."""
     return {n: (id(p), p.data_ptr(), p.untyped_storage().data_ptr()) for n, p in model.named_parameters()}
+
+
+def plain(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's output where its parameters are (after release: the CPU), on the compute device."""
+    with torch.no_grad():
+        return model(x.cpu()).to(DEVICE)
 
 
 def fn_config(**kwargs) -> ft.OffloadConfig:
@@ -98,8 +107,7 @@ def _in_slots(ptr: int, loader) -> bool:
 def test_mlp_stack_exact_with_parameters_untouched(warmup):
     model = lock(mlp_stack())
     x = torch.randn(3, 16, device=DEVICE)
-    with torch.no_grad():
-        ref = model(x)
+    ref = reference(mlp_stack(), x)
     om = ft.get_offload_manager()
     om._warmup_override = warmup  # "resident"/"stream": the CPU copies the candidates as a GPU would
     ft.offload(model, fn_config(profiling_iters=2))
@@ -112,15 +120,14 @@ def test_mlp_stack_exact_with_parameters_untouched(warmup):
     ft.release()
     assert om.engine is None
     assert "forward" not in model.__dict__ and all("forward" not in m.__dict__ for m in model.modules())
-    with torch.no_grad():
-        assert same(model(x), ref)
+    assert same(plain(model, x), ref)
 
 
 def test_ops_inside_a_trap_read_the_slots_not_the_parameters():
+    torch.manual_seed(0)
     model = nn.Sequential(Probe(), Probe(), Probe()).eval()
-    x = torch.randn(2, 16)
-    with torch.no_grad():
-        ref = model(x)
+    x = torch.randn(2, 16, device=DEVICE)
+    ref = reference(model, x)
     own = [m.lin.weight.data_ptr() for m in model]
     for probe in model:
         probe.seen.clear()
@@ -150,9 +157,9 @@ class PreMadeView(nn.Module):
 def test_views_made_before_offload_are_rewritten_too():
     torch.manual_seed(0)
     model = nn.Sequential(PreMadeView(), PreMadeView()).eval()
-    x = torch.randn(2, 16)
+    x = torch.randn(2, 16, device=DEVICE)
     with torch.no_grad():
-        ref = model(x)
+        ref = model(x.cpu()).to(DEVICE)  # (moving the model would leave its pre-made views behind)
     own = [m.weight.data_ptr() for m in model]
     ft.offload(model, fn_config(profiling_iters=1))
     om = ft.get_offload_manager()
@@ -162,10 +169,10 @@ def test_views_made_before_offload_are_rewritten_too():
 
 @pytest.mark.parametrize("patterns", [["*"], ["class:DecoderBlock"]])
 def test_transformer_tied_and_transposed_weights_exact(patterns):
-    model = lock(tiny_transformer())
+    model = tiny_transformer()
+    lock(model.blocks)  # the tied embedding is moved (used by two traps), so it is not locked
     ids = token_ids().to(DEVICE)
-    with torch.no_grad():
-        ref = model(ids)
+    ref = reference(tiny_transformer(), ids)
     keys, up_t_stride = list(model.state_dict()), model.blocks[0].up_t.stride()
     ft.offload(model, fn_config(include_patterns=patterns))
     om = ft.get_offload_manager()
@@ -178,16 +185,15 @@ def test_transformer_tied_and_transposed_weights_exact(patterns):
     assert model.blocks[0].up_t.stride() == up_t_stride != (64, 1)
     assert list(model.state_dict()) == keys
     ft.release()
-    with torch.no_grad():
-        assert same(model(ids), ref)
+    assert same(plain(model, ids), ref)
 
 
 def test_llama_decoder_layers_exact():
     pytest.importorskip("transformers")
-    model = lock(tiny_llama())
+    model = tiny_llama()
+    lock(model.model.layers)
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    with torch.no_grad():
-        ref = model(ids).logits
+    ref = reference(tiny_llama(), ids).logits
     ft.offload(model, fn_config(include_patterns=["class:*DecoderLayer"], profiling_iters=1))
     om = ft.get_offload_manager()
     run_checked(model, ids, ref, om, extra=2, out=lambda o: o.logits)
@@ -195,9 +201,10 @@ def test_llama_decoder_layers_exact():
     assert all(len(v) == 9 for v in om.offloaded_tensors.values())  # 7 linear weights + 2 norms
     ft.release()
     with torch.no_grad():
-        assert same(model(ids).logits, ref)
+        assert same(model(ids.cpu()).logits.to(DEVICE), ref)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compute device only")
 def test_cpu_in_place_computes_from_the_parameters(monkeypatch):
     monkeypatch.setattr(OffloadManager, "_stream_on_cpu", False)  # Note [CPU in place]
     model = lock(mlp_stack())
@@ -212,9 +219,8 @@ def test_cpu_in_place_computes_from_the_parameters(monkeypatch):
 
 def test_release_without_preserving_drops_streamed_weights_to_meta():
     model = mlp_stack()
-    x = torch.randn(3, 16)
-    with torch.no_grad():
-        ref = model(x)
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
     ft.offload(model, fn_config())
     om = ft.get_offload_manager()
     run_checked(model, x, ref, om, extra=1)
@@ -225,9 +231,8 @@ def test_release_without_preserving_drops_streamed_weights_to_meta():
 
 def test_saved_profile_adopted_in_this_mode(tmp_path):
     model = mlp_stack()
-    x = torch.randn(3, 16)
-    with torch.no_grad():
-        ref = model(x)
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
     ft.offload(model, fn_config(profiling_iters=1))
     om = ft.get_offload_manager()
     run_checked(model, x, ref, om, extra=1)
@@ -242,6 +247,18 @@ def test_saved_profile_adopted_in_this_mode(tmp_path):
         for _ in range(2):
             assert same(twin(x), ref)
     assert storages(twin) == before and adopted.loader.copies_issued > 0
+
+
+def test_manual_blocks_keep_their_parameters_resident(caplog):
+    model = ManualBlockModel()
+    x = torch.randn(2, 16, device=DEVICE)
+    ref = reference(model, x)
+    ft.offload(model, fn_config())
+    om = ft.get_offload_manager()
+    with caplog.at_level("WARNING", logger="flextensor"):
+        run_checked(model, x, ref, om)
+    assert list(om.offloaded_tensors) == ["body"]
+    assert "offload_block('head') keeps its 2 parameters resident" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------------- refusals
@@ -280,7 +297,7 @@ class HiddenRead(nn.Module):
 
 def test_a_read_the_mode_cannot_see_is_refused_in_discovery():
     model = nn.Sequential(nn.Linear(16, 16), HiddenRead()).eval()
-    x = torch.randn(2, 16)
+    x = torch.randn(2, 16, device=DEVICE)
     before = snapshot(model)
     ft.offload(model, fn_config())
     with pytest.raises(RuntimeError, match=r"module '1' reads parameter '1.lin.weight' through a path "
@@ -306,10 +323,12 @@ class Borrower(nn.Module):
 def test_a_streamed_weight_used_outside_its_trap_is_refused_not_read_stale():
     first = nn.Linear(16, 16)
     model = nn.Sequential(first, Borrower(16, first)).eval()
-    x = torch.randn(2, 16)
+    x = torch.randn(2, 16, device=DEVICE)
+    om = ft.get_offload_manager()
+    om._warmup_override = "resident"  # PROFILING finds every warm-up copy on the device
     ft.offload(model, fn_config(skip_discovery=True, profiling_iters=1))  # nobody learns that '1' reads '0.weight'
     with torch.no_grad():
-        model(x)  # PROFILING: on the CPU the host copy is the device copy
+        model(x)
         with pytest.raises(RuntimeError, match=r"parameter '0.weight' is offloaded with trap '0' but was used by trap '1'"):
             model(x)
 
@@ -347,22 +366,25 @@ def test_cuda_close_with_parameters_left_on_the_host(which):
     model = model.to(torch.bfloat16)
     x = x.cuda() if which == "llama" else x.to(torch.bfloat16).cuda()
     ref = out(reference(model, x))
-    before = storages(model)
+    layers = model.model.layers if which == "llama" else model  # the trap modules: nothing else is streamed
+    before = storages(layers)
     cfg = ft.OffloadConfig(include_patterns=patterns, profile_mode="torch_function", transfer_mode="strategy",
                            profiling_iters=2, num_blocks=2, min_blocks=2, load_strategy=ALL)
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
     assert om.device.type == "cuda"
+    phases = []
     with torch.no_grad():
         for _ in range(om.iters_before_inference + 3):
-            phase = om.phase
+            phases.append(phase := om.phase)
             torch.testing.assert_close(out(model(x)), ref, atol=3e-2, rtol=3e-2, msg=lambda m: f"{phase}: {m}")
-            assert storages(model) == before
+            assert storages(layers) == before, f"a trap module's parameter changed in phase {phase}"
+    assert phases[:3] == [Phase.DISCOVERY, Phase.PROFILING, Phase.PROFILING]
     assert om.phase is Phase.INFERENCE and om.loader.cuda and om.loader.copies_issued > 0
     streamed = [model.get_parameter(n) for names in om.offloaded_tensors.values() for n in names]
     assert len(streamed) == (36 if which == "llama" else 16)
     assert all(p.device.type == "cpu" and p.is_pinned() for p in streamed)  # page-locked in place
     assert ft.get_gpu_memory_usage().block_bytes == om.loader.device_bytes > 0
     ft.release()
-    assert storages(model) == before and not any(p.is_pinned() for p in streamed)
+    assert storages(layers) == before and not any(p.is_pinned() for p in streamed)
     torch.testing.assert_close(out(reference(model, x)), ref, atol=3e-2, rtol=3e-2)
