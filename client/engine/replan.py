@@ -111,6 +111,8 @@ def unavailable_reason(ctx: EngineContext) -> str | None:
         return "a shared-memory model's published plan stays fixed"
     if ctx.in_place:
         return "a CPU compute device reads its host blocks in place: nothing streams, nothing to replan"
+    if ctx.function_traps is not None:
+        return "profile_mode='torch_function' streams from the model's own parameters, not from host blocks"
     if not ctx.inference.layouts:
         return "the plan has no host blocks: every weight is resident already"
     if replan.state == "in_progress":
@@ -125,7 +127,8 @@ def automatic(ctx: EngineContext) -> bool:
     cfg = ctx.config
     strategy_ok = cfg.load_strategy is None or isinstance(cfg.load_strategy, AdaptiveStrategy)
     latency = ctx.budget_bytes is None and cfg.max_gpu_mem_fraction is None
-    return ctx.allow_replan and strategy_ok and latency and not cfg.shm_enabled and not ctx.in_place
+    return (ctx.allow_replan and strategy_ok and latency and not cfg.shm_enabled and not ctx.in_place
+            and ctx.function_traps is None)
 
 
 def attach_probe(ctx: EngineContext) -> None:

@@ -117,6 +117,7 @@ def test_mlp_stack_exact_with_parameters_untouched(warmup):
     assert om.loader.copies_issued >= 4 * 3 and om.loader.per_tensor
     assert om.engine.inference.host_blocks == []  # streamed from the parameters themselves
     assert all(type(p) is LockedParameter for p in model.parameters())
+    assert ft.request_strategy_replan() == 0 and not ft.strategy_replan_status().can_request  # no host blocks
     ft.release()
     assert om.engine is None
     assert "forward" not in model.__dict__ and all("forward" not in m.__dict__ for m in model.modules())
