@@ -102,7 +102,7 @@ def _in_slots(ptr: int, loader) -> bool:
     return any(s.data_ptr() <= ptr < s.data_ptr() + s.numel() for s in loader.slots)
 
 
-# ---------------------------------------------------------------------------------------------------- CPU
+# ---------------------------------------------------------------------------------------------------- every phase
 @pytest.mark.parametrize("warmup", [None, "resident", "stream"])
 def test_mlp_stack_exact_with_parameters_untouched(warmup):
     model = lock(mlp_stack())
