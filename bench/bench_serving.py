@@ -26,6 +26,8 @@ Usage: ``python bench/bench_serving.py [--layers 24 --d 4096 --h 16384] [--batch
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -101,6 +103,7 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--passes", type=int, default=30, help="passes served at each batch")
     p.add_argument("--steady", type=int, default=10, help="then this many resident/offloaded pairs, interleaved")
+    p.add_argument("--profile-offload", action="store_true", help="print a cProfile of the ft.offload() call")
     p.add_argument("--no-docs", action="store_true")
     args = p.parse_args()
     small = args.quick or not cuda
@@ -116,9 +119,15 @@ def main() -> int:
     model, resident = _build(args, device, dtype)
     model_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     dynamo_before = "torch._dynamo" in sys.modules
+    profiler = cProfile.Profile() if args.profile_offload else None
     start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     ft.offload(model, ft.OffloadConfig(include_patterns=["layers.*"], pinned_memory=cuda))
     offload_s = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
     dynamo_after = "torch._dynamo" in sys.modules
     om = ft.get_offload_manager()
     big = torch.randn(args.profile_batch, args.d, device=device, dtype=dtype)
