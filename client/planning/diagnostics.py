@@ -89,7 +89,8 @@ def _names(names: Sequence[str], limit: int = 60) -> str:
 
 
 def format_block_assignment(plan: Plan, traps: Sequence[TrapCost]) -> str:
-    """Block assignment: per trap in execution order, what it offloads and which device block slot it uses."""
+    """Block assignment: per trap in execution order, what it offloads and which device block slot it uses (for
+    a device arena: the byte offset of its first call)."""
     slots = plan.block_slots()
     rows = []
     for trap in traps:
@@ -100,8 +101,10 @@ def format_block_assignment(plan: Plan, traps: Sequence[TrapCost]) -> str:
         rows.append([trap.label, f"{trap.compute_s * 1e3:.3f}", f"{len(names)}/{len(trap.tensors)}",
                      format_bytes(off), format_bytes(trap.total_bytes - off), "-" if slot is None else slot,
                      _names(names)])
+    blocks = (f"a device arena of {format_bytes(plan.rotating_bytes)} holding {plan.num_blocks} consecutive blocks"
+              if plan.arena_offsets else f"{plan.num_blocks} device blocks x {format_bytes(plan.block_bytes)}")
     footer = [
-        f"strategy {plan.strategy}: {plan.num_blocks} device blocks x {format_bytes(plan.block_bytes)}, offloaded "
+        f"strategy {plan.strategy}: {blocks}, offloaded "
         f"{format_bytes(plan.offloaded_bytes)}, resident {format_bytes(plan.resident_bytes)}, peak "
         f"{format_bytes(plan.peak_device_bytes)}, estimated overhead {plan.estimated_overhead_s * 1e3:.3f} ms, "
         f"fits budget: {'yes' if plan.fits_budget else 'no'}"

@@ -29,6 +29,16 @@ The model covers one forward pass starting with an idle copy stream, so the firs
 exposed unless earlier traps compute while it runs (an engine that prefetches the next pass's first block at
 the end of a pass does better than estimated: the estimate is conservative there).
 
+The device arena (``PlanInput.arena``: ``transfer_mode="raw_block_transfer"``)
+------------------------------------------------------------------------------
+There the rotating blocks are byte ranges of one device arena, each sized to its block, and ``num_blocks``
+counts the consecutive streamed calls the arena holds at once: it takes the largest total of that many
+consecutive streamed calls (``flextensor.planning.arena_model.window_bytes``), not ``num_blocks`` times the
+largest block, and a copy waits for the traps that last used the bytes it overwrites rather than for the trap
+``num_blocks`` before it (``ArenaTrace``). ``rotating_bytes`` gives either layout's device bytes and
+``simulate_bytes`` either pipeline. The arena has no slots to count, so ``min_blocks`` does not bound it: a
+budget search may go down to two blocks (``PlanInput.fewest_blocks``).
+
 Cost of a block copy: ``TransferModel.seconds(n) = latency_s + n / bandwidth`` (one latency per trap, since a
 trap's offloaded tensors travel as one packed block).
 """
@@ -39,6 +49,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+
+from flextensor.planning.arena_model import ArenaMap, ArenaTrace, window_bytes
 
 MIB = 1 << 20
 
@@ -54,7 +66,10 @@ __all__ = [
     "effective_blocks",
     "make_plan",
     "peak_device_bytes",
+    "plan_blocks",
+    "rotating_bytes",
     "simulate_bytes",
+    "simulation",
     "simulate_overhead",
 ]
 
@@ -204,7 +219,13 @@ class TransferModel:
 
 @dataclass(frozen=True)
 class PlanInput:
-    """Everything a strategy needs. ``budget_bytes=None`` is latency mode (no memory cap)."""
+    """Everything a strategy needs. ``budget_bytes=None`` is latency mode (no memory cap).
+
+    ``arena``: the rotating blocks are ranges of one device arena (``transfer_mode="raw_block_transfer"``, see
+    the module docstring) instead of ``num_blocks`` equal slots. ``calls``: the trap indices in the order one
+    pass calls them, when a trap is called more than once (None: each trap once, in order); the arena's size
+    depends on consecutive calls, so it is counted over these.
+    """
 
     traps: tuple[TrapCost, ...]
     transfer: TransferModel
@@ -213,10 +234,21 @@ class PlanInput:
     min_blocks: int = 2
     scale: float = 1.0
     fixed_resident_bytes: int = 0  # bytes on the device regardless of the plan (non-offloadable tensors)
+    arena: bool = False
+    calls: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         traps = tuple(self.traps)
         object.__setattr__(self, "traps", traps)
+        object.__setattr__(self, "arena", bool(self.arena))
+        if self.calls is not None:
+            calls = tuple(self.calls)
+            if not calls or any(not _is_int(i) or not 0 <= i < len(traps) for i in calls):
+                raise ValueError(
+                    f"PlanInput.calls must be None or a non-empty sequence of trap indices 0..{len(traps) - 1}, "
+                    f"got {self.calls!r}"
+                )
+            object.__setattr__(self, "calls", calls)
         if not isinstance(self.transfer, TransferModel):
             raise ValueError(f"PlanInput.transfer must be a TransferModel, got {self.transfer!r}")
         if self.budget_bytes is not None and (not _is_int(self.budget_bytes) or self.budget_bytes < 0):
@@ -287,6 +319,21 @@ class PlanInput:
         """Per trap, tensor name -> bytes: built once, not once per ``make_plan`` / ``simulate_overhead`` call."""
         return tuple({t.name: t.nbytes for t in trap.tensors} for trap in self.traps)
 
+    @cached_property
+    def call_order(self) -> tuple[int, ...]:
+        """Trap indices in the order one pass calls them (``calls``, or each trap once)."""
+        return self.calls if self.calls is not None else tuple(range(len(self.traps)))
+
+    def streamed_calls(self, per_trap: Sequence[int]) -> list[int]:
+        """Offloaded bytes of each streamed call of one pass, in call order: the loader's schedule of blocks."""
+        return [per_trap[i] for i in self.call_order if per_trap[i] > 0]
+
+    @property
+    def fewest_blocks(self) -> int:
+        """The fewest blocks a plan may use: ``min_blocks`` slots, or an arena of two consecutive blocks (the
+        least a pipeline needs; ``min_blocks`` counts slots, which the arena has none of)."""
+        return 2 if self.arena else self.min_blocks
+
     def window_capacity(self, start: int, trap: int) -> int:
         """Bytes trap ``trap``'s copy may carry while traps ``start..trap-1`` compute (scaled window)."""
         seconds = self.scale * (self.prefix_compute[trap] - self.prefix_compute[start])
@@ -312,7 +359,12 @@ class Plan:
     ``offloaded`` is ordered like the traps (execution order), so the ``j``-th key uses device block slot
     ``j % num_blocks`` (see ``block_slots``). ``num_blocks`` is the number of device blocks the loader should
     allocate: never more than there are offloaded traps (extra blocks would never be used), never below the
-    input's ``min_blocks`` (with nothing offloaded the loader allocates none).
+    input's ``min_blocks`` (with nothing offloaded the loader allocates none). With an arena
+    (``PlanInput.arena``) it is the number of consecutive streamed calls the arena holds (at least two, at most
+    the streamed calls of a pass).
+
+    ``rotating_bytes``: the device bytes of the rotating blocks or of the arena, the part of
+    ``peak_device_bytes`` the loader allocates (``peak = fixed + resident + rotating``).
     """
 
     strategy: str
@@ -326,9 +378,14 @@ class Plan:
     fits_budget: bool
     explanation: list[str] = field(default_factory=list)
     candidates: list[CandidateSummary] = field(default_factory=list)  # filled by AdaptiveStrategy
+    rotating_bytes: int = 0
+    arena_offsets: dict[str, int] = field(default_factory=dict)  # arena plans: first-pass offset per trap
 
     def block_slots(self) -> dict[str, int]:
-        """Trap label -> device block slot, for every offloaded trap."""
+        """Trap label -> device block slot, for every offloaded trap; for an arena plan the byte offset of the
+        trap's first call in the arena (later passes may place it elsewhere: ``arena_model``)."""
+        if self.arena_offsets:
+            return dict(self.arena_offsets)
         return {label: j % self.num_blocks for j, label in enumerate(self.offloaded)}
 
 
@@ -435,18 +492,42 @@ class PipelineTrace:
         return 0.0 if overhead <= 1e-9 * max(inp.total_compute_s, 1e-12) else overhead
 
 
+def plan_blocks(inp: PlanInput, requested: int, per_trap: Sequence[int]) -> int:
+    """The block count a plan offloading ``per_trap`` uses: ``effective_blocks`` over its offloaded traps
+    (slots), or over its streamed calls with a floor of two (arena: ``PlanInput.fewest_blocks``)."""
+    if inp.arena:
+        return effective_blocks(requested, 2, len(inp.streamed_calls(per_trap)))
+    return effective_blocks(requested, inp.min_blocks, sum(1 for nbytes in per_trap if nbytes > 0))
+
+
+def rotating_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> int:
+    """Device bytes of the rotating blocks a plan offloading ``per_trap`` needs (none when nothing streams):
+    ``effective_blocks`` slots as large as the largest trap's block, or the arena holding any ``num_blocks``
+    consecutive streamed calls (``arena_model.window_bytes``), the very bytes the loader allocates."""
+    if inp.arena:
+        return window_bytes(inp.streamed_calls(per_trap), num_blocks)
+    offloaded = sum(1 for nbytes in per_trap if nbytes > 0)
+    return effective_blocks(num_blocks, inp.min_blocks, offloaded) * max(per_trap) if offloaded else 0
+
+
 def peak_device_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> int:
     """Device bytes a plan needs at its peak, from its offloaded bytes per trap: the fixed tensors, what stays
-    resident, and the rotating device blocks (``effective_blocks`` of them, each as large as the largest trap's
-    block; none when nothing is offloaded). Every plan's ``peak_device_bytes`` and the budget searches use it."""
-    offloaded = sum(1 for nbytes in per_trap if nbytes > 0)
-    blocks = effective_blocks(num_blocks, inp.min_blocks, offloaded) * max(per_trap) if offloaded else 0
-    return inp.fixed_resident_bytes + inp.offloadable_bytes - sum(per_trap) + blocks
+    resident, and the rotating blocks (``rotating_bytes``). Every plan's ``peak_device_bytes`` and the budget
+    searches use it."""
+    return inp.fixed_resident_bytes + inp.offloadable_bytes - sum(per_trap) + rotating_bytes(inp, per_trap, num_blocks)
+
+
+def simulation(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> PipelineTrace | ArenaTrace:
+    """The simulator run of the input's layout: ``PipelineTrace`` (slots) or ``ArenaTrace`` (arena); both have
+    ``overhead`` and ``with_change``."""
+    if inp.arena:
+        return ArenaTrace(inp, per_trap, num_blocks)
+    return PipelineTrace(inp, per_trap, num_blocks)
 
 
 def simulate_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> float:
     """The simulator on per-trap offloaded byte counts (see the module docstring for the model)."""
-    return PipelineTrace(inp, per_trap, num_blocks).overhead
+    return simulation(inp, per_trap, num_blocks).overhead
 
 
 def simulate_overhead(inp: PlanInput, offloaded: Mapping[str, Iterable[str]], num_blocks: int) -> float:
@@ -494,17 +575,26 @@ def _finish_plan(
     """``make_plan`` for a selection already in its normal form, which it neither validates nor reorders:
     ``offloaded`` ordered like the traps, each trap's names in the trap's order and of non-zero size,
     ``per_trap`` their bytes per trap (0 for traps not in ``offloaded``)."""
-    blocks = effective_blocks(num_blocks, inp.min_blocks, len(offloaded))
+    blocks = plan_blocks(inp, num_blocks, per_trap)
     block_bytes = max(per_trap, default=0)
     offloaded_bytes = sum(per_trap)
     resident = inp.offloadable_bytes - offloaded_bytes
-    peak = peak_device_bytes(inp, per_trap, num_blocks)
+    rotating = rotating_bytes(inp, per_trap, blocks)
+    peak = inp.fixed_resident_bytes + resident + rotating
     overhead = simulate_bytes(inp, per_trap, blocks)
     fits = inp.budget_bytes is None or peak <= inp.budget_bytes
+    offsets: dict[str, int] = {}
+    if inp.arena and rotating:
+        ring: ArenaMap[None] = ArenaMap(rotating)
+        for i in inp.call_order:
+            if per_trap[i] > 0:
+                offsets.setdefault(inp.traps[i].label, ring.place(per_trap[i]))
+    through = (f"a device arena of {_mib(rotating)} holding any {blocks} consecutive blocks (largest "
+               f"{_mib(block_bytes)})" if inp.arena else f"{blocks} device blocks of {_mib(block_bytes)}")
     lines = list(explanation)
     lines.append(
         f"{strategy}: {len(offloaded)} of {len(inp.traps)} traps offload {offloaded_bytes} B "
-        f"({_mib(offloaded_bytes)}) through {blocks} device blocks of {_mib(block_bytes)}; "
+        f"({_mib(offloaded_bytes)}) through {through}; "
         f"estimated overhead {overhead * 1e3:.3f} ms over {inp.total_compute_s * 1e3:.3f} ms of compute"
         + (f" (of which {_streamed_traps_cost(inp, per_trap) * 1e3:.3f} ms the streamed traps' own cost)"
            if any(inp.stream_costs) and offloaded else "")
@@ -512,7 +602,7 @@ def _finish_plan(
     budget = "none (latency mode)" if inp.budget_bytes is None else f"{_mib(inp.budget_bytes)}"
     lines.append(
         f"peak device bytes {_mib(peak)} = fixed {_mib(inp.fixed_resident_bytes)} + resident {_mib(resident)}"
-        f" + blocks {_mib(blocks * block_bytes if offloaded else 0)}; budget {budget}: "
+        f" + {'arena' if inp.arena else 'blocks'} {_mib(rotating)}; budget {budget}: "
         f"{'fits' if fits else 'does NOT fit'}"
     )
     return Plan(
@@ -526,6 +616,8 @@ def _finish_plan(
         estimated_overhead_s=overhead,
         fits_budget=fits,
         explanation=lines,
+        rotating_bytes=rotating,
+        arena_offsets=offsets,
     )
 
 

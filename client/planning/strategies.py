@@ -22,7 +22,6 @@ from dataclasses import replace
 from flextensor.planning.plan_model import (
     MIB,
     CandidateSummary,
-    PipelineTrace,
     Plan,
     PlanInput,
     TensorCost,
@@ -31,8 +30,11 @@ from flextensor.planning.plan_model import (
     effective_blocks,
     make_plan,
     peak_device_bytes,
+    plan_blocks,
+    rotating_bytes,
     simulate_bytes,
     simulate_overhead,
+    simulation,
 )
 from flextensor.planning.basic_strategies import (  # noqa: F401 - the basic strategies are public from here too
     GreedyStrategy,
@@ -87,6 +89,12 @@ class BudgetFillStrategy(Strategy):
     Feasibility is decided exactly (when per-trap subset sums are exact): the smallest reachable peak uses the
     fewest blocks and, for some cap ``L`` among the per-trap subset totals, each trap's largest subset <= L.
     Without a budget it plans like Knapsack.
+
+    With an arena (``PlanInput.arena``) the peak counts the arena (``rotating_bytes``: the largest total of
+    ``B`` consecutive streamed calls, bounded by ``B * L`` too), ``B`` goes down to two whatever ``min_blocks``
+    says (``PlanInput.fewest_blocks``), and the simulator places blocks as the arena does. Feasibility is then
+    decided on the same candidates, but no longer exactly: which traps stream next to each other changes the
+    arena, and the caps do not search that.
     """
 
     name = "budget_fill"
@@ -113,7 +121,8 @@ class BudgetFillStrategy(Strategy):
             plan.explanation.insert(0, "budget_fill: no GPU budget (latency mode): planned like knapsack")
             return plan
         budget, fixed = inp.budget_bytes, inp.fixed_resident_bytes
-        blocks = [self.n_blocks] if self.n_blocks is not None else list(range(inp.num_blocks, inp.min_blocks - 1, -1))
+        blocks = ([self.n_blocks] if self.n_blocks is not None
+                  else list(range(inp.num_blocks, inp.fewest_blocks - 1, -1)))
         if fixed + inp.offloadable_bytes <= budget:
             return make_plan(inp, self.name, {}, blocks[0], [
                 f"budget_fill: every tensor fits the budget ({fixed + inp.offloadable_bytes} B <= {budget} B); "
@@ -211,8 +220,11 @@ class BudgetFillStrategy(Strategy):
             version[i] += 1
             off += nbytes
             blk = max(blk, cur[i])
-            # peak_device_bytes, kept up to date from the running totals instead of recomputed per tensor
-            if fixed_total - off + effective_blocks(count, inp.min_blocks, n_off) * blk <= budget:
+            # peak_device_bytes, kept up to date from the running totals instead of recomputed per tensor (the
+            # arena's bytes depend on which calls stream next to each other: recomputed)
+            rotating = (rotating_bytes(inp, cur, count) if inp.arena
+                        else effective_blocks(count, inp.min_blocks, n_off) * blk)
+            if fixed_total - off + rotating <= budget:
                 return masks
         masks = [0 if t is None else t.best(level)[1] for t in tables]
         return masks if peak_device_bytes(inp, _per_trap(inp, masks), count) <= budget else None
@@ -221,11 +233,12 @@ class BudgetFillStrategy(Strategy):
         budget = inp.budget_bytes
         assert budget is not None
         missing = peak - budget
+        lower = "" if inp.arena else " lower min_blocks,"  # the arena's floor of two blocks is no option
         why = [
             f"budget_fill: cannot meet the GPU budget of {budget} B ({budget / MIB:.2f} MiB): the smallest peak "
             f"any selection reaches is {peak} B with {count} device blocks, {missing} B ({missing / MIB:.2f} MiB) "
-            "missing. Raise max_gpu_mem_fraction, free GPU memory, lower min_blocks, or use finer include "
-            "patterns so that device blocks get smaller"
+            f"missing. Raise max_gpu_mem_fraction, free GPU memory,{lower} or use finer include patterns so that "
+            "device blocks get smaller"
         ]
         if inp.fixed_resident_bytes > budget:
             why.append(f"budget_fill: the non-offloadable tensors alone take {inp.fixed_resident_bytes} B")
@@ -235,8 +248,7 @@ class BudgetFillStrategy(Strategy):
 def _key(inp: PlanInput, masks: Sequence[int], count: int) -> tuple[float, int, int]:
     """BudgetFill's ranking: estimated overhead, then offloaded bytes, then peak."""
     per_trap = _per_trap(inp, masks)
-    n_off = sum(1 for b in per_trap if b > 0)
-    overhead = simulate_bytes(inp, per_trap, effective_blocks(count, inp.min_blocks, n_off))
+    overhead = simulate_bytes(inp, per_trap, plan_blocks(inp, count, per_trap))
     return overhead, sum(per_trap), peak_device_bytes(inp, per_trap, count)
 
 
@@ -248,14 +260,16 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> l
     trap's copy, for one, is always exposed). Moves: drop an offloaded tensor, or swap it for a smaller
     resident tensor of the same trap (one candidate per distinct size: equal sizes are interchangeable). Each
     round applies the move that keeps the budget and lowers the simulated overhead most (ties: the move that
-    offloads fewer bytes). Every move offloads fewer bytes, and fewer bytes never lengthen the pipeline, so the
-    search only improves and ends; ``evaluations`` bounds the number of simulations.
+    offloads fewer bytes). Every move offloads fewer bytes and is taken only when it does not lengthen the
+    simulated pipeline, so the search only improves and ends; ``evaluations`` bounds the number of simulations.
+    With an arena a move may also shrink the arena (the budget check recomputes it) and move later blocks in it
+    (the simulation re-places them).
     """
     budget = inp.budget_bytes
     assert budget is not None
     per = _per_trap(inp, masks)
     base_total = inp.fixed_resident_bytes + inp.offloadable_bytes
-    min_blocks, traps = inp.min_blocks, inp.traps
+    min_blocks, traps, arena = inp.min_blocks, inp.traps, inp.arena
     # The search runs at the switch to INFERENCE (inside the last PROFILING pass), so its loops are kept lean
     # without changing a single decision: a trap's move list is rebuilt only when its mask changed (one trap per
     # round), the two block counts a move can lead to are computed once per round, and the loops stop as soon as
@@ -280,11 +294,11 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> l
 
     while evaluations > 0:
         n_off = sum(1 for b in per if b > 0)
-        blocks = effective_blocks(count, min_blocks, n_off)
+        blocks = plan_blocks(inp, count, per)
         # Blocks after a move: n_off - (left == 0) offloaded traps, 0 blocks when that is 0.
         kept_blocks = blocks if n_off else 0
         fewer_blocks = effective_blocks(count, min_blocks, n_off - 1) if n_off - 1 else 0
-        trace = PipelineTrace(inp, per, blocks)
+        trace = simulation(inp, per, blocks)
         current, off = trace.overhead, sum(per)
         room = budget - base_total + off  # integers: "base_total - off + gain + peak_blocks > budget" rearranged
         order = sorted(range(len(per)), key=lambda j: -per[j])
@@ -298,9 +312,17 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> l
             per_i = per[i]
             for gain, k, other in moves(i):
                 left = per_i - gain
-                now_blocks = fewer_blocks if left == 0 else kept_blocks
-                if gain + now_blocks * (others_max if others_max >= left else left) > room:
-                    continue
+                if arena:
+                    per[i] = left
+                    now_blocks = plan_blocks(inp, count, per)
+                    fits = gain + rotating_bytes(inp, per, now_blocks) <= room
+                    per[i] = per_i
+                    if not fits:
+                        continue
+                else:
+                    now_blocks = fewer_blocks if left == 0 else kept_blocks
+                    if gain + now_blocks * (others_max if others_max >= left else left) > room:
+                        continue
                 if evaluations <= 0:
                     break
                 evaluations -= 1
