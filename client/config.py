@@ -7,9 +7,8 @@ user can fix it without reading code.
 
 Scope decisions (options whose values this engine does not all implement yet):
 
-- ``transfer_mode``: the engine implements ``"allocation_block_transfer"`` and ``"strategy"``.
-  ``"raw_block_transfer"`` (direct block management) is not implemented, so it is rejected at construction
-  rather than silently treated as another mode.
+- ``transfer_mode``: all three documented modes are implemented. ``"raw_block_transfer"`` manages one device
+  arena directly: each streamed block gets a byte range sized to it (``flextensor.runtime.arena_loader``).
 - ``profile_mode``: ``"view"``, ``"getter"`` and ``"torch_function"`` are implemented. ``"torch_function"`` (the
   indirect runtime, ``flextensor.engine.function_traps``) streams from the model's own parameters tensor by
   tensor, so it needs ``transfer_mode="strategy"``, and it keeps no weights in shared memory, so it refuses
@@ -53,7 +52,7 @@ OffloadTiming = Literal["off", "eager", "cuda_graph"]
 PiecewisePrefetch = Literal["off", "warn", "error"]
 
 PINNED_MEMORY_MODES: tuple[str, ...] = ("torch", "host_register")
-SUPPORTED_TRANSFER_MODES: tuple[str, ...] = ("allocation_block_transfer", "strategy")
+SUPPORTED_TRANSFER_MODES: tuple[str, ...] = ("allocation_block_transfer", "strategy", "raw_block_transfer")
 DOCUMENTED_TRANSFER_MODES: tuple[str, ...] = ("strategy", "allocation_block_transfer", "raw_block_transfer")
 SUPPORTED_PROFILE_MODES: tuple[str, ...] = ("view", "getter", "torch_function")
 DOCUMENTED_PROFILE_MODES: tuple[str, ...] = ("view", "getter", "torch_function")
@@ -164,9 +163,7 @@ def _choice_checker(supported: Sequence[str], noun: str, unimplemented: dict[str
     return check
 
 
-_check_transfer_mode = _choice_checker(SUPPORTED_TRANSFER_MODES, "modes", {
-    "raw_block_transfer": "'raw_block_transfer' (direct block management) is not implemented by this engine",
-})
+_check_transfer_mode = _choice_checker(SUPPORTED_TRANSFER_MODES, "modes", {})
 _check_profile_mode = _choice_checker(SUPPORTED_PROFILE_MODES, "modes", {})
 _check_offload_timing = _choice_checker(SUPPORTED_OFFLOAD_TIMING_MODES, "values", {
     "cuda_graph": "'cuda_graph' timing is not implemented by this engine",
@@ -320,7 +317,17 @@ class OffloadConfig:
     skip_discovery: bool = False
     discovery_iters: int = 1
     profiling_iters: int = 10
-    # transfer
+    # transfer. ``transfer_mode``: how streamed weights reach the device.
+    #   "allocation_block_transfer": a trap's offloaded tensors are packed into one host block and copied with one
+    #       copy into one of ``num_blocks`` equal device blocks (each as large as the largest streamed block),
+    #       reused in rotation.
+    #   "strategy": the same blocks, copied tensor by tensor.
+    #   "raw_block_transfer": one copy per trap too, into ONE device arena managed directly: each block gets a
+    #       byte range sized to it, placed after the previous one on a ring, and is copied as soon as the bytes it
+    #       overwrites are no longer read. ``num_blocks`` is the number of consecutive streamed calls the arena
+    #       holds (so it takes the largest total of that many, not that many times the largest block);
+    #       ``min_blocks`` does not bound it (a memory budget may shrink it to two). A trap that streams only part
+    #       of its tensors costs only those bytes, so a budget keeps more resident.
     transfer_mode: str = "allocation_block_transfer"
     num_blocks: int = 4
     min_blocks: int = 4

@@ -45,7 +45,7 @@ from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage
 from flextensor.patterns import PatternSet
 from flextensor.profiles import read_profile, write_instrumentation, write_profile
 from flextensor.runtime.host_memory import HostBlockProvider, make_provider
-from flextensor.runtime.loader import BlockLoader
+from flextensor.runtime.loader import StreamingLoader
 from flextensor.runtime.timing import OffloadTimingReport
 from flextensor.state import TensorManagerState, model_tensors
 from flextensor.units import StrategyReplanStatus
@@ -491,7 +491,7 @@ class OffloadManager:
         return list(self._ctx.traps) if self._ctx is not None else []
 
     @property
-    def loader(self) -> BlockLoader | None:
+    def loader(self) -> StreamingLoader | None:
         self.wait_for_host_blocks()
         return self._ctx.inference.loader if self._ctx is not None else None
 

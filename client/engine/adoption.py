@@ -208,6 +208,8 @@ def adopt_state(
     ctx.plan.explanation = list(state.explanation)
     ctx.adopted = True
     num_slots = effective_blocks(cfg.num_blocks, cfg.min_blocks, len(layouts))
+    if cfg.transfer_mode == "raw_block_transfer":  # the arena the plan was sized with (a budget may have shrunk it)
+        num_slots = state.num_blocks
     if cfg.profile_mode == "torch_function":
         check_adoptable(ctx, host_blocks)
         traps = install_function_traps(ctx, {n: label for label, t in ctx.traps.items() for n in t.candidates})

@@ -6,7 +6,8 @@ It first ends a resident warm-up (the device copies of the tensors about to be o
 device block exists, the tensors that stay resident keep their warm-up copy), then allocates or adopts host
 blocks, copies weights in (from the model, or ``weights`` for meta tensors) unless a block is prefilled, points
 each offloaded parameter at its host view (freeing the original storage), moves every other tensor to the
-compute device, and creates the :class:`~flextensor.runtime.loader.BlockLoader`. Traps that never ran during
+compute device, and creates the loader (:class:`~flextensor.runtime.loader.BlockLoader`, or
+:class:`~flextensor.runtime.arena_loader.ArenaLoader` for ``raw_block_transfer``). Traps that never ran during
 warm-up are not in the schedule, so their tensors stay resident. The provider (``EngineContext.provider_factory``)
 is told every block size first (``reserve``), so pinned providers carve blocks out of a few arenas; a trap's
 staged storages are unregistered and dropped as soon as its block is filled, so the original copy is freed
@@ -85,6 +86,7 @@ from flextensor.engine.hooks import assign_data, bypass_resident_traps
 from flextensor.engine.replan import attach_probe
 from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_view, block_views
+from flextensor.runtime.arena_loader import ArenaLoader
 from flextensor.runtime.loader import BlockLoader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -223,17 +225,13 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
         return
     ctx.inference.block_of = block_of
     _read_state_dict_from_host_blocks(ctx)
-    ctx.inference.loader = BlockLoader(
-        device=ctx.device,
-        layouts=layouts,
-        host_blocks=[b.tensor for b in blocks],
-        params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts],
-        schedule=loader_schedule,
-        num_slots=num_slots,
-        per_tensor=cfg.transfer_mode == "strategy",
-        timing=ctx.timing,
-        host_block_gate=host_block_gate,
-    )
+    common = dict(device=ctx.device, layouts=layouts, host_blocks=[b.tensor for b in blocks],
+                  params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts],
+                  schedule=loader_schedule, timing=ctx.timing, host_block_gate=host_block_gate)
+    if cfg.transfer_mode == "raw_block_transfer":  # one device arena; num_slots: consecutive blocks it holds
+        ctx.inference.loader = ArenaLoader(num_blocks=num_slots, **common)
+    else:
+        ctx.inference.loader = BlockLoader(num_slots=num_slots, per_tensor=cfg.transfer_mode == "strategy", **common)
     bypass_untimed_traps(ctx, set(block_of))
     attach_probe(ctx)  # latency mode: stalls on copies arm a replan (Note [replanning] in flextensor.engine.replan)
 

@@ -31,7 +31,7 @@ from flextensor.planning.plan_model import TrapCost
 from flextensor.planning.warmup_rule import WarmupDecision
 from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, HostBlock, HostBlockProvider, TensorPlacement
-from flextensor.runtime.loader import BlockLoader
+from flextensor.runtime.loader import StreamingLoader
 from flextensor.runtime.staging import PinnedStaging
 from flextensor.runtime.stall_probe import StallProbe
 from flextensor.runtime.timing import TimingCollector
@@ -137,7 +137,7 @@ class InferenceState:
     placement: dict[str, tuple[int, TensorPlacement]] = field(default_factory=dict)  # name -> (block, place)
     host_blocks: list[HostBlock] = field(default_factory=list)
     provider: HostBlockProvider | None = None
-    loader: BlockLoader | None = None
+    loader: StreamingLoader | None = None
     block_of: dict[str, int] = field(default_factory=dict)  # trap label -> block index
     deferred: HostBlockBuild | None = None  # host blocks building behind resident inference
     deferred_plan: DeferredPlan | None = None  # what the deferred build streams, kept until it is installed

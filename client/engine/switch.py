@@ -50,7 +50,8 @@ IN_PLACE_TRANSFER = TransferModel(1e15)
 
 @dataclass(frozen=True)
 class Plan:
-    """What INFERENCE streams: one packed block per offloaded trap, the trap schedule, the rotating slots."""
+    """What INFERENCE streams: one packed block per offloaded trap, the trap schedule, the rotating slots
+    (``num_slots``; with ``raw_block_transfer`` the consecutive blocks the device arena holds)."""
 
     layouts: tuple[BlockLayout, ...]
     schedule: tuple[str, ...]
@@ -127,9 +128,12 @@ def plan_switch(ctx: EngineContext) -> Plan:
     budget = resolve_device_budget(ctx)
     strategy = cfg.load_strategy if cfg.load_strategy is not None else AdaptiveStrategy()
     if offloadable:
+        position = {label: i for i, label in enumerate(order)}
         plan_input = PlanInput(traps=tuple(costs), transfer=transfer, budget_bytes=budget,
                                num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
-                               scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed)
+                               scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed,
+                               arena=cfg.transfer_mode == "raw_block_transfer",
+                               calls=tuple(position[label] for label in sequence))
         plan = strategy.plan(plan_input)
         offloaded = {label: tuple(names) for label, names in plan.offloaded.items()}
         num_slots = plan.num_blocks

@@ -147,9 +147,8 @@ INVALID = [
     ({"pinned_memory_mode": "cuda"}, "pinned_memory_mode", "'host_register'"),
     ({"pinned_memory_mode": "TORCH"}, "pinned_memory_mode", "'torch'"),
     ({"pinned_memory_mode": None}, "pinned_memory_mode", "'torch'"),
-    ({"transfer_mode": "raw_block_transfer"}, "transfer_mode", "not implemented"),
-    ({"transfer_mode": "block"}, "transfer_mode", "'allocation_block_transfer', 'strategy'"),
-    ({"transfer_mode": None}, "transfer_mode", "'allocation_block_transfer', 'strategy'"),
+    ({"transfer_mode": "block"}, "transfer_mode", "'allocation_block_transfer', 'strategy', 'raw_block_transfer'"),
+    ({"transfer_mode": None}, "transfer_mode", "'allocation_block_transfer', 'strategy', 'raw_block_transfer'"),
     ({"profile_mode": "torch_function"}, "profile_mode", "requires transfer_mode='strategy'"),
     ({"profile_mode": "torch_function", "transfer_mode": "strategy", "shm_enabled": True, "shm_namespace": "n"},
      "profile_mode", "shm_enabled=True"),
@@ -198,11 +197,10 @@ def test_message_names_the_bad_value():
         OffloadConfig(pinned_memory_mode="cuda")
 
 
-def test_raw_block_transfer_message_lists_supported_modes():
-    with pytest.raises(ValueError) as info:
-        OffloadConfig(transfer_mode="raw_block_transfer")
-    assert "raw_block_transfer' (direct block management) is not implemented" in str(info.value)
-    assert "'allocation_block_transfer', 'strategy'" in str(info.value)
+def test_raw_block_transfer_is_a_block_mode():
+    """Accepted, and a block mode: eager offload timing, which needs one copy per trap, takes it."""
+    cfg = OffloadConfig(transfer_mode="raw_block_transfer", offload_timing="eager")
+    assert cfg.transfer_mode == "raw_block_transfer" and cfg.to_dict()["transfer_mode"] == "raw_block_transfer"
 
 
 def test_torch_function_message_mentions_strategy_constraint():

@@ -250,7 +250,7 @@ def test_env_overrides_file_fraction_with_none(monkeypatch, tmp_path):
         ("FT_SHM_WAIT_TIMEOUT", "inf", ["FT_SHM_WAIT_TIMEOUT", "'shm_wait_timeout'", "finite"]),
         ("FT_TRANSFER_BUDGET_SCALE", "0", ["FT_TRANSFER_BUDGET_SCALE", "> 0.0"]),
         ("FT_PINNED_MEMORY_MODE", "cuda", ["FT_PINNED_MEMORY_MODE", "'cuda'", "'host_register'"]),
-        ("FT_TRANSFER_MODE", "raw_block_transfer", ["FT_TRANSFER_MODE", "not implemented"]),
+        ("FT_TRANSFER_MODE", "raw_block", ["FT_TRANSFER_MODE", "'raw_block'", "'raw_block_transfer'"]),
         ("FT_PROFILE_MODE", "torch_function", ["FT_PROFILE_MODE", "transfer_mode='strategy'"]),
         ("FT_OFFLOAD_TIMING", "cuda_graph", ["FT_OFFLOAD_TIMING", "not implemented"]),
         ("FT_PIECEWISE_PREFETCH", "loud", ["FT_PIECEWISE_PREFETCH", "'warn'"]),
