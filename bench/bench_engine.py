@@ -31,6 +31,10 @@ not), medians over ``--repeat`` passes after a warm-up pass. ``--quick`` runs a 
 
 Run: ``.venv/bin/python bench/bench_engine.py`` (GPU, ~1-2 min) or ``... --quick`` (CPU, seconds). A full run
 writes its tables into docs/benchmarks.md (``--no-docs`` skips that; a ``--quick`` run never does).
+
+``--transfer-modes`` runs another benchmark instead: ``allocation_block_transfer`` against ``raw_block_transfer``
+(every layer streaming, and memory mode at ``--fraction``), see ``bench/transfer_modes.py``; ``--model mlp``
+(with ``--ffn``) picks the MLP stack it was written for.
 """
 
 from __future__ import annotations
@@ -155,9 +159,10 @@ def resident_run(model: torch.nn.Module, work: Workload, device: torch.device, r
     }
 
 
-def offload_config(args: argparse.Namespace, device: torch.device, strategy: object | None, **extra) -> object:
+def offload_config(args: argparse.Namespace, device: torch.device, strategy: object | None,
+                   patterns: list[str] | None = None, **extra) -> object:
     return ft.OffloadConfig(
-        include_patterns=[BLOCK_PATTERN],
+        include_patterns=patterns or [BLOCK_PATTERN],
         pinned_memory=device.type == "cuda",
         skip_discovery=not args.discovery,
         profiling_iters=args.profiling_iters,
@@ -205,6 +210,9 @@ def offload_run(
     out["host_blocks_wait_s"] = time.perf_counter() - start
     out["host_blocks_build_s"] = manager.engine.inference.host_build_s
     out["offloaded_bytes"] = offloaded_bytes(manager, model)
+    usage = ft.get_gpu_memory_usage(name)  # the device memory the engine holds: rotating blocks + resident
+    out["device_block_bytes"], out["device_total_bytes"] = usage.block_bytes, usage.total_bytes
+    out["strategy"] = manager.engine.plan.strategy_name
     with torch.no_grad():
         result = proxy(work.small).float().cpu()
     out["max_abs_diff"] = float((result - work.reference).abs().max()) if work.reference is not None else None
@@ -520,9 +528,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true",
                    help="do not write the results into docs/benchmarks.md (a --quick run never does)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transfer-modes", action="store_true",
+                   help="compare allocation_block_transfer and raw_block_transfer instead (bench/transfer_modes.py)")
+    p.add_argument("--model", choices=("transformer", "mlp"), default="transformer",
+                   help="--transfer-modes: the transformer, or a stack of layers.N.fc1/fc2 (--hidden x --ffn)")
+    p.add_argument("--ffn", type=int, help="--model mlp: fc1's output width (default 4 x hidden)")
+    p.add_argument("--fraction", type=float, default=0.015,
+                   help="--transfer-modes: max_gpu_mem_fraction of the memory-mode runs")
     args = p.parse_args()
     gpu = not args.quick and torch.cuda.is_available()
     defaults = (4096, 16, 32000, (1, 128), (8, 4096)) if gpu else (256, 4, 1024, (1, 16), (4, 256))
+    if args.model == "mlp":  # 24 layers of 4096 x 16384: 6.0 GiB in bf16
+        defaults = (4096, 24, 0, (1, 128), (8, 4096)) if gpu else (64, 6, 0, (1, 16), (4, 64))
     for name, value in zip(("hidden", "layers", "vocab", "small", "large"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -538,6 +555,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.transfer_modes:
+        import transfer_modes  # noqa: PLC0415 - its own benchmark, loaded only when asked for
+
+        transfer_modes.main(args)
+        return
     device = args.device
     dtype = default_dtype(device)
     spec = ModelSpec(hidden=args.hidden, layers=args.layers, vocab=args.vocab, mlp_ratio=args.mlp_ratio)
