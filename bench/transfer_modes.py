@@ -145,7 +145,8 @@ def main(args: argparse.Namespace) -> None:
     else:
         spec = ModelSpec(hidden=args.hidden, layers=args.layers, vocab=args.vocab, mlp_ratio=args.mlp_ratio)
         model = build_model(spec, device, dtype, seed=args.seed)
-        work = engine.Workload(small=make_tokens(spec, *args.small, device), large=make_tokens(spec, *args.large, device))
+        work = engine.Workload(small=make_tokens(spec, *args.small, device),
+                               large=make_tokens(spec, *args.large, device))
         pattern, layer_bytes = BLOCK_PATTERN, spec.block_bytes(dtype)
         description = f"transformer: hidden {spec.hidden}, {spec.layers} layers, vocab {spec.vocab}"
     total_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -188,19 +189,19 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
         streamed = run["offloaded_bytes"]
         resident = run["device_total_bytes"] - run["device_block_bytes"]
         rows.append([run["label"], engine.ms(run["small_s"]), engine.ms(run["large_s"]),
-                     engine._vs_resident(run, res, "small"), engine._vs_resident(run, res, "large"),
+                     f"{_vs_twin(run, 'small'):.3f}x", f"{_vs_twin(run, 'large'):.3f}x",
                      gib(streamed), gib(resident), gib(run["device_block_bytes"]), run["strategy"]])
     pairs = [("every layer streams", "slots_nth", "arena_nth"), ("memory mode", "slots_memory", "arena_memory"),
              ("memory mode, slots with min_blocks=2", "slots2_memory", "arena_memory")]
     ratio_rows = []
     for label, slots, arena in pairs:
         a, b = runs[slots], runs[arena]
-        ratio_rows.append([label, _ratio(b["small_s"] / b["small_twin_s"], a["small_s"] / a["small_twin_s"]),
-                           _ratio(b["large_s"] / b["large_twin_s"], a["large_s"] / a["large_twin_s"]),
+        ratio_rows.append([label, _ratio(_vs_twin(b, "small"), _vs_twin(a, "small")),
+                           _ratio(_vs_twin(b, "large"), _vs_twin(a, "large")),
                            _ratio(b["offloaded_bytes"], a["offloaded_bytes"]),
                            _ratio(b["device_block_bytes"], a["device_block_bytes"])])
     mem_slots, mem_arena = runs["slots_memory"], runs["arena_memory"]
-    forward_ratio = (mem_arena["small_s"] / mem_arena["small_twin_s"]) / (mem_slots["small_s"] / mem_slots["small_twin_s"])
+    forward_ratio = _vs_twin(mem_arena, "small") / _vs_twin(mem_slots, "small")
     goals = [
         [f"memory mode: the arena's forward <= {GOAL_MEMORY_RATIO:.3f}x the slots' (transfer-bound, each against "
          "its twin)", f"{forward_ratio:.3f}x", engine.verdict(forward_ratio <= GOAL_MEMORY_RATIO)],
@@ -227,6 +228,11 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
                                           ratio_rows)),
         ("Goals", table(["goal", "measured", "status"], goals)),
     ]
+
+
+def _vs_twin(run: dict, batch: str) -> float:
+    """A run's pass against its resident twin's, timed alternately with it (the host's drift cancels)."""
+    return run[f"{batch}_s"] / run[f"{batch}_twin_s"]
 
 
 def _ratio(a: float, b: float) -> str:
