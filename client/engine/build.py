@@ -86,8 +86,7 @@ from flextensor.engine.hooks import assign_data, bypass_resident_traps
 from flextensor.engine.replan import attach_probe
 from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_view, block_views
-from flextensor.runtime.arena_loader import ArenaLoader
-from flextensor.runtime.loader import BlockLoader
+from flextensor.runtime.arena_loader import make_loader
 
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
@@ -225,13 +224,17 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
         return
     ctx.inference.block_of = block_of
     _read_state_dict_from_host_blocks(ctx)
-    common = dict(device=ctx.device, layouts=layouts, host_blocks=[b.tensor for b in blocks],
-                  params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts],
-                  schedule=loader_schedule, timing=ctx.timing, host_block_gate=host_block_gate)
-    if cfg.transfer_mode == "raw_block_transfer":  # one device arena; num_slots: consecutive blocks it holds
-        ctx.inference.loader = ArenaLoader(num_blocks=num_slots, **common)
-    else:
-        ctx.inference.loader = BlockLoader(num_slots=num_slots, per_tensor=cfg.transfer_mode == "strategy", **common)
+    ctx.inference.loader = make_loader(
+        cfg.transfer_mode,
+        device=ctx.device,
+        layouts=layouts,
+        host_blocks=[b.tensor for b in blocks],
+        params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts],
+        schedule=loader_schedule,
+        num_slots=num_slots,
+        timing=ctx.timing,
+        host_block_gate=host_block_gate,
+    )
     bypass_untimed_traps(ctx, set(block_of))
     attach_probe(ctx)  # latency mode: stalls on copies arm a replan (Note [replanning] in flextensor.engine.replan)
 

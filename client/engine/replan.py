@@ -43,7 +43,7 @@ from flextensor.engine.switch import _trap_stream_cost, resolve_device_budget
 from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
 from flextensor.planning.strategies import AdaptiveStrategy
 from flextensor.runtime.host_memory import block_views
-from flextensor.runtime.loader import BlockLoader
+from flextensor.runtime.arena_loader import make_loader
 from flextensor.runtime.stall_probe import StallProbe
 from flextensor.runtime.timing import OffloadTimingReport, TimingCollector
 from flextensor.state import tensor_nbytes
@@ -324,8 +324,11 @@ def streaming_input(ctx: EngineContext, compute_s: dict[str, float],
                               _trap_stream_cost(compute, None, calls[label])))
     budget = resolve_device_budget(ctx)
     transfer = TransferModel.fit(ctx.plan.samples) if ctx.plan.samples else TransferModel(1e9)
+    position = {label: i for i, label in enumerate(dict.fromkeys(ctx.sequence))}
     plan_input = PlanInput(traps=tuple(costs), transfer=transfer, budget_bytes=budget, num_blocks=cfg.num_blocks,
-                           min_blocks=cfg.min_blocks, scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed)
+                           min_blocks=cfg.min_blocks, scale=cfg.transfer_budget_scale, fixed_resident_bytes=fixed,
+                           arena=cfg.transfer_mode == "raw_block_transfer",
+                           calls=tuple(position[label] for label in ctx.sequence))
     capacity = None
     if budget is None and ctx.device.type == "cuda":  # what moves onto the device must fit there
         free, _total = torch.cuda.mem_get_info(ctx.device)
@@ -396,14 +399,14 @@ def install_streaming(ctx: EngineContext, streamed: Sequence[str], num_slots: in
     inference.block_of = {layout.label: layout.index for layout in inference.layouts if layout.label in keep}
     schedule = [inference.block_of[label] for label in ctx.sequence if label in keep]
     if keep:
-        inference.loader = BlockLoader(
+        inference.loader = make_loader(
+            ctx.config.transfer_mode,
             device=ctx.device,
             layouts=inference.layouts,
             host_blocks=[b.tensor for b in inference.host_blocks],
             params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in inference.layouts],
             schedule=schedule,
             num_slots=num_slots,
-            per_tensor=ctx.config.transfer_mode == "strategy",
             timing=ctx.timing,
         )
     _bypass(ctx, keep)

@@ -45,10 +45,10 @@ import torch
 from flextensor.planning.arena_model import ArenaMap, window_bytes
 from flextensor.runtime.compile_guard import disable_compile
 from flextensor.runtime.host_memory import BlockLayout, block_views
-from flextensor.runtime.loader import StreamingLoader
+from flextensor.runtime.loader import BlockLoader, StreamingLoader
 from flextensor.runtime.timing import TimingCollector
 
-__all__ = ["ArenaLoader"]
+__all__ = ["ArenaLoader", "make_loader"]
 
 logger = logging.getLogger(__name__)
 
@@ -232,3 +232,24 @@ class ArenaLoader(StreamingLoader):
 
 
 disable_compile(ArenaLoader, ("enter", "exit"))
+
+
+def make_loader(
+    transfer_mode: str,
+    *,
+    device: torch.device,
+    layouts: Sequence[BlockLayout],
+    host_blocks: Sequence[torch.Tensor],
+    params: Sequence[Sequence[torch.Tensor]],
+    schedule: Sequence[int],
+    num_slots: int,
+    timing: TimingCollector | None = None,
+    host_block_gate: Callable[[int], None] | None = None,
+) -> StreamingLoader:
+    """The loader of ``transfer_mode``: an arena holding ``num_slots`` consecutive blocks for
+    ``"raw_block_transfer"``, else ``num_slots`` slots (filled tensor by tensor for ``"strategy"``)."""
+    common: dict[str, Any] = dict(device=device, layouts=layouts, host_blocks=host_blocks, params=params,
+                                  schedule=schedule, timing=timing, host_block_gate=host_block_gate)
+    if transfer_mode == "raw_block_transfer":
+        return ArenaLoader(num_blocks=num_slots, **common)
+    return BlockLoader(num_slots=num_slots, per_tensor=transfer_mode == "strategy", **common)

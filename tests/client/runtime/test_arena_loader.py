@@ -269,6 +269,34 @@ def test_an_adopted_profile_keeps_the_arena_its_plan_sized(tmp_path):
         assert same(fresh(x), ref)
 
 
+def test_a_replan_streams_its_new_set_through_an_arena_sized_to_it():
+    from flextensor.engine import replan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[MLPBlock(64, h) for h in (128, 64, 192, 128, 64, 128)]).eval()
+    x = torch.randn(2, 64, device=DEVICE)
+    ref = reference(model, x)
+    ft.offload(model, cpu_config(include_patterns=["*"], load_strategy=ft.NthLayerStrategy(1),
+                                 transfer_mode="raw_block_transfer"))
+    om = ft.get_offload_manager()
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference):
+            model(x)
+    om.wait_for_host_blocks()
+    ctx = om.engine
+    plan_input, _capacity = replan.streaming_input(ctx, {label: 1e-3 for label in ctx.sequence}, set())
+    assert plan_input.arena and plan_input.calls == tuple(range(6))
+    labels = [layout.label for layout in ctx.inference.layouts]
+    for streamed in (labels[::2], labels[1:2], labels):
+        replan.install_streaming(ctx, streamed, 2)
+        assert isinstance(om.loader, ArenaLoader)
+        sizes = [layout.nbytes for layout in ctx.inference.layouts if layout.label in streamed]
+        assert om.get_gpu_memory_usage().block_bytes == window_bytes(sizes, 2)
+        with torch.no_grad():
+            for _ in range(2):
+                assert same(model(x), ref)
+
+
 # ---------------------------------------------------------------------------------------------------------- CUDA
 
 
