@@ -324,6 +324,14 @@ class PlanInput:
         """Trap indices in the order one pass calls them (``calls``, or each trap once)."""
         return self.calls if self.calls is not None else tuple(range(len(self.traps)))
 
+    @cached_property
+    def calls_per_trap(self) -> tuple[int, ...]:
+        """How many times one pass calls each trap."""
+        counts = [0] * len(self.traps)
+        for i in self.call_order:
+            counts[i] += 1
+        return tuple(counts)
+
     def streamed_calls(self, per_trap: Sequence[int]) -> list[int]:
         """Offloaded bytes of each streamed call of one pass, in call order: the loader's schedule of blocks."""
         return [per_trap[i] for i in self.call_order if per_trap[i] > 0]

@@ -206,6 +206,8 @@ class BudgetFillStrategy(Strategy):
         heapq.heapify(heap)
         off, n_off, blk = sum(cur), sum(1 for b in cur if b > 0), max(cur, default=0)
         fixed_total = inp.fixed_resident_bytes + inp.offloadable_bytes
+        calls = inp.calls_per_trap
+        n_calls, call_bytes = sum(calls[i] for i, b in enumerate(cur) if b), sum(c * b for c, b in zip(calls, cur))
         while heap:
             _, neg, i, k, ver = heapq.heappop(heap)
             nbytes = -neg
@@ -215,6 +217,8 @@ class BudgetFillStrategy(Strategy):
                 heapq.heappush(heap, (score(i, nbytes), neg, i, k, version[i]))
                 continue
             n_off += cur[i] == 0
+            n_calls += calls[i] if cur[i] == 0 else 0
+            call_bytes += calls[i] * nbytes
             masks[i] |= 1 << k
             cur[i] += nbytes
             version[i] += 1
@@ -222,8 +226,15 @@ class BudgetFillStrategy(Strategy):
             blk = max(blk, cur[i])
             # peak_device_bytes, kept up to date from the running totals instead of recomputed per tensor (the
             # arena's bytes depend on which calls stream next to each other: recomputed)
-            rotating = (rotating_bytes(inp, cur, count) if inp.arena
-                        else effective_blocks(count, inp.min_blocks, n_off) * blk)
+            if inp.arena:
+                # The arena holds the largest block, and at least the mean window of consecutive calls (each
+                # call is in as many windows as a window has calls): exact only once those bounds fit.
+                lower = max(blk, min(count, n_calls) * call_bytes // n_calls) if n_calls else blk
+                if fixed_total - off + lower > budget:
+                    continue
+                rotating = rotating_bytes(inp, cur, count)
+            else:
+                rotating = effective_blocks(count, inp.min_blocks, n_off) * blk
             if fixed_total - off + rotating <= budget:
                 return masks
         masks = [0 if t is None else t.best(level)[1] for t in tables]
