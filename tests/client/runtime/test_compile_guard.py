@@ -25,7 +25,7 @@ REPO_ROOT = __file__.rsplit("/tests/", 1)[0]
 
 def test_offload_and_inference_import_no_dynamo():
     """A fresh process offloads, profiles and streams a model without importing torch._dynamo or sympy; the
-    loader's enter/exit are marked for dynamo the moment something imports it."""
+    loaders' enter/exit are marked for dynamo the moment something imports it."""
     code = textwrap.dedent("""
         import sys
         import torch
@@ -41,16 +41,18 @@ def test_offload_and_inference_import_no_dynamo():
                 model(token_ids().to(DEVICE))
         assert ft.get_offload_manager().loader is not None
         heavy = [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
+        from flextensor.runtime.arena_loader import ArenaLoader
         from flextensor.runtime.loader import BlockLoader
         before = getattr(BlockLoader.enter, "_torchdynamo_disable", False)
         import torch._dynamo
-        after = [getattr(getattr(BlockLoader, n), "_torchdynamo_disable", False) for n in ("enter", "exit")]
+        after = [getattr(getattr(cls, n), "_torchdynamo_disable", False) for cls in (BlockLoader, ArenaLoader)
+                 for n in ("enter", "exit")]
         print(heavy, before, after)
         ft.release()
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[] False [True, True]"
+    assert out.stdout.strip().splitlines()[-1] == "[] False [True, True, True, True]"
 
 
 def test_a_compiled_streamed_model_equals_eager():
