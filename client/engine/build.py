@@ -84,9 +84,9 @@ from flextensor.engine.context import DeferredPlan
 from flextensor.engine.function_traps import build_indirect
 from flextensor.engine.hooks import assign_data, bypass_resident_traps
 from flextensor.engine.replan import attach_probe
+from flextensor.runtime.arena_loader import make_loader
 from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_view, block_views
-from flextensor.runtime.arena_loader import make_loader
 
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
