@@ -174,7 +174,8 @@ def _unequal_mlp() -> nn.Sequential:
     return nn.Sequential(*[MLPBlock(64, h) for h in (128, 64, 192, 128)]).eval()
 
 
-def test_engine_streams_unequal_partly_streamed_traps_exactly():
+@pytest.mark.parametrize("timing", ["off", "eager"])
+def test_engine_streams_unequal_partly_streamed_traps_exactly(timing):
     model = _unequal_mlp()
     x = torch.randn(3, 64, device=DEVICE)
     ref = reference(model, x)
@@ -182,7 +183,7 @@ def test_engine_streams_unequal_partly_streamed_traps_exactly():
                         "1": ("1.fc1.weight",), "2": ("2.fc2.weight", "2.fc1.weight"), "3": ("3.fc2.bias",)},
                        num_blocks=3)
     ft.offload(model, cpu_config(include_patterns=["*"], load_strategy=strategy, num_blocks=3,
-                                 transfer_mode="raw_block_transfer"), name="raw")
+                                 transfer_mode="raw_block_transfer", offload_timing=timing), name="raw")
     om = ft.get_offload_manager("raw")
     with torch.no_grad():
         for _ in range(om.iters_before_inference):
@@ -200,7 +201,13 @@ def test_engine_streams_unequal_partly_streamed_traps_exactly():
     usage = ft.get_gpu_memory_usage("raw")
     assert usage.block_bytes == loader.device_bytes
     assert usage.total_bytes == plan.peak_device_bytes  # resident + arena, as planned
-    assert ft.collect_offload_timing("raw") is None
+    report = ft.collect_offload_timing("raw")
+    if timing == "off":
+        assert report is None
+    else:  # every streamed trap's copy is attributed to it, in every pass that streamed
+        assert report is not None and report.passes
+        streamed = {rec.label for snap in report.passes for rec in snap.per_trap if rec.transfer_ms > 0}
+        assert streamed == {"0", "1", "2", "3"}
 
 
 def test_engine_resyncs_when_control_flow_skips_a_trap():
