@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, HostBlockProvider, block_views
 
 __all__ = ["HostBlockBuild", "UNREGISTER_PAUSE_S"]
@@ -94,6 +95,15 @@ class HostBlockBuild:
         if not self._cancel.is_set():
             _let_launches_through()
 
+    @staticmethod
+    def _fill(block: HostBlock, layout: BlockLayout, sources: list[torch.Tensor], progress: FillProgress) -> None:
+        """Copy one block's sources in. A function of its own so that no loop variable of the caller still holds
+        a source (the last one of each block) once the block's originals are released: that tensor would stay
+        allocated until the next block's copy, and its heap pages past the trim of the next ``allocate``."""
+        for placement, view, source in zip(layout.tensors, block_views(block.tensor, layout.tensors), sources):
+            view.copy_(source)
+            progress.add(placement.nbytes)
+
     def _run(self) -> None:
         start = time.monotonic()
         try:
@@ -105,15 +115,13 @@ class HostBlockBuild:
                 if self._cancel.is_set():
                     return
                 block = self.provider.allocate(layout.index, layout.nbytes)
-                views = block_views(block.tensor, layout.tensors)
-                for placement, view, source in zip(layout.tensors, views, self._sources[layout.index]):
-                    view.copy_(source)
-                    progress.add(placement.nbytes)
+                self._fill(block, layout, self._sources[layout.index], progress)
                 self.blocks.append(block)
-                self._sources[layout.index] = []
+                self._sources[layout.index] = []  # the build's references; the staging's go below
                 self._release_sources([p.name for p in layout.tensors], self._pause)
             progress.finish()
             self._release_sources(self._release_after, self._pause)
+            return_free_heap()  # the last block's originals: no later allocate() trims the heap for them
             if self._cancel.is_set():
                 return
             self.provider.finish(between=self._pause)
