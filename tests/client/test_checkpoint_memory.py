@@ -5,9 +5,11 @@
 - a creator whose factory builds the model in RAM: <= 1.25x (one copy, plus the block being filled);
 - a single process offloading a model already in RAM adds < 0.25x (the host copy replaces the original as it
   is made), from a profile or through profiling (then, on a CPU compute device, beside the loader's rotating
-  blocks, which are host memory there).
+  blocks, which are host memory there); the host blocks built on their thread behind resident inference hold
+  about one block beside the staged originals (< 0.25x), and every original is freed by the end of the build.
 Outputs must equal the plain model's, from one file and from shards. On CUDA the worker creates the CUDA context
-before its baseline (a per-process constant, not a per-model cost) and pins the blocks in place, at their exact
+before its baseline, and runs one of the model's blocks there once (the math libraries and kernels a first
+forward loads: per-process constants, not per-model costs, reported apart), and pins the blocks in place, at their exact
 size (``pinned_memory_mode="host_register"``; PyTorch's pinned allocator would round them up to powers of two).
 """
 
@@ -15,11 +17,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
+from flextensor.runtime.host_block_build import HostBlockBuild
+from flextensor.runtime.host_memory import PageableProvider, block_views, pack_block
 from flextensor.shm.names import manager_namespace
 from tests.client.test_session import finish, read_result
 from tests.helpers.checkpoints import big_input, big_mlp, make_profile, save_checkpoint
@@ -72,10 +77,19 @@ def _check(result: dict, big: dict) -> float:
     return result["growth"] / result["model_bytes"]
 
 
+def _kinds(by_kind: dict) -> str:
+    return ", ".join(f"{k} {v / 2**20:+.1f} MiB" for k, v in by_kind.items())
+
+
 def _where(result: dict) -> str:
     """Where the growth stayed, for a failure message."""
-    kinds = ", ".join(f"{k} {v / 2**20:+.1f} MiB" for k, v in result.get("by_kind", {}).items())
-    return f"({kinds}; starting CUDA took {result.get('cuda_init_bytes', 0) / 2**20:.1f} MiB before the baseline)"
+    build = ""
+    if result.get("build_growth"):
+        build = (f"; the host-block build peaked {result['build_growth'] / 2**20:.1f} MiB above its start "
+                 f"({_kinds(result.get('build_by_kind', {}))} after it)")
+    return (f"({_kinds(result.get('by_kind', {}))}{build}; before the baseline, starting CUDA took "
+            f"{result.get('cuda_init_bytes', 0) / 2**20:.1f} MiB and a first forward of one block "
+            f"{result.get('kernels_init_bytes', 0) / 2**20:.1f} MiB)")
 
 
 @pytest.mark.parametrize("kind", ["file", "sharded"])
@@ -121,3 +135,45 @@ def test_profiling_a_model_in_ram_never_holds_two_copies(big: dict) -> None:
     assert extra < OFFLOAD_EXTRA_GOAL, \
         f"profiling and the switch added {extra:.3f}x the model's bytes at the peak {_where(result)}"
 
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run of the build is the profiling test above")
+def test_the_background_build_frees_each_block_of_staged_originals_as_it_fills_it(big: dict) -> None:
+    """The host blocks built on their thread after a resident warm-up (a CPU streaming as a GPU does, with the
+    originals staged as on CUDA): the build holds one block beside the originals it has not copied yet, and the
+    originals are all freed by its end (the staging and the build's lists let go of each block's sources)."""
+    result = _run("profile", big, "--stream-on-cpu")
+    _check(result, big)
+    size = result["model_bytes"]
+    assert result["build_growth"] / size < OFFLOAD_EXTRA_GOAL, \
+        f"the build peaked {result['build_growth'] / size:.3f}x the model above its start {_where(result)}"
+    freed = -result["build_by_kind"]["RssAnon"]
+    assert freed > 0.95 * size, f"the build freed {freed / size:.3f}x the model of originals {_where(result)}"
+
+
+def test_the_build_thread_keeps_no_source_of_a_block_it_released() -> None:
+    """When block k+1 is allocated, nothing of the build holds a source of blocks 0..k any more (not even the last
+    tensor of block k), so releasing them freed their memory before the next block's pages are touched."""
+    layouts = [pack_block(i, f"t{i}", [(f"t{i}.{j}", torch.float32, (64,), (1,)) for j in range(3)]) for i in range(3)]
+    sources = [[torch.full((64,), float(i * 3 + j)) for j in range(3)] for i in range(3)]
+    alive = [[weakref.ref(t) for t in tensors] for tensors in sources]
+    seen: list[list[int]] = []
+
+    class Recording(PageableProvider):
+        def allocate(self, index: int, nbytes: int):
+            seen.append([i for i in range(index) if any(ref() is not None for ref in alive[i])])
+            return super().allocate(index, nbytes)
+
+    released: list[list[str]] = []
+    build = HostBlockBuild("m", layouts, sources, Recording(), lambda names, between: released.append(list(names)),
+                           torch.device("cpu"))
+    del sources
+    build.wait()
+    assert build.error is None and build.finished
+    assert seen == [[], [], []]  # blocks allocated so far whose sources are still alive
+    assert all(ref() is None for refs in alive for ref in refs)
+    assert released == [[p.name for p in layout.tensors] for layout in layouts] + [[]]
+    for layout, block in zip(layouts, build.blocks):
+        expected = torch.arange(layout.index * 3, layout.index * 3 + 3, dtype=torch.float32).repeat_interleave(64)
+        values = torch.cat([v for v in block_views(block.tensor, layout.tensors)])
+        assert torch.equal(values, expected)

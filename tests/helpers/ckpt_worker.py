@@ -5,7 +5,10 @@ Run as ``python -m tests.helpers.ckpt_worker --mode MODE --profile DIR [--checkp
 JSON line: ``role``, ``growth`` (bytes: the process's peak RSS during the call, ``VmHWM``, minus its ``VmRSS``
 just before it; the peak is reset first through ``/proc/self/clear_refs`` so only the call counts),
 ``by_kind`` (``RssAnon``/``RssFile``/``RssShmem`` after the call minus before: where the growth stayed),
-``cuda_init_bytes`` (the RSS that starting CUDA took before the baseline), ``model_bytes``, ``ready_s``,
+``cuda_init_bytes`` (the RSS that starting CUDA took before the baseline), ``kernels_init_bytes`` (the RSS that
+the first forward of one of the model's blocks on the device took before the baseline: see :func:`start_cuda`),
+``build_growth`` and ``build_by_kind`` (mode ``profile``: the peak while the host blocks are built, from the RSS
+when the build starts, and where it stayed), ``model_bytes``, ``ready_s``,
 ``device_block_bytes`` (the loader's rotating blocks when the compute device is the CPU: host memory, touched by
 forwards) and ``out`` (hex of the output), or ``{"error", "message"}`` with exit status 3.
 
@@ -18,6 +21,12 @@ Modes: ``lazy`` (``ft.load_model_from_profile``), ``session`` (a ``SharedOffload
 reading ``--checkpoint``), ``inram`` (a session whose creator factory builds the model in RAM), ``offload`` (a
 single-process ``ft.offload_from_profile`` of a model already in RAM: the growth is what it adds), ``profile``
 (``ft.offload`` of a model in RAM through discovery, profiling and the switch to INFERENCE: what it adds).
+
+``--stream-on-cpu`` (mode ``profile``, on a host without CUDA): the CPU streams through the loader as a GPU does,
+the warm-up is resident and the offload candidates are staged with recorded registrations
+(``tests.helpers.fake_cudart``), so INFERENCE's host blocks are built on their thread from the staged originals
+as after a resident warm-up on a GPU. The warm-up's "device" copies are then host memory: only ``build_growth``
+and ``build_by_kind`` measure the build.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 
 import flextensor as ft
 from tests.helpers.checkpoints import BIG, BigMLP, big_input, big_mlp, big_mlp_meta, model_bytes
+from tests.helpers.models import MLPBlock
 
 
 def _status(field: str) -> int:
@@ -53,19 +63,46 @@ def _reset_peak() -> None:
 RSS_KINDS = ("RssAnon", "RssFile", "RssShmem")
 
 
-def start_cuda() -> int:
-    """Create the CUDA context (and the copy path to and from the device) before the baseline; returns the RSS it
-    took.
+def start_cuda() -> tuple[int, int]:
+    """Create the CUDA context (and the copy path to and from the device), then run one of the model's blocks on
+    the device, before the baseline; returns the RSS each took.
 
-    Why: the context is a per-process constant - the driver's and runtime's host memory, on the order of 100 MiB
-    of RSS or more - not a cost of loading a model. Left to the first CUDA call inside the measured load, it
-    would count as growth of the load (a fifth of this model's bytes)."""
+    Why: both are per-process constants, not costs of loading a model. The context is the driver's and runtime's
+    host memory, on the order of 100 MiB of RSS or more. The first forward loads the math libraries and the
+    kernels a forward needs (cuBLAS's handle and its kernel images, decompressed into host memory: tens of MiB
+    more of anonymous RSS, plus the libraries' file pages), which the plain model pays at its first forward too.
+    Left to the first CUDA call inside the measured load, either would count as growth of the load (a fifth of
+    this model's bytes each); the profiling mode runs forwards inside it."""
     if not torch.cuda.is_available():
-        return 0
+        return 0, 0
     before = _status("VmRSS")
     torch.ones(1024, dtype=torch.uint8).to("cuda").cpu()
     torch.cuda.synchronize()
-    return _status("VmRSS") - before
+    context = _status("VmRSS") - before
+    before = _status("VmRSS")
+    with torch.device("cuda"), torch.no_grad():  # made on the device: no host copy of its weights
+        block = MLPBlock(BIG["d"], BIG["h"]).eval()
+        block(big_input().to("cuda")).cpu()
+    torch.cuda.synchronize()
+    del block
+    torch.cuda.empty_cache()
+    return context, _status("VmRSS") - before
+
+
+def stream_on_cpu() -> None:
+    """``--stream-on-cpu``: the next offload builds its host blocks on their thread, as after a resident warm-up
+    on a GPU (see the module docstring)."""
+    from flextensor.manager import OffloadManager
+    from tests.helpers.fake_cudart import FakeCudart, inject_staging
+
+    class _Patch:  # inject_staging's monkeypatch, for the life of this process
+        @staticmethod
+        def setattr(target, name, value) -> None:
+            setattr(target, name, value)
+
+    OffloadManager._stream_on_cpu = True
+    ft.get_offload_manager("model")._warmup_override = "resident"
+    inject_staging(_Patch(), FakeCudart().staging(policy=lambda config, device: True))
 
 
 def main() -> int:
@@ -77,6 +114,7 @@ def main() -> int:
     parser.add_argument("--lease", type=float, default=1.0)
     parser.add_argument("--hold", action="store_true", help="keep the session open until a line arrives on stdin")
     parser.add_argument("--log", action="store_true")
+    parser.add_argument("--stream-on-cpu", action="store_true", help="mode profile without CUDA: see the docstring")
     args = parser.parse_args()
     if args.log:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -92,12 +130,16 @@ def main() -> int:
         import flextensor.lazy_init  # noqa: F401 - imported before the measurement: a one-time cost per process
         import flextensor.session  # noqa: F401
 
-        cuda_init = start_cuda()
+        cuda_init, kernels_init = start_cuda()
+        if args.stream_on_cpu:
+            stream_on_cpu()
         _reset_peak()
         before = _status("VmRSS")
         kinds_before = {k: _status(k) for k in RSS_KINDS}
         start = time.monotonic()
         role = "single"
+        build_growth, build_by_kind = 0, {}
+        passes_peak = 0
         if args.mode == "lazy":
             ft.init(config, name="model")
             model = ft.load_model_from_profile(ft.get_offload_manager("model"), args.profile, BigMLP,
@@ -111,7 +153,15 @@ def main() -> int:
             with torch.no_grad():
                 for _ in range(manager.iters_before_inference):
                     model(x.to(manager.device))
+            # The build starts here at the latest (with the first INFERENCE pass, or when waited for): its own
+            # peak is measured from here, the call's peak is the higher of the two windows.
+            passes_peak = _status("VmHWM")
+            _reset_peak()
+            build_before = _status("VmRSS")
+            build_kinds = {k: _status(k) for k in RSS_KINDS}
             manager.wait_for_host_blocks()
+            build_growth = _status("VmHWM") - build_before
+            build_by_kind = {k: _status(k) - build_kinds[k] for k in RSS_KINDS}
         elif args.mode == "offload":
             model = ft.offload_from_profile(model_in_ram, args.profile, config, name="model")
             del model_in_ram
@@ -126,7 +176,7 @@ def main() -> int:
                                                      follower_model_factory=big_mlp_meta)
             role = session.role("model")
         ready_s = time.monotonic() - start
-        growth = _status("VmHWM") - before
+        growth = max(passes_peak, _status("VmHWM")) - before
         by_kind = {k: _status(k) - kinds_before[k] for k in RSS_KINDS}
         manager = ft.get_offload_manager("model")
         # On a CPU compute device the loader's rotating "device" blocks are host memory too (touched by forwards).
@@ -134,7 +184,8 @@ def main() -> int:
         with torch.no_grad():
             out = model(x.to(manager.device)).cpu()
         print(json.dumps({"role": role, "growth": growth, "by_kind": by_kind, "cuda_init_bytes": cuda_init,
-                          "model_bytes": size, "ready_s": ready_s,
+                          "kernels_init_bytes": kernels_init, "build_growth": build_growth,
+                          "build_by_kind": build_by_kind, "model_bytes": size, "ready_s": ready_s,
                           "device_block_bytes": device_blocks, "out": out.numpy().tobytes().hex()}), flush=True)
         if args.hold:
             sys.stdin.readline()
