@@ -474,7 +474,7 @@ def run(args: argparse.Namespace) -> None:
                   f"{args.shards} shards in {where}; {args.workers} session workers; host blocks pinned with "
                   f"pinned_memory_mode={args.pinned_mode!r} on CUDA.")
         data = {"args": vars(args), "runs": runner.runs}
-        common.report(NAME, "Checkpoints at bounded host RAM",
+        common.report(NAME if torch.cuda.is_available() else NAME + "_cpu", "Checkpoints at bounded host RAM",
                       [("Peak RSS", memory + footer), ("Checkpoint to READY, warm and cold", timing)],
                       data, docs=not args.no_docs)
 
