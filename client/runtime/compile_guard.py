@@ -11,6 +11,24 @@ Nothing can be compiled before ``torch._dynamo`` is imported, and ``torch.compil
 anything. So :func:`disable_compile` applies ``torch.compiler.disable`` at once when ``torch._dynamo`` is
 already imported, and otherwise the moment its import finishes: a one-shot import hook (a finder on
 ``sys.meta_path`` that answers for that one module, wraps its loader's ``exec_module`` and removes itself).
+:func:`skip_frames` defers the same way.
+
+Note [engine steps outside compiled graphs]
+-------------------------------------------
+The patched forwards (``flextensor.engine.hooks``) call the engine at every pass start and end and at every
+trap entry and exit: a thread check, phase bookkeeping, the loader's parameter swaps and stream orderings,
+the install of host blocks built on a thread. None of it is tensor math, and traced by dynamo it breaks graphs
+(``threading.get_ident`` is not traceable), recompiles (``tensor.data = view`` per parameter) or, when a copy
+into a rotating device block lands in a graph whose inputs are parameters viewing that block with other dtypes,
+fails in aot_autograd ("input mutations on views with different dtypes"). So those forwards are objects whose
+``__call__`` dynamo never compiles (:func:`skip_frames`: its frame runs as plain Python, the frames it calls
+are still compiled): under ``torch.compile(model)`` the root forward runs the engine's pass start, then the
+model's own ``forward`` is compiled as the top frame, with no graph break for the engine's per-pass work. A
+trap module's call is where dynamo stops a graph (it cannot inline a skipped frame): the trap's body is then
+compiled as a frame of its own, one graph per unit, which identical layers share. A skipped frame that calls
+into the engine while a compiled region is running (:func:`dynamo_active`) calls it through
+:func:`call_eagerly`, so dynamo does not try to compile the engine's frames either; outside compiled code the
+engine is called directly (a ``torch.compiler.disable`` wrapper costs microseconds per call).
 """
 
 from __future__ import annotations
@@ -20,32 +38,85 @@ import importlib.machinery
 import sys
 import threading
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["disable_compile"]
+__all__ = ["disable_compile", "skip_frames", "dynamo_active", "call_eagerly"]
 
 _DYNAMO = "torch._dynamo"
 _lock = threading.RLock()
 _pending: list[tuple[Any, str]] = []  # (owner, attribute name) still to wrap
+_pending_skips: list[Callable[..., Any]] = []  # functions whose frames dynamo must skip
+_callback: Callable[[], Any] | None = None  # torch._C._dynamo.eval_frame.get_eval_frame_callback, once imported
+_disabled_call: Callable[..., Any] | None = None  # torch.compiler.disable(_call), once imported
 
 
 def disable_compile(owner: Any, names: Sequence[str]) -> None:
     """Wrap ``owner.<name>`` for each of ``names`` with ``torch.compiler.disable``, now or once dynamo is imported."""
     with _lock:
         _pending.extend((owner, name) for name in names)
-        if _DYNAMO in sys.modules:
-            _apply()
-        elif not any(isinstance(finder, _DynamoImportHook) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _DynamoImportHook())
+        _schedule()
+
+
+def skip_frames(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Have dynamo run ``fn``'s own frames as plain Python, still compiling what ``fn`` calls (Note [engine steps
+    outside compiled graphs]); now or once dynamo is imported. Returns ``fn`` (usable as a decorator)."""
+    with _lock:
+        _pending_skips.append(fn)
+        _schedule()
+    return fn
+
+
+def dynamo_active() -> bool:
+    """Whether a ``torch.compile``'d region is running on this thread (dynamo's frame callback is set).
+
+    Called from a skipped frame (:func:`skip_frames`), where it answers for the code around it. False until
+    ``torch._dynamo`` is imported: nothing can be compiled before."""
+    callback = _callback
+    if callback is None:
+        return False
+    current = callback()
+    return current is not None and current is not False
+
+
+def call_eagerly(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with dynamo off for everything it calls (``torch.compiler.disable``); call it only when
+    :func:`dynamo_active`, since the wrapper costs microseconds."""
+    disabled = _disabled_call
+    if disabled is None:
+        return fn(*args)
+    return disabled(fn, *args)
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _schedule() -> None:
+    if _DYNAMO in sys.modules:
+        _apply()
+    elif not any(isinstance(finder, _DynamoImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _DynamoImportHook())
 
 
 def _apply() -> None:
+    global _callback, _disabled_call
     import torch
+    from torch._dynamo.decorators import skip
 
     with _lock:
+        if _disabled_call is None:
+            _disabled_call = torch.compiler.disable(_call)
+            try:
+                from torch._C._dynamo.eval_frame import get_eval_frame_callback
+            except ImportError:  # an older binding without the getter: assume a compiled region may be running
+                _callback = lambda: True  # noqa: E731
+            else:
+                _callback = get_eval_frame_callback
         while _pending:
             owner, name = _pending.pop()
             setattr(owner, name, torch.compiler.disable(getattr(owner, name)))
+        while _pending_skips:
+            skip(_pending_skips.pop())
 
 
 class _DynamoImportHook(importlib.abc.MetaPathFinder):
