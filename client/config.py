@@ -13,8 +13,9 @@ Scope decisions (options whose values this engine does not all implement yet):
   indirect runtime, ``flextensor.engine.function_traps``) streams from the model's own parameters tensor by
   tensor, so it needs ``transfer_mode="strategy"``, and it keeps no weights in shared memory, so it refuses
   ``shm_enabled``; both combinations are rejected at construction, naming what to use instead.
-- ``offload_timing``: ``"off"`` and ``"eager"`` are implemented; ``"cuda_graph"`` is rejected. ``"eager"``
-  needs a block transfer mode (not ``"strategy"``).
+- ``offload_timing``: ``"off"``, ``"eager"`` and ``"cuda_graph"`` (timing read back after CUDA-graph replays,
+  PyTorch >= 2.8, checked when a model is offloaded). ``"eager"`` and ``"cuda_graph"`` need a block transfer
+  mode (not ``"strategy"``).
 
 The dataclass is mutable (sessions and managers derive variants with :func:`dataclasses.replace`, which
 re-runs validation). Assigning attributes directly skips validation; call :meth:`OffloadConfig.validate`
@@ -56,7 +57,7 @@ SUPPORTED_TRANSFER_MODES: tuple[str, ...] = ("allocation_block_transfer", "strat
 DOCUMENTED_TRANSFER_MODES: tuple[str, ...] = ("strategy", "allocation_block_transfer", "raw_block_transfer")
 SUPPORTED_PROFILE_MODES: tuple[str, ...] = ("view", "getter", "torch_function")
 DOCUMENTED_PROFILE_MODES: tuple[str, ...] = ("view", "getter", "torch_function")
-SUPPORTED_OFFLOAD_TIMING_MODES: tuple[str, ...] = ("off", "eager")
+SUPPORTED_OFFLOAD_TIMING_MODES: tuple[str, ...] = ("off", "eager", "cuda_graph")
 DOCUMENTED_OFFLOAD_TIMING_MODES: tuple[str, ...] = ("off", "eager", "cuda_graph")
 PIECEWISE_PREFETCH_POLICIES: tuple[str, ...] = ("off", "warn", "error")
 # A pattern entry is "<glob>", "name:<glob>" or "class:<glob>"; anything else before a ':' is a typo.
@@ -165,9 +166,7 @@ def _choice_checker(supported: Sequence[str], noun: str, unimplemented: dict[str
 
 _check_transfer_mode = _choice_checker(SUPPORTED_TRANSFER_MODES, "modes", {})
 _check_profile_mode = _choice_checker(SUPPORTED_PROFILE_MODES, "modes", {})
-_check_offload_timing = _choice_checker(SUPPORTED_OFFLOAD_TIMING_MODES, "values", {
-    "cuda_graph": "'cuda_graph' timing is not implemented by this engine",
-})
+_check_offload_timing = _choice_checker(SUPPORTED_OFFLOAD_TIMING_MODES, "values", {})
 
 
 def _check_patterns(name: str, value: Any) -> list[str]:
@@ -359,10 +358,10 @@ class OffloadConfig:
                 f"{self.min_blocks}; required: num_blocks >= min_blocks >= 2 (raise num_blocks or lower "
                 "min_blocks)"
             )
-        if self.offload_timing == "eager" and self.transfer_mode == "strategy":
+        if self.offload_timing != "off" and self.transfer_mode == "strategy":
             raise ValueError(
-                "OffloadConfig option 'offload_timing' got 'eager', which requires a block transfer_mode "
-                f"({_choices(tuple(m for m in SUPPORTED_TRANSFER_MODES if m != 'strategy'))}), "
+                f"OffloadConfig option 'offload_timing' got {self.offload_timing!r}, which requires a block "
+                f"transfer_mode ({_choices(tuple(m for m in SUPPORTED_TRANSFER_MODES if m != 'strategy'))}), "
                 "but transfer_mode='strategy'; use offload_timing='off' or a block transfer mode"
             )
         if self.profile_mode == "torch_function":

@@ -92,6 +92,7 @@ def test_spec_examples_construct():
     assert OffloadConfig(transfer_mode="strategy", profile_mode="getter").transfer_mode == "strategy"
     assert OffloadConfig(transfer_mode="strategy", profile_mode="torch_function").profile_mode == "torch_function"
     assert OffloadConfig(max_gpu_mem_fraction=1.0).max_gpu_mem_fraction == 1.0
+    assert OffloadConfig(offload_timing="cuda_graph").offload_timing == "cuda_graph"
 
 
 def test_numbers_are_normalized_to_float():
@@ -153,7 +154,7 @@ INVALID = [
     ({"profile_mode": "torch_function", "transfer_mode": "strategy", "shm_enabled": True, "shm_namespace": "n"},
      "profile_mode", "shm_enabled=True"),
     ({"profile_mode": "views"}, "profile_mode", "'view', 'getter', 'torch_function'"),
-    ({"offload_timing": "cuda_graph"}, "offload_timing", "not implemented"),
+    ({"offload_timing": "cuda_graph", "transfer_mode": "strategy"}, "offload_timing", "transfer_mode"),
     ({"offload_timing": "on"}, "offload_timing", "'off', 'eager'"),
     ({"offload_timing": "eager", "transfer_mode": "strategy"}, "offload_timing", "transfer_mode"),
     ({"piecewise_prefetch": "ignore"}, "piecewise_prefetch", "'off', 'warn', 'error'"),

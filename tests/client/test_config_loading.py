@@ -252,7 +252,7 @@ def test_env_overrides_file_fraction_with_none(monkeypatch, tmp_path):
         ("FT_PINNED_MEMORY_MODE", "cuda", ["FT_PINNED_MEMORY_MODE", "'cuda'", "'host_register'"]),
         ("FT_TRANSFER_MODE", "raw_block", ["FT_TRANSFER_MODE", "'raw_block'", "'raw_block_transfer'"]),
         ("FT_PROFILE_MODE", "torch_function", ["FT_PROFILE_MODE", "transfer_mode='strategy'"]),
-        ("FT_OFFLOAD_TIMING", "cuda_graph", ["FT_OFFLOAD_TIMING", "not implemented"]),
+        ("FT_OFFLOAD_TIMING", "graph", ["FT_OFFLOAD_TIMING", "'graph'", "'cuda_graph'"]),
         ("FT_PIECEWISE_PREFETCH", "loud", ["FT_PIECEWISE_PREFETCH", "'warn'"]),
         ("FT_INCLUDE_PATTERNS", "layers.*,klass:Linear", ["FT_INCLUDE_PATTERNS", "'klass:Linear'", "prefix"]),
         ("FT_EXCLUDE_PATTERNS", "class:", ["FT_EXCLUDE_PATTERNS", "empty glob"]),
