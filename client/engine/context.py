@@ -34,6 +34,7 @@ from flextensor.runtime.host_memory import BlockLayout, HostBlock, HostBlockProv
 from flextensor.runtime.loader import StreamingLoader
 from flextensor.runtime.staging import PinnedStaging
 from flextensor.runtime.stall_probe import StallProbe
+from flextensor.runtime.graph_timing import offload_timing_collector
 from flextensor.runtime.timing import TimingCollector
 from flextensor.runtime.trap_windows import PassWindows, TrapWindow
 from flextensor.runtime.usage_recorder import UsageRecorder
@@ -197,7 +198,7 @@ class EngineContext:
     exclusive: dict[str, list[str]] = field(default_factory=dict)  # trap label -> tensors it may offload
     sequence: list[str] = field(default_factory=list)  # trap labels in call order (one pass)
     clock: TimingCollector | None = None  # PROFILING's trap windows
-    timing: TimingCollector | None = None  # offload_timing="eager" records
+    timing: TimingCollector | None = None  # offload_timing="eager" / "cuda_graph" records
     # profile_mode="torch_function": the mode that hands shadows to torch calls (flextensor.engine.function_traps)
     function_traps: FunctionTraps | None = None
     warm: WarmupState = field(init=False)
@@ -210,8 +211,7 @@ class EngineContext:
         self.orig_device = {n: e.tensor.device for n, e in self.tensors.items()}
         use_cuda = self.device.type == "cuda"
         self.clock = TimingCollector(use_cuda, self.device)
-        if self.config.offload_timing == "eager":
-            self.timing = TimingCollector(use_cuda, self.device)
+        self.timing = offload_timing_collector(self.config.offload_timing, self.device)
 
     @property
     def in_place(self) -> bool:

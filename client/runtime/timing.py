@@ -1,4 +1,4 @@
-"""Inference-time offload timing (``offload_timing="eager"``): per trap transfer, compute and wait.
+"""Inference-time offload timing (``offload_timing="eager"`` / ``"cuda_graph"``): per trap transfer, compute and wait.
 
 What is measured, per forward pass and trap:
 
@@ -13,9 +13,11 @@ the hot path). On the CPU the same places use ``time.perf_counter`` and the copy
 ``wait_ms`` is 0 by construction.
 
 Publication: a pass is stored when the root forward returns (``TimingCollector.end_pass``), so a completed
-forward is always visible to ``collect_offload_timing``. There is no CUDA-graph replay path (the config rejects
-``offload_timing="cuda_graph"``), which is why ``ft.update_offload_timing`` has nothing to finalize and returns
-``True``.
+forward is always visible to ``collect_offload_timing``. A pass captured into a CUDA graph is not a pass that
+ran: with ``offload_timing="cuda_graph"`` its records go to the collector's replay store, whose events every
+replay records again, and ``ft.update_offload_timing`` publishes them after a replay (Note [timing replayed
+passes] in ``flextensor.runtime.graph_timing``); with ``"eager"`` a captured pass is not timed at all (its
+events would never be read).
 
 The public dataclasses are the simplified API's: records and snapshots hold the canonical data and all
 totals are derived properties, so they cannot drift.
@@ -23,6 +25,7 @@ totals are derived properties, so they cannot drift.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -37,6 +40,8 @@ __all__ = [
     "TimingCollector",
     "format_offload_timing_table",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -266,14 +271,21 @@ class TimingCollector:
     hosts.
     """
 
-    def __init__(self, use_cuda: bool, device: Any = None) -> None:
+    def __init__(self, use_cuda: bool, device: Any = None, *, replays: Any = None) -> None:
         self.use_cuda = use_cuda
         # Spans opened without a stream record on the device's current stream, looked up cheaply.
         self._stream_now = CurrentStream(device) if use_cuda and device is not None else None
-        self._passes: list[list[_PendingRecord]] = []
+        # Completed passes: records to resolve, or snapshots already read (published replays).
+        self._passes: list[list[_PendingRecord] | OffloadTimingSnapshot] = []
         self._current: list[_PendingRecord] | None = None
         self._record: _PendingRecord | None = None
         self._free_events: list[Any] = []
+        #: ``offload_timing="cuda_graph"``: the store of captured passes (``flextensor.runtime.graph_timing``).
+        #: Its events are external (``torch.cuda.Event(external=True)``): recorded by every replay of a graph.
+        self.replays = replays
+        self._captured = False  # this pass is being captured into a CUDA graph
+        self._untimed = False  # ... and cannot be timed (eager timing): record nothing
+        self._warned_capture = False
 
     # spans -------------------------------------------------------------------------------------------------------
     def _on(self, stream: Any) -> Any:
@@ -287,9 +299,14 @@ class TimingCollector:
             return self._free_events.pop()
         import torch
 
+        if self.replays is not None:
+            return torch.cuda.Event(enable_timing=True, external=True)
         return torch.cuda.Event(enable_timing=True)
 
-    def start_span(self, stream: Any = None) -> _Span:
+    def start_span(self, stream: Any = None) -> _Span | None:
+        """A span starting now on ``stream``; None in a pass that is not timed (captured under eager timing)."""
+        if self._untimed:
+            return None
         span = _Span()
         if self.use_cuda:
             span.start = self._event()
@@ -355,14 +372,31 @@ class TimingCollector:
     # pass / trap structure ---------------------------------------------------------------------------------------
     def begin_pass(self) -> None:
         self._current = []
+        if self.use_cuda:
+            import torch
+
+            self._captured = torch.cuda.is_current_stream_capturing()
+            if self._captured and self.replays is None:
+                self._current, self._untimed = None, True
+                if not self._warned_capture:
+                    self._warned_capture = True
+                    logger.warning("offload_timing='eager' does not time passes captured in a CUDA graph (their "
+                                   "events are never recorded outside the graph); use offload_timing='cuda_graph' "
+                                   "and ft.update_offload_timing() after each replay")
 
     def end_pass(self) -> None:
-        if self._current:
+        if self._captured and self.replays is not None:
+            if self._current:
+                self.replays.add(self._current, self._on(None))
+        elif self._current:
             self._passes.append(self._current)
         self._current = None
         self._record = None
+        self._captured = self._untimed = False
 
     def begin_trap(self, label: str) -> None:
+        if self._untimed:
+            return
         if self._current is None:  # a trap outside a root pass (a manual block run on its own)
             self._current = []
         self._record = _PendingRecord(label)
@@ -371,7 +405,7 @@ class TimingCollector:
     def start_compute(self) -> None:
         """Open the compute span (after the loader made the trap's weights available)."""
         if self._record is not None:
-            self._record.compute = self.start_span()
+            self._record.compute = self.start_span() or _Span()
 
     def end_trap(self) -> None:
         if self._record is not None:
@@ -389,9 +423,25 @@ class TimingCollector:
         """Drain the completed passes into a report (``None`` when nothing was measured)."""
         if not self._passes:
             return None
-        snapshots = [OffloadTimingSnapshot(tuple(r.resolve() for r in records)) for records in self._passes]
+        snapshots = [p if isinstance(p, OffloadTimingSnapshot) else OffloadTimingSnapshot(tuple(r.resolve() for r in p))
+                     for p in self._passes]
         self._passes = []
         return OffloadTimingReport.from_passes(snapshots)
 
+    def publish_replays(self, replay_generation: int = -1) -> bool:
+        """Store the passes replayed since the last call (``ft.update_offload_timing``); ``False`` when their events
+        could not be read. Without a replay store (eager timing, or the CPU) there is nothing to publish."""
+        if self.replays is None:
+            return True
+        try:
+            self._passes.extend(self.replays.publish(replay_generation))
+        except RuntimeError as exc:  # e.g. a graph captured but never replayed: its events were never recorded
+            logger.warning("update_offload_timing: the replayed passes' events could not be read: %s", exc)
+            return False
+        return True
+
     def reset(self) -> None:
+        """Start a fresh measure window: drop stored passes; replays so far will not be published."""
         self._passes = []
+        if self.replays is not None:
+            self.replays.forget_replays()
