@@ -44,6 +44,7 @@ from flextensor.engine.teardown import teardown
 from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage
 from flextensor.patterns import PatternSet
 from flextensor.profiles import read_profile, write_instrumentation, write_profile
+from flextensor.runtime.graph_timing import is_capturing
 from flextensor.runtime.host_memory import HostBlockProvider, make_provider
 from flextensor.runtime.loader import StreamingLoader
 from flextensor.runtime.timing import OffloadTimingReport
@@ -246,7 +247,13 @@ class OffloadManager:
     # ------------------------------------------------------------------------------------------------ passes
     def _begin_pass(self) -> None:
         self._check_thread()
-        assert self._handler is not None
+        assert self._handler is not None and self._ctx is not None
+        if self._handler.phase is not Phase.INFERENCE and is_capturing(self._ctx.device):
+            raise RuntimeError(
+                f"manager {self.name!r}: a CUDA graph capture began in phase {self._handler.phase.value}, whose passes "
+                f"synchronize and read events; capture after INFERENCE starts ({self.iters_before_inference} eager "
+                "forward passes after offload(), then wait_for_host_blocks())"
+            )
         self._handler.begin_pass()
 
     def _end_pass(self, ok: bool) -> None:
@@ -506,9 +513,14 @@ class OffloadManager:
             self._ctx.timing.reset()
 
     def update_offload_timing(self, *, replay_generation: int = -1) -> bool:
-        """``True``: eager timing stores each pass when the root forward returns; nothing is left to publish."""
+        """Publish the passes replayed from CUDA graphs since the last call (``offload_timing="cuda_graph"``;
+        Note [timing replayed passes] in ``flextensor.runtime.graph_timing``). ``True`` when published or when
+        there is nothing to publish (eager timing stores each pass as its forward returns; timing off);
+        ``False`` when the replays' events could not be read. A ``replay_generation >= 0`` already published is
+        ignored."""
         self._check_thread()
-        return True
+        timing = self._ctx.timing if self._ctx is not None else None
+        return timing.publish_replays(replay_generation) if timing is not None else True
 
     # ------------------------------------------------------------------------------------------------ replanning
     @property

@@ -12,6 +12,9 @@ records nothing.
 
 Between passes the plan may change (Note [replanning] in ``flextensor.engine.replan``): a replan measures a few
 passes with every trap timed, plans on a thread and installs the new streaming set at a pass's start.
+
+A pass captured into a CUDA graph takes no replan step, and needs its host blocks built (Note [loader under
+CUDA-graph capture] in ``flextensor.runtime.loader``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING
 from flextensor.engine import replan
 from flextensor.engine.build import install_deferred
 from flextensor.engine.phase import Phase, PhaseHandler
+from flextensor.runtime.graph_timing import is_capturing
 
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.hooks import Trap
@@ -32,18 +36,34 @@ class InferenceHandler(PhaseHandler):
     """Streams offloaded traps' blocks through the loader (see the module docstring)."""
 
     phase = Phase.INFERENCE
+    _captured = False  # this pass is being captured into a CUDA graph (Note [loader under CUDA-graph capture])
 
     def begin_pass(self) -> None:
         ctx = self.ctx
+        self._captured = capturing = is_capturing(ctx.device)
         build = ctx.inference.deferred
         if build is not None:
+            if capturing:
+                raise RuntimeError(
+                    f"manager {ctx.name!r}: a CUDA graph capture began while the host blocks are still being built "
+                    "behind resident inference (the graph would read device copies the build then frees); call "
+                    "wait_for_host_blocks() on the manager before capturing"
+                )
             if not build.started:  # the first inference pass: host blocks build behind it from now
                 build.start()
             elif build.done:  # host blocks ready: stream from this pass on
                 install_deferred(ctx)
         if ctx.inference.deferred is not None:  # passes before the switch stream nothing: no timing, no replan
             return
+        if capturing:  # no replan step: it reads events and may rebuild the loader (flextensor.runtime.loader)
+            if ctx.inference.loader is not None:
+                ctx.inference.loader.begin_pass(capturing=True)
+            if ctx.timing is not None:
+                ctx.timing.begin_pass()
+            return
         replan.begin_pass(ctx)
+        if ctx.inference.loader is not None:
+            ctx.inference.loader.begin_pass()
         timing = replan.measuring_timing(ctx)
         if timing is not None and not ctx.inference.replan.measuring:  # a measured pass began in begin_pass
             timing.begin_pass()
@@ -52,9 +72,12 @@ class InferenceHandler(PhaseHandler):
         ctx = self.ctx
         if ctx.inference.deferred is not None:
             return self
+        if ctx.inference.loader is not None:
+            ctx.inference.loader.end_pass()
         if ctx.timing is not None and not ctx.inference.replan.measuring:
             ctx.timing.end_pass()
-        replan.end_pass(ctx)
+        if not self._captured:
+            replan.end_pass(ctx)
         return self
 
     def enter(self, trap: Trap) -> None:

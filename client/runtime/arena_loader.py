@@ -32,6 +32,10 @@ Resync (a pass that skips or reorders traps), the host-block gate and the copy s
 copy was issued writes nothing; one skipped after it was (a prefetch) stays the last writer of its range with no
 reader to wait for. On the CPU (no CUDA) copies are synchronous when issued and there are no events; the layout,
 placement, ordering by exits and resync are the same.
+
+CUDA-graph capture follows the slot loader's rules (Note [loader under CUDA-graph capture] in
+``flextensor.runtime.loader``): a captured pass, and every pass after one, issues its own copies and none past
+its end, its first copy waits for the compute stream, and later copies wait only for readers of the same pass.
 """
 
 from __future__ import annotations
@@ -150,7 +154,11 @@ class ArenaLoader(StreamingLoader):
         replaced = self._ring.write(offset, self.layouts[block].nbytes, entry)
         pairs = (self._whole_block(block, offset),)
         if self.cuda:
-            waits = [self._reader_done[o] for o in replaced if o in self._reader_done]
+            # After a capture, only readers of this pass: the pass's first copy followed all earlier ones
+            # (Note [loader under CUDA-graph capture] in flextensor.runtime.loader, rule 2).
+            first = self._pass_first if self.self_contained else None
+            waits = [self._reader_done[o] for o in replaced
+                     if o in self._reader_done and (first is None or o >= first)]
             done = self._copy_done[entry] = self._event()
             span = self._copy(block, pairs, waits, done, compute)
             if replaced:
@@ -169,11 +177,12 @@ class ArenaLoader(StreamingLoader):
         ``BlockLoader.enter``)."""
         self._refuse_nesting(block)
         entry = self._find_entry(block)
+        last = self._pass_bound(entry, entry + len(self.schedule) - 1)
         for passed in range(self._cursor, entry):  # skipped by a resync: nothing will read them
             self._retire(self._copy_done, passed)
             self._pending_timing.pop(passed, None)
         compute = self._compute_stream() if self.cuda else None
-        probe = self.probe
+        probe = self.probe if not self.self_contained else None  # no stall sampling after a capture
         cpu_start = time.perf_counter() if probe is not None and not self.cuda and probe.sampling else None
         if entry > self._issued:
             self._offset(entry)  # places the skipped entries, which write nothing
@@ -200,7 +209,6 @@ class ArenaLoader(StreamingLoader):
             param.data = view
         self._active = (entry, offset)
         self._cursor = entry + 1
-        last = entry + len(self.schedule) - 1
         ahead = max(self._issued + 1, entry + 1)
         while ahead <= last and self._free_for(ahead, entry):
             self._issue(ahead, compute)
@@ -218,6 +226,11 @@ class ArenaLoader(StreamingLoader):
             event.record(self._compute_stream())
             self._reader_done[entry] = event
         self._active = None
+
+    def _forget_ahead(self, entries: range) -> None:
+        for entry in entries:  # issued again in this pass (a captured pass is self-contained)
+            self._retire(self._copy_done, entry)
+        super()._forget_ahead(entries)
 
     # -- teardown ------------------------------------------------------------------------------------------------
     def close(self) -> None:

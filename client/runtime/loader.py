@@ -44,6 +44,44 @@ per-tensor copies read the given tensors instead of views of packed host blocks 
 
 From the loader's creation on, and after every trap, its parameters point at a slot (device views), so the model
 always looks as if it were on the device; their values are only valid inside the trap.
+
+Note [loader under CUDA-graph capture]
+--------------------------------------
+A CUDA graph captured around a forward pass records the device work the pass enqueues: the copies from pinned
+host blocks into the slots (or the arena), the event records and the stream waits. The loader's host-side
+bookkeeping (which entry goes where, what is prefetched) runs once, at capture, and every replay repeats that one
+schedule at the same addresses. Two rules make a replay correct, also after eager passes or other replays:
+
+1. *A captured pass is self-contained.* Eager passes prefetch across the pass boundary: the next pass's first
+   copies are issued under this pass's last traps. A replay cannot rely on that: the copies a previous pass
+   issued are not part of the graph, and copies a graph issued for "the next pass" would land where the next
+   replay does not read (entry ``e`` uses slot ``e % num_slots``, and a pass of ``L`` entries shifts the slots
+   by ``L % num_slots``; arena offsets move on likewise). So in a captured pass
+   (:meth:`StreamingLoader.begin_pass` with ``capturing``) the copies prefetched by the pass before are
+   forgotten and issued again inside the capture, no copy is issued past the pass's last entry, and the pass
+   ends by joining the copy stream into the compute stream (a capture must end with every stream it forked
+   joined). The pass starts and ends with no copy in flight, so every replay finds the state the capture saw.
+   Cost: each replay's first copy is not hidden under the previous pass's last trap (one block per pass: ~1%
+   of a 16-layer transfer-bound pass, nothing when compute-bound).
+2. *Stream order instead of stale events.* Inside a capture only events recorded in that capture may be waited
+   on, and after it the loader's events hold what was recorded before it, not what the replays did. So in a
+   self-contained pass the first copy follows everything already enqueued on the compute stream
+   (``wait_stream``: a previous pass or replay has finished reading every slot), later copies follow it in the
+   copy stream's order, and a reader's event is waited on only when that reader ran in this pass. Once a pass
+   was captured every later pass is self-contained too: the loader cannot see replays, which may run between
+   any two eager passes.
+
+After a capture the loader also stops feeding the stall probe (``flextensor.runtime.stall_probe``): the replan a
+stall arms rebuilds the loader, and its new device memory is not what the captured graphs read. A replan
+requested explicitly still runs; its caller captures the graphs again (the replan API says so).
+
+Nothing in a captured pass synchronizes or queries the device. Capture needs pinned copy sources (a copy from
+pageable memory is not capturable; ``is_pinned`` asks the driver, which a capture forbids, so it is asked after
+eager passes) and, for a shared session's follower, every block past its background registration (the gate is
+not called while capturing, and a registration running during a capture fails): one eager pass through the
+loader must come first. :meth:`StreamingLoader.begin_pass` checks and raises ``RuntimeError`` naming the fix.
+``torch.cuda.graph`` synchronizes before it captures, so no copy of an earlier pass still writes the device
+memory when the capture's copies are recorded.
 """
 
 from __future__ import annotations
@@ -150,6 +188,15 @@ class StreamingLoader:
         self.copies_issued = 0
         self.resyncs = 0
         self.probe: StallProbe | None = None  # set by the engine: samples the compute stream's stalls
+        # CUDA-graph capture (Note [loader under CUDA-graph capture]).
+        self.captures = 0  # passes captured so far
+        self.self_contained = False  # every pass starts and ends with no copy in flight (after a capture)
+        self._capturing = False
+        self._pass_first: int | None = None  # entry of this self-contained pass's first trap
+        self._pass_copies = 0  # copies issued in this self-contained pass
+        self._gated: set[int] = set()  # blocks past host_block_gate
+        self._unpinned: list[int] | None = None  # scheduled blocks with a pageable source, known after a pass
+        self._pinning_known = False
 
     def host_views(self, block: int) -> list[torch.Tensor]:
         """Zero-copy host views of block ``block``'s tensors (layout order)."""
@@ -199,14 +246,18 @@ class StreamingLoader:
         timing = self.timing
         if self.cuda and self._side is None:  # before the gate: made while the registration proceeds
             self._side = torch.cuda.Stream(device=self.device)
-        if self._gate is not None:  # e.g. the block's background cudaHostRegister has not finished yet
+        if self._gate is not None and not self._capturing:  # e.g. its background cudaHostRegister is running
             self._gate(block)
+            self._gated.add(block)
         side = self._side if self.cuda else None
         if side is not None:
             back = compute if compute is not None else self._compute_stream()
             device = torch.cuda.current_device()
-            for event in waits:
-                side.wait_event(event)
+            if self.self_contained and self._pass_copies == 0:  # after all that came before (rule 2)
+                side.wait_stream(back)
+            else:
+                for event in waits:
+                    side.wait_event(event)
             torch.cuda.set_stream(side)
         try:
             span = timing.start_span(side) if timing is not None else None
@@ -222,7 +273,86 @@ class StreamingLoader:
                 if device != back.device_index:
                     torch.cuda.set_device(device)
         self.copies_issued += 1
+        self._pass_copies += 1
         return span
+
+    # -- passes (Note [loader under CUDA-graph capture]) --------------------------------------------------------
+    def begin_pass(self, capturing: bool = False) -> None:
+        """A forward pass starts; ``capturing``: its device work is being captured into a CUDA graph.
+
+        A captured pass, and every pass after one, is self-contained: copies the previous pass issued ahead for
+        this one are forgotten (issued again inside this pass), none is issued past its end."""
+        if capturing:
+            self._check_capturable()
+            self.captures += 1
+            self.self_contained = True
+        self._capturing = capturing
+        if not self.self_contained:
+            return
+        self._forget_ahead(range(self._cursor, self._issued + 1))
+        self._issued = min(self._issued, self._cursor - 1)
+        self._pass_first = None
+        self._pass_copies = 0
+
+    def end_pass(self) -> None:
+        """The pass ended: a captured one joins the copy stream into the compute stream (a capture must end with
+        every forked stream joined; a copy a skipped trap never waited for would be left out otherwise)."""
+        if self.cuda and self._capturing and self._pass_copies and self._side is not None:
+            self._compute_stream().wait_stream(self._side)
+        elif self.cuda and not self._capturing and not self._pinning_known:
+            self._note_pinning()
+        self._capturing = False
+        self._pass_first = None
+
+    def _pass_bound(self, entry: int, last: int) -> int:
+        """``last`` (the last entry to prefetch when entering ``entry``), no further than a self-contained
+        pass's end (rule 1)."""
+        if not self.self_contained:
+            return last
+        if self._pass_first is None:
+            self._pass_first = entry
+        return min(last, self._pass_first + len(self.schedule) - 1)
+
+    def _forget_ahead(self, entries: range) -> None:
+        """Entries a previous pass issued ahead: their copies will be issued again in this pass."""
+        for entry in entries:
+            self._pending_timing.pop(entry, None)
+
+    def _check_capturable(self) -> None:
+        if self._active is not None:
+            raise RuntimeError("a CUDA-graph capture began inside a trap: capture whole forward passes")
+        if self._gate is not None and not set(self.schedule) <= self._gated:
+            raise RuntimeError(
+                "CUDA-graph capture began before every host block passed its background registration (a shared "
+                "session's follower registers them behind its first passes); run one eager forward pass before "
+                "capturing (torch.cuda.graph's usual warm-up does)"
+            )
+        if self.cuda and self._unpinned is None:
+            raise RuntimeError(
+                "CUDA-graph capture began before any eager forward pass streamed through this loader (that pass "
+                "checks that the host blocks are pinned: a capture cannot); run one eager pass before capturing, "
+                "as torch.cuda.graph's usual warm-up does"
+            )
+        if self._unpinned:
+            labels = [self.layouts[b].label for b in self._unpinned]
+            raise RuntimeError(
+                f"CUDA-graph capture needs pinned copy sources, but the blocks of {labels[:3]} are pageable (a copy "
+                "from pageable memory cannot be captured); offload with pinned_memory=True"
+            )
+
+    def _note_pinning(self) -> None:
+        """After an eager pass: which scheduled blocks copy from pageable memory (asked here, never in a
+        capture). Final at once for private blocks; a follower's blocks are asked again after each pass until
+        its background registration pinned them all."""
+        pending = self._unpinned if self._unpinned is not None else sorted(set(self.schedule))
+
+        def pinned(block: int) -> bool:
+            if self.host_blocks:
+                return self.host_blocks[block].is_pinned()
+            return all(view.is_pinned() for view in self.host_views(block))
+
+        self._unpinned = [b for b in pending if not pinned(b)]
+        self._pinning_known = not self._unpinned or self._gate is None
 
     def abort(self) -> None:
         """Forget the running trap after an exception inside it (its range is still released in order)."""
@@ -272,6 +402,7 @@ class BlockLoader(StreamingLoader):
         if self.cuda:
             self._copy_done = [torch.cuda.Event() for _ in range(self.num_slots)]
             self._reader_done = [torch.cuda.Event() for _ in range(self.num_slots)]
+        self._read_in_pass: set[int] = set()  # slots read in this self-contained pass (their reader_done is ours)
         # From the start, every streamed parameter rests on a device view (of the slot its first entry uses), as
         # it does between traps later: the model looks as if it were on the device before its first forward too,
         # which torch.compile needs (it traces the parameter swap in enter() only between views of one device).
@@ -316,7 +447,9 @@ class BlockLoader(StreamingLoader):
         else:
             pairs = (self._whole_block(block, slot),)
         if self.cuda:
-            span = self._copy(block, pairs, (self._reader_done[slot],), self._copy_done[slot], compute)
+            read = not self.self_contained or slot in self._read_in_pass  # else: stream order (rule 2)
+            waits = (self._reader_done[slot],) if read else ()
+            span = self._copy(block, pairs, waits, self._copy_done[slot], compute)
         else:
             span = self._copy(block, pairs, (), None)
         if span is not None:
@@ -335,7 +468,8 @@ class BlockLoader(StreamingLoader):
         entry = self._find_entry(block)
         slot = entry % self.num_slots
         compute = self._compute_stream() if self.cuda else None
-        probe = self.probe
+        last = self._pass_bound(entry, entry + self._depth)
+        probe = self.probe if not self.self_contained else None  # no stall sampling after a capture (Note)
         cpu_start = time.perf_counter() if probe is not None and not self.cuda and probe.sampling else None
         if entry > self._issued:
             for skipped in range(self._issued + 1, entry):
@@ -358,7 +492,7 @@ class BlockLoader(StreamingLoader):
             param.data = view
         self._active = (entry, slot)
         self._cursor = entry + 1
-        for ahead in range(max(self._issued + 1, entry + 1), entry + self._depth + 1):
+        for ahead in range(max(self._issued + 1, entry + 1), last + 1):
             self._issue(ahead, compute)
         if cpu_start is not None:  # synchronous copies: the trap (or the next one) waited for all of them
             probe.add_cpu_wait(time.perf_counter() - cpu_start)
@@ -370,7 +504,13 @@ class BlockLoader(StreamingLoader):
         _entry, slot = self._active
         if self.cuda:
             self._reader_done[slot].record(self._compute_stream())
+        if self.self_contained:
+            self._read_in_pass.add(slot)
         self._active = None
+
+    def begin_pass(self, capturing: bool = False) -> None:
+        super().begin_pass(capturing)
+        self._read_in_pass.clear()
 
     # -- teardown ------------------------------------------------------------------------------------------------
     def close(self) -> None:
