@@ -18,6 +18,13 @@ Why this module exists: offload timing and strategy replanning have two halves.
    Both lists keep only the outermost modules (a unit inside another unit is dropped), as
    ``(qualified_name, module)`` pairs in the model's module order.
 
+   Two ways to compile per unit. ``offload(model, config, compile_fn=...)`` applies ``compile_fn`` at install
+   to every module trap's forward (a parameterless shim around it, ``flextensor.engine.hooks.ForwardShim``):
+   each offload unit among them, before the plan says which traps stream, so PROFILING times the compiled
+   forwards. Or, after INFERENCE starts, ``module.compile()`` on each listed unit. Either way a unit's call
+   runs its trap's loader steps outside the graph and the unit's forward as a graph of its own (Note [engine
+   steps outside compiled graphs] in ``flextensor.runtime.compile_guard``).
+
 2. *Strategy replanning* (``flextensor.engine.replan``): :class:`StrategyReplanStatus` is the snapshot that
    ``OffloadManager.strategy_replan_status`` returns.
 """

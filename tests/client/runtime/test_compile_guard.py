@@ -25,7 +25,8 @@ REPO_ROOT = __file__.rsplit("/tests/", 1)[0]
 
 def test_offload_and_inference_import_no_dynamo():
     """A fresh process offloads, profiles and streams a model without importing torch._dynamo or sympy; the
-    loaders' enter/exit are marked for dynamo the moment something imports it."""
+    loaders' enter/exit (compiled never) and the patched forwards (frames run as Python) are marked for dynamo
+    the moment something imports it; outside compiled code no compiled region is seen as running."""
     code = textwrap.dedent("""
         import sys
         import torch
@@ -41,18 +42,23 @@ def test_offload_and_inference_import_no_dynamo():
                 model(token_ids().to(DEVICE))
         assert ft.get_offload_manager().loader is not None
         heavy = [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
+        from flextensor.engine.hooks import RootCall, TrapForward
         from flextensor.runtime.arena_loader import ArenaLoader
+        from flextensor.runtime.compile_guard import dynamo_active
         from flextensor.runtime.loader import BlockLoader
-        before = getattr(BlockLoader.enter, "_torchdynamo_disable", False)
+        patched = (BlockLoader.enter, RootCall.__call__, TrapForward.__call__)
+        before = [getattr(f, "_torchdynamo_disable", False) for f in patched] + [dynamo_active()]
         import torch._dynamo
-        after = [getattr(getattr(cls, n), "_torchdynamo_disable", False) for cls in (BlockLoader, ArenaLoader)
-                 for n in ("enter", "exit")]
+        patched = (BlockLoader.enter, BlockLoader.exit, ArenaLoader.enter, ArenaLoader.exit, RootCall.__call__,
+                   TrapForward.__call__)
+        after = [getattr(f, "_torchdynamo_disable", False) for f in patched] + [dynamo_active()]
         print(heavy, before, after)
         ft.release()
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[] False [True, True, True, True]"
+    last = out.stdout.strip().splitlines()[-1]
+    assert last == "[] [False, False, False, False] [True, True, True, True, True, True, False]"
 
 
 def test_a_compiled_streamed_model_equals_eager():
