@@ -7,9 +7,9 @@ A :class:`Trap` wraps one module's ``forward`` with an *instance-level* attribut
 use the same callbacks through a context manager. :class:`RootForward` patches the model's own ``forward`` the
 same way with ``begin``/``end`` callbacks, so the engine sees where a pass starts and ends.
 
-Both patched forwards are small callable objects whose ``__call__`` torch.compile never compiles: the engine's
-steps run as plain Python, outside any graph, and the model's (or the trap's) own forward is compiled as a
-frame of its own (Note [engine steps outside compiled graphs] in ``flextensor.runtime.compile_guard``).
+torch.compile never compiles the patched forwards' own frames (``skip_frames``): the engine's steps run as plain
+Python, outside any graph, and the model's (or the trap's) own forward is compiled as a frame of its own (Note
+[engine steps outside compiled graphs] in ``flextensor.runtime.compile_guard``).
 
 Installing and uninstalling are a symmetric pair on each object: whatever forward the instance had before
 (none, or one set by someone else) is what ``uninstall`` puts back. The callbacks belong to the manager, which
@@ -27,7 +27,7 @@ from torch import nn
 
 from flextensor.runtime.compile_guard import call_eagerly, dynamo_active, skip_frames
 
-__all__ = ["Trap", "TrapForward", "RootForward", "RootCall", "ForwardShim", "assign_data", "bypass_resident_traps"]
+__all__ = ["Trap", "RootForward", "ForwardShim", "assign_data", "bypass_resident_traps"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,23 @@ class Trap:
         target: Callable[..., Any] = original
         if compile_fn is not None:
             target = compile_fn(ForwardShim(original))
-        forward = TrapForward(self, enter, leave, target)
-        functools.update_wrapper(forward, original)
+        trap = self
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if dynamo_active():  # inside torch.compile'd code: the engine's steps must not be compiled
+                call_eagerly(enter, trap)
+                try:
+                    return target(*args, **kwargs)
+                finally:
+                    call_eagerly(leave, trap)
+            enter(trap)
+            try:
+                return target(*args, **kwargs)
+            finally:
+                leave(trap)
+
+        skip_frames(forward)  # Note [engine steps outside compiled graphs] in flextensor.runtime.compile_guard
         forward.__flextensor_trap__ = self.label  # type: ignore[attr-defined]
         module.forward = forward  # instance attribute: the class stays untouched
         self._original, self._target, self._wrapper = original, target, forward
@@ -175,54 +190,41 @@ class Trap:
         return f"Trap({self.label!r}, kind={self.kind!r}, candidates={len(self.candidates)})"
 
 
-class TrapForward:
-    """The forward a trap installs: ``enter(trap)``, the trap's forward (original or compiled), ``leave(trap)``.
-
-    ``enter`` runs outside the ``try``, so a refused entry (nesting) never runs the exit half. Under
-    torch.compile this frame runs as Python and the target is compiled as a frame of its own (Note [engine steps
-    outside compiled graphs] in ``flextensor.runtime.compile_guard``).
-    """
-
-    def __init__(self, trap: Trap, enter: TrapCallback, leave: TrapCallback, target: Callable[..., Any]) -> None:
-        self._trap, self._enter, self._leave, self._target = trap, enter, leave, target
-
-    def __deepcopy__(self, memo: dict) -> TrapForward:
-        return self  # copied like the function it stands for: deepcopy(model) must not copy the engine
-
-    @skip_frames
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        trap = self._trap
-        if dynamo_active():  # inside torch.compile'd code: the engine's steps must not be compiled
-            call_eagerly(self._enter, trap)
-            try:
-                return self._target(*args, **kwargs)
-            finally:
-                call_eagerly(self._leave, trap)
-        self._enter(trap)
-        try:
-            return self._target(*args, **kwargs)
-        finally:
-            self._leave(trap)
-
-
 class RootForward:
     """The model's own ``forward``, patched to call ``begin()`` before and ``end(ok)`` after each outermost call.
 
     A nested call (the model calling itself, or a hook calling the model inside a pass) runs the original
-    directly. ``begin`` raising leaves no pass open; ``end`` always runs once ``begin`` succeeded. The patched
-    forward is a :class:`RootCall`, which torch.compile runs as Python (the engine's per-pass steps never enter a
-    graph) while it compiles the model's own forward as the top frame.
+    directly. ``begin`` raising leaves no pass open; ``end`` always runs once ``begin`` succeeded.
     """
 
     def __init__(self, model: nn.Module, begin: Callable[[], None], end: Callable[[bool], None]) -> None:
         self.model = model
         self.depth = 0
-        self.begin, self.end = begin, end
         self._had_forward = "forward" in model.__dict__
         self._previous = model.__dict__.get("forward")
-        self.original = model.forward
-        forward = RootCall(self)
-        functools.update_wrapper(forward, self.original)
+        original = model.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:
+                return original(*args, **kwargs)
+            eager = dynamo_active()  # inside torch.compile'd code: the engine's steps must not be compiled
+            self.depth = 1
+            try:
+                call_eagerly(begin) if eager else begin()
+            except BaseException:
+                self.depth = 0
+                raise
+            ok = False
+            try:
+                out = original(*args, **kwargs)
+                ok = True
+                return out
+            finally:
+                self.depth = 0
+                call_eagerly(end, ok) if eager else end(ok)
+
+        skip_frames(forward)  # Note [engine steps outside compiled graphs] in flextensor.runtime.compile_guard
         model.forward = forward
 
     def uninstall(self) -> None:
@@ -230,38 +232,6 @@ class RootForward:
             self.model.forward = self._previous
         else:
             self.model.__dict__.pop("forward", None)
-
-
-class RootCall:
-    """The callable :class:`RootForward` installs as the model's ``forward`` (see there)."""
-
-    def __init__(self, root: RootForward) -> None:
-        self._root = root
-
-    def __deepcopy__(self, memo: dict) -> RootCall:
-        return self  # copied like the function it stands for: deepcopy(model) must not copy the engine
-
-    @skip_frames
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        root = self._root
-        original = root.original
-        if root.depth:
-            return original(*args, **kwargs)
-        eager = dynamo_active()  # inside torch.compile'd code: the engine's steps must not be compiled
-        root.depth = 1
-        try:
-            call_eagerly(root.begin) if eager else root.begin()
-        except BaseException:
-            root.depth = 0
-            raise
-        ok = False
-        try:
-            out = original(*args, **kwargs)
-            ok = True
-            return out
-        finally:
-            root.depth = 0
-            call_eagerly(root.end, ok) if eager else root.end(ok)
 
 
 def bypass_resident_traps(traps: Iterable[Trap], streamed: set[str]) -> None:

@@ -20,11 +20,10 @@ trap entry and exit: a thread check, phase bookkeeping, the loader's parameter s
 the install of host blocks built on a thread. None of it is tensor math, and traced by dynamo it breaks graphs
 (``threading.get_ident`` is not traceable), recompiles (``tensor.data = view`` per parameter) or, when a copy
 into a rotating device block lands in a graph whose inputs are parameters viewing that block with other dtypes,
-fails in aot_autograd ("input mutations on views with different dtypes"). So those forwards are objects whose
-``__call__`` dynamo never compiles (:func:`skip_frames`: its frame runs as plain Python, the frames it calls
-are still compiled): under ``torch.compile(model)`` the root forward runs the engine's pass start, then the
+fails in aot_autograd ("input mutations on views with different dtypes"). So dynamo never compiles those
+forwards (:func:`skip_frames`: their frames run as plain Python, the frames they call are still compiled): under ``torch.compile(model)`` the root forward runs the engine's pass start, then the
 model's own ``forward`` is compiled as the top frame, with no graph break for the engine's per-pass work. A
-trap module's call is where dynamo stops a graph (it cannot inline a skipped frame): the trap's body is then
+trap module's call is where dynamo stops a graph (it cannot inline a skipped function): the trap's body is then
 compiled as a frame of its own, one graph per unit, which identical layers share. A skipped frame that calls
 into the engine while a compiled region is running (:func:`dynamo_active`) calls it through
 :func:`call_eagerly`, so dynamo does not try to compile the engine's frames either; outside compiled code the
@@ -37,6 +36,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
+import weakref
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -45,7 +45,7 @@ __all__ = ["disable_compile", "skip_frames", "dynamo_active", "call_eagerly"]
 _DYNAMO = "torch._dynamo"
 _lock = threading.RLock()
 _pending: list[tuple[Any, str]] = []  # (owner, attribute name) still to wrap
-_pending_skips: list[Callable[..., Any]] = []  # functions whose frames dynamo must skip
+_pending_skips: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # functions whose frames dynamo must skip
 _callback: Callable[[], Any] | None = None  # torch._C._dynamo.eval_frame.get_eval_frame_callback, once imported
 _disabled_call: Callable[..., Any] | None = None  # torch.compiler.disable(_call), once imported
 
@@ -61,7 +61,7 @@ def skip_frames(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Have dynamo run ``fn``'s own frames as plain Python, still compiling what ``fn`` calls (Note [engine steps
     outside compiled graphs]); now or once dynamo is imported. Returns ``fn`` (usable as a decorator)."""
     with _lock:
-        _pending_skips.append(fn)
+        _pending_skips.add(fn)  # held weakly: a model released before dynamo is imported leaves nothing behind
         _schedule()
     return fn
 
@@ -115,8 +115,9 @@ def _apply() -> None:
         while _pending:
             owner, name = _pending.pop()
             setattr(owner, name, torch.compiler.disable(getattr(owner, name)))
-        while _pending_skips:
-            skip(_pending_skips.pop())
+        for fn in list(_pending_skips):
+            skip(fn)
+        _pending_skips.clear()
 
 
 class _DynamoImportHook(importlib.abc.MetaPathFinder):

@@ -42,15 +42,14 @@ def test_offload_and_inference_import_no_dynamo():
                 model(token_ids().to(DEVICE))
         assert ft.get_offload_manager().loader is not None
         heavy = [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
-        from flextensor.engine.hooks import RootCall, TrapForward
         from flextensor.runtime.arena_loader import ArenaLoader
         from flextensor.runtime.compile_guard import dynamo_active
         from flextensor.runtime.loader import BlockLoader
-        patched = (BlockLoader.enter, RootCall.__call__, TrapForward.__call__)
+        patched = (BlockLoader.enter, model.forward, model.blocks[0].forward)  # the root's and a trap's forward
         before = [getattr(f, "_torchdynamo_disable", False) for f in patched] + [dynamo_active()]
         import torch._dynamo
-        patched = (BlockLoader.enter, BlockLoader.exit, ArenaLoader.enter, ArenaLoader.exit, RootCall.__call__,
-                   TrapForward.__call__)
+        patched = (BlockLoader.enter, BlockLoader.exit, ArenaLoader.enter, ArenaLoader.exit, model.forward,
+                   model.blocks[0].forward)
         after = [getattr(f, "_torchdynamo_disable", False) for f in patched] + [dynamo_active()]
         print(heavy, before, after)
         ft.release()
