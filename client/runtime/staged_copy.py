@@ -143,34 +143,42 @@ class StagedCopy:
                 pass
 
     def _run(self, dst: torch.Tensor, src: torch.Tensor, ring: torch.Tensor) -> None:
+        """The loop keeps its Python work per chunk to four torch calls (views, events and the stream are made
+        before it): each call needs the GIL, which a follower's model factory holds most of the time meanwhile."""
         cuda = dst.device.type == "cuda"
-        stream = self._stream if self._stream is not None else (torch.cuda.current_stream(dst.device) if cuda
-                                                               else None)
-        prefault = threading.Thread(target=_prefault, args=(src.data_ptr(), src.numel()), name="ft-staged-prefault",
+        total, chunk = src.numel(), self.chunk_bytes
+        offsets = range(0, total, chunk)
+        sources = [src.narrow(0, o, min(chunk, total - o)) for o in offsets]
+        targets = [dst.narrow(0, o, min(chunk, total - o)) for o in offsets]
+        slots = [ring.narrow(0, i * chunk, chunk) for i in range(self.slots)]
+        staging = [slots[k % self.slots].narrow(0, 0, s.numel()) for k, s in enumerate(sources)]
+        prefault = threading.Thread(target=_prefault, args=(src.data_ptr(), total), name="ft-staged-prefault",
                                     daemon=True)
         prefault.start()
-        events: list[torch.cuda.Event | None] = [None] * self.slots
-        total, chunk = src.numel(), self.chunk_bytes
+        if not cuda:
+            try:
+                for source, stage, target in zip(sources, staging, targets):
+                    stage.copy_(source)
+                    target.copy_(stage)
+            finally:
+                prefault.join()
+            return
+        stream = self._stream if self._stream is not None else torch.cuda.current_stream(dst.device)
+        events = [torch.cuda.Event() for _ in range(self.slots)]
+        used = [False] * self.slots
         try:
-            for k, offset in enumerate(range(0, total, chunk)):
-                n = min(chunk, total - offset)
-                slot = k % self.slots
-                if events[slot] is not None:
-                    events[slot].synchronize()  # the device finished reading this slot
-                staging = ring.narrow(0, slot * chunk, n)
-                staging.copy_(src.narrow(0, offset, n))
-                if cuda:
-                    with torch.cuda.stream(stream):
-                        dst.narrow(0, offset, n).copy_(staging, non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                    events[slot] = event
-                else:
-                    dst.narrow(0, offset, n).copy_(staging)
-                del staging
+            with torch.cuda.stream(stream):
+                for k, (source, stage, target) in enumerate(zip(sources, staging, targets)):
+                    slot = k % self.slots
+                    if used[slot]:
+                        events[slot].synchronize()  # the device finished reading this slot
+                    stage.copy_(source)
+                    target.copy_(stage, non_blocking=True)
+                    events[slot].record(stream)
+                    used[slot] = True
         finally:
-            for event in events:  # also after an error: no queued copy may read the ring once it is unregistered
-                if event is not None:
+            for slot, event in enumerate(events):  # also after an error: the ring is unregistered next
+                if used[slot]:
                     event.synchronize()
             prefault.join()
 
