@@ -679,8 +679,8 @@ def main() -> None:
                             wait_timeout=args.timeout)
             print(f"[{size:g} GiB] set-up and fresh profile: {gib(r['model_bytes'])}, {spec.layers} layers", flush=True)
             r["setup"] = run_setup(params, args.timeout)
-            print(f"[{size:g} GiB] set-up done: {json.dumps({k: v for k, v in r['setup'].items() if k != 'cprofile_top'})}",
-                  flush=True)
+            shown = {k: v for k, v in r["setup"].items() if k != "cprofile_top"}
+            print(f"[{size:g} GiB] set-up done: {json.dumps(shown)}", flush=True)
             r["group"] = {}
             print(f"[{size:g} GiB] sharing group of {args.workers}", flush=True)
             run_group(params, args.workers, args.timeout, r["group"])

@@ -22,15 +22,16 @@ Each model tensor is pointed at its shared copy (its block view, or its store re
 made, which frees the private copy; pages ahead of the copy are bounded by :func:`populate_window`. So a creator
 whose factory built the model in RAM holds about one copy of the weights plus the window, never two. A tensor
 on ``meta`` (a checkpoint creator) gets its bytes from ``weights``: a checkpoint tensor's read is queued into its
-place (``read_into``) and all reads run together, in file order, once everything is laid out
-(:func:`read_queued`), before the engine sees any of it.
+place (``read_into``) and the queued reads run together, in file order, over several threads (:func:`read_queued`):
+the store's once it is laid out, the blocks' in batches of half a window while the thread allocates the pages of
+the next ones, so reading the checkpoint and allocating its pages overlap. Everything is read before the engine
+sees any of it.
 
 Order (see ``SharedOffloadSession._publish``)
 ---------------------------------------------
-store (records copied, model pointed at them; on CUDA its mapping registered on a thread meanwhile, so the
-engine's move of the resident tensors to the device runs at pinned speed) -> arena, block by block in index order
--> queued checkpoint reads -> the engine adopts the plan (``host_blocks``; resident tensors to the device) ->
-plan, READY.
+store (records copied or read, model pointed at them; on CUDA its mapping registered on a thread meanwhile, so
+the engine's move of the resident tensors to the device runs at pinned speed) -> arena, block by block in index
+order -> the engine adopts the plan (``host_blocks``; resident tensors to the device) -> plan, READY.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ from flextensor.shm.sizes import align_up
 from flextensor.shm.tensor_store import ALIGNMENT, SharedTensorStore
 from flextensor.state import ModelTensor, TensorManagerState
 
-__all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "populate_window", "arena_plan", "store_bytes", "publish_store",
-           "fill_blocks", "read_queued", "BackgroundCall"]
+__all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "populate_window", "arena_plan", "store_bytes",
+           "publish_store", "fill_blocks", "read_queued", "BackgroundCall"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,27 +139,38 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     Pages not allocated yet come ahead of the copy on a thread. Returns seconds spent waiting for them and the
     allocating thread's seconds."""
     populate = None
+    window = populate_window(layout.total)
     if not arena.reserved and layouts:
-        populate = PopulateAhead(arena, list(zip(layout.offsets, layout.sizes)),
-                                 window=populate_window(layout.total)).start()
+        populate = PopulateAhead(arena, list(zip(layout.offsets, layout.sizes)), window=window).start()
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
+    pending: list[int] = []  # blocks written, or with their reads queued, and not yet done
+    queued = 0  # bytes of checkpoint reads queued
     try:
-        for block_layout, block in zip(layouts, blocks):
-            index = block_layout.index
+        for position, (block_layout, block) in enumerate(zip(layouts, blocks)):
             if populate is not None:
-                populate.wait(index)
+                populate.wait(block_layout.index)
             for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
                 entry = tensors[placement.name]
                 tensor = entry.tensor
                 if tensor.is_meta:  # the engine points it at the view once the read is done
-                    _write(view, _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape))
+                    value = _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape)
+                    _write(view, value)
+                    queued += placement.nbytes if hasattr(value, "read_into") else 0
                 else:
                     view.copy_(tensor.detach())
                     assign_data(tensor, view)  # frees the private copy
                 progress.add(placement.nbytes)
-            if populate is not None:
-                populate.done(index)
-                return_free_heap()  # the private copies just freed go back before more pages are taken
+            pending.append(block_layout.index)
+            # Checkpoint reads run in batches of half a window, while the thread allocates the next pages.
+            if queued == 0 or queued >= window // 2 or position == len(layouts) - 1:
+                if queued:
+                    read_queued(weights)
+                    queued = 0
+                if populate is not None:
+                    for index in pending:
+                        populate.done(index)
+                    return_free_heap()  # the private copies just freed go back before more pages are taken
+                pending.clear()
         progress.finish()
     finally:
         if populate is not None:

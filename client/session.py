@@ -4,13 +4,13 @@ Per manager name the session runs one sharing generation (see ``flextensor.shm.c
 
 creator (elected: the first to create the manager's coordinator segment)
     1. reads the disk profile and runs the preflight (``/dev/shm`` room, ``RLIMIT_MEMLOCK`` when pinning);
-    2. has the resident tensors' store and the host blocks' segment (one arena, ``flextensor.shm.blocks``) made on
-       a background thread (sizes from the profile) while ``creator_model_factory()`` (or the checkpoint's meta
-       model) is built;
+    2. has the resident tensors' store and the host blocks' segment (one arena, ``flextensor.shm.blocks``) made,
+       without their pages, on a background thread (sizes from the profile) while ``creator_model_factory()`` (or
+       the checkpoint's meta model) is built;
     3. fills the store and then the arena from the model or its checkpoint, pointing the model at each shared
-       copy as it is made (``flextensor.publish``: pages allocated ahead of the copy, one copy of the weights in
-       RAM), and adopts the profile over the filled blocks, as a follower does; with CUDA the creator's mapping is
-       registered in the background like a follower's (below);
+       copy as it is made (``flextensor.publish``: pages allocated a window ahead of the copy or the read, one
+       copy of the weights in RAM), and adopts the profile over the filled blocks, as a follower does; with CUDA
+       the creator's mapping is registered in the background like a follower's (below);
     4. publishes the plan: the state rebuilt from the live allocation (``export_state()``, every block naming the
        arena), and flips the coordinator to READY. Publishing is ordered: store, blocks, plan, then state.
     Any failure before READY is published first (``mark_failed``), so followers raise
@@ -294,12 +294,11 @@ class SharedOffloadSession:
                 shortfall = memlock_shortfall(layout.total + store_size)
                 if shortfall:  # a warning: the NVIDIA driver does not charge cudaHostRegister to this limit
                     logger.warning("session %s: %s", share.namespace, shortfall)
-            # The segments are made while the model is built. From a checkpoint their pages are allocated then too
-            # (allocating tmpfs pages, not copying into them, is what makes publishing slow: see
-            # flextensor.shm.owner, "Segments made ahead"); a model built in RAM is freed into them as they fill,
-            # so their pages come a window ahead of the copy (flextensor.publish).
+            # The segments are made while the model is built, without their pages: those come on a thread a window
+            # ahead of the copy or the checkpoint read (flextensor.publish), so allocating tmpfs pages, the slow
+            # part of publishing, overlaps the copy, and a model built in RAM is freed into them as they fill.
             sizes = {DATA_KIND: store_size, **({ARENA_KIND: layout.total} if layouts else {})}
-            owner.prepare_segments(sizes, reserve=not source.in_ram)
+            owner.prepare_segments(sizes, reserve=False)
             with timed_step(steps, "factory"):
                 model = source.build()
             logger.info("session %s: model built in %.2f s", share.namespace, steps["factory"])
@@ -361,6 +360,7 @@ class SharedOffloadSession:
         with timed_step(steps, "store"):
             share.store = publish_store(share.namespace, model, resident, owner, source.weights,
                                         window=populate_window(store_bytes(state)))
+            read_queued(source.weights)  # the resident tensors' checkpoint reads
         store_pin = None
         if pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
             store_pin = BackgroundCall(share.store.pin, device=device_index(device))
@@ -369,8 +369,6 @@ class SharedOffloadSession:
                 if layouts:
                     share.publish.update(fill_blocks(checked.tensors, layouts, views, share.segments[0], layout,
                                                      source.weights, label=share.name))
-            with timed_step(steps, "read"):
-                read_queued(source.weights)
         finally:
             if store_pin is not None:  # never left running: a failure's cleanup unpins the store
                 with timed_step(steps, "register_store_wait"):

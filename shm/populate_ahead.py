@@ -15,9 +15,10 @@ Protocol
 --------
 ``ranges`` are ``(offset, nbytes)`` in the order the caller writes them. The caller calls :meth:`wait` before
 writing range ``i`` (it raises the allocation's error: ``ShmSpaceError`` for a full ``/dev/shm``) and
-:meth:`done` after, in order. The thread allocates range ``j`` when the caller waits for it, or when ranges
-``i + 1 .. j`` fit in ``window`` bytes, ``i`` being the first range not done yet (the one being written); so a
-window smaller than the next range means no allocation ahead at all. :meth:`close` stops the thread after the
+:meth:`done` once it is written, in order (a caller may write several ranges before it calls ``done`` for them,
+e.g. reads it runs together). The thread allocates range ``j`` when the caller waits for it (or a later one), or
+when ranges ``i + 1 .. j`` fit in ``window`` bytes, ``i`` being the first range not done yet; so a window
+smaller than the next range means no allocation ahead of the caller at all. :meth:`close` stops the thread after the
 range in flight and joins it (always call it, also after an error); ``waited_s`` is the time the caller spent
 waiting for allocation, the part of the fill the window did not hide.
 """
@@ -43,6 +44,7 @@ class PopulateAhead:
         self._cond = threading.Condition()
         self._populated = 0  # ranges [0, _populated) are allocated
         self._released = 0  # ranges [0, _released) were written (done)
+        self._wanted = -1  # the latest range the caller waited for
         self._end = [0]  # _end[k]: bytes of ranges [0, k)
         for _offset, nbytes in self._ranges:
             self._end.append(self._end[-1] + nbytes)
@@ -61,6 +63,8 @@ class PopulateAhead:
         with self._cond:
             if self._populated > index:
                 return
+            self._wanted = max(self._wanted, index)
+            self._cond.notify_all()
             start = time.monotonic()
             self._cond.wait_for(lambda: self._populated > index or self.error is not None or self._stop)
             self.waited_s += time.monotonic() - start
@@ -87,9 +91,10 @@ class PopulateAhead:
             self._thread.join()
 
     def _may_allocate(self, index: int) -> bool:
-        """Range ``index`` is the one being written (or waited for), or it is within the window beyond it."""
+        """Range ``index`` is the first not written, or the caller waits for it (or a later one), or it is within
+        the window beyond the first not written."""
         current = self._released
-        return index <= current or self._end[index + 1] - self._end[current + 1] <= self._window
+        return index <= max(current, self._wanted) or self._end[index + 1] - self._end[current + 1] <= self._window
 
     def _run(self) -> None:
         for index, (offset, nbytes) in enumerate(self._ranges):

@@ -397,7 +397,8 @@ def test_a_cuda_follower_hands_its_registered_blocks_to_the_release_thread_on_cl
     config = ft.OffloadConfig(pinned_memory=True, num_blocks=2, min_blocks=2)
     session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
     model = session.offload_from_profile(profile, config=config, name="model",
-                                         creator_model_factory=_unused_creator_factory, follower_model_factory=_meta_model)
+                                         creator_model_factory=_unused_creator_factory,
+                                         follower_model_factory=_meta_model)
     with torch.no_grad():
         assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
     report = session.report()[0]

@@ -119,3 +119,20 @@ def test_bytes_written_through_it_are_read_back_and_pages_come_only_as_allowed(n
         ahead.close()
         segment.close()
         SharedSegment.unlink_name(name)
+
+
+def test_a_caller_that_writes_several_ranges_before_done_is_never_held_by_the_window():
+    """Checkpoint reads run in batches: ranges are written, then marked done together. Waiting for the next range
+    allocates it whatever the window, so the batch cannot wait for its own completion."""
+    segment = RecordingSegment()
+    ahead = PopulateAhead(segment, _ranges(6), window=MIB // 2).start()
+    try:
+        for i in range(4):
+            ahead.wait(i)  # none done yet: beyond range 0 the window allows nothing, the waits do
+        assert segment.settled(4) == [0, 1, 2, 3]
+        for i in range(4):
+            ahead.done(i)
+        ahead.wait(5)
+        assert segment.calls == list(range(6))
+    finally:
+        ahead.close()
