@@ -18,9 +18,11 @@ Ordering and ownership
    another namespace or generation is refused), attaches the store, maps the arena, then, on a CUDA device,
    allocates and frees the loader's rotating device blocks, which leaves them in PyTorch's caching allocator
    for the adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks), and
-   last copies every store record to the device (:meth:`SharedTensorStore.copies_on`: one transfer) and
-   synchronizes its own stream, so the copies are complete before anyone can read them, whatever stream the
-   caller uses. It does not make PyTorch's stream pool (the loader takes its copy stream at its first copy).
+   last copies every store record to the device (:meth:`SharedTensorStore.copies_on`: one range) through a
+   small pinned ring (:class:`~flextensor.runtime.staged_copy.StagedCopy`: the store's mapping is not
+   registered, and a copy from it directly would run at pageable speed) and synchronizes its own stream, so the
+   copies are complete before anyone can read them, whatever stream the caller uses. It does not make PyTorch's
+   stream pool (the loader takes its copy stream at its first copy).
 2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
    everything it opened, *also when it failed or the factory failed*: the caller (``SharedOffloadSession``'s
    ``_attach``, or ``_join_while_building`` for the coordinator too) puts it into the manager's share first, so
@@ -59,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from flextensor.runtime.loader import slot_count
+from flextensor.runtime.staged_copy import StagedCopy
 from flextensor.planning.plan_model import effective_blocks
 from flextensor.shm.blocks import ARENA_KIND, ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.tensor_store import SharedTensorStore
@@ -168,9 +171,10 @@ class FollowerPrefetch:
                 slotted = time.monotonic()
                 self.timings["slots"] = slotted - blocks_done
                 # (PyTorch's stream pool is not made here: the loader takes its copy stream at its first copy.)
-                # Last, the one long step (a copy from unregistered memory; the GIL is released meanwhile).
+                # Last, the one long step (staged through pinned memory; the GIL is released during each chunk).
+                copier = StagedCopy(stream=self._stream)
                 with torch.cuda.stream(self._stream):
-                    self.device_copies = self.store.copies_on(self._device, buffer=resident)
+                    self.device_copies = self.store.copies_on(self._device, buffer=resident, fill=copier)
                     done = torch.cuda.Event()
                     done.record(self._stream)
                 done.synchronize()  # the copies are complete before any stream reads them

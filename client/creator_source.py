@@ -4,13 +4,12 @@ straight into the shared blocks.
 Why it matters for host RAM: the point of one host copy is that the host holds the weights once.
 
 - In RAM (``creator_model_factory``): the model exists in private memory before the shared blocks do. The blocks'
-  segment is therefore created without its pages (``reserve=False``): each block's pages are taken just before
-  it is filled, and the engine drops each private tensor as soon as it is copied, so the creator holds about one
-  copy plus a block, never two.
+  pages are taken a window ahead of the copy, and each private tensor is dropped as soon as it is copied
+  (``flextensor.publish``), so the creator holds about one copy plus the window, never two.
 - From a checkpoint (``checkpoint=``): the model is built with its parameters on ``meta`` (the follower's factory,
   under :func:`flextensor.lazy_init.init_empty_weights`, so buffers the constructor computes stay real) and every
-  tensor is read once from the safetensors files into its shared block (or into the resident copy). The
-  blocks' pages are allocated ahead, while the model is built: nothing else is in RAM.
+  tensor is read once from the safetensors files into its shared block (or into the resident copy), while the
+  next blocks' pages are allocated: nothing else is in RAM.
 """
 
 from __future__ import annotations

@@ -4,13 +4,15 @@ Per manager name the session runs one sharing generation (see ``flextensor.shm.c
 
 creator (elected: the first to create the manager's coordinator segment)
     1. reads the disk profile and runs the preflight (``/dev/shm`` room, ``RLIMIT_MEMLOCK`` when pinning);
-    2. has the host blocks' segment (one arena, ``flextensor.shm.blocks``) created and populated on a background
-       thread (sizes from the profile), calls ``creator_model_factory()`` (the checkpoint load) meanwhile, and
-       adopts the profile with those host blocks through the coordinator's ``memory_owner`` (pinned in place
-       with CUDA);
-    3. publishes the resident parameters and buffers (``SharedTensorStore``) and then the plan: the state
-       rebuilt from the live allocation (``export_state()``, every block naming the arena), never the disk profile;
-    4. flips the coordinator to READY. Publishing is ordered: blocks, store, plan, then state.
+    2. has the resident tensors' store and the host blocks' segment (one arena, ``flextensor.shm.blocks``) made,
+       without their pages, on a background thread (sizes from the profile) while ``creator_model_factory()`` (or
+       the checkpoint's meta model) is built;
+    3. fills the store and then the arena from the model or its checkpoint, pointing the model at each shared
+       copy as it is made (``flextensor.publish``: pages allocated a window ahead of the copy or the read, one
+       copy of the weights in RAM), and adopts the profile over the filled blocks, as a follower does; with CUDA
+       the creator's mapping is registered in the background like a follower's (below);
+    4. publishes the plan: the state rebuilt from the live allocation (``export_state()``, every block naming the
+       arena), and flips the coordinator to READY. Publishing is ordered: store, blocks, plan, then state.
     Any failure before READY is published first (``mark_failed``), so followers raise
     ``ShmCreatorFailedError`` with the creator's message, and only then cleaned up.
 
@@ -35,6 +37,10 @@ follower
 The session copies the caller's config and sets its SHM fields; strategy replanning is off because published
 blocks are fixed. A session is used from the thread that created it and reserves its manager names (process
 wide) until its ``close()`` succeeds; a failed close keeps what it still holds so ``close()`` can be retried.
+``close()`` leaves the generation at once (the last participant unlinks every name) and hands what this process
+registered with CUDA to the release thread (``flextensor.shm.background_release``), which unregisters it piece
+by piece and unmaps it afterwards, so the caller does not wait for the driver; a process that exits meanwhile
+leaves the rest to its own end, with nothing left in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -49,26 +55,28 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-# The engine modules a follower needs are imported with the session, not on its first attach: a fresh
-# worker's time to ready should not include module imports.
-import flextensor.engine.adoption  # noqa: F401
+# The engine modules a follower needs are imported with the session (adoption among them), not on its first
+# attach: a fresh worker's time to ready should not include module imports.
+from flextensor.engine.adoption import check_state, layouts_from_state
 from flextensor.api import get_offload_manager
 from flextensor.attach_prefetch import ELECT_LOCK_WAIT_S, FollowerPrefetch
 from flextensor.config import OffloadConfig
 from flextensor.creator_source import CreatorSource
 from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
-from flextensor.shm.background_pin import BackgroundPinner, PinRange
-from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator, arena_layout
+from flextensor.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, arena_plan, fill_blocks, populate_window,
+                                publish_store, read_queued, store_bytes)
+from flextensor.shm.blocks import ARENA_KIND, ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator, peek_ready
 from flextensor.shm.header import State
 from flextensor.shm.names import manager_namespace, validate_base_namespace, validate_manager_name
 from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
-from flextensor.share import (PLAN_KIND, ManagerShare, check_offloaded_metadata, device_index, privatize_shared_views,
-                              read_published_plan, register_with_daemon, run_factory_while_attaching, timed_step)
-from flextensor.shm.tensor_store import SharedTensorStore
+from flextensor.share import (PLAN_KIND, ManagerShare, block_pinner, check_offloaded_metadata, device_index,
+                              privatize_shared_views, read_published_plan, register_with_daemon,
+                              run_factory_while_attaching, timed_step)
+from flextensor.shm.tensor_store import DATA_KIND
 from flextensor.state import TensorManagerState
 
 logger = logging.getLogger(__name__)
@@ -272,40 +280,55 @@ class SharedOffloadSession:
                  source: CreatorSource) -> nn.Module:
         coordinator = share.coordinator
         owner = coordinator.memory_owner
+        steps = share.steps
         try:
             state = read_profile(profile_dir)
-            sizes = [b.nbytes for b in state.blocks_in_order()]
-            block_bytes = arena_layout(sizes).total  # what the arena occupies: blocks + page padding
-            resident_bytes = sum(t.nbytes for t in state.tensors if not t.offloaded)
-            check_shm_capacity(share.namespace, block_bytes + resident_bytes)
-            pin = cfg.pinned_memory and torch.cuda.is_available()
+            layouts = layouts_from_state(state)  # checked: every block, placement and schedule entry
+            layout = arena_layout([b.nbytes for b in state.blocks])
+            resident = [t.name for t in state.tensors if not t.offloaded]
+            store_size = store_bytes(state)
+            check_shm_capacity(share.namespace, layout.total + store_size)
+            device = compute_device(cfg)
+            pin = cfg.pinned_memory and device.type == "cuda"
             if pin:
-                shortfall = memlock_shortfall(block_bytes)
+                shortfall = memlock_shortfall(layout.total + store_size)
                 if shortfall:  # a warning: the NVIDIA driver does not charge cudaHostRegister to this limit
                     logger.warning("session %s: %s", share.namespace, shortfall)
-            # The blocks' pages are allocated while the checkpoint loads: allocating tmpfs pages, not copying into
-            # them, is what makes publishing slow (see flextensor.shm.owner, "Segments made ahead").
-            # A model built in RAM is freed into the blocks as they fill: their pages come block by block then.
-            if sizes:
-                owner.prepare_segments({ARENA_KIND: block_bytes}, reserve=not source.in_ram)
-            t0 = time.monotonic()
-            model = source.build()
-            logger.info("session %s: model built in %.2f s", share.namespace, time.monotonic() - t0)
-            t1 = time.monotonic()
+            # The segments are made while the model is built, without their pages: those come on a thread a window
+            # ahead of the copy or the checkpoint read (flextensor.publish), so allocating tmpfs pages, the slow
+            # part of publishing, overlaps the copy, and a model built in RAM is freed into them as they fill.
+            sizes = {DATA_KIND: store_size, **({ARENA_KIND: layout.total} if layouts else {})}
+            owner.prepare_segments(sizes, reserve=False)
+            with timed_step(steps, "factory"):
+                model = source.build()
+            logger.info("session %s: model built in %.2f s", share.namespace, steps["factory"])
+            begin = time.monotonic()
             try:
-                proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False, shm_owner=owner,
-                                                   weights=source.weights)
+                model = self._fill_shared(share, model, state, layouts, layout, resident, cfg, device, pin, source)
+                published_plan = arena_plan(state, owner.resource_name(ARENA_KIND))
+                gate = None
+                if pin and layouts:
+                    share.pinner = block_pinner(share.segments[0], published_plan, layout, device,
+                                                label=f"session {share.namespace}")
+                    gate = share.pinner.wait
+                with timed_step(steps, "adopt"):  # the blocks are filled: the engine only points tensors at them
+                    proxy = manager.offload_from_state(model, published_plan, cfg, allow_strategy_replan=False,
+                                                       host_blocks=share.block_views, host_block_gate=gate,
+                                                       shm_owner=owner, weights=source.weights)
             finally:
                 source.close()
-            published = manager.export_state()
-            resident = [t.name for t in published.tensors if not t.offloaded]
-            share.store = SharedTensorStore.create_from_model(share.namespace, model, names=resident,
-                                                              shm_owner=owner)
-            if manager.device.type == "cpu":
-                share.store.rebind(model)  # the creator's resident CPU tensors become the shared copies too
-            owner.write_blob(PLAN_KIND, published.to_json())
-            share.shared_bytes = block_bytes + share.store.nbytes
-            elapsed = max(time.monotonic() - t1, 1e-9)
+            if share.pinner is not None:
+                share.pinner.start()  # after the adoption's device allocations (see _adopt_published)
+            with timed_step(steps, "plan"):
+                published = manager.export_state()
+                if sorted(t.name for t in published.tensors if not t.offloaded) != sorted(resident):
+                    raise RuntimeError(
+                        f"internal error in session {self.namespace!r}: the adopted plan keeps other tensors "
+                        "resident than the profile says; please report it (re-profiling may avoid it)")
+                owner.write_blob(PLAN_KIND, published.to_json())
+            share.shared_bytes = layout.total + share.store.nbytes
+            elapsed = max(time.monotonic() - begin, 1e-9)
+            share.publish.update(seconds=elapsed, gbps=share.shared_bytes / elapsed / 1e9)
             logger.info("session %s: published %.1f MiB (%d blocks, %d resident tensors) in %.2f s (%.2f GB/s)",
                         share.namespace, share.shared_bytes / 2**20, len(published.blocks), len(resident),
                         elapsed, share.shared_bytes / elapsed / 1e9)
@@ -317,6 +340,45 @@ class SharedOffloadSession:
                 logger.warning("session %s: could not publish the failure: %s", share.namespace, publish_exc)
             raise
         return proxy
+
+    def _fill_shared(self, share: ManagerShare, model: nn.Module, state: TensorManagerState,
+                     layouts: list[Any], layout: ArenaLayout, resident: list[str], cfg: OffloadConfig,
+                     device: torch.device, pin: bool, source: CreatorSource) -> nn.Module:
+        """The store, then the arena, filled from the model (or its checkpoint) and the model pointed at them; on
+        CUDA the store's mapping is registered meanwhile (see ``flextensor.publish``). What it opens belongs to
+        the share at once, so a failure is cleaned up by the caller's cleanup."""
+        owner = share.coordinator.memory_owner
+        steps = share.steps
+        views = []
+        if layouts:
+            arena = SharedBlockAllocator(owner).create(layout)
+            share.segments.append(arena)
+            views = SharedBlockAllocator.views(arena, layout)
+        share.block_views = views
+        # Refuse a model that does not match the profile before anything of it changes.
+        checked = check_state(model, state, cfg, host_blocks=views, weights=source.weights)
+        with timed_step(steps, "store"):
+            share.store = publish_store(share.namespace, model, resident, owner, source.weights,
+                                        window=populate_window(store_bytes(state)))
+            read_queued(source.weights)  # the resident tensors' checkpoint reads
+        store_pin = None
+        if pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
+            store_pin = BackgroundCall(share.store.pin, device=device_index(device))
+        try:
+            with timed_step(steps, "blocks"):
+                if layouts:
+                    share.publish.update(fill_blocks(checked.tensors, layouts, views, share.segments[0], layout,
+                                                     source.weights, label=share.name))
+        finally:
+            if store_pin is not None:  # never left running: a failure's cleanup unpins the store
+                with timed_step(steps, "register_store_wait"):
+                    error = store_pin.join()
+                share.publish["register_store_s"] = store_pin.seconds
+                if error is not None:
+                    logger.warning("session %s: could not register the resident tensors' store with CUDA (%s); "
+                                   "they are copied to the device from pageable memory (correct, slower)",
+                                   share.namespace, error)
+        return model
 
     # ------------------------------------------------------------------------------------------ follower
     def _attach(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, deadline: _Deadline,
@@ -362,11 +424,7 @@ class SharedOffloadSession:
         if cfg.pinned_memory and torch.cuda.is_available() and sizes:
             # Registration runs behind the follower's return and first forward, block by block in schedule
             # order; each copy from a block waits for that block only (see flextensor.shm.background_pin).
-            index_of = {b.label: b.index for b in state.blocks}
-            order = [index_of[label] for label in state.schedule if label in index_of]
-            ranges = [PinRange(share.segments[0], offset, size) for offset, size in zip(layout.offsets, sizes)]
-            share.pinner = BackgroundPinner(ranges, order, device=device_index(device),
-                                            label=f"session {share.namespace}")
+            share.pinner = block_pinner(share.segments[0], state, layout, device, label=f"session {share.namespace}")
             gate = share.pinner.wait
         with timed_step(steps, "adopt"):
             proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False,
@@ -396,14 +454,17 @@ class SharedOffloadSession:
             share.released = True
         if share.pinner is not None:  # no registration may race the unpin and unmap below
             share.pinner.close()
+        share.block_views = []
+        # Unregistering what this process pinned takes the driver seconds for a large model; it runs on the
+        # release thread, which unmaps each segment after its last range (flextensor.shm.background_release).
         while share.segments:
             segment = share.segments[-1]
-            segment.close()  # unpins before unmapping
+            segment.close(background=True)
             share.segments.pop()
         if share.store is not None:
-            share.store.close()
+            share.store.close(background=True)
             share.store = None
-        share.coordinator.close()
+        share.coordinator.close()  # the names go now (last participant); the pages when the last mapping does
         self._shares.pop(share.name, None)
         self._unreserve(share.name)
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from flextensor.attach_prefetch import FollowerPrefetch
-from flextensor.shm.background_pin import BackgroundPinner
+from flextensor.shm.background_pin import BackgroundPinner, PinRange
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.ftd_client import register_participant
 from flextensor.shm.names import lock_directory
@@ -25,7 +25,8 @@ from flextensor.shm.tensor_store import SharedTensorStore
 from flextensor.state import TensorManagerState, model_tensors
 
 __all__ = ["ManagerShare", "PLAN_KIND", "timed_step", "run_factory_while_attaching", "read_published_plan",
-           "check_offloaded_metadata", "privatize_shared_views", "device_index", "register_with_daemon"]
+           "check_offloaded_metadata", "privatize_shared_views", "block_pinner", "device_index",
+           "register_with_daemon"]
 
 #: Kind of the blob that carries the published plan (``/{ns}.g{gen}.p``).
 PLAN_KIND = "p"
@@ -86,8 +87,10 @@ class ManagerShare:
     ready_s: float = 0.0
     wait_s: float = 0.0
     shared_bytes: int = 0
-    pinner: BackgroundPinner | None = None  # a follower's background registration of its block mappings
-    steps: dict[str, float] = field(default_factory=dict)  # seconds per follower step (see _attach)
+    pinner: BackgroundPinner | None = None  # background registration of this process's block mappings
+    steps: dict[str, float] = field(default_factory=dict)  # seconds per step (see _attach and _publish)
+    block_views: list[Any] = field(default_factory=list)  # a creator's views of the arena, handed to the engine
+    publish: dict[str, float] = field(default_factory=dict)  # a creator's publish: rate, waits, registration
 
     def take_from(self, prefetch: FollowerPrefetch) -> None:
         """Own what a follower's attach thread opened (store, arena), so the session's cleanup closes it, and
@@ -101,9 +104,11 @@ class ManagerShare:
         report = {
             "manager": self.name, "namespace": self.namespace, "role": self.role, "generation": self.generation,
             "ready_s": self.ready_s, "wait_s": self.wait_s, "shared_bytes": self.shared_bytes,
-            # a CUDA follower's background registration so far (a creator pins inside its publish: not reported)
+            # the background registration of this process's block mappings so far (CUDA)
             "register_s": pinner.elapsed_s if pinner is not None else 0.0, "steps": dict(self.steps),
         }
+        if self.publish:
+            report["publish"] = dict(self.publish)
         if pinner is not None:  # registration runs in the background: is it finished, how long did copies wait
             report.update(registered=pinner.pinned_blocks == pinner.block_count, register_wait_s=pinner.waited_s)
         return report
@@ -135,6 +140,16 @@ def privatize_shared_views(model: nn.Module, store: SharedTensorStore) -> None:
         for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
             if name in shared and tensor.device.type == "cpu":
                 tensor.data = tensor.data.clone()
+
+
+def block_pinner(arena: Any, state: TensorManagerState, layout: Any, device: torch.device, *,
+                 label: str) -> BackgroundPinner:
+    """The background registration of this process's mapping of the arena (``layout``), block by block in
+    ``state``'s schedule order (see ``flextensor.shm.background_pin``); the caller starts it after adopting."""
+    index_of = {b.label: b.index for b in state.blocks}
+    order = [index_of[label] for label in state.schedule if label in index_of]
+    ranges = [PinRange(arena, offset, size) for offset, size in zip(layout.offsets, layout.sizes)]
+    return BackgroundPinner(ranges, order, device=device_index(device), label=label)
 
 
 def device_index(device: torch.device) -> int | None:

@@ -26,7 +26,9 @@ when the last view is garbage collected.
 
 Pinning (``pin``/``unpin``) registers the whole mapping, or page-aligned ranges of it one by one (the blocks of
 a host-block arena, ``blocks.py``), with ``cudaHostRegister`` (see ``pinning.py``); ranges never overlap, since
-the driver refuses to register a page twice. ``close`` always unregisters everything before it tries to unmap.
+the driver refuses to register a page twice. ``close`` always unregisters everything before it tries to unmap;
+``close(background=True)`` does both on a thread of its own (``background_release.py``), so the caller does not
+wait for the driver.
 """
 
 from __future__ import annotations
@@ -474,27 +476,40 @@ class SharedSegment:
     def unpin(self) -> None:
         """Undo every :meth:`pin`.  Idempotent; a no-op on a segment that was never pinned.  A range the
         driver fails to unregister is forgotten anyway (the unmap releases it) and the first error raised."""
-        if not self._pinned:
-            return
-        base = self.address
         error: RuntimeError | None = None
         while self._pinned:
-            offset, _nbytes = self._pinned.popitem()
             try:
-                host_unregister(base + offset)
+                self.unpin_one()
             except RuntimeError as exc:
                 error = error or exc
         if error is not None:
             raise error
 
+    def unpin_one(self) -> bool:
+        """Undo the most recent :meth:`pin` still in place (one driver call); False when nothing is pinned.
+
+        A range the driver fails to unregister is forgotten anyway (the unmap releases it): ``RuntimeError``."""
+        if not self._pinned:
+            return False
+        offset, _nbytes = self._pinned.popitem()
+        host_unregister(self.address + offset)
+        return True
+
     # ------------------------------------------------------------------ teardown
-    def close(self) -> None:
+    def close(self, *, background: bool = False) -> None:
         """Unpin, then unmap.  Idempotent; never raises because views are alive.
 
         If tensors (or memoryviews) still view the mapping, it cannot be unmapped now; this handle drops its
-        reference and the mapping is unmapped when the last view is collected.
+        reference and the mapping is unmapped when the last view is collected. ``background=True`` hands a
+        pinned segment to the release thread (``background_release.py``: unregistered range by range, then
+        unmapped) and returns at once; the caller must not use the segment afterwards.
         """
         if self._mmap is None:
+            return
+        if background and self._pinned:
+            from .background_release import release_in_background
+
+            release_in_background(self)
             return
         try:
             self.unpin()

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from flextensor.shm.errors import ShmProtocolError
+from flextensor.shm.populate_ahead import PopulateAhead
 from flextensor.shm.sizes import align_up
 from flextensor.shm.manifest import (
     MANIFEST_PROTOCOL,
@@ -87,8 +88,10 @@ def _torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, name)
 
 
-def _plan_records(model: Any, names: Iterable[str] | None) -> tuple[list[TensorRecord], list[Any], int]:
-    """Group tied names, lay tensors out contiguously (aligned) and return records, sources and total size."""
+def _plan_records(model: Any, names: Iterable[str] | None, *, allow_meta: bool = False
+                  ) -> tuple[list[TensorRecord], list[Any], int]:
+    """Group tied names, lay tensors out contiguously (aligned) and return records, sources and total size.
+    ``allow_meta``: a tensor on ``meta`` is laid out too (its bytes come from elsewhere)."""
     registrations = model_registrations(model)
     wanted = set(registrations) if names is None else set(names)
     unknown = sorted(wanted - set(registrations))
@@ -106,7 +109,7 @@ def _plan_records(model: Any, names: Iterable[str] | None) -> tuple[list[TensorR
     for group in groups.values():
         first = registrations[group[0]]
         tensor = first.tensor
-        if tensor.device.type == "meta":
+        if tensor.device.type == "meta" and not allow_meta:
             raise ValueError(f"cannot publish {group[0]!r}: it is on the meta device (it holds no values)")
         kinds = {registrations[n].kind for n in group}
         if len(kinds) != 1:
@@ -166,17 +169,41 @@ class SharedTensorStore:
         names: Iterable[str] | None = None,
         shm_owner: "ShmOwner | None" = None,
         lease_seconds: float = 30.0,
+        fill: "Callable[[TensorRecord, torch.Tensor, torch.Tensor], None] | None" = None,
+        window: int = 0,
     ) -> "SharedTensorStore":
-        """Copy ``model``'s selected parameters and buffers (all when ``names`` is None) into shared memory."""
+        """Copy ``model``'s selected parameters and buffers (all when ``names`` is None) into shared memory.
+
+        ``fill(record, view, source)``, when given, writes each record's bytes into its ``view`` instead of
+        ``view.copy_(source)`` (a source may then be on ``meta``: the fill supplies its bytes, e.g. from a
+        checkpoint; the fill may also point the model at the view). A segment the owner prepared without its
+        pages (``prepare_segments(..., reserve=False)``) gets them record by record, allocated on a thread up to
+        ``window`` bytes ahead of the copy (``populate_ahead.py``; 0: each just before its copy)."""
         owner, coordinator = _resolve_owner(namespace, shm_owner, lease_seconds, creating=True)
         segment = None
         try:
-            records, sources, total = _plan_records(model, names)
+            records, sources, total = _plan_records(model, names, allow_meta=fill is not None)
             segment = owner.create_segment(DATA_KIND, total)
             segment.check_intact()
-            for record, source in zip(records, sources):
-                view = segment.tensor(_torch_dtype(record.dtype), record.shape, record.stride, record.byte_offset)
-                view.copy_(source.detach())
+            populate = None
+            if not segment.reserved:
+                populate = PopulateAhead(segment, [(r.byte_offset, r.nbytes) for r in records],
+                                         window=max(1, window)).start()
+            try:
+                for index, (record, source) in enumerate(zip(records, sources)):
+                    if populate is not None:
+                        populate.wait(index)
+                    view = segment.tensor(_torch_dtype(record.dtype), record.shape, record.stride,
+                                          record.byte_offset)
+                    if fill is None:
+                        view.copy_(source.detach())
+                    else:
+                        fill(record, view, source)
+                    if populate is not None:
+                        populate.done(index)
+            finally:
+                if populate is not None:
+                    populate.close()
             manifest = StoreManifest(
                 protocol=MANIFEST_PROTOCOL,
                 library_version=_library_version(),
@@ -302,7 +329,8 @@ class SharedTensorStore:
         _spans, low, high = self._record_spans()
         return torch.empty(high - low, dtype=torch.uint8, device=torch.device(device))
 
-    def copies_on(self, device: Any, *, buffer: "torch.Tensor | None" = None) -> dict[str, "torch.Tensor"]:
+    def copies_on(self, device: Any, *, buffer: "torch.Tensor | None" = None,
+                  fill: "Callable[[torch.Tensor, torch.Tensor], None] | None" = None) -> dict[str, "torch.Tensor"]:
         """Every published record copied to ``device``, by record name: made ahead (e.g. on a thread while the
         model is built) and handed to :meth:`materialize`.
 
@@ -312,7 +340,9 @@ class SharedTensorStore:
         running beside the attach thread holds most of the time. The records share that one device allocation,
         so it is freed only when none of them is referenced any more. ``buffer`` (from :meth:`device_buffer`)
         is filled instead of allocating: the attach thread allocates it before it warms PyTorch's cache with
-        the loader's device blocks, so that this allocation cannot be carved out of one of them.
+        the loader's device blocks, so that this allocation cannot be carved out of one of them. ``fill(dst,
+        src)`` makes the one copy instead of ``dst.copy_(src)`` (a follower's staged copy through pinned memory,
+        ``flextensor.runtime.staged_copy``); it returns once ``dst`` holds the bytes on the caller's stream.
         """
         import torch
 
@@ -322,13 +352,19 @@ class SharedTensorStore:
         if not spans:
             return {}
         host = self._segment.tensor(torch.uint8, (high - low,), offset=low)
-        if buffer is None:
+        if buffer is None and fill is None:
             whole = host.to(device, copy=True)
         else:
+            if buffer is None:
+                buffer = self.device_buffer(device)
             if buffer.dtype != torch.uint8 or tuple(buffer.shape) != (high - low,) or buffer.device.type != device.type:
                 raise ValueError(f"copies_on: the buffer must be device_buffer({device}) of this store "
                                  f"({high - low} bytes), got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
-            whole = buffer.copy_(host)
+            if fill is None:
+                whole = buffer.copy_(host)
+            else:
+                fill(buffer, host)
+                whole = buffer
         copies = {}
         for record, start, nbytes in spans:
             itemsize = DTYPE_SIZES[record.dtype]
@@ -383,17 +419,31 @@ class SharedTensorStore:
                             and list(reg.tensor.shape) == record.shape:
                         reg.tensor.data = view
 
+    # ------------------------------------------------------------------------------------------- pinning
+    def pin(self) -> None:
+        """Register this handle's mapping of the data segment with CUDA (read-only: the device only reads it),
+        so copies of the records to a device run at full speed (``SharedSegment.pin``; ``RuntimeError`` when
+        the driver refuses). Undone by :meth:`close`."""
+        self._check_open()
+        self._segment.pin(read_only=True)
+
+    @property
+    def pinned(self) -> bool:
+        return not self._closed and self._segment.pinned
+
     # ------------------------------------------------------------------------------------------- lifetime
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("SharedTensorStore is closed")
 
-    def close(self) -> None:
-        """Drop this handle's mapping (views handed out stay valid until they die) and its own coordinator."""
+    def close(self, *, background: bool = False) -> None:
+        """Drop this handle's mapping (views handed out stay valid until they die) and its own coordinator.
+        ``background=True``: a pinned mapping is unregistered and unmapped on the release thread
+        (``SharedSegment.close``)."""
         if self._closed:
             return
         self._closed = True
-        self._segment.close()
+        self._segment.close(background=background)
         if self._own_coordinator is not None:
             self._own_coordinator.close()
 

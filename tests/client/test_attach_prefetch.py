@@ -385,3 +385,26 @@ def test_follower_prefetch_accepts_either_role_alone():
     for kwargs in ({"elect": _elect}, {"owner": object(), "state": object()}):
         prefetch = FollowerPrefetch("ns", torch.device("cpu"), num_blocks=2, min_blocks=1, **kwargs)
         assert prefetch.error is None and prefetch.state is kwargs.get("state")
+
+
+@pytest.mark.cuda
+def test_a_cuda_follower_hands_its_registered_blocks_to_the_release_thread_on_close(namespace: str, profile: str,
+                                                                                     creator):
+    """close() leaves the generation at once; the release thread unregisters the follower's blocks and unmaps
+    them afterwards (flextensor.shm.background_release); the resident tensors came through the pinned ring."""
+    import flextensor.shm.background_release as release_mod
+
+    config = ft.OffloadConfig(pinned_memory=True, num_blocks=2, min_blocks=2)
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    model = session.offload_from_profile(profile, config=config, name="model",
+                                         creator_model_factory=_unused_creator_factory,
+                                         follower_model_factory=_meta_model)
+    with torch.no_grad():
+        assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
+    report = session.report()[0]
+    assert report["registered"] is True and "prefetch_resident" in report["steps"]
+    session.close()
+    assert release_mod.wait_released(timeout=60)
+    del model
+    gc.collect()
+    assert _mapped(namespace) == []

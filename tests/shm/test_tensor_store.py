@@ -133,6 +133,54 @@ def test_copies_are_one_transfer_viewed_per_record_with_the_records_strides(ns: 
         store.close()
 
 
+def test_a_fill_supplies_the_bytes_and_a_segment_without_pages_gets_them_record_by_record(ns: str) -> None:
+    """What a creator does: the store's segment is made ahead without its pages (a model in RAM is freed into it),
+    each record's bytes come from ``fill`` (here: from a second model, for a source on meta) and the pages are
+    allocated record by record on a thread; the bytes read back are the model's."""
+    source = _model()
+    meta = _model(device="meta")
+    registrations = dict(source.named_parameters(remove_duplicate=False)) | dict(source.named_buffers())
+    filled: list[str] = []
+
+    def fill(record, view, tensor) -> None:
+        assert tensor.is_meta  # the sources are meta: allowed because a fill supplies the bytes
+        view.copy_(registrations[record.name].detach())
+        filled.append(record.name)
+
+    unique = {id(t): t for t in [*source.parameters(), *source.buffers()]}.values()
+    total = sum(-(-t.numel() * t.element_size() // 256) * 256 for t in unique)  # each record 256-byte aligned
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        owner = creator.memory_owner
+        owner.prepare_segments({"sd": total}, reserve=False)
+        store = SharedTensorStore.create_from_model(ns, meta, shm_owner=owner, fill=fill, window=1 << 20)
+        assert store.nbytes == total and sorted(filled) == sorted(r.name for r in store.records)
+        for name, value in source.state_dict().items():
+            assert torch.equal(store.tensors()[name], value), name
+        with pytest.raises(ValueError, match="on the meta device"):
+            SharedTensorStore.create_from_model(ns, meta, shm_owner=owner)  # without a fill, meta has no bytes
+        store.close()
+
+
+def test_copies_on_hands_the_one_copy_to_a_fill(ns: str) -> None:
+    source = _model()
+    calls = []
+
+    def fill(dst: torch.Tensor, src: torch.Tensor) -> None:
+        calls.append((dst.numel(), src.numel()))
+        dst.copy_(src)
+
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        store = SharedTensorStore.create_from_model(ns, source, shm_owner=creator.memory_owner)
+        copies = store.copies_on("cpu", fill=fill)  # no buffer given: one is allocated for the fill
+        assert len(calls) == 1 and calls[0][0] == calls[0][1]
+        hosts = {r.name: store.tensor(r) for r in store.records}  # copies are by record name (no aliases)
+        assert set(copies) == set(hosts)
+        for name, value in hosts.items():
+            assert torch.equal(copies[name], value), name
+        del copies, hosts
+        store.close()
+
+
 def test_attach_from_another_process_sees_identical_bytes(ns: str) -> None:
     source = _model(seed=3)
     expected = {k: v.double().sum().item() for k, v in source.state_dict().items()}

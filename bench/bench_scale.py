@@ -1,0 +1,704 @@
+"""Benchmark of how flextensor's costs grow with the model: ``--sizes`` GiB (default 6, 24 and 48) on one host.
+
+Why: bench_session measures one small model; costs that grow faster than the bytes (or run far below memory
+speed) only show at the sizes users run. Per size, in fresh processes (the parent holds no weights and no device
+context), with the bench_session set-up (``models.BenchTransformer``, every ``DecoderBlock`` a trap) and
+``max_gpu_mem_fraction`` (default 0.05, so a large model keeps part of itself resident and streams the rest):
+
+1. **Fresh profile**, one process, as a user makes one: the model built on the device from a seed, a resident
+   reference output, the weights moved to host memory (as a checkpoint loaded on the CPU gives them), then
+   ``ft.offload()`` (timed) and the ``iters_before_inference`` passes (each timed,
+   synchronized; the last one includes the switch to INFERENCE), ``ft.save_profile``. The phase's overhead beyond
+   its passes is ``offload()`` plus the passes' sum minus as many median passes; a cProfile of that process's
+   ``offload()`` and passes is written beside the results (``cprofile-setup-<GiB>.txt``) to show where it goes.
+2. **A sharing group** of ``--workers`` (default 4) processes on that profile, as bench_session runs them: the
+   creator (its factory rebuilds the same model in host RAM: built on the device from the seed, then moved to
+   the host; the factory is not part of the publish) publishes; then the followers start together, after READY,
+   so their whole time to ready is after READY; each runs one forward (checked against the reference), then all
+   ``close()`` at once and exit right after; then one more follower joins alone (the same measures without
+   contention), closes and exits; the creator closes last. Once every process is gone, ``/dev/shm`` must hold
+   nothing of the namespace.
+
+Reported per size, each cost also per GiB of the model, so growth faster than the bytes shows as a per-GiB
+column that rises with the size: ``offload()``, the passes, the overhead, the creator's publish (and its rate),
+a follower's time to ready and its resident copy (bytes, rate), its first forward and background registration,
+``close()`` and the exit after it, leftovers. A tmpfs section measures, once, how fast this host allocates
+shared-memory pages (the bound of publishing a model built in RAM) against a plain copy.
+
+Robustness: each size runs on its own; a failing size is reported (its error, and what it measured before) and
+the next still runs. Raw results are written after every size (``bench_scale.partial.json`` in the results
+directory, ``$OUT`` under ``scripts/gpu-suite.sh``), the Markdown body too (``bench_scale.md``); the full report at
+the end goes to ``bench_scale.json`` and, for a GPU run without ``--no-docs``, into docs/benchmarks.md.
+``--docs-from FILE`` puts a saved ``bench_scale.md`` into docs/benchmarks.md (a run on another machine).
+
+Run: ``scripts/gpu-suite.sh bench bench_scale --sizes 6 24 48`` (H200 host, about 5 minutes), or
+``python bench/bench_scale.py --quick`` (CPU, small sizes: checks the paths, not the speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS_DIR, docs_body, gib, median, report, table, write_docs_section  # noqa: E402
+
+MANAGER = "scale"
+GIB = 1 << 30
+GOAL_FOLLOWER_READY_S = 0.3
+GOAL_PUBLISH_GBPS = 16.0
+GOAL_CLOSE_S = 0.5
+GOAL_SIZE_GIB = 24
+
+
+@dataclass
+class Params:
+    """Everything a worker needs, passed as one JSON argument."""
+
+    spec: dict
+    device: str
+    dtype: str
+    profile_dir: str
+    reference: str
+    batch: int
+    seq: int
+    fraction: float | None
+    discovery: bool
+    profiling_iters: int
+    gib: float
+    namespace: str = ""
+    wait_timeout: float = 300.0
+    cprofile: bool = True
+
+
+# ================================================================================================================
+# Worker side (``bench_scale.py --worker MODE PARAMS_JSON``)
+# ================================================================================================================
+
+
+def _torch_env(p: Params):
+    import torch
+
+    from models import ModelSpec, build_meta_model
+
+    device = torch.device(p.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.empty(1, device=device)  # the CUDA context, outside every timed region
+    spec = ModelSpec(**p.spec)
+    dtype = getattr(torch, p.dtype)
+    build_meta_model(ModelSpec(hidden=spec.head_dim, layers=1, vocab=16, head_dim=spec.head_dim), dtype)
+    return torch, device, dtype, spec
+
+
+def _sync(torch, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _config(p: Params, device):
+    import flextensor as ft
+
+    from models import BLOCK_PATTERN
+
+    return ft.OffloadConfig(include_patterns=[BLOCK_PATTERN], pinned_memory=device.type == "cuda",
+                            skip_discovery=not p.discovery, profiling_iters=p.profiling_iters,
+                            max_gpu_mem_fraction=p.fraction if device.type == "cuda" else None)
+
+
+def _max_diff(p: Params, out) -> float:
+    from safetensors.torch import load_file
+
+    return float((out.float().cpu() - load_file(p.reference)["out"]).abs().max())
+
+
+def _top_functions(profiler, path: str, count: int = 12) -> list[list]:
+    """The profile by cumulative time into ``path``; the top ``count`` entries as [function, calls, cum s, own s]."""
+    import io
+    import pstats
+
+    out = io.StringIO()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
+    entries = stats.stats.items()  # type: ignore[attr-defined]
+    ours = sorted((kv for kv in entries if f"{os.sep}flextensor{os.sep}" in kv[0][0]), key=lambda kv: kv[1][3],
+                  reverse=True)[:count]  # flextensor's functions by cumulative time
+    own = sorted(entries, key=lambda kv: kv[1][2], reverse=True)[:count // 2]  # anything by its own time
+    rows = dict([*ours, *own])  # keyed by function: one row each, in that order
+    return [[f"{os.path.basename(k[0])}:{k[1]}({k[2]})", v[1], round(v[3], 3), round(v[2], 3)]
+            for k, v in rows.items()]
+
+
+def worker_setup(p: Params) -> dict:
+    """Build, reference, fresh profile (timed), save the profile; report the plan's sizes."""
+    torch, device, dtype, spec = _torch_env(p)
+    import flextensor as ft
+    from safetensors.torch import save_file
+
+    from models import build_model, make_tokens
+
+    start = time.perf_counter()
+    model = build_model(spec, device, dtype, seed=0)
+    tokens = make_tokens(spec, p.batch, p.seq, device)
+    with torch.no_grad():
+        save_file({"out": model(tokens).float().cpu()}, p.reference)
+    model.to("cpu")  # the weights come from host memory, as from a checkpoint loaded on the CPU
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    info: dict = {"build_s": time.perf_counter() - start}
+    profiler = None
+    if p.cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    start = time.perf_counter()
+    proxy = ft.offload(model, config=_config(p, device), name=MANAGER)
+    _sync(torch, device)
+    info["offload_s"] = time.perf_counter() - start
+    manager = ft.get_offload_manager(MANAGER)
+    passes = []
+    with torch.no_grad():
+        for _ in range(manager.iters_before_inference):
+            begin = time.perf_counter()
+            proxy(tokens)
+            _sync(torch, device)
+            passes.append(time.perf_counter() - begin)
+    if profiler is not None:
+        profiler.disable()
+        info["cprofile_top"] = _top_functions(profiler, str(RESULTS_DIR / f"cprofile-setup-{p.gib:g}.txt"))
+    info["passes_s"] = passes
+    start = time.perf_counter()
+    manager.wait_for_host_blocks()
+    info["host_blocks_wait_s"] = time.perf_counter() - start
+    with torch.no_grad():
+        begin = time.perf_counter()
+        out = proxy(tokens)
+        _sync(torch, device)
+        info["first_inference_s"] = time.perf_counter() - begin
+    info["max_abs_diff"] = _max_diff(p, out)
+    ft.save_profile(p.profile_dir, name=MANAGER)
+    ft.release(MANAGER, preserve_model=False)
+    from flextensor.profiles import read_profile
+
+    state = read_profile(p.profile_dir)
+    info.update(
+        tensors=len(state.tensors), blocks=len(state.blocks), strategy=state.strategy,
+        resident_bytes=sum(t.nbytes for t in state.tensors if not t.offloaded),
+        streamed_bytes=sum(t.nbytes for t in state.tensors if t.offloaded),
+    )
+    return info
+
+
+def worker_session(p: Params):
+    """Join the sharing group: creator (factory: the model in host RAM) or follower (meta model)."""
+    torch, device, dtype, spec = _torch_env(p)
+    import flextensor as ft
+
+    from models import build_meta_model, build_model, make_tokens
+
+    ft.SharedOffloadSession, ft.OffloadConfig  # resolve the lazy imports before the clock starts
+    print(json.dumps({"stage": "loaded"}), flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("parent went away before 'go'")
+    info: dict = {"role": "follower", "factory_s": 0.0}
+
+    def creator_factory():
+        info["role"] = "creator"
+        begin = time.perf_counter()
+        model = build_model(spec, device, dtype, seed=0).to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        info["factory_s"] = time.perf_counter() - begin
+        return model
+
+    config = _config(p, device)
+    session = ft.SharedOffloadSession(p.namespace, wait_timeout=p.wait_timeout)
+    start = time.perf_counter()
+    proxy = session.offload_from_profile(p.profile_dir, config=config, name=MANAGER,
+                                         creator_model_factory=creator_factory,
+                                         follower_model_factory=lambda: build_meta_model(spec, dtype))
+    returned = time.perf_counter()
+    idle = device.type != "cuda" or torch.cuda.current_stream(device).query()
+    _sync(torch, device)
+    synced = time.perf_counter()
+    info.update(ready_s=(returned if idle else synced) - start, ready_synced_s=synced - start,
+                device_idle_at_return=idle)
+    info["publish_s"] = info["ready_s"] - info["factory_s"] if info["role"] == "creator" else None
+    tokens = make_tokens(spec, p.batch, p.seq, device)
+    begin = time.perf_counter()
+    with torch.no_grad():
+        out = proxy(tokens)
+    _sync(torch, device)
+    info["first_forward_s"] = time.perf_counter() - begin
+    info["max_abs_diff"] = _max_diff(p, out)
+    share = session.report()[0]
+    info.update(wait_s=share["wait_s"], register_s=share["register_s"], registered=share.get("registered"),
+                register_wait_s=share.get("register_wait_s"), shared_bytes=share["shared_bytes"],
+                steps=share["steps"], publish=share.get("publish"))
+    return info, session
+
+
+def worker_main(mode: str, raw: str) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[{mode} {os.getpid()}] %(asctime)s %(name)s: %(message)s")
+    p = Params(**json.loads(raw))
+    session = None
+    try:
+        if mode == "setup":
+            print(json.dumps(worker_setup(p)), flush=True)
+            return
+        info, session = worker_session(p)
+        print(json.dumps(info), flush=True)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which records the size as failed
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        traceback.print_exc()
+        if session is not None:
+            session.close()
+        raise SystemExit(3)
+    if sys.stdin.readline().strip() == "close":
+        begin = time.perf_counter()
+        session.close()
+        print(json.dumps({"close_s": time.perf_counter() - begin}), flush=True)
+    else:
+        session.close()
+    # The process exits now, as a worker that shuts down right after close() would.
+
+
+# ================================================================================================================
+# Parent side
+# ================================================================================================================
+
+
+class Worker:
+    """One child process speaking the JSON-line protocol above."""
+
+    def __init__(self, mode: str, params: Params) -> None:
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, json.dumps(asdict(params))]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.mode = mode
+
+    def read(self, timeout: float) -> dict:
+        """The next JSON line within ``timeout`` s; RuntimeError when the worker failed, went quiet or exited."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            if not ready:
+                raise RuntimeError(f"{self.mode} worker {self.proc.pid} sent nothing within {timeout:.0f} s")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.mode} worker {self.proc.pid} exited (rc={self.proc.wait()}) without a "
+                                   "report")
+            if line.startswith("{"):
+                data = json.loads(line)
+                if "error" in data:
+                    raise RuntimeError(f"{self.mode} worker {self.proc.pid} failed: {data['error']}")
+                return data
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def exit_s(self, timeout: float) -> float:
+        """Seconds until the process exited (it was told to close); killed after ``timeout``."""
+        begin = time.monotonic()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"{self.mode} worker {self.proc.pid} did not exit within {timeout:.0f} s of close()")
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"{self.mode} worker {self.proc.pid} exited with {self.proc.returncode}")
+        return time.monotonic() - begin
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def start_together(workers: list[Worker], timeout: float) -> list[dict]:
+    for w in workers:
+        if w.read(timeout).get("stage") != "loaded":
+            raise RuntimeError(f"worker {w.proc.pid} did not report its imports")
+    for w in workers:
+        w.send("go")
+    return [w.read(timeout) for w in workers]
+
+
+def close_together(workers: list[Worker], timeout: float) -> list[tuple[float, float]]:
+    """Tell every worker to close at once; (close() seconds, seconds from its reply to the process's exit)."""
+    for w in workers:
+        w.send("close")
+    closes = [w.read(timeout)["close_s"] for w in workers]
+    return [(c, w.exit_s(timeout)) for c, w in zip(closes, workers)]
+
+
+def leftovers(namespace: str) -> list[str]:
+    from flextensor.shm.names import manager_namespace
+
+    ns = manager_namespace(namespace, MANAGER)
+    try:
+        return sorted(name for name in os.listdir("/dev/shm") if ns in name)
+    except FileNotFoundError:
+        return []
+
+
+def run_setup(params: Params, timeout: float) -> dict:
+    worker = Worker("setup", params)
+    try:
+        return worker.read(timeout)
+    finally:
+        try:
+            worker.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+
+
+def run_group(params: Params, workers: int, timeout: float, out: dict) -> None:
+    """Creator, followers together, closes, one follower alone, the creator's close; results into ``out``."""
+    params = Params(**{**asdict(params), "namespace": f"scale{uuid.uuid4().hex[:10]}"})
+    started: list[Worker] = []
+    try:
+        creator = Worker("session", params)
+        started.append(creator)
+        out["creator"] = start_together([creator], timeout)[0]
+        followers = [Worker("session", params) for _ in range(workers - 1)]
+        started += followers
+        out["followers"] = start_together(followers, timeout)
+        for report_, (close_s, exit_s) in zip(out["followers"], close_together(followers, timeout)):
+            report_.update(close_s=close_s, exit_s=exit_s)
+        alone = Worker("session", params)
+        started.append(alone)
+        out["alone"] = start_together([alone], timeout)[0]
+        (out["alone"]["close_s"], out["alone"]["exit_s"]), = close_together([alone], timeout)
+        (out["creator"]["close_s"], out["creator"]["exit_s"]), = close_together([creator], timeout)
+        out["leftovers"] = leftovers(params.namespace)
+    finally:
+        for w in started:
+            w.kill()
+        if any(w.proc.returncode not in (0, None) for w in started) or "leftovers" not in out:
+            _cleanup(params.namespace)
+
+
+def _cleanup(namespace: str) -> None:
+    import flextensor as ft
+
+    try:
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=[MANAGER], timeout=45.0)
+    except Exception as exc:  # noqa: BLE001 - reported, never hides the size's own error
+        print(f"cleanup_namespace({namespace!r}) failed: {exc}", file=sys.stderr, flush=True)
+
+
+def tmpfs_rates(nbytes: int) -> dict:
+    """How fast this host gets fresh /dev/shm pages (several ways) against plain copies, for ``nbytes``: GB/s."""
+    import ctypes
+    import mmap
+
+    import posix_ipc
+    import torch
+
+    from flextensor.shm.prefault import MADV_POPULATE_WRITE, _populate, populate_write
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    rates: dict = {"bytes": nbytes, "torch_threads": torch.get_num_threads()}
+
+    def fresh_segment() -> mmap.mmap:
+        name = f"/ftscale{uuid.uuid4().hex[:10]}"
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
+        mapping = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED)
+        shm.close_fd()
+        posix_ipc.unlink_shared_memory(name)  # the mapping keeps the pages until it is closed
+        return mapping
+
+    def copy_into(mapping: mmap.mmap) -> float:
+        dst = torch.frombuffer(mapping, dtype=torch.uint8)
+        begin = time.perf_counter()
+        dst.copy_(src)
+        seconds = time.perf_counter() - begin
+        del dst
+        return seconds
+
+    def one_thread(mapping: mmap.mmap) -> None:
+        anchor = ctypes.c_char.from_buffer(mapping)
+        address = ctypes.addressof(anchor)
+        del anchor
+        code = _populate(address, nbytes, MADV_POPULATE_WRITE)
+        if code:
+            raise OSError(code, os.strerror(code))
+
+    anon = torch.empty(nbytes, dtype=torch.uint8)
+    begin = time.perf_counter()
+    anon.copy_(src)
+    rates["copy into fresh anonymous memory"] = nbytes / (time.perf_counter() - begin) / 1e9
+    del anon
+    mapping = fresh_segment()
+    rates["copy into a fresh segment (the copy faults the pages)"] = nbytes / copy_into(mapping) / 1e9
+    mapping.close()
+    def threads(mapping: mmap.mmap) -> None:
+        if not populate_write(mapping, nbytes):
+            raise OSError("the kernel lacks MADV_POPULATE_WRITE")
+
+    for label, populate in (("allocate: MADV_POPULATE_WRITE from several threads", threads),
+                            ("allocate: MADV_POPULATE_WRITE, one thread", one_thread)):
+        mapping = fresh_segment()
+        try:
+            begin = time.perf_counter()
+            populate(mapping)
+            rates[label] = nbytes / (time.perf_counter() - begin) / 1e9
+            rates[f"copy into those pages ({label.split(': ')[1]})"] = nbytes / copy_into(mapping) / 1e9
+        except OSError as exc:
+            rates[label] = f"n/a ({exc})"
+        finally:
+            mapping.close()
+    return rates
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f} s"
+
+
+def _per_gib(seconds: float | None, size_gib: float) -> str:
+    return "-" if seconds is None else f"{seconds:.3f} s ({seconds / size_gib * 1e3:.0f} ms/GiB)"
+
+
+def _rate(nbytes: float, seconds: float | None) -> str:
+    return "-" if not seconds else f"{nbytes / seconds / 1e9:.2f} GB/s"
+
+
+def size_row_values(r: dict) -> dict[str, str]:
+    """One column of the costs table (see build_sections)."""
+    g, setup, group = r["gib"], r.get("setup") or {}, r.get("group") or {}
+    col: dict[str, str] = {}
+    passes = setup.get("passes_s") or []
+    if passes:
+        mid = median(passes)
+        col["ft.offload()"] = _per_gib(setup["offload_s"], g)
+        col["profile passes (sum)"] = f"{_per_gib(sum(passes), g)}; {len(passes)} passes, median {mid:.3f} s, last " \
+                                      f"{passes[-1]:.3f} s"
+        col["profile-phase overhead: offload() + passes - n x median pass"] = _per_gib(
+            setup["offload_s"] + sum(passes) - len(passes) * mid, g)
+    creator = group.get("creator")
+    if creator:
+        col["creator publish (ready - factory)"] = f"{_per_gib(creator['publish_s'], g)}, " \
+                                                   f"{_rate(creator['shared_bytes'], creator['publish_s'])}"
+        pub = creator.get("publish") or {}
+        steps = creator.get("steps", {})
+        col["of which: store / blocks / adopt / plan"] = " / ".join(
+            f"{steps.get(k, 0.0):.3f}" for k in ("store", "blocks", "adopt", "plan")) + " s"
+        col["of which: waiting for pages (populate thread's time)"] = \
+            f"{pub.get('populate_wait_s', 0.0):.3f} s ({pub.get('populate_s', 0.0):.3f} s)"
+        col["creator close() / exit after it"] = f"{_s(creator.get('close_s'))} / {_s(creator.get('exit_s'))}"
+    followers = group.get("followers") or []
+    resident = (r.get("setup") or {}).get("resident_bytes", 0)
+    for label, workers in (("followers together", followers), ("follower alone", [group["alone"]] if
+                                                                  group.get("alone") else [])):
+        if not workers:
+            continue
+        ready = [w["ready_s"] for w in workers]
+        copy = [w["steps"].get("prefetch_resident", 0.0) for w in workers]
+        col[f"{label}: ready after READY (median, max)"] = f"{median(ready):.3f} / {max(ready):.3f} s " \
+                                                          f"({median(ready) / g * 1e3:.0f} ms/GiB)"
+        col[f"{label}: resident copy ({gib(resident)}), median"] = f"{median(copy):.3f} s, " \
+                                                                   f"{_rate(resident, median(copy))}"
+        col[f"{label}: first forward (median)"] = _s(median([w["first_forward_s"] for w in workers]))
+        col[f"{label}: background registration (median)"] = _s(median([w["register_s"] for w in workers]))
+        col[f"{label}: close() max / exit after it max"] = \
+            f"{max(w['close_s'] for w in workers):.3f} / {max(w['exit_s'] for w in workers):.3f} s"
+    if "leftovers" in group:
+        col["/dev/shm entries left after every process exited"] = str(len(group["leftovers"]))
+    diffs = [w.get("max_abs_diff") for w in [creator, *followers, group.get("alone")] if w]
+    if diffs:
+        col["max |out - reference| (every worker)"] = f"{max(diffs):.3g}"
+    if r.get("error"):
+        col["error"] = r["error"]
+    return col
+
+
+def goal_rows(results: list[dict]) -> list[list[str]]:
+    r = next((x for x in results if abs(x["gib"] - GOAL_SIZE_GIB) < 1e-9 and x.get("group")), None)
+    if r is None:
+        return []
+    group = r["group"]
+    rows = []
+    followers = [*group.get("followers", []), *([group["alone"]] if group.get("alone") else [])]
+    if followers:
+        worst = max(w["ready_s"] for w in followers)
+        rows.append([f"follower ready after READY, {GOAL_SIZE_GIB} GiB (worst of {len(followers)})", f"{worst:.3f} s",
+                     f"<= {GOAL_FOLLOWER_READY_S} s", "met" if worst <= GOAL_FOLLOWER_READY_S else "MISSED"])
+        worst_close = max(w["close_s"] for w in followers)
+        rows.append([f"follower close(), {GOAL_SIZE_GIB} GiB (worst)", f"{worst_close:.3f} s", f"<= {GOAL_CLOSE_S} s",
+                     "met" if worst_close <= GOAL_CLOSE_S else "MISSED"])
+    creator = group.get("creator")
+    if creator:
+        gbps = creator["shared_bytes"] / max(creator["publish_s"], 1e-9) / 1e9
+        rows.append([f"creator publish, {GOAL_SIZE_GIB} GiB", f"{gbps:.1f} GB/s", f">= {GOAL_PUBLISH_GBPS} GB/s",
+                     "met" if gbps >= GOAL_PUBLISH_GBPS else "MISSED"])
+    if "leftovers" in group:
+        rows.append(["/dev/shm after every process closed and exited", f"{len(group['leftovers'])} entries", "0",
+                     "met" if not group["leftovers"] else "MISSED"])
+    return rows
+
+
+def build_sections(data: dict) -> list[tuple[str, str]]:
+    results = data["sizes"]
+    headers = ["measure"] + [f"{r['gib']:g} GiB" for r in results]
+    columns = [size_row_values(r) for r in results]
+    measures = list(dict.fromkeys(k for col in columns for k in col))
+    rows = [[m] + [col.get(m, "-") for col in columns] for m in measures]
+    model_rows = []
+    for r in results:
+        s = r.get("setup") or {}
+        model_rows.append([f"{r['gib']:g} GiB", f"hidden {r['spec']['hidden']}, {r['spec']['layers']} layers",
+                           gib(r["model_bytes"]), s.get("tensors", "-"), gib(s["resident_bytes"]) if s else "-",
+                           gib(s["streamed_bytes"]) if s else "-", s.get("blocks", "-"), s.get("strategy", "-")])
+    sections = [
+        ("Models", table(["size", "model", "weights", "tensors", "resident (plan)", "streamed", "host blocks",
+                          "strategy"], model_rows)),
+        (f"Costs per size (and per GiB), {data['workers']} workers, {data['dtype']} on {data['device']}, "
+         f"max_gpu_mem_fraction={data['fraction']}", table(headers, rows)),
+    ]
+    goals = goal_rows(results)
+    if goals:
+        sections.append(("Goals", table(["measure", "measured", "goal", "status"], goals)))
+    for r in results:
+        top = (r.get("setup") or {}).get("cprofile_top")
+        if top:
+            sections.append((f"Where the fresh profile's offload() and passes go, {r['gib']:g} GiB (cProfile: "
+                             "flextensor's functions by cumulative time, then any by own time; "
+                             f"cprofile-setup-{r['gib']:g}.txt has more)",
+                             table(["function", "calls", "cumulative", "own"],
+                                   [[f, n, f"{cum:.3f} s", f"{own:.3f} s"] for f, n, cum, own in top])))
+    rates = data.get("tmpfs")
+    if rates:
+        sections.append((f"Shared-memory pages on this host ({gib(rates['bytes'])}, {rates['torch_threads']} torch "
+                         "threads)", table(["way", "rate"], [[k, f"{v:.1f} GB/s" if isinstance(v, float) else v]
+                                                             for k, v in rates.items()
+                                                             if k not in ("bytes", "torch_threads")])))
+    return sections
+
+
+def save_partial(data: dict) -> None:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "bench_scale.partial.json").write_text(json.dumps(data, indent=2, default=str))
+    (RESULTS_DIR / "bench_scale.md").write_text(docs_body(build_sections(data)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def spec_for(gib_: float, hidden: int, vocab: int, dtype) -> "ModelSpec":  # noqa: F821
+    """The bench model closest to ``gib_`` GiB at this width: as many layers as fit beside embedding and head."""
+    from models import ModelSpec
+
+    probe = ModelSpec(hidden=hidden, layers=1, vocab=vocab)
+    layer = probe.block_bytes(dtype)
+    fixed = probe.total_bytes(dtype) - layer
+    return ModelSpec(hidden=hidden, layers=max(1, round((gib_ * GIB - fixed) / layer)), vocab=vocab)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=float, nargs="+", help="model sizes in GiB (default 6 24 48; --quick 0.25 0.5)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--hidden", type=int, help="model width (default 4096; --quick 512)")
+    p.add_argument("--vocab", type=int, help="vocabulary (default 32000; --quick 1024)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--fraction", type=float, default=0.05, help="max_gpu_mem_fraction of the profile and the workers")
+    p.add_argument("--profiling-iters", type=int, default=10)
+    p.add_argument("--no-discovery", action="store_true", help="skip the discovery pass (default: 1 + profiling)")
+    p.add_argument("--no-cprofile", action="store_true", help="no cProfile of the fresh profile's process")
+    p.add_argument("--tmpfs-gib", type=float, default=2.0, help="bytes for the /dev/shm page rates (0: skip)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any one worker may go quiet")
+    p.add_argument("--quick", action="store_true", help="small models on the CPU: checks the paths, not the speed")
+    p.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
+    p.add_argument("--docs-from", metavar="FILE", help="write a saved bench_scale.md into docs/benchmarks.md, exit")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.docs_from:
+        with open(args.docs_from) as f:
+            print(f"wrote {write_docs_section('bench_scale', f.read())} (section bench_scale)")
+        return
+    import torch  # the parent never initialises CUDA; it only asks whether there is a device
+
+    from models import default_dtype
+
+    gpu = not args.quick and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    dtype = default_dtype(device)
+    sizes = args.sizes or ([6, 24, 48] if gpu else [0.25, 0.5])
+    hidden = args.hidden or (4096 if gpu else 512)
+    vocab = args.vocab or (32000 if gpu else 1024)
+    data: dict = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "workers": args.workers,
+                  "fraction": args.fraction if gpu else None, "sizes": []}
+    if args.tmpfs_gib > 0:
+        try:
+            data["tmpfs"] = tmpfs_rates(int(args.tmpfs_gib * GIB))
+        except Exception as exc:  # noqa: BLE001 - a diagnostic only
+            data["tmpfs_error"] = f"{type(exc).__name__}: {exc}"
+        print(f"tmpfs rates: {data.get('tmpfs') or data.get('tmpfs_error')}", flush=True)
+    for size in sizes:
+        spec = spec_for(size, hidden, vocab, dtype)
+        r: dict = {"gib": size, "spec": spec.to_dict(), "model_bytes": spec.total_bytes(dtype)}
+        data["sizes"].append(r)
+        workdir = tempfile.mkdtemp(prefix=f"ftbench-scale-{size:g}-")
+        begin = time.monotonic()
+        try:
+            params = Params(spec=spec.to_dict(), device=str(device), dtype=data["dtype"],
+                            profile_dir=os.path.join(workdir, "profile"),
+                            reference=os.path.join(workdir, "reference.safetensors"), batch=1, seq=args.seq,
+                            fraction=data["fraction"], discovery=not args.no_discovery,
+                            profiling_iters=args.profiling_iters, gib=size, cprofile=not args.no_cprofile,
+                            wait_timeout=args.timeout)
+            print(f"[{size:g} GiB] set-up and fresh profile: {gib(r['model_bytes'])}, {spec.layers} layers", flush=True)
+            r["setup"] = run_setup(params, args.timeout)
+            shown = {k: v for k, v in r["setup"].items() if k != "cprofile_top"}
+            print(f"[{size:g} GiB] set-up done: {json.dumps(shown)}", flush=True)
+            r["group"] = {}
+            print(f"[{size:g} GiB] sharing group of {args.workers}", flush=True)
+            run_group(params, args.workers, args.timeout, r["group"])
+        except Exception as exc:  # noqa: BLE001 - this size failed; the next one still runs
+            r["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[{size:g} GiB] FAILED: {r['error']}", flush=True)
+            traceback.print_exc()
+        finally:
+            r["wall_s"] = time.monotonic() - begin
+            shutil.rmtree(workdir, ignore_errors=True)
+            save_partial(data)
+            print(f"[{size:g} GiB] done in {r['wall_s']:.0f} s; partial results in {RESULTS_DIR}", flush=True)
+    report("bench_scale", "Growth with the model size", build_sections(data), data,
+           docs=gpu and not args.no_docs)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2], sys.argv[3])
+    else:
+        main()

@@ -1,0 +1,215 @@
+"""A session creator's publish: the resident tensors into the store, the streamed ones into the arena, at memory
+speed, before the engine adopts the plan over the filled blocks.
+
+Why the session fills the blocks itself
+---------------------------------------
+The engine can fill host blocks from a model (a provider hands them out block by block), but then the way the
+pages come, the copy and the CUDA registration of the creator's own mapping all happen inside the engine's build,
+one after the other: on the H200 host a 24 GiB model published at 5.3 GB/s. Here the session fills the arena and
+the store itself and hands the engine the filled blocks (``host_blocks``, as a follower does), so:
+
+- the arena's pages are allocated on a thread ahead of the copy (:class:`~flextensor.shm.populate_ahead.PopulateAhead`)
+  when they could not be allocated ahead of time (a model built in RAM: see ``flextensor.creator_source``), and the
+  copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block;
+- the creator's mapping is registered with CUDA in the background after READY, block by block in schedule order,
+  exactly like a follower's (``flextensor.shm.background_pin``), instead of inside the publish;
+- the resident tensors are published from the host, before the engine moves them to the device, instead of being
+  copied back from the device afterwards.
+
+Memory: one copy plus a window
+------------------------------
+Each model tensor is pointed at its shared copy (its block view, or its store record) as soon as that copy is
+made, which frees the private copy; pages ahead of the copy are bounded by :func:`populate_window`. So a creator
+whose factory built the model in RAM holds about one copy of the weights plus the window, never two. A tensor
+on ``meta`` (a checkpoint creator) gets its bytes from ``weights``: a checkpoint tensor's read is queued into its
+place (``read_into``) and the queued reads run together, in file order, over several threads (:func:`read_queued`):
+the store's once it is laid out, the blocks' in batches of half a window while the thread allocates the pages of
+the next ones, so reading the checkpoint and allocating its pages overlap. Everything is read before the engine
+sees any of it.
+
+Order (see ``SharedOffloadSession._publish``)
+---------------------------------------------
+store (records copied or read, model pointed at them; on CUDA its mapping registered on a thread meanwhile, so
+the engine's move of the resident tensors to the device runs at pinned speed) -> arena, block by block in index
+order -> the engine adopts the plan (``host_blocks``; resident tensors to the device) -> plan, READY.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import msgspec
+import torch
+
+from flextensor.engine.hooks import assign_data
+from flextensor.runtime.heap import return_free_heap
+from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
+from flextensor.shm.blocks import ArenaLayout
+from flextensor.shm.manifest import DTYPE_SIZES
+from flextensor.shm.populate_ahead import PopulateAhead
+from flextensor.shm.sizes import align_up
+from flextensor.shm.tensor_store import ALIGNMENT, SharedTensorStore
+from flextensor.state import ModelTensor, TensorManagerState
+
+__all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "populate_window", "arena_plan", "store_bytes",
+           "publish_store", "fill_blocks", "read_queued", "BackgroundCall"]
+
+logger = logging.getLogger(__name__)
+
+#: The most bytes of pages allocated ahead of the copy (see :func:`populate_window`).
+POPULATE_AHEAD_BYTES = 1 << 30
+#: A smaller store is not registered with CUDA: moving its tensors to the device from pageable memory is cheaper.
+STORE_PIN_MIN_BYTES = 64 << 20
+
+
+def populate_window(total: int) -> int:
+    """Bytes of pages that may be allocated ahead of the copy into a segment of ``total`` bytes: 1/16 of it, at
+    most :data:`POPULATE_AHEAD_BYTES`. A block larger than that is allocated only when its copy starts: a model
+    of a few large blocks keeps its bound of one copy plus the block being filled."""
+    return max(1, min(POPULATE_AHEAD_BYTES, total // 16))
+
+
+def arena_plan(state: TensorManagerState, arena: str) -> TensorManagerState:
+    """``state`` with every host block naming the arena segment ``arena`` (what the published plan says)."""
+    blocks = [msgspec.structs.replace(b, name=arena) for b in state.blocks]
+    return msgspec.structs.replace(state, blocks=blocks)
+
+
+def store_bytes(state: TensorManagerState) -> int:
+    """The size of the store that publishes ``state``'s resident tensors (``SharedTensorStore`` lays each out
+    densely at a multiple of its alignment), so it can be made ahead of the copy."""
+    total = 0
+    for t in state.tensors:
+        if not t.offloaded:
+            numel = 1
+            for n in t.shape:
+                numel *= n
+            total = align_up(total + numel * DTYPE_SIZES.get(t.dtype, 1), ALIGNMENT)
+    return max(total, ALIGNMENT)
+
+
+def _weight(weights: Mapping[str, Any] | None, names: Sequence[str], dtype: torch.dtype,
+            shape: Sequence[int]) -> Any:
+    """The supplied weight of a meta tensor (under any of its names), checked against its dtype and shape."""
+    for key in names:
+        if weights is not None and key in weights:
+            value = weights[key]
+            if value.dtype != dtype or tuple(value.shape) != tuple(shape):
+                raise ValueError(f"weight {key!r} has dtype {value.dtype} shape {tuple(value.shape)}, but the model "
+                                 f"expects {dtype} {tuple(shape)}")
+            return value
+    raise ValueError(f"tensor {names[0]!r} is on the meta device and no weight for it was supplied; pass "
+                     "checkpoint= (or a creator factory that builds the model with its weights)")
+
+
+def _write(view: torch.Tensor, value: Any) -> None:
+    """Fill ``view`` from a tensor, or queue a checkpoint tensor's read into it (``read_into``)."""
+    read_into = getattr(value, "read_into", None)
+    if read_into is not None:
+        read_into(view)
+    else:
+        view.copy_(value)
+
+
+def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], owner: Any,
+                  weights: Mapping[str, Any] | None, *, window: int) -> SharedTensorStore:
+    """Publish ``names`` (the plan's resident tensors) into the store and point the model's host tensors at their
+    shared copies, record by record (a tensor on a device is copied and left there)."""
+
+    def fill(record: Any, view: torch.Tensor, source: torch.Tensor) -> None:
+        if source.is_meta:
+            _write(view, _weight(weights, record.all_names, source.dtype, source.shape))
+        else:
+            view.copy_(source.detach())
+            if source.device.type != "cpu":
+                return
+        assign_data(source, view)  # frees the private copy (its bytes, for a meta tensor, come at read_queued)
+
+    return SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
+                                               window=window)
+
+
+def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayout], blocks: Sequence[torch.Tensor],
+                arena: Any, layout: ArenaLayout, weights: Mapping[str, Any] | None, *, label: str) -> dict[str, float]:
+    """Copy every streamed tensor into its place in its block (``blocks``: views of ``arena`` laid out by
+    ``layout``), block by block in index order, pointing each model tensor at its place as soon as it is copied.
+    Pages not allocated yet come ahead of the copy on a thread. Returns seconds spent waiting for them and the
+    allocating thread's seconds."""
+    populate = None
+    window = populate_window(layout.total)
+    if not arena.reserved and layouts:
+        populate = PopulateAhead(arena, list(zip(layout.offsets, layout.sizes)), window=window).start()
+    progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
+    pending: list[int] = []  # blocks written, or with their reads queued, and not yet done
+    queued = 0  # bytes of checkpoint reads queued
+    try:
+        for position, (block_layout, block) in enumerate(zip(layouts, blocks)):
+            if populate is not None:
+                populate.wait(block_layout.index)
+            for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
+                entry = tensors[placement.name]
+                tensor = entry.tensor
+                if tensor.is_meta:  # the engine points it at the view once the read is done
+                    value = _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape)
+                    _write(view, value)
+                    queued += placement.nbytes if hasattr(value, "read_into") else 0
+                else:
+                    view.copy_(tensor.detach())
+                    assign_data(tensor, view)  # frees the private copy
+                progress.add(placement.nbytes)
+            pending.append(block_layout.index)
+            # Checkpoint reads run in batches of half a window, while the thread allocates the next pages.
+            if queued == 0 or queued >= window // 2 or position == len(layouts) - 1:
+                if queued:
+                    read_queued(weights)
+                    queued = 0
+                if populate is not None:
+                    for index in pending:
+                        populate.done(index)
+                    return_free_heap()  # the private copies just freed go back before more pages are taken
+                pending.clear()
+        progress.finish()
+    finally:
+        if populate is not None:
+            populate.close()
+    return {"populate_wait_s": populate.waited_s if populate else 0.0,
+            "populate_s": populate.populate_s if populate else 0.0}
+
+
+def read_queued(weights: Mapping[str, Any] | None) -> None:
+    """Run the checkpoint reads queued into the store and the blocks (all together, file order)."""
+    flush = getattr(weights, "flush", None)
+    if flush is not None:
+        flush()
+
+
+class BackgroundCall:
+    """One call on a thread of its own (``ft-publish-pin``); :meth:`join` returns its error, if any.
+
+    The creator registers the store's mapping this way while it fills the arena; on CUDA the thread makes the
+    caller's device current first."""
+
+    def __init__(self, call: Callable[[], None], *, device: int | None = None) -> None:
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._call, self._device = call, device
+        self._thread = threading.Thread(target=self._run, name="ft-publish-pin", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        try:
+            if self._device is not None:
+                torch.cuda.set_device(self._device)
+            self._call()
+        except BaseException as exc:  # noqa: BLE001 - returned by join()
+            self.error = exc
+        finally:
+            self.seconds = time.monotonic() - start
+
+    def join(self) -> BaseException | None:
+        self._thread.join()
+        return self.error
