@@ -311,12 +311,12 @@ def test_a_replan_streams_its_new_set_through_an_arena_sized_to_it():
 def test_cuda_arena_overlaps_without_syncs_and_stays_exact():
     """Unequal blocks through the arena on the side stream: exact after many passes (a copy overwriting a
     range still read would show here), and the steady pass waits little for copies."""
-    rows = (1024, 256, 768, 512, 1024, 256)  # rows of 64 float32: 64 KiB .. 256 KiB
+    rows = (262144, 65536, 196608, 131072, 262144, 65536)  # rows of 64 float32: 16 .. 64 MiB, copies of 0.3-1.3 ms
     params, layouts, hosts, values = _blocks(rows, pinned=True, device="cuda")
     timing = TimingCollector(use_cuda=True)
     loader = ArenaLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
                          schedule=list(range(len(rows))), num_blocks=2, timing=timing)
-    x = torch.randn(4096, 64, device="cuda")
+    x = torch.randn(256, 64, device="cuda")  # ~10 ms of compute per trap: each next copy can hide
     checks = []
     for pass_index in range(6):
         timing.begin_pass()

@@ -252,7 +252,7 @@ def test_cuda_graph_capture_refusals_name_the_fix():
 
     ft.offload(model, _graph_config(pinned_memory=False))
     _inference(model, ids)
-    with pytest.raises(RuntimeError, match="pinned host blocks"):
+    with pytest.raises(RuntimeError, match="needs pinned copy sources"):
         _capture(model, ids)
     ft.release()
 
