@@ -167,7 +167,7 @@ class FollowerPrefetch:
                     resident = self.store.device_buffer(self._device)
                     cached = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device)
                               for _ in range(self._slots)]
-                    del cached  # freed into PyTorch's cache, where the loader's same-sized allocations find them
+                    cached.clear()  # freed into PyTorch's cache, where the loader's same-sized allocations find them
                 slotted = time.monotonic()
                 self.timings["slots"] = slotted - blocks_done
                 # (PyTorch's stream pool is not made here: the loader takes its copy stream at its first copy.)
