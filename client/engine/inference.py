@@ -56,6 +56,14 @@ class InferenceHandler(PhaseHandler):
         if ctx.inference.deferred is not None:  # passes before the switch stream nothing: no timing, no replan
             return
         if capturing:  # no replan step: it reads events and may rebuild the loader (flextensor.runtime.loader)
+            replanning = ctx.inference.replan
+            if replanning.state == "in_progress" and not replanning.manual:
+                raise RuntimeError(
+                    f"manager {ctx.name!r}: a CUDA graph capture began while a strategy replan is in progress (it "
+                    "installs a new plan at a coming pass, and a captured graph would keep reading the old one); "
+                    "run eager passes until strategy_replan_status's state is 'done', or set the manager's "
+                    "allow_strategy_replan = False before the warm-up, then capture"
+                )
             if ctx.inference.loader is not None:
                 ctx.inference.loader.begin_pass(capturing=True)
             if ctx.timing is not None:

@@ -237,8 +237,9 @@ def test_cuda_graph_update_publishes_the_graphs_replayed_since_the_last_call():
 
 @pytest.mark.cuda
 def test_cuda_graph_capture_refusals_name_the_fix():
-    """Capture in PROFILING, with pageable host blocks, or while the host blocks are still being built: each
-    refused with a RuntimeError before anything is captured, and the model runs on afterwards."""
+    """Capture in PROFILING, while a replan is in progress, with pageable host blocks, or while the host blocks
+    are still being built: each refused with a RuntimeError before anything is captured, and the model runs on
+    afterwards."""
     model = tiny_transformer()
     ids = token_ids().to(DEVICE)
     ref = reference(model, ids)
@@ -248,6 +249,18 @@ def test_cuda_graph_capture_refusals_name_the_fix():
     manager = _inference(model, ids)
     with torch.no_grad():
         assert same(model(ids), ref)
+    assert ft.request_strategy_replan() > 0  # a replan installs a new plan at a coming pass: not capturable now
+    with pytest.raises(RuntimeError, match="strategy replan is in progress"):
+        _capture(model, ids)
+    with torch.no_grad():
+        for _ in range(20):
+            if ft.strategy_replan_status().state == "done":
+                break
+            model(ids)
+    assert ft.strategy_replan_status().state == "done"
+    graph, out = _capture(model, ids)
+    graph.replay()
+    assert same(out, ref)
     ft.release()
 
     ft.offload(model, _graph_config(pinned_memory=False))
