@@ -40,6 +40,7 @@ from flextensor.engine.hooks import RootForward, Trap
 from flextensor.engine.phase import Phase, PhaseHandler
 from flextensor.engine.profiling import clear_durations, resolve_windows
 from flextensor.engine import replan
+from flextensor.engine.replan import StrategyReplanStatus
 from flextensor.engine.teardown import teardown
 from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage
 from flextensor.patterns import PatternSet
@@ -49,7 +50,6 @@ from flextensor.runtime.host_memory import HostBlockProvider, make_provider
 from flextensor.runtime.loader import StreamingLoader
 from flextensor.runtime.timing import OffloadTimingReport
 from flextensor.state import TensorManagerState, model_tensors
-from flextensor.units import StrategyReplanStatus
 
 __all__ = ["OffloadManager", "Phase", "GPUMemoryUsage", "compute_device"]
 

@@ -25,16 +25,17 @@ Why this module exists: offload timing and strategy replanning have two halves.
    runs its trap's loader steps outside the graph and the unit's forward as a graph of its own (Note [engine
    steps outside compiled graphs] in ``flextensor.runtime.compile_guard``).
 
-2. *Strategy replanning* (``flextensor.engine.replan``): :class:`StrategyReplanStatus` is the snapshot that
-   ``OffloadManager.strategy_replan_status`` returns.
+2. *Strategy replanning* (``flextensor.engine.replan``): :class:`StrategyReplanStatus`, the snapshot that
+   ``OffloadManager.strategy_replan_status`` returns, is defined there and exported from here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+from flextensor.engine.replan import StrategyReplanState, StrategyReplanStatus
 
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.manager import OffloadManager
@@ -45,27 +46,6 @@ __all__ = [
     "offload_units",
     "resident_units",
 ]
-
-StrategyReplanState = Literal["idle", "in_progress", "done", "failed"]
-
-@dataclass(frozen=True)
-class StrategyReplanStatus:
-    """Passive snapshot of the strategy-replan state (reading it never arms or advances anything).
-
-    ``state``: ``"idle"`` before any replan, ``"in_progress"`` while one measures the caller's forwards and
-    plans, ``"done"`` once it finished (applied or the plan kept), ``"failed"`` when installing the new plan
-    raised (inference is unsafe then: release the model). ``can_request``: whether ``request_strategy_replan()``
-    would arm one now. ``applied``: ``None`` before and during a replan, then whether the streaming changed.
-    """
-
-    state: StrategyReplanState
-    can_request: bool
-    applied: bool | None
-
-    def __post_init__(self) -> None:
-        if self.state not in ("idle", "in_progress", "done", "failed"):
-            raise ValueError(f"StrategyReplanStatus.state must be 'idle', 'in_progress', 'done' or 'failed', "
-                             f"got {self.state!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

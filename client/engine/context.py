@@ -42,7 +42,6 @@ from flextensor.runtime.warm_loader import WarmLoader
 from flextensor.state import ModelTensor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flextensor.engine.function_traps import FunctionTraps
     from flextensor.engine.hooks import Trap
 
 __all__ = ["compute_device", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan",
@@ -200,7 +199,7 @@ class EngineContext:
     clock: TimingCollector | None = None  # PROFILING's trap windows
     timing: TimingCollector | None = None  # offload_timing="eager" / "cuda_graph" records
     # profile_mode="torch_function": the mode that hands shadows to torch calls (flextensor.engine.function_traps)
-    function_traps: FunctionTraps | None = None
+    function_traps: Any = None  # a FunctionTraps (typed loosely: that module builds on this one)
     warm: WarmupState = field(init=False)
     profile: ProfileState = field(default_factory=ProfileState)
     plan: PlanState = field(default_factory=PlanState)

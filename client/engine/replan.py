@@ -34,7 +34,8 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 import torch
 
@@ -51,7 +52,7 @@ from flextensor.state import tensor_nbytes
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
 
-__all__ = ["MEASURE_PASSES", "StreamingPlan", "attach_probe", "automatic", "measuring_timing", "begin_pass", "end_pass", "install_streaming", "plan_streaming",
+__all__ = ["StrategyReplanState", "StrategyReplanStatus", "MEASURE_PASSES", "StreamingPlan", "attach_probe", "automatic", "measuring_timing", "begin_pass", "end_pass", "install_streaming", "plan_streaming",
            "request", "step", "streaming_input", "unavailable_reason"]
 
 logger = logging.getLogger("flextensor.manager")
@@ -68,6 +69,29 @@ TRAP_STALL_MS = 0.02
 QUIET_PASSES = 256
 #: Device memory a latency-mode replan leaves free when it moves blocks onto the device.
 DEVICE_MARGIN_BYTES = 512 * 1024 * 1024
+
+
+StrategyReplanState = Literal["idle", "in_progress", "done", "failed"]
+
+
+@dataclass(frozen=True)
+class StrategyReplanStatus:
+    """Passive snapshot of the strategy-replan state (reading it never arms or advances anything).
+
+    ``state``: ``"idle"`` before any replan, ``"in_progress"`` while one measures the caller's forwards and
+    plans, ``"done"`` once it finished (applied or the plan kept), ``"failed"`` when installing the new plan
+    raised (inference is unsafe then: release the model). ``can_request``: whether ``request_strategy_replan()``
+    would arm one now. ``applied``: ``None`` before and during a replan, then whether the streaming changed.
+    """
+
+    state: StrategyReplanState
+    can_request: bool
+    applied: bool | None
+
+    def __post_init__(self) -> None:
+        if self.state not in ("idle", "in_progress", "done", "failed"):
+            raise ValueError(f"StrategyReplanStatus.state must be 'idle', 'in_progress', 'done' or 'failed', "
+                             f"got {self.state!r}")
 
 
 class StreamingPlan:

@@ -46,10 +46,7 @@ hide an earlier reader.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar
-
-if TYPE_CHECKING:  # pragma: no cover
-    from flextensor.planning.plan_model import PlanInput
+from typing import Any, Generic, TypeVar
 
 __all__ = ["ArenaMap", "ArenaTrace", "window_bytes"]
 
@@ -145,7 +142,8 @@ class ArenaTrace:
     state (clock, copy stream, ring and owners) equals the base run's before the same trap.
     """
 
-    def __init__(self, inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> None:
+    # ``inp`` is a PlanInput, typed loosely: flextensor.planning.plan_model imports this module.
+    def __init__(self, inp: Any, per_trap: Sequence[int], num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"simulate_overhead: num_blocks must be >= 1, got {num_blocks}")
         self.inp, self.per_trap, self.num_blocks = inp, list(per_trap), num_blocks
