@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import flextensor as ft
-from tests.client.test_session import expected_output, finish, make_profile, matches, output_of, read_result, spawn
+from tests.client.test_session import expected_output, finish_all, make_profile, matches, output_of, read_result, \
+    spawn
 from tests.helpers.models import cpu_config, reference, tiny_transformer, token_ids
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compute device only")
@@ -47,13 +48,15 @@ def test_a_single_process_computes_from_its_host_blocks_with_no_copy_per_pass():
 
 
 def test_every_worker_of_a_session_reads_the_shared_blocks_in_place(namespace: str, tmp_path: Path):
+    """The workers are fresh interpreters (not forked with torch imported, as in the other session tests), so
+    this path stays covered end to end: imports, the election, compute and the interpreter's shutdown."""
     profile = make_profile(tmp_path / "profile")
     ref = expected_output()
-    procs = [spawn(namespace, profile, "--hold") for _ in range(2)]
+    procs = [spawn(namespace, profile, "--hold", fresh=True) for _ in range(2)]
     try:
         results = [read_result(p) for p in procs]
     finally:
-        codes = [finish(p) for p in procs]
+        codes = finish_all(procs)
     assert codes == [0, 0]
     assert sorted(r["role"] for r in results) == ["creator", "follower"]
     for result in results:

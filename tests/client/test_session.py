@@ -7,7 +7,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 import flextensor as ft
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.names import journal_path, manager_namespace
+from tests.helpers.forkserver import ForkedProcess, spawn_module
 from tests.leftovers import shm_names
 from tests.helpers.models import (
     DEVICE,
@@ -48,21 +48,21 @@ def make_profile(directory: Path) -> str:
     return str(directory)
 
 
-@pytest.fixture
-def profile(tmp_path: Path) -> str:
-    return make_profile(tmp_path / "profile")
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One saved profile per module (profiling is in-process and touches no shared memory; no test changes it)."""
+    return make_profile(tmp_path_factory.mktemp("session") / "profile")
 
 
 def expected_output() -> torch.Tensor:
     return reference(tiny_transformer(seed=0), token_ids()).cpu()
 
 
-def spawn(ns: str, profile: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.session_worker", "--ns", ns, "--profile", profile,
-         "--lease", str(LEASE), *args],
-        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+def spawn(ns: str, profile: str, *args: str, fresh: bool = False) -> subprocess.Popen | ForkedProcess:
+    """A session worker (tests/helpers/session_worker.py) with text pipes: forked with torch already imported
+    (tests/helpers/forkserver.py), or a fresh interpreter with ``fresh``."""
+    return spawn_module("tests.helpers.session_worker", ["--ns", ns, "--profile", profile, "--lease", str(LEASE),
+                                                         *args], cwd=REPO, fresh=fresh)
 
 
 def read_result(proc: subprocess.Popen, timeout: float = 90.0) -> dict:
@@ -76,13 +76,18 @@ def read_result(proc: subprocess.Popen, timeout: float = 90.0) -> dict:
     return json.loads(line)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+def release(proc: subprocess.Popen | ForkedProcess) -> None:
+    """Send the line a ``--hold`` worker waits for (a worker that already exited is left alone)."""
     if proc.poll() is None:
         try:
             proc.stdin.write("\n")
             proc.stdin.flush()
         except BrokenPipeError:
             pass
+
+
+def finish(proc: subprocess.Popen | ForkedProcess, timeout: float = 60.0) -> int:
+    release(proc)
     proc.wait(timeout=timeout)
     proc.stdout.close()
     proc.stderr.close()
@@ -91,6 +96,13 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0) -> int:
     except BrokenPipeError:
         pass
     return proc.returncode
+
+
+def finish_all(procs: list[subprocess.Popen | ForkedProcess], timeout: float = 60.0) -> list[int]:
+    """``finish`` for every worker, released together so that they close (and exit) side by side."""
+    for proc in procs:
+        release(proc)
+    return [finish(proc, timeout) for proc in procs]
 
 
 def wait_for_file(path: Path, timeout: float = 60.0) -> None:
@@ -136,7 +148,7 @@ def test_workers_share_one_copy_with_exactly_one_creator_and_equal_outputs(names
         try:
             results = [read_result(p) for p in procs]
         finally:
-            codes = [finish(p) for p in procs]
+            codes = finish_all(procs)
         assert codes == [0] * workers, results
         roles = sorted(r["role"] for r in results)
         assert roles == ["creator"] + ["follower"] * (workers - 1)
@@ -233,8 +245,10 @@ def test_wait_timeout_expiry_raises_timeout_error(namespace: str, profile: str, 
     ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
 
 
-def test_cleanup_after_sigkill_of_every_worker_leaves_nothing_and_repeats_as_a_no_op(namespace: str,
-                                                                                     profile: str) -> None:
+def test_cleanup_after_sigkill_refuses_malformed_state_then_leaves_nothing_and_repeats_as_a_no_op(
+        namespace: str, profile: str) -> None:
+    """The workers of a generation are SIGKILLed. Cleanup refuses a malformed journal or coordinator header and
+    deletes nothing; once both are intact it reclaims everything at once, and a second cleanup is a no-op."""
     procs = [spawn(namespace, profile, "--hold") for _ in range(3)]
     for p in procs:
         read_result(p)
@@ -243,24 +257,9 @@ def test_cleanup_after_sigkill_of_every_worker_leaves_nothing_and_repeats_as_a_n
     for p in procs:
         finish(p)
     ns = manager_namespace(namespace, "model")
-    assert shm_names(ns), "the killed workers' segments should still be there"
-    # Killed on this host: their leases are dead at once, so timeout=0 reclaims right away.
-    reports = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=0)
-    assert reports[0].removed and not shm_names(ns) and reports[0].waited_s < 1
-    assert not journal_path(ns).exists()
-    again = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=0)
-    assert again[0].removed == []
-
-
-def test_cleanup_refuses_malformed_journal_or_header_and_deletes_nothing(namespace: str, profile: str) -> None:
-    procs = [spawn(namespace, profile, "--hold") for _ in range(2)]
-    for p in procs:
-        read_result(p)
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-        finish(p)
-    ns = manager_namespace(namespace, "model")
     before = shm_names(ns)
+    assert before, "the killed workers' segments should still be there"
+
     journal = journal_path(ns)
     original = journal.read_bytes()
     journal.write_bytes(original + b"{not json\n")
@@ -277,8 +276,13 @@ def test_cleanup_refuses_malformed_journal_or_header_and_deletes_nothing(namespa
     assert shm_names(ns) == before
     with open(header, "r+b") as f:
         f.write(good_header)
-    ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
-    assert shm_names(ns) == []
+
+    # Killed on this host: their leases are dead at once, so timeout=0 reclaims right away.
+    reports = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=0)
+    assert reports[0].removed and not shm_names(ns) and reports[0].waited_s < 1
+    assert not journal_path(ns).exists()
+    again = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=0)
+    assert again[0].removed == []
 
 
 # ------------------------------------------------------------------------------------------------ in process
