@@ -1,16 +1,18 @@
 """A session follower opens the publication on a thread while its model factory runs (flextensor.attach_prefetch).
 
-The creator is a real worker process holding its generation open; the follower runs in this process, so the
-test can see its threads and its memory mappings (``/proc/self/maps``): nothing the thread opened may stay
-mapped after a failure, and nothing may stay in /dev/shm once the creator is gone.
+The creator is a real worker process holding its generation open for the whole module; each test's follower
+runs in this process, so the test can see its threads and its memory mappings (``/proc/self/maps``): nothing the
+thread opened may stay mapped after the test, and nothing may stay in /dev/shm once the creator is gone.
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import tempfile
 import threading
 import time
-from pathlib import Path
+import uuid
 
 import pytest
 import torch
@@ -21,23 +23,44 @@ from flextensor.attach_prefetch import FollowerPrefetch
 from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
 from flextensor.shm.names import manager_namespace
 from tests.helpers.models import DEVICE, TinyTransformer, cpu_config, release_managers, token_ids  # noqa: F401
-from tests.client.test_session import LEASE, expected_output, finish, make_profile, matches, read_result, spawn
+from tests.client.test_session import LEASE, expected_output, finish, make_profile, matches, read_result
+from tests.helpers.forkserver import spawn_module
 from tests.leftovers import shm_names
 
 
-@pytest.fixture
-def profile(tmp_path: Path) -> str:
-    return make_profile(tmp_path / "profile")
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One saved profile per module (profiling is in-process and touches no shared memory)."""
+    return make_profile(tmp_path_factory.mktemp("prefetch") / "profile")
+
+
+@pytest.fixture(scope="module")
+def _creator(profile: str, tmp_path_factory: pytest.TempPathFactory):
+    """One creator process for the module: it published the model and holds it until the last test is done.
+    Each test attaches and closes its own followers in this process; the generation outlives them. Its TMPDIR
+    (hence lock directory) is the module's, and nothing of it may be left at the end."""
+    tmpdir = tmp_path_factory.mktemp("prefetch-tmp")
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    args = ["--ns", namespace, "--profile", profile, "--lease", str(LEASE), "--hold"]
+    proc = spawn_module("tests.helpers.session_worker", args, env={**os.environ, "TMPDIR": str(tmpdir)})
+    try:
+        assert read_result(proc)["role"] == "creator"
+        yield namespace, tmpdir
+    finally:
+        assert finish(proc) == 0
+        assert shm_names(manager_namespace(namespace, "model")) == []
+        lock_dir = tmpdir / f"flextensor-{os.getuid()}"
+        assert not lock_dir.is_dir() or not list(lock_dir.iterdir()), list(lock_dir.iterdir())
 
 
 @pytest.fixture
-def creator(namespace: str, profile: str):
-    """A creator process that published the model and holds it until the test ends."""
-    proc = spawn(namespace, profile, "--hold")
-    assert read_result(proc)["role"] == "creator"
-    yield proc
-    assert finish(proc) == 0
-    assert shm_names(manager_namespace(namespace, "model")) == []
+def held_ns(_creator, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The namespace whose generation the module's creator holds; this test elects under the creator's lock
+    directory (its TMPDIR)."""
+    namespace, tmpdir = _creator
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    return namespace
 
 
 @pytest.fixture(params=["join on the thread", "join first"])
@@ -83,7 +106,7 @@ def _follow_and_check(namespace: str, profile: str, factory) -> dict:
     return report
 
 
-def test_blocks_are_opened_on_a_thread_while_the_factory_runs(namespace: str, profile: str, creator, monkeypatch):
+def test_blocks_are_opened_on_a_thread_while_the_factory_runs(held_ns: str, profile: str, monkeypatch):
     opened_during_factory = threading.Event()
     factory_running = threading.Event()
     threads: set[str] = set()
@@ -104,39 +127,39 @@ def test_blocks_are_opened_on_a_thread_while_the_factory_runs(namespace: str, pr
         assert overlapped, "the host blocks were not opened while the model factory ran"
         return _meta_model()
 
-    steps = _follow_and_check(namespace, profile, factory)["steps"]
+    steps = _follow_and_check(held_ns, profile, factory)["steps"]
     assert {"factory", "prefetch_wait", "prefetch_store", "prefetch_blocks", "adopt"} <= set(steps)
     assert threads and all(name.startswith("ft-attach") for name in threads)
 
 
-def test_factory_failure_closes_what_the_thread_opened(namespace: str, profile: str, creator, join_path):
+def test_factory_failure_closes_what_the_thread_opened(held_ns: str, profile: str, join_path):
     def factory():
         raise RuntimeError("checkpoint config not found")
 
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with pytest.raises(RuntimeError, match="checkpoint config not found"):
         session.offload_from_profile(profile, config=cpu_config(), name="model",
                                      creator_model_factory=_unused_creator_factory, follower_model_factory=factory)
-    assert _mapped(namespace) == []
+    assert _mapped(held_ns) == []
     assert session.report() == []
     session.close()
 
 
-def test_thread_failure_is_raised_and_nothing_stays_mapped(namespace: str, profile: str, creator, monkeypatch,
+def test_thread_failure_is_raised_and_nothing_stays_mapped(held_ns: str, profile: str, monkeypatch,
                                                            join_path):
     def open_arena(self, layout):  # after the store was attached: the thread must hand the store over too
         raise OSError(24, "Too many open files")
 
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with monkeypatch.context() as patch, pytest.raises(OSError, match="Too many open files"):
         patch.setattr(SharedBlockAllocator, "attach", open_arena)
         session.offload_from_profile(profile, config=cpu_config(), name="model",
                                      creator_model_factory=_unused_creator_factory,
                                      follower_model_factory=_meta_model)
-    assert _mapped(namespace) == []
+    assert _mapped(held_ns) == []
     session.close()
     # the generation is intact: the next follower attaches as if nothing happened
-    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as again:
+    with ft.SharedOffloadSession(held_ns, lease_seconds=LEASE) as again:
         model = again.offload_from_profile(profile, config=cpu_config(), name="model",
                                            creator_model_factory=_unused_creator_factory,
                                            follower_model_factory=_meta_model)
@@ -144,10 +167,10 @@ def test_thread_failure_is_raised_and_nothing_stays_mapped(namespace: str, profi
             assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
     del model
     gc.collect()
-    assert _mapped(namespace) == []
+    assert _mapped(held_ns) == []
 
 
-def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(namespace: str, profile: str, creator,
+def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(held_ns: str, profile: str,
                                                                            monkeypatch, join_path):
     """A Ctrl-C that lands while the session waits for the attach thread: the wait finishes, the session owns
     what the thread opened, and the interrupt reaches the caller."""
@@ -166,7 +189,7 @@ def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(name
                 raise KeyboardInterrupt
             return super().join(timeout)
 
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
         patch.setattr(SharedBlockAllocator, "attach", slow_open_arena)
         patch.setattr(prefetch_mod.threading, "Thread", InterruptedOnce)
@@ -174,13 +197,13 @@ def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(name
                                      creator_model_factory=_unused_creator_factory,
                                      follower_model_factory=_meta_model)
     assert InterruptedOnce.interrupted
-    assert _mapped(namespace) == []
+    assert _mapped(held_ns) == []
     session.close()
 
 
 # ------------------------------------------------------------------------------------------ joining on the thread
-def test_a_follower_of_a_ready_generation_joins_on_the_thread_while_its_factory_runs(namespace: str, profile: str,
-                                                                                   creator, monkeypatch):
+def test_a_follower_of_a_ready_generation_joins_on_the_thread_while_its_factory_runs(held_ns: str, profile: str,
+                                                                                   monkeypatch):
     """The election (the coordinator lock) overlaps the factory instead of preceding it."""
     import flextensor.session as session_mod
 
@@ -201,7 +224,7 @@ def test_a_follower_of_a_ready_generation_joins_on_the_thread_while_its_factory_
         assert joined_during_factory.wait(timeout=30), "the generation was not joined while the factory ran"
         return _meta_model()
 
-    steps = _follow_and_check(namespace, profile, factory)["steps"]
+    steps = _follow_and_check(held_ns, profile, factory)["steps"]
     assert {"join", "daemon", "plan", "factory", "prefetch_blocks", "adopt"} <= set(steps)
     assert threads == {"ft-attach"}
 
@@ -236,7 +259,7 @@ def test_a_join_that_makes_this_process_the_creator_drops_the_follower_model_and
     assert _mapped(namespace) == [] and shm_names(manager_namespace(namespace, "model")) == []
 
 
-def test_a_failure_after_the_join_on_the_thread_leaves_the_generation(namespace: str, profile: str, creator,
+def test_a_failure_after_the_join_on_the_thread_leaves_the_generation(held_ns: str, profile: str,
                                                                       monkeypatch):
     """The thread joined, then its next step failed (here the daemon registration): the session owns the
     coordinator from the join on, so the error reaches the caller and this process leaves the generation."""
@@ -247,21 +270,21 @@ def test_a_failure_after_the_join_on_the_thread_leaves_the_generation(namespace:
         raise RuntimeError("ftd refused the participant (test)")
 
     monkeypatch.setattr(session_mod, "register_with_daemon", refuse)
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with pytest.raises(RuntimeError, match="refused the participant"):
         session.offload_from_profile(profile, config=cpu_config(), name="model",
                                      creator_model_factory=_unused_creator_factory,
                                      follower_model_factory=_meta_model)
-    table = LeaseTable.open(manager_namespace(namespace, "model"))
+    table = LeaseTable.open(manager_namespace(held_ns, "model"))
     try:
         assert table.live_count() == 1  # the creator alone: the follower's lease was given back
     finally:
         table.close()
-    assert _mapped(namespace) == []
+    assert _mapped(held_ns) == []
     session.close()
 
 
-def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace: str, profile: str, creator,
+def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(held_ns: str, profile: str,
                                                                        monkeypatch):
     """The thread waits for the lock only briefly (its work stays bounded); then the caller joins, with the
     model already built: the factory still runs once."""
@@ -280,7 +303,7 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace
 
     monkeypatch.setattr(session_mod, "ShmCoordinator", coordinator)
     assert prefetch_mod.ELECT_LOCK_WAIT_S == 2.0
-    held = FileLock(coordinator_lock_path(manager_namespace(namespace, "model")))
+    held = FileLock(coordinator_lock_path(manager_namespace(held_ns, "model")))
     held.acquire(timeout=5)
     release = threading.Timer(0.5, held.release)
     release.start()
@@ -292,7 +315,7 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace
         return _meta_model()
 
     try:
-        with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        with ft.SharedOffloadSession(held_ns, lease_seconds=LEASE) as session:
             model = session.offload_from_profile(profile, config=cpu_config(), name="model",
                                                  creator_model_factory=_unused_creator_factory,
                                                  follower_model_factory=factory)
@@ -308,11 +331,11 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(namespace
         held.close()
     del model
     gc.collect()
-    assert _mapped(namespace) == []
+    assert _mapped(held_ns) == []
 
 
 # ------------------------------------------------------------------------------------------ one layout, disjoint steps
-def test_a_follower_lays_out_the_arena_once(namespace: str, profile: str, creator, monkeypatch, join_path):
+def test_a_follower_lays_out_the_arena_once(held_ns: str, profile: str, monkeypatch, join_path):
     """The thread computes the arena's layout to map it and hands it on: the blocks' views, the registration
     ranges and the shared bytes use that layout instead of computing it again from the plan's sizes."""
     import flextensor.session as session_mod
@@ -326,11 +349,11 @@ def test_a_follower_lays_out_the_arena_once(namespace: str, profile: str, creato
 
     for module in (blocks_mod, prefetch_mod, session_mod):  # wherever the follower's path could call it from
         monkeypatch.setattr(module, "arena_layout", counted, raising=False)
-    _follow_and_check(namespace, profile, _meta_model)
+    _follow_and_check(held_ns, profile, _meta_model)
     assert len(laid_out) == 1 and laid_out[0] > 0
 
 
-def test_the_steps_of_each_thread_add_up_to_at_most_its_time(namespace: str, profile: str, creator, monkeypatch,
+def test_the_steps_of_each_thread_add_up_to_at_most_its_time(held_ns: str, profile: str, monkeypatch,
                                                              join_path):
     """No reported step contains another, so sums do not count time twice: the attach thread's steps add up to at
     most the thread's run, the caller's to at most the time to ready."""
@@ -345,7 +368,7 @@ def test_the_steps_of_each_thread_add_up_to_at_most_its_time(namespace: str, pro
             runs.append(time.monotonic() - start)
 
     monkeypatch.setattr(FollowerPrefetch, "_run", timed_run)
-    report = _follow_and_check(namespace, profile, _meta_model)
+    report = _follow_and_check(held_ns, profile, _meta_model)
     steps = report["steps"]
     on_thread = {name for name in steps if name.startswith("prefetch_") and name != "prefetch_wait"}
     if join_path == "join on the thread":
@@ -388,14 +411,13 @@ def test_follower_prefetch_accepts_either_role_alone():
 
 
 @pytest.mark.cuda
-def test_a_cuda_follower_hands_its_registered_blocks_to_the_release_thread_on_close(namespace: str, profile: str,
-                                                                                     creator):
+def test_a_cuda_follower_hands_its_registered_blocks_to_the_release_thread_on_close(held_ns: str, profile: str):
     """close() leaves the generation at once; the release thread unregisters the follower's blocks and unmaps
     them afterwards (flextensor.shm.background_release); the resident tensors came through the pinned ring."""
     import flextensor.shm.background_release as release_mod
 
     config = ft.OffloadConfig(pinned_memory=True, num_blocks=2, min_blocks=2)
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     model = session.offload_from_profile(profile, config=config, name="model",
                                          creator_model_factory=_unused_creator_factory,
                                          follower_model_factory=_meta_model)
@@ -407,4 +429,4 @@ def test_a_cuda_follower_hands_its_registered_blocks_to_the_release_thread_on_cl
     assert release_mod.wait_released(timeout=60)
     del model
     gc.collect()
-    assert _mapped(namespace) == []
+    assert _mapped(held_ns) == []
