@@ -6,27 +6,26 @@ import json
 import os
 import select
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from tests.examples.conftest import EXAMPLES, REPO
+from tests.helpers.forkserver import TRANSFORMERS, spawn_script
 
 
 class ExampleWorker:
-    """``supervisor.py --worker``: reports ``ready`` (role, tokens), answers ``generate``, closes on EOF."""
+    """``supervisor.py --worker``: reports ``ready`` (role, tokens), answers ``generate``, closes on EOF. Forked
+    with torch and transformers already imported (tests/helpers/forkserver.py), in a session of its own."""
 
     def __init__(self, namespace: str, index: int, model_argv: list[str], env: dict[str, str], log: Path,
                  lease: float = 2.0) -> None:
         self.index = index
         self.log = log
         with open(log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(EXAMPLES / "supervisor.py"), *model_argv, "--worker", "--index", str(index),
-                 "--namespace", namespace, "--lease", str(lease)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=REPO, env=env,
-                start_new_session=True)
+            self.proc = spawn_script(
+                EXAMPLES / "supervisor.py",
+                [*model_argv, "--worker", "--index", str(index), "--namespace", namespace, "--lease", str(lease)],
+                env=env, cwd=REPO, preload=TRANSFORMERS, stderr=err, text=False, new_session=True)
         self.buffer = b""
 
     @property

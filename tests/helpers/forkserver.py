@@ -1,22 +1,24 @@
 """Worker processes forked from a server that imported torch once, for the multi-process tests.
 
 A worker started as ``python -m MODULE`` spends most of its life importing torch: about 2 s of CPU each on a
-2-core CI host, where the multi-process tests start dozens of them. ``spawn_module`` starts the same module in a
-process forked from one server per test run that imported torch, ``torch._dynamo`` (which a follower building its
-model on ``meta`` imports anyway: torch's meta initialisers load it, as does transformers) and pytest, and
-nothing of flextensor. The worker is still a real process with its own pid, pipes, environment and working
-directory; it imports flextensor and the module itself, runs the module as ``__main__`` and leaves through the
-interpreter's normal shutdown (threads joined, atexit handlers run, modules torn down), so SIGKILL, exit codes and
-leftovers mean what they mean for a fresh interpreter. ``fresh=True`` (and ``FLEXTENSOR_TEST_EXEC=1`` for every
-worker) starts a fresh interpreter instead, for the tests that keep that path covered.
+2-core CI host, where the multi-process tests start dozens of them (a transformers worker pays as much again).
+``spawn_module`` and ``spawn_script`` start the same worker in a process forked from a server that imported the
+``preload`` modules and nothing of flextensor: torch, ``torch._dynamo`` (which a follower building its model on
+``meta`` imports anyway: torch's meta initialisers load it, as does transformers) and pytest, plus transformers'
+Llama for the example workers (``TRANSFORMERS``). One server per preload set serves the whole run.
 
-The server never touches CUDA (a process forked after CUDA started could not use it): on a CUDA host every worker
-is a fresh interpreter.
+The worker is still a real process with its own pid, pipes, environment, working directory, ``sys.path`` and
+torch thread count (from its own ``OMP_NUM_THREADS``); it imports flextensor and the worker itself, runs it as
+``__main__`` and leaves through the interpreter's normal shutdown (threads joined, atexit handlers run, modules
+torn down), so SIGKILL, exit codes and leftovers mean what they mean for a fresh interpreter. ``fresh=True`` (and
+``FLEXTENSOR_TEST_EXEC=1`` for every worker) starts a fresh interpreter instead, for the tests that keep that
+path covered. The server never touches CUDA (a process forked after CUDA started could not use it): on a CUDA
+host every worker is a fresh interpreter.
 
-Protocol (one control socket, the test process's end guarded by a lock): a request is one JSON line
-``{"module", "args", "env", "cwd"}`` sent with four descriptors (the child's stdin, stdout, stderr and the write
-end of a status pipe); the server answers ``{"pid": N}`` (or ``{"error": ...}``) and, once the child exited,
-writes its raw wait status (decimal, newline) to the status pipe.
+Protocol (one control socket per server, the test process's end guarded by a lock): a request is one JSON line
+``{"kind": "module"|"script", "target", "args", "env", "cwd", "new_session"}`` sent with four descriptors (the
+child's stdin, stdout, stderr and the write end of a status pipe); the server answers ``{"pid": N}`` (or
+``{"error": ...}``) and, once the child exited, writes its raw wait status (decimal, newline) to the status pipe.
 """
 
 from __future__ import annotations
@@ -33,11 +35,16 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-#: What the server imports before it forks: what every worker would import first anyway.
-PRELOAD = ("torch", "torch._dynamo", "pytest")
+#: What a session worker imports first anyway (see the module docstring for torch._dynamo).
+TORCH = ("torch", "torch._dynamo", "pytest")
+#: What an example worker (``--tiny-llama``) imports first anyway.
+TRANSFORMERS = (*TORCH, "transformers", "transformers.models.auto.modeling_auto",
+                "transformers.models.llama.modeling_llama", "transformers.generation.utils")
 _MAX_FDS = 4
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read once, as a library loads: the child applies its own
 
 
 # --------------------------------------------------------------------------------------------- server side
@@ -117,43 +124,59 @@ def _reap(status_fds: dict[int, int]) -> None:
             os.close(fd)
 
 
-def _become(request: dict) -> None:
-    """In the child: take the request's environment, directory and argv, as a fresh interpreter would."""
+def _become(request: dict, server_path: list[str]) -> None:
+    """In the child: take the request's session, environment, directory, ``sys.path``, thread count and argv, as a
+    fresh interpreter would, then run the worker as ``__main__``."""
     import runpy
     import tempfile
 
+    if request["new_session"]:
+        os.setsid()
+    env = request["env"]
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(env)
     os.chdir(request["cwd"])
     tempfile.tempdir = None  # TMPDIR is read again
-    sys.argv = [request["module"], *request["args"]]
-    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    script = request["kind"] == "script"
+    first = str(Path(request["target"]).resolve().parent) if script else os.getcwd()
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [first, *extra, *server_path]
+    sys.argv = [request["target"], *request["args"]]
+    if script:
+        runpy.run_path(request["target"], run_name="__main__")
+    else:
+        runpy.run_module(request["target"], run_name="__main__", alter_sys=True)
 
 
 def _server_main() -> None:
     conn = socket.socket(fileno=int(sys.argv[1]))
-    for name in PRELOAD:
+    for name in sys.argv[2:]:
         __import__(name)
     # The preloaded objects live as long as every child: moved out of the collector's sight, they are neither
     # scanned by each child's collections nor by its shutdown (about 1.5 s of CPU per worker otherwise).
     gc.freeze()
+    own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    server_path = [p for p in sys.path[1:] if p not in own]  # what the interpreter adds by itself
     request = _serve(conn)
     if request is not None:
-        _become(request)
+        _become(request, server_path)
 
 
 # --------------------------------------------------------------------------------------------- test side
 class ForkedProcess:
-    """The part of ``subprocess.Popen`` (text pipes) the tests use, for a child of the fork server."""
+    """The part of ``subprocess.Popen`` the tests use, for a child of a fork server."""
 
-    def __init__(self, pid: int, stdin: int, stdout: int, stderr: int, status: int) -> None:
+    def __init__(self, pid: int, pipes: list[int | None], status: int, text: bool) -> None:
         self.pid = pid
-        self.returncode: int | None = None
-        self.stdin = open(stdin, "w", encoding="utf-8")
-        self.stdout = open(stdout, "r", encoding="utf-8")
-        self.stderr = open(stderr, "r", encoding="utf-8")
-        self._status = os.fdopen(status, "rb")
         self.args = None
+        self.returncode: int | None = None
+        modes = ("w", "r", "r")
+        self.stdin, self.stdout, self.stderr = (
+            None if fd is None else open(fd, mode, encoding="utf-8") if text else open(fd, mode + "b")
+            for fd, mode in zip(pipes, modes))
+        self._status = os.fdopen(status, "rb")
 
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self._status], [], [], 0)[0]:
@@ -186,38 +209,55 @@ class ForkedProcess:
 
 
 class _Server:
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.forkserver", str(theirs.fileno())],
-                                     cwd=ROOT, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL)
+        env = {k: v for k, v in os.environ.items() if k not in _THREAD_VARS}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.forkserver", str(theirs.fileno()),
+                                      *preload], cwd=ROOT, env=env, pass_fds=[theirs.fileno()],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         theirs.close()
         self.conn = ours
         self.answers = ours.makefile("rb")
         self.lock = threading.Lock()
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str], cwd: Path) -> ForkedProcess:
-        pipes = [os.pipe() for _ in range(4)]  # stdin, stdout, stderr, status
-        theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
-        request = json.dumps({"module": module, "args": args, "env": env, "cwd": str(cwd)}) + "\n"
+    def spawn(self, request: dict, stdio: tuple[Any, Any, Any], text: bool) -> ForkedProcess:
+        mine: list[int | None] = []  # our ends of the pipes (None where the caller gave a file)
+        theirs: list[int] = []
+        to_close: list[int] = []  # descriptors we opened for the child only
+        for index, spec in enumerate(stdio):
+            if spec == subprocess.PIPE:
+                r, w = os.pipe()
+                ours, child = (w, r) if index == 0 else (r, w)
+                mine.append(ours)
+                theirs.append(child)
+                to_close.append(child)
+            elif spec == subprocess.DEVNULL or spec is None:
+                fd = os.open(os.devnull, os.O_RDWR)
+                mine.append(None)
+                theirs.append(fd)
+                to_close.append(fd)
+            else:
+                mine.append(None)
+                theirs.append(spec if isinstance(spec, int) else spec.fileno())
+        status_r, status_w = os.pipe()
+        theirs.append(status_w)
+        to_close.append(status_w)
+        line = json.dumps(request) + "\n"
         try:
             with self.lock:
-                self.conn.sendmsg([request.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                        array.array("i", theirs))])
+                self.conn.sendmsg([line.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs))])
                 answer = self.answers.readline()
+            reply = json.loads(answer) if answer else {"error": f"the fork server exited ({self.proc.poll()})"}
+            if "pid" not in reply:
+                raise RuntimeError(reply["error"])
         except BaseException:
-            for r, w in pipes:
-                os.close(r)
-                os.close(w)
-            raise
-        for fd in theirs:
-            os.close(fd)
-        reply = json.loads(answer) if answer else {"error": f"the fork server exited ({self.proc.poll()})"}
-        if "pid" not in reply:
-            for fd in (pipes[0][1], pipes[1][0], pipes[2][0], pipes[3][0]):
+            for fd in [*(m for m in mine if m is not None), status_r]:
                 os.close(fd)
-            raise RuntimeError(reply["error"])
-        return ForkedProcess(reply["pid"], pipes[0][1], pipes[1][0], pipes[2][0], pipes[3][0])
+            raise
+        finally:
+            for fd in to_close:
+                os.close(fd)
+        return ForkedProcess(reply["pid"], mine, status_r, text)
 
     def close(self) -> None:
         self.answers.close()
@@ -225,12 +265,12 @@ class _Server:
         self.proc.wait(30)
 
 
-_server: _Server | None = None
-_server_lock = threading.Lock()
+_servers: dict[tuple[str, ...], _Server] = {}
+_servers_lock = threading.Lock()
 
 
 def forking_enabled() -> bool:
-    """Fork from the server unless CUDA is present (see the module docstring) or FLEXTENSOR_TEST_EXEC=1."""
+    """Fork from a server unless CUDA is present (see the module docstring) or FLEXTENSOR_TEST_EXEC=1."""
     if os.environ.get("FLEXTENSOR_TEST_EXEC") == "1":
         return False
     import torch
@@ -238,31 +278,50 @@ def forking_enabled() -> bool:
     return not torch.cuda.is_available()
 
 
-def spawn_module(module: str, args: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT,
-                 fresh: bool = False) -> ForkedProcess | subprocess.Popen:
-    """``python -m module *args`` with text pipes on stdin, stdout and stderr: forked from the server unless
-    ``fresh`` or not ``forking_enabled()``."""
+def _spawn(kind: str, target: str, args: list[str], *, env: dict[str, str] | None, cwd: Path, fresh: bool,
+           preload: tuple[str, ...], stdin: Any, stdout: Any, stderr: Any, text: bool,
+           new_session: bool) -> ForkedProcess | subprocess.Popen:
     env = dict(os.environ if env is None else env)
     if fresh or not forking_enabled():
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    global _server
-    with _server_lock:
-        if _server is None or _server.proc.poll() is not None:
-            if _server is None:
-                atexit.register(stop_server)
-            _server = _Server()
-        server = _server
-    return server.spawn(module, args, env, cwd)
+        command = [sys.executable, *(["-m"] if kind == "module" else []), target, *args]
+        return subprocess.Popen(command, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                                start_new_session=new_session)
+    with _servers_lock:
+        server = _servers.get(preload)
+        if server is None or server.proc.poll() is not None:
+            if not _servers:
+                atexit.register(stop_servers)
+            server = _servers[preload] = _Server(preload)
+    request = {"kind": kind, "target": target, "args": list(args), "env": env, "cwd": str(cwd),
+               "new_session": new_session}
+    return server.spawn(request, (stdin, stdout, stderr), text)
 
 
-def stop_server() -> None:
-    """Close the fork server (its end of the control socket: it exits). A later spawn starts a new one."""
-    global _server
-    with _server_lock:
-        if _server is not None:
-            _server.close()
-            _server = None
+def spawn_module(module: str, args: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT,
+                 fresh: bool = False, preload: tuple[str, ...] = TORCH, stdin: Any = subprocess.PIPE,
+                 stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE, text: bool = True,
+                 new_session: bool = False) -> ForkedProcess | subprocess.Popen:
+    """``python -m module *args`` (stdio as for ``subprocess.Popen``: ``PIPE``, ``DEVNULL`` or a file), forked
+    from the server of ``preload`` unless ``fresh`` or not ``forking_enabled()``."""
+    return _spawn("module", module, args, env=env, cwd=cwd, fresh=fresh, preload=preload, stdin=stdin,
+                  stdout=stdout, stderr=stderr, text=text, new_session=new_session)
+
+
+def spawn_script(path: str | Path, args: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT,
+                 fresh: bool = False, preload: tuple[str, ...] = TORCH, stdin: Any = subprocess.PIPE,
+                 stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE, text: bool = True,
+                 new_session: bool = False) -> ForkedProcess | subprocess.Popen:
+    """``python path *args``, as ``spawn_module``."""
+    return _spawn("script", str(path), args, env=env, cwd=cwd, fresh=fresh, preload=preload, stdin=stdin,
+                  stdout=stdout, stderr=stderr, text=text, new_session=new_session)
+
+
+def stop_servers() -> None:
+    """Close every fork server (its end of the control socket: it exits). A later spawn starts a new one."""
+    with _servers_lock:
+        for server in _servers.values():
+            server.close()
+        _servers.clear()
 
 
 if __name__ == "__main__":
