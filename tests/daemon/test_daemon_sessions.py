@@ -25,6 +25,7 @@ from flextensor.shm.names import manager_namespace
 from tests.client.test_session import (
     expected_output,
     finish,
+    finish_all,
     make_profile,
     matches,
     output_of,
@@ -85,7 +86,7 @@ def test_ls_shows_three_session_workers_and_their_bytes(ftd, namespace, profile,
         assert row["bytes"] == expected_bytes and expected_bytes > coordinator_segment_size()
         assert ftd.cli("status")[1]["registered"] == 3  # every session registered its participant
     finally:
-        codes = [finish(p) for p in procs]
+        codes = finish_all(procs)
     assert codes == [0, 0, 0]
     assert shm_names(ns) == []
     assert wait_until(lambda: ftd.cli("ls")[1] == [], 3.0)
@@ -207,7 +208,7 @@ def test_session_workers_without_a_daemon_are_unchanged(namespace, profile, tmp_
         assert len({r["generation"] for r in results}) == 1
         assert all(matches(output_of(r), expected_output()) for r in results)
     finally:
-        codes = [finish(p) for p in procs]
+        codes = finish_all(procs)
     assert codes == [0, 0] and shm_names(ns) == []
     # What each participant pays when no daemon runs: a missing socket, then a stale one (file, no listener).
     missing = _registration_times()
