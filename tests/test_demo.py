@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WORKERS = 3
+WORKERS = 2  # one creator and one follower per group: every layout and role, at the fewest worker starts
 LAYOUTS = {
     "flextensor": "flextensor (one shared copy in /dev/shm)",
     "copy": "private copies (load_file + clone)",
