@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from flextensor.api import offload_from_state  # not (yet) exported lazily by fl
 from flextensor.manager import Phase
 from flextensor.profiles import profile_path, read_profile
 from flextensor.state import SCHEMA_VERSION, model_tensors
+from tests.helpers.forkserver import run_code
 from tests.helpers.models import (
     ALL,
     DEVICE,
@@ -223,11 +222,9 @@ def test_round_trip_into_fresh_process_with_meta_model(tmp_path):
     ft.save_profile(str(tmp_path / "profile"))
     ft.release()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path / "profile"), str(tmp_path / "model.safetensors"),
-         str(tmp_path / "out.safetensors")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )
+    # A new process (forked with torch imported, flextensor not: tests/helpers/forkserver.py).
+    proc = run_code(CHILD, [str(tmp_path / "profile"), str(tmp_path / "model.safetensors"),
+                            str(tmp_path / "out.safetensors")], cwd=REPO, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert same(load_file(str(tmp_path / "out.safetensors"))["out"].to(DEVICE), ref)
 

@@ -2,10 +2,11 @@
 
 A worker started as ``python -m MODULE`` spends most of its life importing torch: about 2 s of CPU each on a
 2-core CI host, where the multi-process tests start dozens of them (a transformers worker pays as much again).
-``spawn_module`` and ``spawn_script`` start the same worker in a process forked from a server that imported the
-``preload`` modules and nothing of flextensor: torch, ``torch._dynamo`` (which a follower building its model on
-``meta`` imports anyway: torch's meta initialisers load it, as does transformers) and pytest, plus transformers'
-Llama for the example workers (``TRANSFORMERS``). One server per preload set serves the whole run.
+``spawn_module``, ``spawn_script`` and ``spawn_code`` (``python -c``) start the same worker in a process forked
+from a server that imported the ``preload`` modules and nothing of flextensor: torch, ``torch._dynamo`` (which a
+follower building its model on ``meta`` imports anyway: torch's meta initialisers load it, as does transformers)
+and pytest, plus transformers' Llama for the example workers (``TRANSFORMERS``). One server per preload set
+serves the whole run.
 
 The worker is still a real process with its own pid, pipes, environment, working directory, ``sys.path`` and
 torch thread count (from its own ``OMP_NUM_THREADS``); it imports flextensor and the worker itself, runs it as
@@ -16,8 +17,8 @@ path covered. The server never touches CUDA (a process forked after CUDA started
 host every worker is a fresh interpreter.
 
 Protocol (one control socket per server, the test process's end guarded by a lock): a request is one JSON line
-``{"kind": "module"|"script", "target", "args", "env", "cwd", "new_session"}`` sent with four descriptors (the
-child's stdin, stdout, stderr and the write end of a status pipe); the server answers ``{"pid": N}`` (or
+``{"kind": "module"|"script"|"code", "target", "args", "env", "cwd", "new_session"}`` sent with four descriptors
+(the child's stdin, stdout, stderr and the write end of a status pipe); the server answers ``{"pid": N}`` (or
 ``{"error": ...}``) and, once the child exited, writes its raw wait status (decimal, newline) to the status pipe.
 """
 
@@ -34,8 +35,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What a session worker imports first anyway (see the module docstring for torch._dynamo).
@@ -129,6 +131,7 @@ def _become(request: dict, server_path: list[str]) -> None:
     fresh interpreter would, then run the worker as ``__main__``."""
     import runpy
     import tempfile
+    import types
 
     if request["new_session"]:
         os.setsid()
@@ -139,15 +142,19 @@ def _become(request: dict, server_path: list[str]) -> None:
     tempfile.tempdir = None  # TMPDIR is read again
     if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
-    script = request["kind"] == "script"
-    first = str(Path(request["target"]).resolve().parent) if script else os.getcwd()
+    kind = request["kind"]
+    first = {"script": str(Path(request["target"]).resolve().parent), "module": os.getcwd(), "code": ""}[kind]
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *extra, *server_path]
-    sys.argv = [request["target"], *request["args"]]
-    if script:
+    sys.argv = ["-c" if kind == "code" else request["target"], *request["args"]]
+    if kind == "script":
         runpy.run_path(request["target"], run_name="__main__")
-    else:
+    elif kind == "module":
         runpy.run_module(request["target"], run_name="__main__", alter_sys=True)
+    else:
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(request["target"], "<string>", "exec"), main.__dict__)
 
 
 def _server_main() -> None:
@@ -283,7 +290,7 @@ def _spawn(kind: str, target: str, args: list[str], *, env: dict[str, str] | Non
            new_session: bool) -> ForkedProcess | subprocess.Popen:
     env = dict(os.environ if env is None else env)
     if fresh or not forking_enabled():
-        command = [sys.executable, *(["-m"] if kind == "module" else []), target, *args]
+        command = [sys.executable, *{"module": ["-m"], "code": ["-c"]}.get(kind, []), target, *args]
         return subprocess.Popen(command, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                 start_new_session=new_session)
     with _servers_lock:
@@ -295,6 +302,10 @@ def _spawn(kind: str, target: str, args: list[str], *, env: dict[str, str] | Non
     request = {"kind": kind, "target": target, "args": list(args), "env": env, "cwd": str(cwd),
                "new_session": new_session}
     return server.spawn(request, (stdin, stdout, stderr), text)
+
+
+_DEFAULTS: dict[str, Any] = dict(env=None, cwd=ROOT, fresh=False, preload=TORCH, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, new_session=False)
 
 
 def spawn_module(module: str, args: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT,
@@ -314,6 +325,46 @@ def spawn_script(path: str | Path, args: list[str], *, env: dict[str, str] | Non
     """``python path *args``, as ``spawn_module``."""
     return _spawn("script", str(path), args, env=env, cwd=cwd, fresh=fresh, preload=preload, stdin=stdin,
                   stdout=stdout, stderr=stderr, text=text, new_session=new_session)
+
+
+def spawn_code(code: str, args: Sequence[str] = (), **options: Any) -> ForkedProcess | subprocess.Popen:
+    """``python -c code *args``, as ``spawn_module`` (same keyword options)."""
+    return _spawn("code", code, list(args), **{**_DEFAULTS, **options})
+
+
+def run_code(code: str, args: Sequence[str] = (), *, timeout: float, **options: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, "-c", code, *args], capture_output=True, text=True, timeout=...)`` through
+    ``spawn_code``: the child's output, its exit status, and ``TimeoutExpired`` (the child killed) past ``timeout``."""
+    proc = spawn_code(code, args, stdin=subprocess.DEVNULL, **options)
+    try:
+        out, err = communicate(proc, timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(["-c", code, *args], proc.wait(), out, err)
+
+
+def communicate(proc: ForkedProcess | subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """Everything the child writes to its stdout and stderr pipes until it closes them."""
+    if isinstance(proc, subprocess.Popen):
+        return proc.communicate(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    chunks: dict[Any, list[bytes]] = {proc.stdout: [], proc.stderr: []}
+    open_files = [f for f in chunks if f is not None]
+    while open_files:
+        left = deadline - time.monotonic()
+        ready = select.select(open_files, [], [], max(0.0, left))[0]
+        if not ready:
+            raise subprocess.TimeoutExpired(f"forked worker {proc.pid}", timeout)
+        for f in ready:
+            data = os.read(f.fileno(), 65536)
+            if data:
+                chunks[f].append(data)
+            else:
+                open_files.remove(f)
+                f.close()
+    return tuple(b"".join(chunks[f]).decode() for f in (proc.stdout, proc.stderr))
 
 
 def stop_servers() -> None:

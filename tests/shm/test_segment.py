@@ -18,6 +18,7 @@ import torch
 from flextensor.shm.errors import ShmSpaceError
 from flextensor.shm.pinning import cudart_available, memlock_limit
 from flextensor.shm.segment import SharedSegment
+from tests.helpers.forkserver import run_code
 
 
 @pytest.fixture
@@ -180,7 +181,7 @@ def test_views_are_shared_with_another_process(seg_name):
             print("child-ok")
             """
         )
-        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+        out = run_code(child, timeout=60)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "child-ok"
         assert seg.tensor(torch.int64, (3,), offset=8192).tolist() == [7, -8, 1 << 40]

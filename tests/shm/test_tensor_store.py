@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import msgspec
@@ -17,6 +15,7 @@ from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.manifest import StoreManifest, TensorRecord, decode_manifest, validate_manifest
 from flextensor.shm.names import manager_namespace
 from flextensor.shm.tensor_store import MANIFEST_KIND, SharedTensorStore
+from tests.helpers.forkserver import run_code
 
 
 class TinyLM(nn.Module):
@@ -197,7 +196,7 @@ def test_attach_from_another_process_sees_identical_bytes(ns: str) -> None:
             print(json.dumps(out))
             """
         )
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        result = run_code(code, timeout=60)
         assert result.returncode == 0, result.stderr
         got = msgspec.json.decode(result.stdout.strip().splitlines()[-1])
         for name, value in expected.items():
