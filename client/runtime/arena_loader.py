@@ -191,20 +191,9 @@ class ArenaLoader(StreamingLoader):
         for passed in range(self._kept_from, entry):
             self._offsets.pop(passed, None)
         self._kept_from = entry
-        timing = self.timing
-        wait_span = None
+        self._wait_for_copy(entry, compute, self._copy_done[entry] if compute is not None else None, probe)
         if compute is not None:
-            if timing is not None:
-                wait_span = timing.start_span(compute)
-            if probe is not None:
-                probe.wait_for_copy(compute, self._copy_done[entry])
-            else:
-                compute.wait_event(self._copy_done[entry])
-            if wait_span is not None:
-                timing.end_span(wait_span, compute)
             self._retire(self._copy_done, entry)
-        if timing is not None:
-            timing.attach_transfer(self._pending_timing.pop(entry, None), wait_span)
         for param, view in zip(self.params[block], self._device_views(block, offset)):
             param.data = view
         self._active = (entry, offset)

@@ -318,6 +318,24 @@ class StreamingLoader:
         for entry in entries:
             self._pending_timing.pop(entry, None)
 
+    def _wait_for_copy(self, entry: int, compute: Any, copy_done: Any, probe: StallProbe | None) -> None:
+        """Order the compute stream after entry ``entry``'s copy (``copy_done``; none on the CPU, whose copies
+        are synchronous), timing the stall for offload timing and for a sampling stall probe, and attribute the
+        copy and its stall to the trap now starting."""
+        timing = self.timing
+        wait_span = None
+        if compute is not None:
+            if timing is not None:
+                wait_span = timing.start_span(compute)
+            if probe is not None:
+                probe.wait_for_copy(compute, copy_done)
+            else:
+                compute.wait_event(copy_done)
+            if wait_span is not None:
+                timing.end_span(wait_span, compute)
+        if timing is not None:
+            timing.attach_transfer(self._pending_timing.pop(entry, None), wait_span)
+
     def _check_capturable(self) -> None:
         if self._active is not None:
             raise RuntimeError("a CUDA-graph capture began inside a trap: capture whole forward passes")
@@ -475,19 +493,7 @@ class BlockLoader(StreamingLoader):
             for skipped in range(self._issued + 1, entry):
                 self._pending_timing.pop(skipped, None)
             self._issue(entry, compute)
-        timing = self.timing
-        wait_span = None
-        if compute is not None:
-            if timing is not None:
-                wait_span = timing.start_span(compute)
-            if probe is not None:
-                probe.wait_for_copy(compute, self._copy_done[slot])
-            else:
-                compute.wait_event(self._copy_done[slot])
-            if wait_span is not None:
-                timing.end_span(wait_span, compute)
-        if timing is not None:
-            timing.attach_transfer(self._pending_timing.pop(entry, None), wait_span)
+        self._wait_for_copy(entry, compute, self._copy_done[slot] if compute is not None else None, probe)
         for param, view in zip(self.params[block], self._device_views(block, slot)):
             param.data = view
         self._active = (entry, slot)
