@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import shutil
 import subprocess
 import sys
@@ -51,7 +50,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, docs_body, gib, median, report, table, write_docs_section  # noqa: E402
+from common import RESULTS_DIR, JsonLineWorker, docs_body, gib, median, report, table, write_docs_section  # noqa: E402
 
 MANAGER = "scale"
 GIB = 1 << 30
@@ -87,18 +86,9 @@ class Params:
 
 
 def _torch_env(p: Params):
-    import torch
+    from models import worker_env
 
-    from models import ModelSpec, build_meta_model
-
-    device = torch.device(p.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.empty(1, device=device)  # the CUDA context, outside every timed region
-    spec = ModelSpec(**p.spec)
-    dtype = getattr(torch, p.dtype)
-    build_meta_model(ModelSpec(hidden=spec.head_dim, layers=1, vocab=16, head_dim=spec.head_dim), dtype)
-    return torch, device, dtype, spec
+    return worker_env(p.device, p.dtype, p.spec)
 
 
 def _sync(torch, device) -> None:
@@ -286,35 +276,11 @@ def worker_main(mode: str, raw: str) -> None:
 # ================================================================================================================
 
 
-class Worker:
+class Worker(JsonLineWorker):
     """One child process speaking the JSON-line protocol above."""
 
     def __init__(self, mode: str, params: Params) -> None:
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, json.dumps(asdict(params))]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.mode = mode
-
-    def read(self, timeout: float) -> dict:
-        """The next JSON line within ``timeout`` s; RuntimeError when the worker failed, went quiet or exited."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
-            if not ready:
-                raise RuntimeError(f"{self.mode} worker {self.proc.pid} sent nothing within {timeout:.0f} s")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.mode} worker {self.proc.pid} exited (rc={self.proc.wait()}) without a "
-                                   "report")
-            if line.startswith("{"):
-                data = json.loads(line)
-                if "error" in data:
-                    raise RuntimeError(f"{self.mode} worker {self.proc.pid} failed: {data['error']}")
-                return data
-
-    def send(self, command: str) -> None:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
+        super().__init__(__file__, mode, asdict(params))
 
     def exit_s(self, timeout: float) -> float:
         """Seconds until the process exited (it was told to close); killed after ``timeout``."""
@@ -327,11 +293,6 @@ class Worker:
         if self.proc.returncode != 0:
             raise RuntimeError(f"{self.mode} worker {self.proc.pid} exited with {self.proc.returncode}")
         return time.monotonic() - begin
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 def start_together(workers: list[Worker], timeout: float) -> list[dict]:

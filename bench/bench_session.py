@@ -57,7 +57,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, gib, median, percentile, pss_bytes, report, table  # noqa: E402
+from common import RESULTS_DIR, JsonLineWorker, gib, median, percentile, pss_bytes, report, table  # noqa: E402
 
 MANAGER = "bench"
 GOAL_PSS_RATIO = 1.05
@@ -91,20 +91,10 @@ class Params:
 
 def _torch_env(p: Params):
     import safetensors.torch  # noqa: F401 - imported here so no timed region pays for the import
-    import torch
 
-    from models import ModelSpec, build_meta_model
+    from models import worker_env
 
-    device = torch.device(p.device)
-    dtype = getattr(torch, p.dtype)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.empty(1, device=device)  # the CUDA context, created outside every timed region
-    spec = ModelSpec(**p.spec)
-    # The first model built on "meta" in a process costs about a second of one-off torch set-up; pay it here so
-    # timed regions measure the work itself.
-    build_meta_model(ModelSpec(hidden=spec.head_dim, layers=1, vocab=16, head_dim=spec.head_dim), dtype)
-    return torch, device, dtype, spec
+    return worker_env(p.device, p.dtype, p.spec)
 
 
 def _sync(torch, device) -> None:
@@ -377,23 +367,11 @@ def worker_main(mode: str, raw: str) -> None:
 # ================================================================================================================
 
 
-class Worker:
+class Worker(JsonLineWorker):
     """One child process speaking the JSON-line protocol above."""
 
     def __init__(self, mode: str, params: Params) -> None:
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, json.dumps(asdict(params))]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.mode = mode
-
-    def read(self) -> dict:
-        """The next JSON line (other output on stdout is skipped); RuntimeError when the worker failed."""
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                data = json.loads(line)
-                if "error" in data:
-                    raise RuntimeError(f"{self.mode} worker {self.proc.pid} failed: {data['error']}")
-                return data
-        raise RuntimeError(f"{self.mode} worker {self.proc.pid} exited (rc={self.proc.wait()}) without a report")
+        super().__init__(__file__, mode, asdict(params))
 
     def read_stage(self) -> None:
         """Wait for the worker's 'loaded' line (imports done, waiting for "go")."""
@@ -405,21 +383,12 @@ class Worker:
         self.read_stage()
         self.send("go")
 
-    def send(self, command: str) -> None:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-
     def finish(self, timeout: float = 120.0) -> None:
         """Wait for the worker to exit (it was told to); kill it when it does not within ``timeout``."""
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 def start_together(workers: list[Worker]) -> list[dict]:

@@ -12,7 +12,10 @@ import datetime as _dt
 import json
 import os
 import platform
+import select
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -175,3 +178,46 @@ def write_docs_section(name: str, body: str, path: Path = DOCS_BENCHMARKS) -> Pa
     tmp.write_text(new, encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Worker processes
+# --------------------------------------------------------------------------------------------------------------
+
+
+class JsonLineWorker:
+    """A benchmark's worker process, ``python SCRIPT --worker MODE PARAMS_JSON``: it reports one JSON object per
+    line on stdout (other output there is skipped; ``{"error": ...}`` is a failure) and takes commands on stdin."""
+
+    def __init__(self, script: str, mode: str, params: dict) -> None:
+        argv = [sys.executable, os.path.abspath(script), "--worker", mode, json.dumps(params)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.mode = mode
+
+    def read(self, timeout: float | None = None) -> dict:
+        """The next JSON line (within ``timeout`` s when given); RuntimeError when the worker failed, went quiet
+        or exited."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if deadline is not None:
+                ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise RuntimeError(f"{self.mode} worker {self.proc.pid} sent nothing within {timeout:.0f} s")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.mode} worker {self.proc.pid} exited (rc={self.proc.wait()}) without a "
+                                   "report")
+            if line.startswith("{"):
+                data = json.loads(line)
+                if "error" in data:
+                    raise RuntimeError(f"{self.mode} worker {self.proc.pid} failed: {data['error']}")
+                return data
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()

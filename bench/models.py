@@ -200,3 +200,17 @@ def make_tokens(spec: ModelSpec, batch: int, seq: int, device: torch.device | st
     """Deterministic token ids (generated on CPU so every device and process gets the same input)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(spec.vocab, (batch, seq), generator=gen).to(device)
+
+
+def worker_env(device_name: str, dtype_name: str, spec_fields: dict):
+    """A benchmark worker's torch set-up, outside every timed region: the device made current and its CUDA
+    context created, and one tiny model built on ``meta`` (the first one in a process costs about a second of
+    one-off torch set-up). Returns ``(torch, device, dtype, spec)``."""
+    device = torch.device(device_name)
+    dtype = getattr(torch, dtype_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.empty(1, device=device)
+    spec = ModelSpec(**spec_fields)
+    build_meta_model(ModelSpec(hidden=spec.head_dim, layers=1, vocab=16, head_dim=spec.head_dim), dtype)
+    return torch, device, dtype, spec
