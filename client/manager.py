@@ -226,11 +226,11 @@ class OffloadManager:
         """What the engine calls for its host-block provider. Shared memory needs a namespace membership: the
         session's (``shm_owner``), or for ``shm_enabled`` without a session (the caller coordinates roles)
         this manager's own, joined when the first block is needed and left at ``release()``."""
-        def factory(*, background: bool = False) -> HostBlockProvider:
+        def factory(*, register_in_place: bool = False) -> HostBlockProvider:
             owner = shm_owner
             if cfg.shm_enabled and owner is None:
                 owner = self._join_namespace(cfg)
-            return make_provider(cfg, device, shm_owner=owner, background=background)
+            return make_provider(cfg, device, shm_owner=owner, register_in_place=register_in_place)
 
         return factory
 

@@ -58,7 +58,7 @@ Sequence and threads
    pause between. On CUDA the thread first makes the manager's device current. Its pinned memory never comes
    from PyTorch's pinned allocator, whatever ``pinned_memory_mode``: each fresh arena there is one
    ``cudaHostAlloc``, which holds up every launch of the process while it runs (0.8 s for 2 GiB on the H200
-   host), so the first inference passes stalled for it (``make_provider(..., background=True)``).
+   host), so the first inference passes stalled for it (``make_provider(..., register_in_place=True)``).
 3. Main thread, at the start of the first pass after the build finished (``InferenceHandler.begin_pass``), or at any
    call that needs the INFERENCE layout (``export_state``, ``get_gpu_memory_usage``, ``offloaded_tensors``,
    ``loader``, ``save_profile``: they wait for the build): :func:`install_deferred` points every streamed tensor
@@ -168,7 +168,7 @@ def build_inference(
     if host_blocks is None and layouts:
         # Blocks read from a checkpoint have no tensor to pin_memory(): they are registered in place at their
         # exact size, never rounded up by PyTorch's pinned allocator (up to 2x the model's host RAM).
-        ctx.inference.provider = ctx.provider_factory(background=weights is not None)
+        ctx.inference.provider = ctx.provider_factory(register_in_place=weights is not None)
         ctx.inference.provider.reserve([layout.nbytes for layout in layouts])
     blocks: list[HostBlock] = []
     ctx.inference.host_blocks = blocks  # filled as we go: on a failure, teardown finds every block in use
@@ -300,7 +300,7 @@ def defer_inference(ctx: EngineContext, layouts: list[BlockLayout], schedule: li
     for entry in ctx.tensors.values():  # (the warm-up holds no copy now: streamed ones detached, the rest committed)
         if not entry.tensor.is_meta and entry.tensor.device != ctx.device:
             ctx.to_device(entry.tensor)
-    provider = ctx.provider_factory(background=True)  # no cudaHostAlloc behind running passes
+    provider = ctx.provider_factory(register_in_place=True)  # no cudaHostAlloc behind running passes
     # The build thread is the only user of the staging from here until install_deferred joined it.
     ctx.inference.deferred = HostBlockBuild(ctx.name, layouts, sources, provider, ctx.warm.staging.release,
                                             ctx.device, release_after=resident)

@@ -47,8 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["compute_device", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan",
            "ReplanState"]
 
-#: Makes the provider of the INFERENCE host blocks (``background=True``: for a build on a thread behind running
-#: inference). The manager supplies it: private pinned or pageable memory, or shared memory whose namespace
+#: Makes the provider of the INFERENCE host blocks (``register_in_place=True``: never PyTorch's pinned allocator,
+#: for a build on a thread behind running inference or from a checkpoint). The manager supplies it: private pinned or pageable memory, or shared memory whose namespace
 #: membership the session (or the manager's low-level path) already holds.
 ProviderFactory = Callable[..., HostBlockProvider]
 

@@ -516,16 +516,15 @@ class ShmProvider(HostBlockProvider):
 
 
 def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None,
-                  background: bool = False) -> HostBlockProvider:
+                  register_in_place: bool = False) -> HostBlockProvider:
     """The provider the config asks for. ``pinned_memory`` on a CPU compute device is refused earlier, at
     manager construction; here it can only mean CUDA.
 
-    ``background``: the blocks are built on a thread while inference runs. PyTorch's pinned allocator
-    (``pinned_memory_mode="torch"``) allocates with ``cudaHostAlloc``, which holds every kernel launch of the
-    process until it returns (0.8 s for 2 GiB on the H200 host), so such a build registers plain memory in
-    place instead, block by block (:class:`HostRegisterProvider`): the same pinned result, no stalled pass. The
-    build of a model read from a checkpoint asks for the same: exact-size blocks, never rounded up to a power of
-    two by PyTorch's pinned allocator."""
+    ``register_in_place``: pinned blocks are plain memory registered in place, block by block
+    (:class:`HostRegisterProvider`), whatever ``pinned_memory_mode`` says. Two builds ask for it: one on a thread
+    while inference runs (PyTorch's pinned allocator, ``pinned_memory_mode="torch"``, allocates with
+    ``cudaHostAlloc``, which holds every kernel launch of the process until it returns: 0.8 s for 2 GiB on the
+    H200 host), and one that reads a checkpoint (exact-size blocks, never rounded up to a power of two)."""
     pin = bool(config.pinned_memory) and device.type == "cuda"
     if config.shm_enabled:
         if shm_owner is None:
@@ -536,7 +535,7 @@ def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None,
         return ShmProvider(shm_owner, pin=pin)
     if not pin:
         return PageableProvider()
-    if config.pinned_memory_mode == "host_register" or background:
+    if config.pinned_memory_mode == "host_register" or register_in_place:
         from flextensor.shm.pinning import cudart_available
 
         if cudart_available():

@@ -492,4 +492,4 @@ def test_a_background_build_never_uses_pytorchs_pinned_allocator(monkeypatch):
     config.pinned_memory = True  # (construction refuses it without CUDA; only the provider choice is tested)
     cuda = torch.device("cuda", 0)
     assert isinstance(host_memory.make_provider(config, cuda), host_memory.TorchPinnedProvider)
-    assert isinstance(host_memory.make_provider(config, cuda, background=True), host_memory.HostRegisterProvider)
+    assert isinstance(host_memory.make_provider(config, cuda, register_in_place=True), host_memory.HostRegisterProvider)
