@@ -91,9 +91,7 @@ def test_allow_strategy_replan_false_keeps_the_plan(caplog):
 
 def test_requested_replan_measures_then_installs_between_passes():
     model, ref, om = _profiled()
-    om.allow_strategy_replan = False  # no automatic replan: only the requested one
-    om.allow_strategy_replan = True
-    om.engine.inference.replan.probe = None
+    om.engine.inference.replan.probe = None  # no automatic replan: only the requested one
     om.engine.inference.loader.probe = None
     assert ft.request_strategy_replan() == replan.MEASURE_PASSES
     status = ft.strategy_replan_status()
