@@ -318,8 +318,8 @@ class OffloadConfig:
     profiling_iters: int = 10
     # transfer. ``transfer_mode``: how streamed weights reach the device.
     #   "allocation_block_transfer": a trap's offloaded tensors are packed into one host block and copied with one
-    #       copy into one of ``num_blocks`` equal device blocks (each as large as the largest streamed block),
-    #       reused in rotation.
+    #       copy into one of ``num_blocks`` device blocks (each as large as the largest streamed block, the last
+    #       one possibly sized to a partly streamed trap under a memory budget), reused in rotation.
     #   "strategy": the same blocks, copied tensor by tensor.
     #   "raw_block_transfer": one copy per trap too, into ONE device arena managed directly: each block gets a
     #       byte range sized to it, placed after the previous one on a ring, and is copied as soon as the bytes it

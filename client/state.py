@@ -8,7 +8,8 @@ Contents (schema version :data:`SCHEMA_VERSION`):
 
 - ``fingerprint``: sha256 over the sorted ``name|kind|dtype|shape|aliases`` lines of every parameter and
   buffer; a mismatch is reported by naming the first differing tensor (see :func:`describe_mismatch`).
-- ``transfer_mode``, ``num_blocks``: config essentials (the transfer mode must match on adoption).
+- ``transfer_mode``, ``num_blocks``: config essentials (the transfer mode must match on adoption);
+  ``small_slot_bytes``: the loader's small last slot under a memory budget (0: slots of one size).
 - ``traps``: trap labels with their kind (``module``: a module path; ``block``: a manual ``offload_block``),
   in first-execution order; ``schedule``: the offloaded trap invocations of one pass, in order.
 - ``tensors``: every parameter and buffer by canonical name with dtype, shape, stride, storage offset, nbytes,
@@ -92,6 +93,7 @@ class TensorManagerState(msgspec.Struct, kw_only=True):
     timings: TimingState = msgspec.field(default_factory=TimingState)
     strategy: str = ""
     explanation: list[str] = []
+    small_slot_bytes: int = 0
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=1)

@@ -206,6 +206,7 @@ def adopt_state(
     ctx.plan.samples = [(int(b), float(s)) for b, s in state.timings.transfer_samples]
     ctx.plan.strategy_name = state.strategy
     ctx.plan.explanation = list(state.explanation)
+    ctx.plan.small_slot = state.small_slot_bytes
     ctx.adopted = True
     num_slots = effective_blocks(cfg.num_blocks, cfg.min_blocks, len(layouts))
     if cfg.transfer_mode == "raw_block_transfer":  # the arena the plan was sized with (a budget may have shrunk it)
@@ -262,6 +263,7 @@ def export_state(ctx: EngineContext) -> TensorManagerState:
         fingerprint=model_fingerprint(ctx.tensors),
         transfer_mode=ctx.config.transfer_mode,
         num_blocks=ctx.inference.loader.num_slots if ctx.inference.loader is not None else ctx.config.num_blocks,
+        small_slot_bytes=ctx.plan.small_slot,
         traps=[TrapState(label=label, kind=ctx.traps[label].kind) for label in order if label in ctx.traps],
         schedule=list(ctx.sequence),
         tensors=tensors,

@@ -232,6 +232,7 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
         params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts],
         schedule=loader_schedule,
         num_slots=num_slots,
+        small_slot=ctx.plan.small_slot,
         timing=ctx.timing,
         host_block_gate=host_block_gate,
     )

@@ -127,6 +127,7 @@ class PlanState:
     samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds) transfer samples
     strategy_name: str = ""
     explanation: list[str] = field(default_factory=list)
+    small_slot: int = 0  # bytes of the loader's small last slot, 0 for none (flextensor.planning.slot_model)
 
 
 @dataclass(eq=False)

@@ -352,6 +352,7 @@ def build_indirect(ctx: EngineContext, layouts: Sequence[BlockLayout], schedule:
         params=shadows,
         schedule=[block_of[label] for label in schedule if label in block_of],
         num_slots=num_slots,
+        small_slot=ctx.plan.small_slot,
         per_tensor=True,
         timing=ctx.timing,
         host_views=[[shadow.data for shadow in group] for group in shadows],  # before the loader parks them

@@ -410,6 +410,7 @@ def install_streaming(ctx: EngineContext, streamed: Sequence[str], num_slots: in
     inference = ctx.inference
     keep = set(streamed)
     was_streamed = set(inference.block_of)
+    ctx.plan.small_slot = 0  # replans serve latency mode: no budget, slots of one size
     if inference.loader is not None:
         inference.loader.close()  # its in-flight copies finish; parameters still rest on its slots until below
         inference.loader = None

@@ -137,6 +137,7 @@ def plan_switch(ctx: EngineContext) -> Plan:
         plan = strategy.plan(plan_input)
         offloaded = {label: tuple(names) for label, names in plan.offloaded.items()}
         num_slots = plan.num_blocks
+        small_slot = plan.small_slot_bytes
         record.strategy_name, record.explanation = plan.strategy, list(plan.explanation)
         if budget is not None and not plan.fits_budget:
             logger.warning("manager %r: the plan needs %d bytes on the device, over the budget of %d bytes",
@@ -144,7 +145,7 @@ def plan_switch(ctx: EngineContext) -> Plan:
         if cfg.enable_diagnostics:
             _log_diagnostics(ctx, plan, costs, transfer)
     else:
-        offloaded, num_slots = {}, cfg.min_blocks
+        offloaded, num_slots, small_slot = {}, cfg.min_blocks, 0
         record.strategy_name = getattr(strategy, "name", type(strategy).__name__)
         record.explanation = ["no trap has offloadable tensors: everything stays resident"]
     layouts: list[BlockLayout] = []
@@ -157,6 +158,10 @@ def plan_switch(ctx: EngineContext) -> Plan:
             layouts.append(BlockLayout(len(layouts), label, layout.nbytes, layout.tensors))
         else:
             layouts.append(pack_block(len(layouts), label, [_layout_entry(tensors[n].tensor, n) for n in names]))
+    if small_slot:  # the slot in packed bytes: the largest block the planner meant for it, padding included
+        planned = {c.label: sum(t.nbytes for t in c.tensors if t.name in offloaded.get(c.label, ())) for c in costs}
+        small_slot = max((l.nbytes for l in layouts if planned[l.label] <= small_slot), default=0)
+    record.small_slot = small_slot
     return Plan(tuple(layouts), tuple(sequence), num_slots, record.strategy_name, tuple(record.explanation))
 
 

@@ -155,7 +155,7 @@ def _chain_back(value: Sequence[int], choice: Sequence[tuple[int, int, int]]) ->
 
 
 def _plan_from_masks(inp: PlanInput, strategy: str, masks: Sequence[int], num_blocks: int,
-                     explanation: Sequence[str]) -> Plan:
+                     explanation: Sequence[str], small_slot: int = 0) -> Plan:
     """``make_plan`` for a selection given as one bitmask per trap (bit ``k``: the trap's tensor ``k``).
 
     Names taken from the traps themselves need none of make_plan's validation and reordering: the selection is
@@ -174,7 +174,7 @@ def _plan_from_masks(inp: PlanInput, strategy: str, masks: Sequence[int], num_bl
         if names:
             offloaded[trap.label] = tuple(names)
             per_trap[i] = nbytes
-    return _finish_plan(inp, strategy, offloaded, per_trap, num_blocks, explanation)
+    return _finish_plan(inp, strategy, offloaded, per_trap, num_blocks, explanation, small_slot)
 
 
 def _per_trap(inp: PlanInput, masks: Sequence[int]) -> list[int]:

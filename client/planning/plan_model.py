@@ -39,6 +39,12 @@ largest block, and a copy waits for the traps that last used the bytes it overwr
 ``simulate_bytes`` either pipeline. The arena has no slots to count, so ``min_blocks`` does not bound it: a
 budget search may go down to two blocks (``PlanInput.fewest_blocks``).
 
+A small slot (``flextensor.planning.slot_model``)
+-------------------------------------------------
+A slot plan may make its last slot smaller than the others, sized to a partly streamed trap: blocks go to the
+least recently used slot that holds them, and a copy waits for its slot's previous entry (``SlotTrace``).
+``rotating_bytes`` and ``simulate_bytes`` take the slot's bytes as ``small_slot``.
+
 Cost of a block copy: ``TransferModel.seconds(n) = latency_s + n / bandwidth`` (one latency per trap, since a
 trap's offloaded tensors travel as one packed block).
 """
@@ -51,6 +57,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from flextensor.planning.arena_model import ArenaMap, ArenaTrace, window_bytes
+from flextensor.planning.slot_model import (PipelineTrace, SlotRing, SlotTrace, effective_blocks, slot_sizes,
+                                            small_slot_for)
+from flextensor.planning.transfer_model import TransferModel
 
 MIB = 1 << 20
 
@@ -67,6 +76,7 @@ __all__ = [
     "make_plan",
     "peak_device_bytes",
     "plan_blocks",
+    "plan_small_slot",
     "rotating_bytes",
     "simulate_bytes",
     "simulation",
@@ -150,71 +160,6 @@ class TrapCost:
     def total_bytes(self) -> int:
         # Cached: the strategies ask for it per trap many times while planning (the fields are frozen).
         return sum(t.nbytes for t in self.tensors)
-
-
-@dataclass(frozen=True)
-class TransferModel:
-    """Affine host-to-device copy cost: ``seconds(n) = latency_s + n / bandwidth_bytes_per_s`` (0 for n <= 0)."""
-
-    bandwidth_bytes_per_s: float
-    latency_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        bw = float(self.bandwidth_bytes_per_s)
-        lat = float(self.latency_s)
-        if not math.isfinite(bw) or bw <= 0.0:
-            raise ValueError(f"TransferModel.bandwidth_bytes_per_s must be finite and > 0, got {bw!r}")
-        if not math.isfinite(lat) or lat < 0.0:
-            raise ValueError(f"TransferModel.latency_s must be finite and >= 0, got {lat!r}")
-        object.__setattr__(self, "bandwidth_bytes_per_s", bw)
-        object.__setattr__(self, "latency_s", lat)
-
-    def seconds(self, nbytes: int) -> float:
-        if nbytes <= 0:
-            return 0.0
-        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
-
-    def bytes_within(self, seconds: float) -> int:
-        """The largest block whose copy takes at most ``seconds`` (0 when even the latency does not fit)."""
-        if not seconds > self.latency_s:
-            return 0
-        n = int(math.floor((seconds - self.latency_s) * self.bandwidth_bytes_per_s))
-        while n > 0 and self.seconds(n) > seconds:  # float rounding: never report a block that overshoots
-            n -= 1
-        return max(n, 0)
-
-    @classmethod
-    def fit(cls, samples: Sequence[tuple[int, float]]) -> TransferModel:
-        """Least-squares fit of ``seconds = latency + bytes / bandwidth`` to measured ``(bytes, seconds)`` pairs.
-
-        Robust on purpose, because the engine may measure as little as one tensor: one sample (or samples of a
-        single size) gives a zero-latency line through the origin; a negative fitted latency (noise on small
-        copies) is clamped to 0 by refitting through the origin.
-        """
-        points = [(int(b), float(s)) for b, s in samples]
-        if not points:
-            raise ValueError("TransferModel.fit needs at least one (bytes, seconds) sample; measure a transfer first")
-        for b, s in points:
-            if b <= 0 or not math.isfinite(s) or s < 0.0:
-                raise ValueError(
-                    f"TransferModel.fit: bad sample (bytes={b}, seconds={s}); bytes must be > 0 and seconds a "
-                    "finite value >= 0"
-                )
-        n = len(points)
-        mean_x = sum(b for b, _ in points) / n
-        mean_y = sum(s for _, s in points) / n
-        sxx = sum((b - mean_x) ** 2 for b, _ in points)
-        slope = intercept = None
-        if sxx > 0.0:
-            slope = sum((b - mean_x) * (s - mean_y) for b, s in points) / sxx
-            intercept = mean_y - slope * mean_x
-        if slope is None or slope <= 0.0 or intercept is None or intercept < 0.0:
-            # Through the origin: minimise sum (s - k b)^2  ->  k = sum(b s) / sum(b^2).
-            slope = sum(b * s for b, s in points) / sum(float(b) * b for b, _ in points)
-            intercept = 0.0
-        if not slope > 0.0:
-            raise ValueError("TransferModel.fit: every sample took 0 seconds; the bandwidth cannot be estimated")
-        return cls(bandwidth_bytes_per_s=1.0 / slope, latency_s=intercept)
 
 
 @dataclass(frozen=True)
@@ -365,7 +310,7 @@ class Plan:
     """A strategy's decision. Traps missing from ``offloaded`` keep every tensor resident.
 
     ``offloaded`` is ordered like the traps (execution order), so the ``j``-th key uses device block slot
-    ``j % num_blocks`` (see ``block_slots``). ``num_blocks`` is the number of device blocks the loader should
+    ``j % num_blocks`` (see ``block_slots``; with a small slot, ``slot_model``'s placement). ``num_blocks`` is the number of device blocks the loader should
     allocate: never more than there are offloaded traps (extra blocks would never be used), never below the
     input's ``min_blocks`` (with nothing offloaded the loader allocates none). With an arena
     (``PlanInput.arena``) it is the number of consecutive streamed calls the arena holds (at least two, at most
@@ -388,22 +333,17 @@ class Plan:
     candidates: list[CandidateSummary] = field(default_factory=list)  # filled by AdaptiveStrategy
     rotating_bytes: int = 0
     arena_offsets: dict[str, int] = field(default_factory=dict)  # arena plans: first-pass offset per trap
+    small_slot_bytes: int = 0  # slot plans: bytes of the small last slot, 0 for slots of one size (slot_model)
+    slot_of: dict[str, int] = field(default_factory=dict)  # plans with a small slot: first-pass slot per trap
 
     def block_slots(self) -> dict[str, int]:
-        """Trap label -> device block slot, for every offloaded trap; for an arena plan the byte offset of the
-        trap's first call in the arena (later passes may place it elsewhere: ``arena_model``)."""
+        """Trap label -> device block slot, for every offloaded trap in a first pass; for an arena plan the
+        byte offset of the trap's first call in the arena (later passes may place it elsewhere: ``arena_model``)."""
         if self.arena_offsets:
             return dict(self.arena_offsets)
+        if self.slot_of:
+            return dict(self.slot_of)
         return {label: j % self.num_blocks for j, label in enumerate(self.offloaded)}
-
-
-def effective_blocks(requested: int, min_blocks: int, offloaded_traps: int) -> int:
-    """Blocks worth allocating: ``requested``, capped at ``max(min_blocks, offloaded_traps)``.
-
-    With at least as many blocks as offloaded traps no slot is ever reused, so more blocks change nothing in
-    the pipeline but cost device memory.
-    """
-    return min(requested, max(min_blocks, offloaded_traps))
 
 
 def _per_trap_bytes(inp: PlanInput, offloaded: Mapping[str, Iterable[str]]) -> list[int]:
@@ -424,82 +364,6 @@ def _per_trap_bytes(inp: PlanInput, offloaded: Mapping[str, Iterable[str]]) -> l
     return out
 
 
-class PipelineTrace:
-    """One run of the simulator that remembers its state before every trap.
-
-    Searches (BudgetFill's polish) try many variants that differ from a base selection in one trap only;
-    ``with_change(i, nbytes)`` re-simulates from trap ``i`` instead of from time 0. The simulation itself is the
-    model of the module docstring: one copy stream, ``num_blocks`` rotating slots, one compute stream.
-    """
-
-    def __init__(self, inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"simulate_overhead: num_blocks must be >= 1, got {num_blocks}")
-        self.inp, self.per_trap, self.num_blocks = inp, list(per_trap), num_blocks
-        self.used_until: list[float] = []  # compute end of the j-th offloaded trap (releases its block slot)
-        self.before: list[tuple[float, int, float]] = []  # per trap: (clock, copies so far, last copy end)
-        self.overhead = self._run(0, (0.0, 0, 0.0), self.per_trap, self.used_until, record=True)
-
-    def with_change(self, trap: int, nbytes: int) -> float:
-        """Overhead if trap ``trap`` carried ``nbytes`` instead (same block count)."""
-        per = self.per_trap
-        saved, per[trap] = per[trap], nbytes
-        try:
-            return self._run(trap, self.before[trap], per, [], record=False)
-        finally:
-            per[trap] = saved
-
-    def _run(self, first: int, state: tuple[float, int, float], per: Sequence[int], used: list[float],
-             record: bool) -> float:
-        """Simulate from trap ``first`` in ``state``; see the module docstring for the model.
-
-        Written for speed (BudgetFill's polish runs it thousands of times at the switch to INFERENCE), with the
-        very same float operations as the plain model: ``a if not b > a else b`` is what ``max(a, b)`` returns,
-        and a copy takes ``(latency + n / bandwidth) / scale`` as ``transfer.seconds(n) / scale`` does (the
-        bound method is called instead when a subclass overrides ``seconds``).
-
-        A re-run (``record=False``, from ``with_change``) stops early once it is back in the base run's state
-        before some later trap: same clock, copies and last copy end, and the same compute ends for every block
-        slot a later copy may still wait for. The traps after it are unchanged, so from there it would repeat
-        the base run's operations exactly and end with the base run's overhead, which it returns.
-        """
-        inp, blocks = self.inp, self.num_blocks
-        transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
-        inline = type(transfer).seconds is TransferModel.seconds
-        seconds, latency, bandwidth = transfer.seconds, transfer.latency_s, transfer.bandwidth_bytes_per_s
-        clock, copies, last_end = state
-        base = copies  # used[k] holds the compute end of offloaded trap base + k (when not recording)
-        shared = self.used_until
-        before = self.before
-        for i in range(first, len(compute)):
-            if record:
-                before.append((clock, copies, last_end))
-            elif i > first:
-                b_clock, b_copies, b_last = before[i]
-                if (clock == b_clock and copies == b_copies and last_end == b_last
-                        and all(used[k - base] == shared[k] for k in range(max(base, copies - blocks), copies))):
-                    return self.overhead
-            nbytes = per[i]
-            if nbytes > 0:
-                start = last_end
-                if copies >= blocks:
-                    k = copies - blocks
-                    release = shared[k] if record or k < base else used[k - base]
-                    if release > start:
-                        start = release
-                last_end = start + ((latency + nbytes / bandwidth) if inline else seconds(nbytes)) / scale
-                if last_end > clock:
-                    clock = last_end
-                clock += compute[i] + cost[i]
-                copies += 1
-                used.append(clock)
-            else:
-                clock += compute[i]
-        overhead = clock - inp.total_compute_s
-        # Differences this small are float noise from summing in another order, not waiting.
-        return 0.0 if overhead <= 1e-9 * max(inp.total_compute_s, 1e-12) else overhead
-
-
 def plan_blocks(inp: PlanInput, requested: int, per_trap: Sequence[int]) -> int:
     """The block count a plan offloading ``per_trap`` uses: ``effective_blocks`` over its offloaded traps
     (slots), or over its streamed calls with a floor of two (arena: ``PlanInput.fewest_blocks``)."""
@@ -508,34 +372,50 @@ def plan_blocks(inp: PlanInput, requested: int, per_trap: Sequence[int]) -> int:
     return effective_blocks(requested, inp.min_blocks, sum(1 for nbytes in per_trap if nbytes > 0))
 
 
-def rotating_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> int:
+def plan_small_slot(inp: PlanInput, per_trap: Sequence[int], num_blocks: int, small_slot: int) -> int:
+    """The small slot (``flextensor.planning.slot_model``) a slot plan offloading ``per_trap`` through
+    ``num_blocks`` slots really has: 0 for an arena, for too few slots, or when it would hold the largest block."""
+    if inp.arena or not small_slot:
+        return 0
+    return small_slot_for(max(per_trap, default=0), num_blocks, small_slot)
+
+
+def rotating_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int, small_slot: int = 0) -> int:
     """Device bytes of the rotating blocks a plan offloading ``per_trap`` needs (none when nothing streams):
-    ``effective_blocks`` slots as large as the largest trap's block, or the arena holding any ``num_blocks``
-    consecutive streamed calls (``arena_model.window_bytes``), the very bytes the loader allocates."""
+    ``effective_blocks`` slots as large as the largest trap's block (the last one ``small_slot`` bytes when it
+    applies: ``slot_model``), or the arena holding any ``num_blocks`` consecutive streamed calls
+    (``arena_model.window_bytes``), the very bytes the loader allocates."""
     if inp.arena:
         return window_bytes(inp.streamed_calls(per_trap), num_blocks)
     offloaded = sum(1 for nbytes in per_trap if nbytes > 0)
-    return effective_blocks(num_blocks, inp.min_blocks, offloaded) * max(per_trap) if offloaded else 0
+    if not offloaded:
+        return 0
+    return sum(slot_sizes(max(per_trap), effective_blocks(num_blocks, inp.min_blocks, offloaded), small_slot))
 
 
-def peak_device_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> int:
+def peak_device_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int, small_slot: int = 0) -> int:
     """Device bytes a plan needs at its peak, from its offloaded bytes per trap: the fixed tensors, what stays
     resident, and the rotating blocks (``rotating_bytes``). Every plan's ``peak_device_bytes`` and the budget
     searches use it."""
-    return inp.fixed_resident_bytes + inp.offloadable_bytes - sum(per_trap) + rotating_bytes(inp, per_trap, num_blocks)
+    return (inp.fixed_resident_bytes + inp.offloadable_bytes - sum(per_trap)
+            + rotating_bytes(inp, per_trap, num_blocks, small_slot))
 
 
-def simulation(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> PipelineTrace | ArenaTrace:
-    """The simulator run of the input's layout: ``PipelineTrace`` (slots) or ``ArenaTrace`` (arena); both have
-    ``overhead`` and ``with_change``."""
+def simulation(inp: PlanInput, per_trap: Sequence[int], num_blocks: int,
+               small_slot: int = 0) -> PipelineTrace | ArenaTrace | SlotTrace:
+    """The simulator run of the input's layout: ``PipelineTrace`` (slots of one size), ``SlotTrace`` (with a
+    small slot) or ``ArenaTrace`` (arena); each has ``overhead`` and ``with_change``."""
     if inp.arena:
         return ArenaTrace(inp, per_trap, num_blocks)
+    small = plan_small_slot(inp, per_trap, num_blocks, small_slot)
+    if small:
+        return SlotTrace(inp, per_trap, num_blocks, small)
     return PipelineTrace(inp, per_trap, num_blocks)
 
 
-def simulate_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int) -> float:
+def simulate_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int, small_slot: int = 0) -> float:
     """The simulator on per-trap offloaded byte counts (see the module docstring for the model)."""
-    return simulation(inp, per_trap, num_blocks).overhead
+    return simulation(inp, per_trap, num_blocks, small_slot).overhead
 
 
 def simulate_overhead(inp: PlanInput, offloaded: Mapping[str, Iterable[str]], num_blocks: int) -> float:
@@ -550,8 +430,10 @@ def make_plan(
     selection: Mapping[str, Iterable[str]],
     num_blocks: int,
     explanation: Iterable[str] = (),
+    small_slot: int = 0,
 ) -> Plan:
-    """Build a consistent Plan (bytes, peak, simulated overhead, budget check) from a tensor selection.
+    """Build a consistent Plan (bytes, peak, simulated overhead, budget check) from a tensor selection, streamed
+    through ``num_blocks`` slots (the last one ``small_slot`` bytes where that applies: ``slot_model``).
 
     Every plan is finished by ``_finish_plan`` (the strategies, which select by per-trap bitmasks over the
     traps' own tensors, reach it through ``basic_strategies._plan_from_masks`` without the validation here), so
@@ -569,7 +451,7 @@ def make_plan(
             offloaded[trap.label] = names
         else:
             per_trap[i] = 0
-    return _finish_plan(inp, strategy, offloaded, per_trap, num_blocks, explanation)
+    return _finish_plan(inp, strategy, offloaded, per_trap, num_blocks, explanation, small_slot)
 
 
 def _finish_plan(
@@ -579,26 +461,35 @@ def _finish_plan(
     per_trap: list[int],
     num_blocks: int,
     explanation: Iterable[str] = (),
+    small_slot: int = 0,
 ) -> Plan:
     """``make_plan`` for a selection already in its normal form, which it neither validates nor reorders:
     ``offloaded`` ordered like the traps, each trap's names in the trap's order and of non-zero size,
-    ``per_trap`` their bytes per trap (0 for traps not in ``offloaded``)."""
+    ``per_trap`` their bytes per trap (0 for traps not in ``offloaded``). ``small_slot``: the bytes of a
+    small last slot (``slot_model``; kept only where it applies)."""
     blocks = plan_blocks(inp, num_blocks, per_trap)
+    small = plan_small_slot(inp, per_trap, blocks, small_slot)
     block_bytes = max(per_trap, default=0)
     offloaded_bytes = sum(per_trap)
     resident = inp.offloadable_bytes - offloaded_bytes
-    rotating = rotating_bytes(inp, per_trap, blocks)
+    rotating = rotating_bytes(inp, per_trap, blocks, small)
     peak = inp.fixed_resident_bytes + resident + rotating
-    overhead = simulate_bytes(inp, per_trap, blocks)
+    overhead = simulate_bytes(inp, per_trap, blocks, small)
     fits = inp.budget_bytes is None or peak <= inp.budget_bytes
     offsets: dict[str, int] = {}
+    slot_of: dict[str, int] = {}
+    if small:
+        slots: SlotRing[None] = SlotRing(slot_sizes(block_bytes, blocks, small))
+        slot_of = {inp.traps[i].label: slots.place(nbytes, None)[0] for i, nbytes in enumerate(per_trap) if nbytes}
     if inp.arena and rotating:
         ring: ArenaMap[None] = ArenaMap(rotating)
         for i in inp.call_order:
             if per_trap[i] > 0:
                 offsets.setdefault(inp.traps[i].label, ring.place(per_trap[i]))
     through = (f"a device arena of {_mib(rotating)} holding any {blocks} consecutive blocks (largest "
-               f"{_mib(block_bytes)})" if inp.arena else f"{blocks} device blocks of {_mib(block_bytes)}")
+               f"{_mib(block_bytes)})" if inp.arena
+               else f"{blocks} device blocks of {_mib(block_bytes)}, the last one {_mib(small)}" if small
+               else f"{blocks} device blocks of {_mib(block_bytes)}")
     lines = list(explanation)
     lines.append(
         f"{strategy}: {len(offloaded)} of {len(inp.traps)} traps offload {offloaded_bytes} B "
@@ -626,6 +517,8 @@ def _finish_plan(
         explanation=lines,
         rotating_bytes=rotating,
         arena_offsets=offsets,
+        small_slot_bytes=small,
+        slot_of=slot_of,
     )
 
 

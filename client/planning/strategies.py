@@ -31,11 +31,13 @@ from flextensor.planning.plan_model import (
     make_plan,
     peak_device_bytes,
     plan_blocks,
+    plan_small_slot,
     rotating_bytes,
     simulate_bytes,
     simulate_overhead,
     simulation,
 )
+from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL, slot_sizes
 from flextensor.planning.basic_strategies import (  # noqa: F401 - the basic strategies are public from here too
     GreedyStrategy,
     KnapsackStrategy,
@@ -109,6 +111,7 @@ class BudgetFillStrategy(Strategy):
         self.max_levels = max_levels
         self.polish_candidates = max(1, polish_candidates)
         self.polish_evaluations = polish_evaluations
+        self.small_slot_sizes = 6  # small last slot sizes tried per (blocks, cap): see _small_slots
         self.knapsack = KnapsackStrategy(resolution, max_states)
 
     def __repr__(self) -> str:
@@ -147,30 +150,41 @@ class BudgetFillStrategy(Strategy):
         hidden_top = max((b for b, _ in hidden), default=0)
         grid = set(_spread(feasible, self.max_levels)) | {floor_level} | ({hidden_top} if hidden_top else set())
         windows = _gap_windows(inp)
-        found: list[tuple[tuple[float, int, int], int, int, list[int]]] = []
+        found: list[tuple[tuple[float, int, int], int, int, int, list[int]]] = []
         for count in blocks:
             for level in sorted(grid):
-                masks = self._fill(inp, tables, hidden, windows, count, level)
-                if masks is not None:
-                    found.append((_key(inp, masks, count), count, level, masks))
+                for small in [0, *self._small_slots(inp, levels, count, level)]:
+                    masks = self._fill(inp, tables, hidden, windows, count, level, small)
+                    if masks is not None:
+                        found.append((_key(inp, masks, count, small), count, level, small, masks))
         assert found, "the floor level fits with the fewest blocks, so some candidate fits"
         found.sort(key=lambda f: f[:3])
         polished = []
-        for _, count, level, masks in found[: self.polish_candidates]:
-            masks = _polish(inp, list(masks), count, self.polish_evaluations)
-            polished.append((_key(inp, masks, count), count, level, masks))
-        key, count, level, masks = min(polished, key=lambda f: f[:3])
+        for _, count, level, small, masks in found[: self.polish_candidates]:
+            masks = _polish(inp, list(masks), count, self.polish_evaluations, small)
+            polished.append((_key(inp, masks, count, small), count, level, small, masks))
+        key, count, level, small, masks = min(polished, key=lambda f: f[:3])
+        slots = f", the last one {small} B" if plan_small_slot(inp, _per_trap(inp, masks), count, small) else ""
         why = [
             f"budget_fill: budget {budget} B; hidden offloads {sum(b for b, _ in hidden)} B; searched "
-            f"{len(blocks)} block count(s) x {len(grid)} per-trap caps ({len(found)} fit); polished the best "
-            f"{len(polished)}; kept {count} blocks with cap {level} B, offloading {key[1]} B "
-            "(lowest estimated overhead, then fewest offloaded bytes, then lowest peak)"
+            f"{len(blocks)} block count(s) x {len(grid)} per-trap caps, with and without a small last slot "
+            f"({len(found)} fit); polished the best {len(polished)}; kept {count} blocks{slots} with cap {level} "
+            f"B, offloading {key[1]} B (lowest estimated overhead, then fewest offloaded bytes, then lowest peak)"
         ]
-        return _plan_from_masks(inp, self.name, masks, count, why)
+        return _plan_from_masks(inp, self.name, masks, count, why, small)
+
+    def _small_slots(self, inp: PlanInput, levels: list[int], count: int, level: int) -> list[int]:
+        """Sizes to try for a small last slot beside ``count - 1`` slots of ``level`` bytes
+        (``flextensor.planning.slot_model``): per-trap subset totals below the cap, a few of them. None for an
+        arena (its ranges are sized to each block already) or with too few slots to keep two large ones."""
+        if inp.arena or count < MIN_SLOTS_WITH_SMALL:
+            return []
+        return _spread([lv for lv in levels if lv < level], self.small_slot_sizes)
 
     def _fill(self, inp: PlanInput, tables: list[_SubsetSums | None], hidden: list[tuple[int, int]],
-              windows: list[float], count: int, level: int) -> list[int] | None:
-        """Masks meeting the budget with per-trap bytes <= level, or None when this (count, level) cannot."""
+              windows: list[float], count: int, level: int, small: int = 0) -> list[int] | None:
+        """Masks meeting the budget with per-trap bytes <= level, or None when this (count, level) cannot;
+        ``small``: the bytes of a small last slot (``flextensor.planning.slot_model``), 0 for none."""
         budget = inp.budget_bytes
         assert budget is not None
         masks, cur = [], []
@@ -185,7 +199,7 @@ class BudgetFillStrategy(Strategy):
                 s, m = table.best(min(level, hb))
                 masks.append(m)
                 cur.append(s)
-        if peak_device_bytes(inp, cur, count) <= budget:
+        if peak_device_bytes(inp, cur, count, small) <= budget:
             return masks
         transfer, scale = inp.transfer, inp.scale
 
@@ -234,11 +248,11 @@ class BudgetFillStrategy(Strategy):
                     continue
                 rotating = rotating_bytes(inp, cur, count)
             else:
-                rotating = effective_blocks(count, inp.min_blocks, n_off) * blk
+                rotating = sum(slot_sizes(blk, effective_blocks(count, inp.min_blocks, n_off), small))
             if fixed_total - off + rotating <= budget:
                 return masks
         masks = [0 if t is None else t.best(level)[1] for t in tables]
-        return masks if peak_device_bytes(inp, _per_trap(inp, masks), count) <= budget else None
+        return masks if peak_device_bytes(inp, _per_trap(inp, masks), count, small) <= budget else None
 
     def _infeasible(self, inp: PlanInput, masks: list[int], count: int, peak: int) -> Plan:
         budget = inp.budget_bytes
@@ -256,14 +270,14 @@ class BudgetFillStrategy(Strategy):
         return _plan_from_masks(inp, self.name, masks, count, why)
 
 
-def _key(inp: PlanInput, masks: Sequence[int], count: int) -> tuple[float, int, int]:
+def _key(inp: PlanInput, masks: Sequence[int], count: int, small: int = 0) -> tuple[float, int, int]:
     """BudgetFill's ranking: estimated overhead, then offloaded bytes, then peak."""
     per_trap = _per_trap(inp, masks)
-    overhead = simulate_bytes(inp, per_trap, plan_blocks(inp, count, per_trap))
-    return overhead, sum(per_trap), peak_device_bytes(inp, per_trap, count)
+    overhead = simulate_bytes(inp, per_trap, plan_blocks(inp, count, per_trap), small)
+    return overhead, sum(per_trap), peak_device_bytes(inp, per_trap, count, small)
 
 
-def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> list[int]:
+def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, small: int = 0) -> list[int]:
     """Give back offloads the budget does not need, best first, judged by the simulator.
 
     The fill ranks by a per-trap window estimate and stops at the first selection that fits, so it can
@@ -309,7 +323,7 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> l
         # Blocks after a move: n_off - (left == 0) offloaded traps, 0 blocks when that is 0.
         kept_blocks = blocks if n_off else 0
         fewer_blocks = effective_blocks(count, min_blocks, n_off - 1) if n_off - 1 else 0
-        trace = simulation(inp, per, blocks)
+        trace = simulation(inp, per, blocks, small)
         current, off = trace.overhead, sum(per)
         room = budget - base_total + off  # integers: "base_total - off + gain + peak_blocks > budget" rearranged
         order = sorted(range(len(per)), key=lambda j: -per[j])
@@ -332,7 +346,9 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> l
                         continue
                 else:
                     now_blocks = fewer_blocks if left == 0 else kept_blocks
-                    if gain + now_blocks * (others_max if others_max >= left else left) > room:
+                    largest = others_max if others_max >= left else left
+                    if gain + (sum(slot_sizes(largest, now_blocks, small)) if small and now_blocks
+                               else now_blocks * largest) > room:
                         continue
                 if evaluations <= 0:
                     break
@@ -341,7 +357,7 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int) -> l
                     overhead = trace.with_change(i, left)
                 else:
                     per[i] = left
-                    overhead = simulate_bytes(inp, per, max(now_blocks, 1))
+                    overhead = simulate_bytes(inp, per, max(now_blocks, 1), small)
                     per[i] += gain
                 key = (overhead, -gain)
                 if overhead <= current and (best is None or key < best[0]):

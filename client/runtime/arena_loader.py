@@ -245,13 +245,15 @@ def make_loader(
     params: Sequence[Sequence[torch.Tensor]],
     schedule: Sequence[int],
     num_slots: int,
+    small_slot: int = 0,
     timing: TimingCollector | None = None,
     host_block_gate: Callable[[int], None] | None = None,
 ) -> StreamingLoader:
     """The loader of ``transfer_mode``: an arena holding ``num_slots`` consecutive blocks for
-    ``"raw_block_transfer"``, else ``num_slots`` slots (filled tensor by tensor for ``"strategy"``)."""
+    ``"raw_block_transfer"``, else ``num_slots`` slots (filled tensor by tensor for ``"strategy"``), the last one
+    ``small_slot`` bytes when that is smaller (``flextensor.planning.slot_model``)."""
     common: dict[str, Any] = dict(device=device, layouts=layouts, host_blocks=host_blocks, params=params,
                                   schedule=schedule, timing=timing, host_block_gate=host_block_gate)
     if transfer_mode == "raw_block_transfer":
         return ArenaLoader(num_blocks=num_slots, **common)
-    return BlockLoader(num_slots=num_slots, per_tensor=transfer_mode == "strategy", **common)
+    return BlockLoader(num_slots=num_slots, per_tensor=transfer_mode == "strategy", small_slot=small_slot, **common)

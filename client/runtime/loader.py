@@ -92,6 +92,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from flextensor.planning.slot_model import SlotRing, slot_sizes, small_slot_for
 from flextensor.runtime.compile_guard import disable_compile
 from flextensor.runtime.host_memory import BlockLayout, block_views
 from flextensor.runtime.stall_probe import StallProbe
@@ -388,7 +389,13 @@ class StreamingLoader:
 
 
 class BlockLoader(StreamingLoader):
-    """Streams packed host blocks through ``num_slots`` device blocks, ordered by events."""
+    """Streams packed host blocks through ``num_slots`` device blocks, ordered by events.
+
+    ``small_slot``: the last slot takes only that many bytes (``flextensor.planning.slot_model``, the planner's
+    model of it): entries then go to the least recently used slot that holds them instead of slot
+    ``e % num_slots``, and a prefetch stops at the first entry whose slot's previous entry has not exited yet
+    (with one size that is the ``depth`` bound itself).
+    """
 
     def __init__(
         self,
@@ -403,6 +410,7 @@ class BlockLoader(StreamingLoader):
         timing: TimingCollector | None = None,
         host_block_gate: Callable[[int], None] | None = None,
         host_views: Sequence[Sequence[torch.Tensor]] | None = None,
+        small_slot: int = 0,
     ) -> None:
         super().__init__(device=device, layouts=layouts, host_blocks=host_blocks, params=params, schedule=schedule,
                          per_tensor=per_tensor, timing=timing, host_block_gate=host_block_gate,
@@ -412,7 +420,13 @@ class BlockLoader(StreamingLoader):
         # host blocks whose tensors are resident now.
         self.slot_bytes = max((self.layouts[b].nbytes for b in set(self.schedule)), default=0)
         self.num_slots = slot_count(num_slots, len(self.schedule)) if self.layouts else 0
-        self.slots = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self.small_slot = small_slot_for(self.slot_bytes, self.num_slots, small_slot)
+        self.slot_sizes = slot_sizes(self.slot_bytes, self.num_slots, self.small_slot)
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for size in self.slot_sizes]
+        # With a small slot: placement by SlotRing, entry -> (slot, the slot's previous entry or -1), in order.
+        self._ring: SlotRing[int] | None = SlotRing(self.slot_sizes) if self.small_slot else None
+        self._placement: dict[int, tuple[int, int]] = {}
+        self._placed = -1
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._copy_pairs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         L = len(self.schedule)
@@ -425,9 +439,30 @@ class BlockLoader(StreamingLoader):
         # it does between traps later: the model looks as if it were on the device before its first forward too,
         # which torch.compile needs (it traces the parameter swap in enter() only between views of one device).
         for block in set(self.schedule):
-            slot = self.schedule.index(block) % self.num_slots
+            slot = self._slot(self.schedule.index(block))
             for param, view in zip(self.params[block], self._device_views(block, slot)):
                 param.data = view
+
+    def _slot(self, entry: int) -> int:
+        """Entry ``entry``'s slot: ``entry % num_slots``, or with a small slot the ring's placement, which places
+        every entry up to it in order (skipped entries too, so placement depends on the entry index alone)."""
+        ring = self._ring
+        if ring is None:
+            return entry % self.num_slots
+        placement = self._placement
+        while self._placed < entry:
+            self._placed += 1
+            block = self.schedule[self._placed % len(self.schedule)]
+            slot, previous = ring.place(self.layouts[block].nbytes, self._placed)
+            placement[self._placed] = (slot, -1 if previous is None else previous)
+        return placement[entry][0]
+
+    def _slot_busy(self, entry: int, running: int) -> bool:
+        """Whether entry ``entry``'s slot still belongs to an entry from ``running`` on (not exited yet)."""
+        if self._ring is None:
+            return False  # one size: the prefetch depth (num_slots - 1 ahead) already keeps off running slots
+        self._slot(entry)
+        return self._placement[entry][1] >= running
 
     # -- views ---------------------------------------------------------------------------------------------------
     def _device_views(self, block: int, slot: int) -> list[torch.Tensor]:
@@ -440,7 +475,7 @@ class BlockLoader(StreamingLoader):
 
     @property
     def device_bytes(self) -> int:
-        return self.slot_bytes * self.num_slots
+        return sum(self.slot_sizes)
 
     # -- hot path ------------------------------------------------------------------------------------------------
     def _whole_block(self, block: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,7 +492,7 @@ class BlockLoader(StreamingLoader):
     def _issue(self, entry: int, compute: Any = None) -> None:
         """Start the copy of entry ``entry`` into its slot (side stream on CUDA, after the slot's last reader;
         synchronous on the CPU). ``compute``: the caller's current stream, when it looked it up already."""
-        slot = entry % self.num_slots
+        slot = self._slot(entry)
         block = self.schedule[entry % len(self.schedule)]
         if self.per_tensor:
             pairs: Sequence[tuple[torch.Tensor, torch.Tensor]] = list(zip(self._device_views(block, slot),
@@ -484,7 +519,7 @@ class BlockLoader(StreamingLoader):
         """
         self._refuse_nesting(block)
         entry = self._find_entry(block)
-        slot = entry % self.num_slots
+        slot = self._slot(entry)
         compute = self._compute_stream() if self.cuda else None
         last = self._pass_bound(entry, entry + self._depth)
         probe = self.probe if not self.self_contained else None  # no stall sampling after a capture (Note)
@@ -499,7 +534,12 @@ class BlockLoader(StreamingLoader):
         self._active = (entry, slot)
         self._cursor = entry + 1
         for ahead in range(max(self._issued + 1, entry + 1), last + 1):
+            if self._slot_busy(ahead, entry):
+                break
             self._issue(ahead, compute)
+        if self._ring is not None:
+            for passed in [e for e in self._placement if e < entry]:
+                del self._placement[passed]
         if cpu_start is not None:  # synchronous copies: the trap (or the next one) waited for all of them
             probe.add_cpu_wait(time.perf_counter() - cpu_start)
 

@@ -152,9 +152,9 @@ def _layers(n: int, tensor: int, compute: float) -> list[TrapCost]:
 
 def test_memory_mode_keeps_the_partial_trap_resident():
     """24 transfer-bound layers (a tensor's copy takes ten times a layer's compute), default block counts (4 and
-    4) and a budget of 8.5 layers: four slots of a whole layer leave room for 4.5 layers, while the arena takes
-    two consecutive layers and keeps 6.5 resident, some of it as layers that keep fc1 and stream fc2 (or the
-    reverse), which cost the arena only the tensor they stream."""
+    4) and a budget of 8.5 layers: three slots of a whole layer and a small one of a tensor leave room for 5
+    layers, while the arena takes two consecutive layers and keeps 6.5 resident, some of it as layers that keep
+    fc1 and stream fc2 (or the reverse), which cost the arena only the tensor they stream."""
     tensor = 1000
     layers = _layers(24, tensor, compute=100.0)
     budget = 17 * tensor  # 8.5 layers
@@ -162,7 +162,8 @@ def test_memory_mode_keeps_the_partial_trap_resident():
     arena = PlanInput(tuple(layers), UNIT, budget, 4, 4, arena=True)
     slot_plan, arena_plan = AdaptiveStrategy().plan(slots), AdaptiveStrategy().plan(arena)
     assert slot_plan.fits_budget and arena_plan.fits_budget
-    assert slot_plan.resident_bytes == 9 * tensor and slot_plan.rotating_bytes == 8 * tensor
+    assert slot_plan.resident_bytes == 10 * tensor and slot_plan.rotating_bytes == 7 * tensor
+    assert slot_plan.small_slot_bytes == tensor
     assert arena_plan.resident_bytes == 13 * tensor  # 6.5 layers
     assert arena_plan.rotating_bytes == 4 * tensor and arena_plan.num_blocks == 2
     assert arena_plan.peak_device_bytes == 17 * tensor == arena_plan.resident_bytes + arena_plan.rotating_bytes

@@ -1,0 +1,221 @@
+"""Device slots of unequal size: one small slot beside the large ones, where each streamed block goes, and the
+pipeline that gives (the planner's model of ``flextensor.runtime.loader.BlockLoader`` with ``small_slot``).
+
+Pure Python and shared by the planner and the loader, so the planner's device bytes are the loader's to the
+byte and its simulated pipeline places blocks as the loader does.
+
+Why a small slot
+----------------
+Slots of one size cost ``num_blocks`` times the largest streamed block. Under a memory budget, a trap that
+streams only part of its tensors (the rest stays resident) is what makes the budget fit; a slot sized to that
+part, instead of to a whole trap, leaves the difference to resident tensors, so fewer bytes stream each pass.
+The price is prefetch depth: a block larger than the small slot rotates through the ``num_blocks - 1`` large
+slots only, so the planner offers the small slot only with three blocks or more (two large slots still
+pipeline) and keeps it only where its simulation says the pass gets faster.
+
+Placement: least recently used slot that fits
+---------------------------------------------
+Streamed calls are numbered with an ever-growing *entry* index, as in ``flextensor.runtime.loader``. Entry
+``e`` goes to the slot whose last entry is the oldest among the slots large enough for it (a slot never used
+counts as oldest; ties go to the lower slot index). Placement depends on the sequence of block sizes alone,
+never on timing, so every process that replays a schedule places it the same way. With slots of one size
+this is ``e % num_blocks``, the rotation of equal slots.
+
+Ordering: a copy into a slot waits for the slot's previous entry to finish computing. That is enough: traps
+compute in entry order, so every earlier reader of the slot finished before the previous entry did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+from flextensor.planning.transfer_model import TransferModel
+
+__all__ = ["PipelineTrace", "SlotRing", "SlotTrace", "effective_blocks", "slot_sizes", "small_slot_for"]
+
+Owner = TypeVar("Owner")
+
+#: The fewest slots that may include a small one: two large slots keep the large blocks pipelined.
+MIN_SLOTS_WITH_SMALL = 3
+
+
+def small_slot_for(largest: int, slots: int, small_slot: int) -> int:
+    """The small slot a layout really has: ``small_slot`` when it is smaller than the largest block and there
+    are at least ``MIN_SLOTS_WITH_SMALL`` slots, else 0 (slots of one size)."""
+    if slots >= MIN_SLOTS_WITH_SMALL and 0 < small_slot < largest:
+        return int(small_slot)
+    return 0
+
+
+def slot_sizes(largest: int, slots: int, small_slot: int = 0) -> tuple[int, ...]:
+    """Slot bytes: ``slots`` slots of ``largest`` bytes, the last one ``small_slot`` bytes when it applies
+    (``small_slot_for``)."""
+    if slots <= 0:
+        return ()
+    small = small_slot_for(largest, slots, small_slot)
+    if small:
+        return (largest,) * (slots - 1) + (small,)
+    return (largest,) * slots
+
+
+def effective_blocks(requested: int, min_blocks: int, offloaded_traps: int) -> int:
+    """Blocks worth allocating: ``requested``, capped at ``max(min_blocks, offloaded_traps)``.
+
+    With at least as many blocks as offloaded traps no slot is ever reused, so more blocks change nothing in
+    the pipeline but cost device memory.
+    """
+    return min(requested, max(min_blocks, offloaded_traps))
+
+
+class SlotRing(Generic[Owner]):
+    """Least-recently-used placement over fixed slots (module docstring), remembering each slot's last owner.
+
+    The loader's owners are entry indices, the simulator's the compute end of the trap that used the slot.
+    """
+
+    __slots__ = ("sizes", "_last_use", "_owner", "_placed")
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        if not sizes or any(size < 0 for size in sizes):
+            raise ValueError(f"SlotRing: slot sizes must be a non-empty sequence of sizes >= 0, got {list(sizes)}")
+        self.sizes = tuple(int(size) for size in sizes)
+        self._last_use = [-1] * len(self.sizes)  # placement counter of each slot's last entry (-1: never used)
+        self._owner: list[Owner | None] = [None] * len(self.sizes)
+        self._placed = 0
+
+    def place(self, nbytes: int, owner: Owner) -> tuple[int, Owner | None]:
+        """Put a block of ``nbytes`` in the least recently used slot that holds it; returns that slot and the
+        slot's previous owner (None for a fresh slot)."""
+        best = -1
+        for slot, size in enumerate(self.sizes):
+            if size >= nbytes and (best < 0 or self._last_use[slot] < self._last_use[best]):
+                best = slot
+        if best < 0:
+            raise ValueError(f"a block of {nbytes} bytes fits none of the device slots {list(self.sizes)}")
+        previous = self._owner[best]
+        self._owner[best] = owner
+        self._last_use[best] = self._placed
+        self._placed += 1
+        return best, previous
+
+    def set_owner(self, slot: int, owner: Owner) -> None:
+        """Replace slot ``slot``'s last owner (the simulator learns a trap's compute end after placing it)."""
+        self._owner[slot] = owner
+
+
+class SlotTrace:
+    """The pipeline simulator of ``flextensor.planning.plan_model`` over slots of the sizes ``slot_sizes``
+    gives: a copy waits for the copy before it (one copy stream) and for the compute end of its slot's previous
+    entry (module docstring); a streamed trap's ``stream_cost_s`` is on the compute path. ``with_change`` runs
+    the whole pass again (this layout is only searched for a few candidates)."""
+
+    # ``inp`` is a PlanInput, typed loosely: flextensor.planning.plan_model imports this module.
+    def __init__(self, inp: Any, per_trap: Sequence[int], num_blocks: int, small_slot: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"simulate_overhead: num_blocks must be >= 1, got {num_blocks}")
+        self.inp, self.per_trap, self.num_blocks, self.small_slot = inp, list(per_trap), num_blocks, small_slot
+        self.overhead = self._run(self.per_trap)
+
+    def with_change(self, trap: int, nbytes: int) -> float:
+        """Overhead if trap ``trap`` carried ``nbytes`` instead (same slots)."""
+        per = list(self.per_trap)
+        per[trap] = nbytes
+        return self._run(per)
+
+    def _run(self, per: Sequence[int]) -> float:
+        inp = self.inp
+        transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
+        largest = max(per, default=0)
+        ring: SlotRing[float] = SlotRing(slot_sizes(largest, self.num_blocks, self.small_slot) or (0,))
+        clock = last_end = 0.0
+        for i, nbytes in enumerate(per):
+            if nbytes > 0:
+                slot, release = ring.place(nbytes, 0.0)
+                start = last_end if release is None or release < last_end else release
+                last_end = start + transfer.seconds(nbytes) / scale
+                if last_end > clock:
+                    clock = last_end
+                clock += compute[i] + cost[i]
+                ring.set_owner(slot, clock)
+            else:
+                clock += compute[i]
+        overhead = clock - inp.total_compute_s
+        return 0.0 if overhead <= 1e-9 * max(inp.total_compute_s, 1e-12) else overhead
+
+
+class PipelineTrace:
+    """One run of the simulator that remembers its state before every trap.
+
+    Searches (BudgetFill's polish) try many variants that differ from a base selection in one trap only;
+    ``with_change(i, nbytes)`` re-simulates from trap ``i`` instead of from time 0. The simulation itself is the
+    model of ``flextensor.planning.plan_model``'s docstring: one copy stream, ``num_blocks`` rotating slots of one
+    size, one compute stream (``inp`` is a PlanInput, typed loosely as in ``SlotTrace``).
+    """
+
+    def __init__(self, inp: Any, per_trap: Sequence[int], num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"simulate_overhead: num_blocks must be >= 1, got {num_blocks}")
+        self.inp, self.per_trap, self.num_blocks = inp, list(per_trap), num_blocks
+        self.used_until: list[float] = []  # compute end of the j-th offloaded trap (releases its block slot)
+        self.before: list[tuple[float, int, float]] = []  # per trap: (clock, copies so far, last copy end)
+        self.overhead = self._run(0, (0.0, 0, 0.0), self.per_trap, self.used_until, record=True)
+
+    def with_change(self, trap: int, nbytes: int) -> float:
+        """Overhead if trap ``trap`` carried ``nbytes`` instead (same block count)."""
+        per = self.per_trap
+        saved, per[trap] = per[trap], nbytes
+        try:
+            return self._run(trap, self.before[trap], per, [], record=False)
+        finally:
+            per[trap] = saved
+
+    def _run(self, first: int, state: tuple[float, int, float], per: Sequence[int], used: list[float],
+             record: bool) -> float:
+        """Simulate from trap ``first`` in ``state`` (the model of ``flextensor.planning.plan_model``).
+
+        Written for speed (BudgetFill's polish runs it thousands of times at the switch to INFERENCE), with the
+        very same float operations as the plain model: ``a if not b > a else b`` is what ``max(a, b)`` returns,
+        and a copy takes ``(latency + n / bandwidth) / scale`` as ``transfer.seconds(n) / scale`` does (the
+        bound method is called instead when a subclass overrides ``seconds``).
+
+        A re-run (``record=False``, from ``with_change``) stops early once it is back in the base run's state
+        before some later trap: same clock, copies and last copy end, and the same compute ends for every block
+        slot a later copy may still wait for. The traps after it are unchanged, so from there it would repeat
+        the base run's operations exactly and end with the base run's overhead, which it returns.
+        """
+        inp, blocks = self.inp, self.num_blocks
+        transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
+        inline = type(transfer).seconds is TransferModel.seconds
+        seconds, latency, bandwidth = transfer.seconds, transfer.latency_s, transfer.bandwidth_bytes_per_s
+        clock, copies, last_end = state
+        base = copies  # used[k] holds the compute end of offloaded trap base + k (when not recording)
+        shared = self.used_until
+        before = self.before
+        for i in range(first, len(compute)):
+            if record:
+                before.append((clock, copies, last_end))
+            elif i > first:
+                b_clock, b_copies, b_last = before[i]
+                if (clock == b_clock and copies == b_copies and last_end == b_last
+                        and all(used[k - base] == shared[k] for k in range(max(base, copies - blocks), copies))):
+                    return self.overhead
+            nbytes = per[i]
+            if nbytes > 0:
+                start = last_end
+                if copies >= blocks:
+                    k = copies - blocks
+                    release = shared[k] if record or k < base else used[k - base]
+                    if release > start:
+                        start = release
+                last_end = start + ((latency + nbytes / bandwidth) if inline else seconds(nbytes)) / scale
+                if last_end > clock:
+                    clock = last_end
+                clock += compute[i] + cost[i]
+                copies += 1
+                used.append(clock)
+            else:
+                clock += compute[i]
+        overhead = clock - inp.total_compute_s
+        # Differences this small are float noise from summing in another order, not waiting.
+        return 0.0 if overhead <= 1e-9 * max(inp.total_compute_s, 1e-12) else overhead
