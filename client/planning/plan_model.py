@@ -374,8 +374,9 @@ def plan_blocks(inp: PlanInput, requested: int, per_trap: Sequence[int]) -> int:
 
 def plan_small_slot(inp: PlanInput, per_trap: Sequence[int], num_blocks: int, small_slot: int) -> int:
     """The small slot (``flextensor.planning.slot_model``) a slot plan offloading ``per_trap`` through
-    ``num_blocks`` slots really has: 0 for an arena, for too few slots, or when it would hold the largest block."""
-    if inp.arena or not small_slot:
+    ``num_blocks`` slots really has: 0 for an arena, for too few slots, when it would hold the largest block, or
+    when it holds no streamed block at all (a slot nothing uses would only hide a lower block count)."""
+    if inp.arena or not small_slot or not any(0 < nbytes <= small_slot for nbytes in per_trap):
         return 0
     return small_slot_for(max(per_trap, default=0), num_blocks, small_slot)
 
@@ -390,7 +391,8 @@ def rotating_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int, sma
     offloaded = sum(1 for nbytes in per_trap if nbytes > 0)
     if not offloaded:
         return 0
-    return sum(slot_sizes(max(per_trap), effective_blocks(num_blocks, inp.min_blocks, offloaded), small_slot))
+    slots = effective_blocks(num_blocks, inp.min_blocks, offloaded)
+    return sum(slot_sizes(max(per_trap), slots, plan_small_slot(inp, per_trap, slots, small_slot)))
 
 
 def peak_device_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int, small_slot: int = 0) -> int:

@@ -127,7 +127,8 @@ class SlotTrace:
         inp = self.inp
         transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
         largest = max(per, default=0)
-        ring: SlotRing[float] = SlotRing(slot_sizes(largest, self.num_blocks, self.small_slot) or (0,))
+        small = self.small_slot if any(0 < nbytes <= self.small_slot for nbytes in per) else 0  # else unused
+        ring: SlotRing[float] = SlotRing(slot_sizes(largest, self.num_blocks, small) or (0,))
         clock = last_end = 0.0
         for i, nbytes in enumerate(per):
             if nbytes > 0:

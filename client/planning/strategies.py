@@ -37,7 +37,6 @@ from flextensor.planning.plan_model import (
     simulate_overhead,
     simulation,
 )
-from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL, slot_sizes
 from flextensor.planning.basic_strategies import (  # noqa: F401 - the basic strategies are public from here too
     GreedyStrategy,
     KnapsackStrategy,
@@ -50,6 +49,7 @@ from flextensor.planning.basic_strategies import (  # noqa: F401 - the basic str
     _SubsetSums,
     _tables,
 )
+from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,8 @@ class BudgetFillStrategy(Strategy):
                     continue
                 rotating = rotating_bytes(inp, cur, count)
             else:
-                rotating = sum(slot_sizes(blk, effective_blocks(count, inp.min_blocks, n_off), small))
+                rotating = (rotating_bytes(inp, cur, count, small) if small
+                            else effective_blocks(count, inp.min_blocks, n_off) * blk)
             if fixed_total - off + rotating <= budget:
                 return masks
         masks = [0 if t is None else t.best(level)[1] for t in tables]
@@ -346,9 +347,13 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
                         continue
                 else:
                     now_blocks = fewer_blocks if left == 0 else kept_blocks
-                    largest = others_max if others_max >= left else left
-                    if gain + (sum(slot_sizes(largest, now_blocks, small)) if small and now_blocks
-                               else now_blocks * largest) > room:
+                    if small and now_blocks:  # exact: whether a block still fits the small slot may change
+                        per[i] = left
+                        rotating = rotating_bytes(inp, per, now_blocks, small)
+                        per[i] = per_i
+                    else:
+                        rotating = now_blocks * (others_max if others_max >= left else left)
+                    if gain + rotating > room:
                         continue
                 if evaluations <= 0:
                     break

@@ -108,3 +108,21 @@ def test_make_plan_takes_a_small_slot_where_it_applies():
     per = [2000, 2000, 2000, 1000, 2000, 2000]
     assert rotating_bytes(inp, per, 4, 1000) == plan.rotating_bytes and rotating_bytes(inp, per, 4) == 8000
     assert make_plan(inp, "fixed", selection, 4, small_slot=2000).small_slot_bytes == 0  # holds the largest
+
+
+def test_a_small_slot_no_streamed_block_fits_is_not_kept():
+    """A small slot that no streamed block fits would be a lower block count in disguise (``min_blocks`` says
+    four): neither the bytes nor the simulation count one, and the budget search never keeps one."""
+    traps = _llm_like(6, 1000)
+    inp = PlanInput(traps, TransferModel(1e6), None, 4, 4)
+    whole = {t.label: (f"{t.label}.fc1", f"{t.label}.fc2") for t in traps}
+    plan = make_plan(inp, "fixed", whole, 4, small_slot=999)
+    assert plan.small_slot_bytes == 0 and plan.rotating_bytes == 4 * 2000
+    budgeted = PlanInput(_llm_like(), TransferModel(50e9, 2e-5), 2057 * MIB, 4, 4, fixed_resident_bytes=4 * MIB)
+    for compute in (1e-3, 1e-2, 1e-4):
+        traps = tuple(TrapCost(t.label, compute, t.tensors, t.stream_cost_s) for t in budgeted.traps)
+        plan = AdaptiveStrategy().plan(PlanInput(traps, budgeted.transfer, budgeted.budget_bytes, 4, 4,
+                                                 fixed_resident_bytes=4 * MIB))
+        streamed = [sum(128 * MIB for _ in plan.offloaded.get(t.label, ())) for t in traps]
+        assert not plan.small_slot_bytes or any(0 < b <= plan.small_slot_bytes for b in streamed)
+        assert plan.fits_budget
