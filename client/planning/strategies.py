@@ -49,7 +49,7 @@ from flextensor.planning.basic_strategies import (  # noqa: F401 - the basic str
     _SubsetSums,
     _tables,
 )
-from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL
+from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL, slot_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class BudgetFillStrategy(Strategy):
         self.max_levels = max_levels
         self.polish_candidates = max(1, polish_candidates)
         self.polish_evaluations = polish_evaluations
-        self.small_slot_sizes = 6  # small last slot sizes tried per (blocks, cap): see _small_slots
+        self.small_slot_sizes = 3  # small last slot sizes tried per (blocks, cap), twice: see _small_slots
         self.knapsack = KnapsackStrategy(resolution, max_states)
 
     def __repr__(self) -> str:
@@ -153,33 +153,49 @@ class BudgetFillStrategy(Strategy):
         found: list[tuple[tuple[float, int, int], int, int, int, list[int]]] = []
         for count in blocks:
             for level in sorted(grid):
-                for small in [0, *self._small_slots(inp, levels, count, level)]:
-                    masks = self._fill(inp, tables, hidden, windows, count, level, small)
-                    if masks is not None:
-                        found.append((_key(inp, masks, count, small), count, level, small, masks))
+                masks = self._fill(inp, tables, hidden, windows, count, level)
+                if masks is not None:
+                    found.append((_key(inp, masks, count), count, level, 0, masks))
         assert found, "the floor level fits with the fewest blocks, so some candidate fits"
         found.sort(key=lambda f: f[:3])
+        # A small last slot, tried where slots of one size did best (each try is a fill: kept to a few).
+        for _, count, level, _, masks in found[: self.polish_candidates]:
+            for small in self._small_slots(inp, levels, count, level, _per_trap(inp, masks)):
+                masks = self._fill(inp, tables, hidden, windows, count, level, small)
+                if masks is not None:
+                    found.append((_key(inp, masks, count, small), count, level, small, masks))
+        found.sort(key=lambda f: f[:3])
+        chosen = found[: self.polish_candidates]
+        # A small slot's candidates leave the fill with the hidden offloads that fit it (a few KiB each, every one
+        # a streamed trap), which polishing gives back: the best of them is polished too, whatever its rank.
+        chosen += [f for f in found if f[3]][:1] if not any(f[3] for f in chosen) else []
         polished = []
-        for _, count, level, small, masks in found[: self.polish_candidates]:
+        for _, count, level, small, masks in chosen:
             masks = _polish(inp, list(masks), count, self.polish_evaluations, small)
             polished.append((_key(inp, masks, count, small), count, level, small, masks))
         key, count, level, small, masks = min(polished, key=lambda f: f[:3])
         slots = f", the last one {small} B" if plan_small_slot(inp, _per_trap(inp, masks), count, small) else ""
         why = [
             f"budget_fill: budget {budget} B; hidden offloads {sum(b for b, _ in hidden)} B; searched "
-            f"{len(blocks)} block count(s) x {len(grid)} per-trap caps, with and without a small last slot "
+            f"{len(blocks)} block count(s) x {len(grid)} per-trap caps, and a small last slot beside the best "
             f"({len(found)} fit); polished the best {len(polished)}; kept {count} blocks{slots} with cap {level} "
             f"B, offloading {key[1]} B (lowest estimated overhead, then fewest offloaded bytes, then lowest peak)"
         ]
         return _plan_from_masks(inp, self.name, masks, count, why, small)
 
-    def _small_slots(self, inp: PlanInput, levels: list[int], count: int, level: int) -> list[int]:
-        """Sizes to try for a small last slot beside ``count - 1`` slots of ``level`` bytes
-        (``flextensor.planning.slot_model``): per-trap subset totals below the cap, a few of them. None for an
-        arena (its ranges are sized to each block already) or with too few slots to keep two large ones."""
-        if inp.arena or count < MIN_SLOTS_WITH_SMALL:
+    def _small_slots(self, inp: PlanInput, levels: list[int], count: int, level: int,
+                     uniform: Sequence[int]) -> list[int]:
+        """Sizes to try for a small last slot beside ``count - 1`` slots of up to ``level`` bytes
+        (``flextensor.planning.slot_model``): the partly streamed traps' bytes of the plan with slots of one size
+        (``uniform``, per trap), where such a slot pays off first, then a few per-trap subset totals below the
+        cap. None for an arena (its ranges are sized to each block already) or with too few slots to keep two
+        large ones."""
+        if inp.arena or count < MIN_SLOTS_WITH_SMALL or self.small_slot_sizes <= 0:
             return []
-        return _spread([lv for lv in levels if lv < level], self.small_slot_sizes)
+        largest = max(uniform, default=0)
+        partial = sorted({nbytes for nbytes in uniform if 0 < nbytes < largest}, reverse=True)
+        spread = _spread([lv for lv in levels if lv < level], self.small_slot_sizes)
+        return list(dict.fromkeys(partial[: self.small_slot_sizes] + spread))
 
     def _fill(self, inp: PlanInput, tables: list[_SubsetSums | None], hidden: list[tuple[int, int]],
               windows: list[float], count: int, level: int, small: int = 0) -> list[int] | None:
@@ -222,6 +238,7 @@ class BudgetFillStrategy(Strategy):
         fixed_total = inp.fixed_resident_bytes + inp.offloadable_bytes
         calls = inp.calls_per_trap
         n_calls, call_bytes = sum(calls[i] for i, b in enumerate(cur) if b), sum(c * b for c, b in zip(calls, cur))
+        in_small = sum(1 for b in cur if 0 < b <= small)  # streamed blocks the small slot holds (0: no such slot)
         while heap:
             _, neg, i, k, ver = heapq.heappop(heap)
             nbytes = -neg
@@ -233,6 +250,8 @@ class BudgetFillStrategy(Strategy):
             n_off += cur[i] == 0
             n_calls += calls[i] if cur[i] == 0 else 0
             call_bytes += calls[i] * nbytes
+            in_small -= 0 < cur[i] <= small
+            in_small += cur[i] + nbytes <= small
             masks[i] |= 1 << k
             cur[i] += nbytes
             version[i] += 1
@@ -248,8 +267,8 @@ class BudgetFillStrategy(Strategy):
                     continue
                 rotating = rotating_bytes(inp, cur, count)
             else:
-                rotating = (rotating_bytes(inp, cur, count, small) if small
-                            else effective_blocks(count, inp.min_blocks, n_off) * blk)
+                slots = effective_blocks(count, inp.min_blocks, n_off)
+                rotating = sum(slot_sizes(blk, slots, small)) if in_small else slots * blk
             if fixed_total - off + rotating <= budget:
                 return masks
         masks = [0 if t is None else t.best(level)[1] for t in tables]
