@@ -125,8 +125,10 @@ class _Ring:
         self._unregister = unregister
         self.registered = False
         self.populate_s = self.register_s = 0.0
-        self._mapping: mmap.mmap | None = mmap.mmap(-1, size)
-        with contextlib.suppress(AttributeError, OSError):  # fewer, larger pages where the kernel offers them
+        # Private: anonymous shared memory would be tmpfs pages (4 KiB each, slower to allocate); and huge pages
+        # where the kernel offers them (3.5x faster to allocate on the CPU VM).
+        self._mapping: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(AttributeError, OSError):
             self._mapping.madvise(mmap.MADV_HUGEPAGE)
         self.tensor: torch.Tensor | None = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.address = self.tensor.data_ptr()
