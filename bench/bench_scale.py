@@ -533,7 +533,8 @@ def build_sections(data: dict) -> list[tuple[str, str]]:
     reads = data.get("reads")
     if reads:
         sections.append((f"A follower's reads of a {gib(reads['bytes'])} segment into the staging ring, host side "
-                         f"only ({reads['threads']} workers each, fresh processes; see bench/shm_rates.py)",
+                         f"only ({reads['threads']} worker{'s' if reads['threads'] != 1 else ''} each, fresh processes; see "
+                         "bench/shm_rates.py)",
                          table(READ_HEADERS, read_rows(reads))))
     rates = data.get("tmpfs")
     if rates:
