@@ -22,8 +22,14 @@ context), with the bench_session set-up (``models.BenchTransformer``, every ``De
 Reported per size, each cost also per GiB of the model, so growth faster than the bytes shows as a per-GiB
 column that rises with the size: ``offload()``, the passes, the overhead, the creator's publish (and its rate),
 a follower's time to ready and its resident copy (bytes, rate), its first forward and background registration,
-``close()`` and the exit after it, leftovers. A tmpfs section measures, once, how fast this host allocates
-shared-memory pages (the bound of publishing a model built in RAM) against a plain copy.
+``close()`` and the exit after it, leftovers; a follower's steps to ready (join, maps, device blocks, resident
+copy, validate, install, adopt) and its staging ring's parts, also printed per follower as each size ends. Goals
+per size: a follower ready after READY within ``resident bytes / 40 GB/s + 0.1 s`` (alone, and the worst of those
+started together: they share one GPU's host link) and its ``close()`` <= 0.5 s; at 24 GiB the creator's
+publish >= 16 GB/s; nothing left in ``/dev/shm``. Two host-side sections run once, without the GPU
+(``shm_rates.py``): how fast this host allocates shared-memory pages (the bound of publishing a model built in
+RAM) against a plain copy, and a follower's reads of a segment into its staging ring (``pread`` from the file
+against ``memmove`` from the pre-faulted mapping), one process alone and ``--workers - 1`` together.
 
 Robustness: each size runs on its own; a failing size is reported (its error, and what it measured before) and
 the next still runs. Raw results are written after every size (``bench_scale.partial.json`` in the results
@@ -48,13 +54,20 @@ import time
 import traceback
 import uuid
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS_DIR, JsonLineWorker, docs_body, gib, median, report, table, write_docs_section  # noqa: E402
+from shm_rates import READ_HEADERS, follower_read_rates, read_rows, tmpfs_rates  # noqa: E402
+
+if TYPE_CHECKING:  # pragma: no cover
+    from models import ModelSpec
 
 MANAGER = "scale"
 GIB = 1 << 30
-GOAL_FOLLOWER_READY_S = 0.3
+#: A follower is ready after READY within its resident bytes at this rate, plus GOAL_FOLLOWER_FIXED_S.
+GOAL_FOLLOWER_GBPS = 40.0
+GOAL_FOLLOWER_FIXED_S = 0.1
 GOAL_PUBLISH_GBPS = 16.0
 GOAL_CLOSE_S = 0.5
 GOAL_SIZE_GIB = 24
@@ -239,7 +252,7 @@ def worker_session(p: Params):
     share = session.report()[0]
     info.update(wait_s=share["wait_s"], register_s=share["register_s"], registered=share.get("registered"),
                 register_wait_s=share.get("register_wait_s"), shared_bytes=share["shared_bytes"],
-                steps=share["steps"], publish=share.get("publish"))
+                steps=share["steps"], publish=share.get("publish"), resident_copy=share.get("resident_copy"))
     return info, session
 
 
@@ -368,70 +381,6 @@ def _cleanup(namespace: str) -> None:
         print(f"cleanup_namespace({namespace!r}) failed: {exc}", file=sys.stderr, flush=True)
 
 
-def tmpfs_rates(nbytes: int) -> dict:
-    """How fast this host gets fresh /dev/shm pages (several ways) against plain copies, for ``nbytes``: GB/s."""
-    import ctypes
-    import mmap
-
-    import posix_ipc
-    import torch
-
-    from flextensor.shm.prefault import MADV_POPULATE_WRITE, _populate, populate_write
-
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    rates: dict = {"bytes": nbytes, "torch_threads": torch.get_num_threads()}
-
-    def fresh_segment() -> mmap.mmap:
-        name = f"/ftscale{uuid.uuid4().hex[:10]}"
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
-        mapping = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED)
-        shm.close_fd()
-        posix_ipc.unlink_shared_memory(name)  # the mapping keeps the pages until it is closed
-        return mapping
-
-    def copy_into(mapping: mmap.mmap) -> float:
-        dst = torch.frombuffer(mapping, dtype=torch.uint8)
-        begin = time.perf_counter()
-        dst.copy_(src)
-        seconds = time.perf_counter() - begin
-        del dst
-        return seconds
-
-    def one_thread(mapping: mmap.mmap) -> None:
-        anchor = ctypes.c_char.from_buffer(mapping)
-        address = ctypes.addressof(anchor)
-        del anchor
-        code = _populate(address, nbytes, MADV_POPULATE_WRITE)
-        if code:
-            raise OSError(code, os.strerror(code))
-
-    anon = torch.empty(nbytes, dtype=torch.uint8)
-    begin = time.perf_counter()
-    anon.copy_(src)
-    rates["copy into fresh anonymous memory"] = nbytes / (time.perf_counter() - begin) / 1e9
-    del anon
-    mapping = fresh_segment()
-    rates["copy into a fresh segment (the copy faults the pages)"] = nbytes / copy_into(mapping) / 1e9
-    mapping.close()
-    def threads(mapping: mmap.mmap) -> None:
-        if not populate_write(mapping, nbytes):
-            raise OSError("the kernel lacks MADV_POPULATE_WRITE")
-
-    for label, populate in (("allocate: MADV_POPULATE_WRITE from several threads", threads),
-                            ("allocate: MADV_POPULATE_WRITE, one thread", one_thread)):
-        mapping = fresh_segment()
-        try:
-            begin = time.perf_counter()
-            populate(mapping)
-            rates[label] = nbytes / (time.perf_counter() - begin) / 1e9
-            rates[f"copy into those pages ({label.split(': ')[1]})"] = nbytes / copy_into(mapping) / 1e9
-        except OSError as exc:
-            rates[label] = f"n/a ({exc})"
-        finally:
-            mapping.close()
-    return rates
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------------------------------------
@@ -447,6 +396,16 @@ def _per_gib(seconds: float | None, size_gib: float) -> str:
 
 def _rate(nbytes: float, seconds: float | None) -> str:
     return "-" if not seconds else f"{nbytes / seconds / 1e9:.2f} GB/s"
+
+
+#: A follower's steps as reported (``session.report()``), by the name the tables give them, in order: the join
+#: (election, daemon, plan), then the attach thread's (map the store, map the arena, device blocks, resident
+#: copy), then the caller's after the factory (validate, install the resident tensors, adopt the plan).
+PHASES = {"join": "join", "daemon": "daemon", "plan": "plan", "map store": "prefetch_store",
+          "map arena": "prefetch_blocks", "device blocks": "prefetch_slots", "copy": "prefetch_resident",
+          "factory": "factory", "validate": "validate", "install": "resident", "adopt": "adopt"}
+#: The resident copy's ring parts (``CopyReport``), which run on a thread of their own.
+RING_PARTS = ("ring_populate_s", "ring_register_s", "ring_wait_s")
 
 
 def size_row_values(r: dict) -> dict[str, str]:
@@ -484,6 +443,13 @@ def size_row_values(r: dict) -> dict[str, str]:
                                                           f"({median(ready) / g * 1e3:.0f} ms/GiB)"
         col[f"{label}: resident copy ({gib(resident)}), median"] = f"{median(copy):.3f} s, " \
                                                                    f"{_rate(resident, median(copy))}"
+        col[f"{label}: phases, median ms ({' / '.join(PHASES)})"] = " / ".join(
+            f"{median([w['steps'].get(step, 0.0) for w in workers]) * 1e3:.0f}" for step in PHASES.values())
+        rings = [w["resident_copy"] for w in workers if w.get("resident_copy")]
+        if rings:
+            col[f"{label}: resident copy's ring, median ms (pages / registration / copy waited)"] = " / ".join(
+                f"{median([c[k] for c in rings]) * 1e3:.0f}" for k in RING_PARTS) + \
+                f"; read: {rings[0]['source']}, {rings[0]['threads']} workers"
         col[f"{label}: first forward (median)"] = _s(median([w["first_forward_s"] for w in workers]))
         col[f"{label}: background registration (median)"] = _s(median([w["register_s"] for w in workers]))
         col[f"{label}: close() max / exit after it max"] = \
@@ -498,20 +464,32 @@ def size_row_values(r: dict) -> dict[str, str]:
     return col
 
 
-def goal_rows(results: list[dict]) -> list[list[str]]:
-    r = next((x for x in results if abs(x["gib"] - GOAL_SIZE_GIB) < 1e-9 and x.get("group")), None)
-    if r is None:
-        return []
-    group = r["group"]
+def follower_goal_rows(r: dict) -> list[list[str]]:
+    """Per size: a follower ready after READY within its resident bytes at GOAL_FOLLOWER_GBPS plus
+    GOAL_FOLLOWER_FIXED_S (alone, and the worst of those started together), and its close()."""
+    group, resident = r["group"], (r.get("setup") or {}).get("resident_bytes", 0)
+    goal = resident / (GOAL_FOLLOWER_GBPS * 1e9) + GOAL_FOLLOWER_FIXED_S
     rows = []
+    for label, workers in ((f"{len(group.get('followers', []))} followers together (worst)", group.get("followers")),
+                           ("follower alone", [group["alone"]] if group.get("alone") else None)):
+        if workers:
+            worst = max(w["ready_s"] for w in workers)
+            rows.append([f"{label} ready after READY, {r['gib']:g} GiB ({gib(resident)} resident)", f"{worst:.3f} s",
+                         f"<= {goal:.3f} s", "met" if worst <= goal else "MISSED"])
     followers = [*group.get("followers", []), *([group["alone"]] if group.get("alone") else [])]
     if followers:
-        worst = max(w["ready_s"] for w in followers)
-        rows.append([f"follower ready after READY, {GOAL_SIZE_GIB} GiB (worst of {len(followers)})", f"{worst:.3f} s",
-                     f"<= {GOAL_FOLLOWER_READY_S} s", "met" if worst <= GOAL_FOLLOWER_READY_S else "MISSED"])
         worst_close = max(w["close_s"] for w in followers)
-        rows.append([f"follower close(), {GOAL_SIZE_GIB} GiB (worst)", f"{worst_close:.3f} s", f"<= {GOAL_CLOSE_S} s",
+        rows.append([f"follower close(), {r['gib']:g} GiB (worst)", f"{worst_close:.3f} s", f"<= {GOAL_CLOSE_S} s",
                      "met" if worst_close <= GOAL_CLOSE_S else "MISSED"])
+    return rows
+
+
+def goal_rows(results: list[dict]) -> list[list[str]]:
+    rows = [row for x in results if x.get("group") for row in follower_goal_rows(x)]
+    r = next((x for x in results if abs(x["gib"] - GOAL_SIZE_GIB) < 1e-9 and x.get("group")), None)
+    if r is None:
+        return rows
+    group = r["group"]
     creator = group.get("creator")
     if creator:
         gbps = creator["shared_bytes"] / max(creator["publish_s"], 1e-9) / 1e9
@@ -552,6 +530,12 @@ def build_sections(data: dict) -> list[tuple[str, str]]:
                              f"cprofile-setup-{r['gib']:g}.txt has more)",
                              table(["function", "calls", "cumulative", "own"],
                                    [[f, n, f"{cum:.3f} s", f"{own:.3f} s"] for f, n, cum, own in top])))
+    reads = data.get("reads")
+    if reads:
+        sections.append((f"A follower's reads of a {gib(reads['bytes'])} segment into the staging ring, host side "
+                         f"only ({reads['threads']} worker{'s' if reads['threads'] != 1 else ''} each, fresh processes; see "
+                         "bench/shm_rates.py)",
+                         table(READ_HEADERS, read_rows(reads))))
     rates = data.get("tmpfs")
     if rates:
         sections.append((f"Shared-memory pages on this host ({gib(rates['bytes'])}, {rates['torch_threads']} torch "
@@ -559,6 +543,27 @@ def build_sections(data: dict) -> list[tuple[str, str]]:
                                                              for k, v in rates.items()
                                                              if k not in ("bytes", "torch_threads")])))
     return sections
+
+
+def phase_line(w: dict) -> str:
+    """One follower's time to ready, step by step, on one line (ms)."""
+    steps, ring = w.get("steps", {}), w.get("resident_copy") or {}
+    parts = " ".join(f"{name} {steps[step] * 1e3:.0f}" for name, step in PHASES.items() if step in steps)
+    line = f"ready {w['ready_s'] * 1e3:.0f} ms: {parts}"
+    if ring:
+        line += (f" | ring pages {ring['ring_populate_s'] * 1e3:.0f} register {ring['ring_register_s'] * 1e3:.0f} "
+                 f"waited {ring['ring_wait_s'] * 1e3:.0f}; read {ring['source']} x{ring['threads']} "
+                 f"{ring['gbps']:.1f} GB/s")
+    return line + (f" | blocks registered in {w['register_s'] * 1e3:.0f}; close {w.get('close_s', 0) * 1e3:.0f}, "
+                   f"exit {w.get('exit_s', 0) * 1e3:.0f}")
+
+
+def print_phases(r: dict) -> None:
+    group = r.get("group") or {}
+    for label, workers in (("together", group.get("followers") or []), ("alone", [group["alone"]] if
+                                                                         group.get("alone") else [])):
+        for w in workers:
+            print(f"[{r['gib']:g} GiB] follower {label}: {phase_line(w)}", flush=True)
 
 
 def save_partial(data: dict) -> None:
@@ -572,7 +577,7 @@ def save_partial(data: dict) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def spec_for(gib_: float, hidden: int, vocab: int, dtype) -> "ModelSpec":  # noqa: F821
+def spec_for(gib_: float, hidden: int, vocab: int, dtype) -> "ModelSpec":
     """The bench model closest to ``gib_`` GiB at this width: as many layers as fit beside embedding and head."""
     from models import ModelSpec
 
@@ -594,6 +599,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-discovery", action="store_true", help="skip the discovery pass (default: 1 + profiling)")
     p.add_argument("--no-cprofile", action="store_true", help="no cProfile of the fresh profile's process")
     p.add_argument("--tmpfs-gib", type=float, default=2.0, help="bytes for the /dev/shm page rates (0: skip)")
+    p.add_argument("--reads-gib", type=float, default=2.0, help="segment size for the follower reads (0: skip)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any one worker may go quiet")
     p.add_argument("--quick", action="store_true", help="small models on the CPU: checks the paths, not the speed")
     p.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
@@ -625,6 +631,13 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - a diagnostic only
             data["tmpfs_error"] = f"{type(exc).__name__}: {exc}"
         print(f"tmpfs rates: {data.get('tmpfs') or data.get('tmpfs_error')}", flush=True)
+    if args.reads_gib > 0:
+        try:
+            data["reads"] = follower_read_rates(int(args.reads_gib * GIB), args.workers - 1, args.timeout)
+            print(table(READ_HEADERS, read_rows(data["reads"])), flush=True)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic only
+            data["reads_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"follower reads failed: {data['reads_error']}", flush=True)
     for size in sizes:
         spec = spec_for(size, hidden, vocab, dtype)
         r: dict = {"gib": size, "spec": spec.to_dict(), "model_bytes": spec.total_bytes(dtype)}
@@ -645,6 +658,7 @@ def main() -> None:
             r["group"] = {}
             print(f"[{size:g} GiB] sharing group of {args.workers}", flush=True)
             run_group(params, args.workers, args.timeout, r["group"])
+            print_phases(r)
         except Exception as exc:  # noqa: BLE001 - this size failed; the next one still runs
             r["error"] = f"{type(exc).__name__}: {exc}"
             print(f"[{size:g} GiB] FAILED: {r['error']}", flush=True)

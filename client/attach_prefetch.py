@@ -20,9 +20,13 @@ Ordering and ownership
    for the adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks), and
    last copies every store record to the device (:meth:`SharedTensorStore.copies_on`: one range) through a
    small pinned ring (:class:`~flextensor.runtime.staged_copy.StagedCopy`: the store's mapping is not
-   registered, and a copy from it directly would run at pageable speed) and synchronizes its own stream, so the
-   copies are complete before anyone can read them, whatever stream the caller uses. It does not make PyTorch's
-   stream pool (the loader takes its copy stream at its first copy).
+   registered, and a copy from it directly would run at pageable speed), reading the store's file with
+   ``pread`` (no page of the store is faulted into this process), and synchronizes its own stream, so the
+   copies are complete before anyone can read them, whatever stream the caller uses. The ring is mapped and
+   registered on a thread of its own (``ft-staged-ring``) from the store's attach on, beside the arena and the
+   device blocks, and handed to the release thread after the copy; a ring not used (an error came first) is
+   released before the thread ends. It does not make PyTorch's stream pool (the loader takes its copy stream
+   at its first copy).
 2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
    everything it opened, *also when it failed or the factory failed*: the caller (``SharedOffloadSession``'s
    ``_attach``, or ``_join_while_building`` for the coordinator too) puts it into the manager's share first, so
@@ -45,7 +49,10 @@ the creator's).
 
 ``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``resident``), for
 ``session.report()``. The join is not among them: ``elect`` times its own parts (the session reports ``join``,
-``daemon`` and ``plan``), and a part spanning those would count their time twice in a sum.
+``daemon`` and ``plan``), and a part spanning those would count their time twice in a sum. The ring's parts run
+on its own thread and are not among them either: ``copy_report`` (a
+:class:`~flextensor.runtime.staged_copy.CopyReport`) gives them, with where the bytes were read, the rate, and
+the part of ``resident`` spent waiting for the ring.
 
 The arena's layout (:func:`flextensor.shm.blocks.arena_layout`) is computed once, on the thread, from the plan's
 block sizes: the thread maps the arena with it and keeps it as ``layout``, from which the session makes the
@@ -61,7 +68,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from flextensor.runtime.loader import slot_count
-from flextensor.runtime.staged_copy import StagedCopy
+from flextensor.runtime.staged_copy import CopyReport, StagedCopy
 from flextensor.planning.plan_model import effective_blocks
 from flextensor.shm.blocks import ARENA_KIND, ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.tensor_store import SharedTensorStore
@@ -108,6 +115,7 @@ class FollowerPrefetch:
         self.store: SharedTensorStore | None = None
         self.segments: list["SharedSegment"] = []
         self.device_copies: dict[str, torch.Tensor] | None = None  # record name -> copy (CUDA device only)
+        self.copy_report: CopyReport | None = None  # how the resident copy went (CUDA device only)
         self.error: BaseException | None = None
         self.timings: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="ft-attach", daemon=True)
@@ -131,6 +139,7 @@ class FollowerPrefetch:
 
     # ------------------------------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        copier: StagedCopy | None = None
         try:
             if self._elect is not None:  # not timed here: elect times its parts (see "Joining on the thread")
                 self.coordinator, self.state = self._elect()
@@ -155,32 +164,43 @@ class FollowerPrefetch:
             self.store = SharedTensorStore.attach(self._namespace, shm_owner=self._owner)
             opened = time.monotonic()
             self.timings["store"] = opened - start
+            if self._stream is not None:
+                torch.cuda.set_device(self._device)
+                copier = StagedCopy(stream=self._stream, background_release=True)
+                if self.store.nbytes >= copier.min_bytes:  # the ring's pages and registration, beside the steps below
+                    copier.prepare_in_background(self._device)
             self._open_blocks()
             blocks_done = time.monotonic()
             self.timings["blocks"] = blocks_done - opened
             if self._stream is not None:
-                torch.cuda.set_device(self._device)
-                slot_bytes = max((b.nbytes for b in self._blocks), default=0)
                 with torch.cuda.stream(self._stream):
                     # The resident copies' buffer first: allocated after the cached device blocks, it could be
                     # carved out of one of them, and the loader would have to allocate that block again.
                     resident = self.store.device_buffer(self._device)
-                    cached = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device)
-                              for _ in range(self._slots)]
-                    cached.clear()  # freed into PyTorch's cache, where the loader's same-sized allocations find them
+                    self._warm_device_cache(max((b.nbytes for b in self._blocks), default=0))
                 slotted = time.monotonic()
                 self.timings["slots"] = slotted - blocks_done
                 # (PyTorch's stream pool is not made here: the loader takes its copy stream at its first copy.)
-                # Last, the one long step (staged through pinned memory; the GIL is released during each chunk).
-                copier = StagedCopy(stream=self._stream)
+                # Last, the one long step (staged through pinned memory, read from the store's file).
                 with torch.cuda.stream(self._stream):
                     self.device_copies = self.store.copies_on(self._device, buffer=resident, fill=copier)
                     done = torch.cuda.Event()
                     done.record(self._stream)
                 done.synchronize()  # the copies are complete before any stream reads them
                 self.timings["resident"] = time.monotonic() - slotted
+                self.copy_report = copier.last
         except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()
             self.error = exc
+        finally:
+            if copier is not None:
+                copier.close()  # a ring prepared and not used (an error came first) is released too
+
+    def _warm_device_cache(self, slot_bytes: int) -> None:
+        """Allocate the loader's rotating device blocks and free them together, into PyTorch's cache, where the
+        loader's same-sized allocations find them (all are held until the last is made, so that each is a block
+        of its own)."""
+        held = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device) for _ in range(self._slots)]
+        del held
 
     def _open_blocks(self) -> None:
         """Lay out the arena holding every host block, once (the session reuses ``layout``), and map it (one open:

@@ -91,6 +91,7 @@ class ManagerShare:
     steps: dict[str, float] = field(default_factory=dict)  # seconds per step (see _attach and _publish)
     block_views: list[Any] = field(default_factory=list)  # a creator's views of the arena, handed to the engine
     publish: dict[str, float] = field(default_factory=dict)  # a creator's publish: rate, waits, registration
+    resident_copy: dict[str, Any] = field(default_factory=dict)  # a CUDA follower's copy of the resident tensors
 
     def take_from(self, prefetch: FollowerPrefetch) -> None:
         """Own what a follower's attach thread opened (store, arena), so the session's cleanup closes it, and
@@ -98,6 +99,9 @@ class ManagerShare:
         self.store = prefetch.store
         self.segments.extend(prefetch.segments)
         self.steps.update({f"prefetch_{part}": seconds for part, seconds in prefetch.timings.items()})
+        report = prefetch.copy_report
+        if report is not None:  # the ring's parts ran on a thread of their own: reported apart from the steps
+            self.resident_copy = {**report._asdict(), "gbps": report.gbps}
 
     def summary(self) -> dict[str, Any]:
         pinner = self.pinner
@@ -109,6 +113,8 @@ class ManagerShare:
         }
         if self.publish:
             report["publish"] = dict(self.publish)
+        if self.resident_copy:
+            report["resident_copy"] = dict(self.resident_copy)
         if pinner is not None:  # registration runs in the background: is it finished, how long did copies wait
             report.update(registered=pinner.pinned_blocks == pinner.block_count, register_wait_s=pinner.waited_s)
         return report

@@ -54,8 +54,9 @@ _hooked = False
 
 
 def release_in_background(segment: Any) -> None:
-    """Unregister every pinned range of ``segment`` (a :class:`~flextensor.shm.segment.SharedSegment`) and then
-    unmap it, on the release thread; the caller must not use the segment any more. A segment with nothing
+    """Unregister every pinned range of ``segment`` (a :class:`~flextensor.shm.segment.SharedSegment`, or any
+    mapping offering the same ``name``, ``pinned``, ``unpin_one()`` and ``close()``: a follower's staging ring) and
+    then unmap it, on the release thread; the caller must not use the segment any more. A segment with nothing
     pinned is closed at once. At interpreter exit (the hook has run) the segment is left to the process's end."""
     global _thread, _hooked
     if not segment.pinned:

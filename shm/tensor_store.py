@@ -16,6 +16,7 @@ worker's copy); on a GPU target they are copied to the device.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -330,7 +331,8 @@ class SharedTensorStore:
         return torch.empty(high - low, dtype=torch.uint8, device=torch.device(device))
 
     def copies_on(self, device: Any, *, buffer: "torch.Tensor | None" = None,
-                  fill: "Callable[[torch.Tensor, torch.Tensor], None] | None" = None) -> dict[str, "torch.Tensor"]:
+                  fill: "Callable[[torch.Tensor, torch.Tensor, tuple[int, int] | None], None] | None" = None
+                  ) -> dict[str, "torch.Tensor"]:
         """Every published record copied to ``device``, by record name: made ahead (e.g. on a thread while the
         model is built) and handed to :meth:`materialize`.
 
@@ -341,8 +343,11 @@ class SharedTensorStore:
         so it is freed only when none of them is referenced any more. ``buffer`` (from :meth:`device_buffer`)
         is filled instead of allocating: the attach thread allocates it before it warms PyTorch's cache with
         the loader's device blocks, so that this allocation cannot be carved out of one of them. ``fill(dst,
-        src)`` makes the one copy instead of ``dst.copy_(src)`` (a follower's staged copy through pinned memory,
-        ``flextensor.runtime.staged_copy``); it returns once ``dst`` holds the bytes on the caller's stream.
+        src, file)`` makes the one copy instead of ``dst.copy_(src)`` (a follower's staged copy through pinned
+        memory, ``flextensor.runtime.staged_copy``); it returns once ``dst`` holds the bytes on the caller's
+        stream. ``file`` is ``(fd, offset)``: the data segment opened again, ``src``'s bytes from ``offset``, to
+        be read with ``pread`` so that no page of the mapping is faulted into this process (closed after the
+        fill); None when the segment's name is gone (read ``src`` then).
         """
         import torch
 
@@ -363,7 +368,12 @@ class SharedTensorStore:
             if fill is None:
                 whole = buffer.copy_(host)
             else:
-                fill(buffer, host)
+                fd = self._open_data_file()
+                try:
+                    fill(buffer, host, None if fd is None else (fd, low))
+                finally:
+                    if fd is not None:
+                        os.close(fd)
                 whole = buffer
         copies = {}
         for record, start, nbytes in spans:
@@ -374,6 +384,14 @@ class SharedTensorStore:
             copies[record.name] = (whole.narrow(0, start - low, nbytes).view(_torch_dtype(record.dtype))
                                    .as_strided(record.shape, record.stride))
         return copies
+
+    def _open_data_file(self) -> int | None:
+        """The data segment's file, opened again (``SharedSegment.open_file``); None when its name is gone."""
+        try:
+            return self._segment.open_file()
+        except FileNotFoundError as exc:
+            logger.debug("reading the store of %s through its mapping: %s", self._owner.namespace, exc)
+            return None
 
     def materialize(self, model: Any, device: Any = "cpu", *, copies: dict[str, "torch.Tensor"] | None = None) -> None:
         """Install every published tensor into ``model`` on ``device`` (all checks happen before any change).

@@ -3,44 +3,70 @@
 Why
 ---
 A session follower copies the resident tensors (embeddings, head, and every layer the plan keeps on the device:
-6.3 GB of a 24 GiB model at ``max_gpu_mem_fraction=0.05``) from the store's fresh mapping to the device before it
-is ready. That mapping is not registered with CUDA, so the driver bounces the copy through a small pinned buffer
-of its own, from one thread: 8.7 GB/s on the H200 host, 0.72 s for 6.3 GB. Registering the range first costs
-63-150 ms/GiB on a fresh mapping, about as much. Instead, :class:`StagedCopy` bounces it through a ring of its
-own (:data:`SLOTS` chunks of :data:`CHUNK_BYTES`, registered once): each chunk is copied into a free slot by
-:data:`THREADS` threads (``memmove``, one piece each), and from there to the device asynchronously on the
-caller's stream, so the host copy of chunk ``k + 1`` overlaps the DMA of chunk ``k`` (at 55 GB/s, faster than the
-host copy). Meanwhile as many helper threads map the source's pages into this process ahead of the copy
-(``MADV_POPULATE_READ``, ``flextensor.shm.prefault``): a fresh mapping of shared pages otherwise faults in
-4 KiB at a time inside the copy.
+6.3 GB of a 24 GiB model at ``max_gpu_mem_fraction=0.05``) from the shared store to the device before it is
+ready. Its mapping of the store is not registered with CUDA, so a plain copy runs at pageable speed (8.7 GB/s on
+the H200 host), and registering the range first costs 63-150 ms/GiB. Instead the bytes go through a small pinned
+ring of this module's own (registered once), and from each slot to the device asynchronously on the caller's
+stream, so the host side of one chunk overlaps the DMA of another (at 55 GB/s, faster than the host side).
 
-Why a few threads of its own rather than PyTorch's CPU copy: followers attach at once, and PyTorch's copy runs
-on as many OpenMP threads as the host has cores in each of them (threads that spin between parallel regions).
-Copied that way on the H200 host, three followers copying together got 3.1 GB/s each where one alone got
-14.6 GB/s. A small fixed pool per process leaves room for the others.
+Where the bytes come from
+-------------------------
+Given the file that holds the range (``file=(fd, offset)``: the store's data segment, opened again by name), the
+workers read it with ``pread`` straight into the ring: the kernel copies from the shared pages without mapping them
+into this process. Read through a fresh mapping instead, every 4 KiB page costs a page-table fault (1.5 M of them
+for 6 GiB); faulting them in ahead from several threads (``MADV_POPULATE_READ``) held a follower to 14.6 GB/s on
+the H200 host (a gVisor sandbox, where each fault is the sandbox's work) and to 3.1 GB/s each for three followers
+attaching together, and the populated mapping has to be torn down again at close. Without a file (a plain host
+tensor, or a name already removed) the workers ``memmove`` from the mapping while a helper thread populates it
+ahead of them (``flextensor.shm.prefault``).
+
+Workers and ring
+----------------
+``threads`` workers (the calling thread is one of them) share ``slots`` slots of ``chunk_bytes``, each worker
+owning its own (slot ``s`` belongs to worker ``s mod threads``). A worker claims the next chunk, waits until the
+device finished reading its slot (an event per slot), fills the slot, and queues the slot's copy to the device.
+No worker waits for another (there is no barrier per chunk), and the few calls per chunk that need the GIL (which
+a follower's model factory holds most of the time meanwhile) are spread over the workers. Chunks are claimed from
+a start that depends on the process id, so followers attaching together read different pages at any one time
+(on Linux reading a shared page takes that page's lock).
+
+Why its own threads rather than PyTorch's CPU copy: followers attach at once, and PyTorch's copy runs on as many
+OpenMP threads as the host has cores in each of them (threads that spin between parallel regions). Copied that
+way on the H200 host, three followers copying together got 3.1 GB/s each where one alone got 14.6 GB/s.
+
+Life of the ring
+----------------
+:meth:`StagedCopy.prepare` allocates the ring (anonymous memory, transparent huge pages asked for), maps its
+pages from several threads and registers it; :meth:`StagedCopy.prepare_in_background` does that on a thread
+(``ft-staged-ring``) so that it overlaps the caller's other work, and a copy waits for it only if it is not done.
+After the copy the ring is unregistered and unmapped: at once, or with ``background_release=True`` on the release
+thread (``flextensor.shm.background_release``, as a session's close does with its segments), so that the caller
+does not wait for the driver. :meth:`StagedCopy.close` releases a ring prepared and never used (call it always,
+also after an error).
 
 Ordering
 --------
-A slot is refilled only after the device finished reading it (an event per slot); before the ring is
-unregistered every recorded copy is waited for, also when an error interrupts the loop, so the driver never
-reads memory that is no longer registered. :meth:`StagedCopy.__call__` returns once ``dst`` holds every byte
-(the caller's stream is idle as far as these copies go). Ranges below :data:`MIN_BYTES` are copied directly
-(registering the ring would cost more than it saves); when the driver refuses the ring (``ulimit -l``), the
-copy is made directly too, after one WARNING: correct, only slower.
-
-On a CPU destination (tests, hosts without CUDA) the same chunking runs with synchronous copies and no events.
+A slot is refilled only after the device finished reading it; before the ring is released every recorded copy
+is waited for, also when an error stops the workers (each waits for its own slots), so the driver never reads
+memory that is no longer registered. :meth:`StagedCopy.__call__` returns once ``dst`` holds every byte (the
+caller's stream is idle as far as these copies go). Ranges below ``min_bytes`` are copied directly (registering
+a ring would cost more than it saves); when the driver refuses the ring (``ulimit -l``), the copy is made
+directly too, after one WARNING: correct, only slower. On a CPU destination (tests, hosts without CUDA) the same
+chunking runs with synchronous copies and no events.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import itertools
 import logging
 import mmap
+import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -50,56 +76,267 @@ __all__ = ["StagedCopy", "CopyReport", "CHUNK_BYTES", "SLOTS", "MIN_BYTES", "THR
 
 logger = logging.getLogger(__name__)
 
-#: Bytes per slot of the pinned ring: large enough that the per-chunk Python work (a few microseconds of torch
-#: calls, which need the GIL that a follower's model factory holds most of the time) stays small against the copy.
-CHUNK_BYTES = 64 << 20
-#: Slots of the ring: a few, so the host copy never waits for the device.
-SLOTS = 4
+#: Bytes per slot of the pinned ring: large enough that a chunk's few GIL-holding calls stay small against its
+#: copy, small enough that the ring (``SLOTS`` of them) is cheap to map and register.
+CHUNK_BYTES = 8 << 20
+#: Workers copying into the ring: half the cores (followers attach together), at most 8 (the device's 55 GB/s
+#: is reached long before).
+THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+#: Slots of the ring: two per worker, so a worker fills one while the device reads the other.
+SLOTS = 2 * THREADS
 #: Smaller ranges are copied directly.
-MIN_BYTES = 2 * CHUNK_BYTES
-#: Threads copying each chunk into the ring (and mapping the source's pages ahead of them).
-THREADS = 4
+MIN_BYTES = 64 << 20
+#: Multiplier spreading process ids over a range's chunks (Knuth's multiplicative hash).
+_SPREAD = 2654435761
 
 _warned = False
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
+_libc.pread.restype = ctypes.c_ssize_t
+
 
 class CopyReport(NamedTuple):
-    """What one copy did: bytes, seconds, and whether it went through the pinned ring."""
+    """What one copy did: bytes, seconds, whether it went through the pinned ring and where its bytes were read
+    (``file``: ``pread``; ``mapping``: ``memmove``; ``direct``: no ring), by how many workers, and what the ring
+    cost: mapping its pages and registering it (wherever that ran) and the copy's wait for it."""
 
     nbytes: int
     seconds: float
     staged: bool
+    source: str = "direct"
+    threads: int = 0
+    ring_populate_s: float = 0.0
+    ring_register_s: float = 0.0
+    ring_wait_s: float = 0.0
 
     @property
     def gbps(self) -> float:
         return self.nbytes / max(self.seconds, 1e-9) / 1e9
 
 
+class _Ring:
+    """The pinned ring: one anonymous mapping, registered whole. Offers what the release thread asks of a segment
+    (``name``, ``pinned``, ``unpin_one``, ``close``), so that it can be released there."""
+
+    name = "staging ring"
+
+    def __init__(self, size: int, register: Callable[[int, int], None], unregister: Callable[[int], None]) -> None:
+        self._unregister = unregister
+        self.registered = False
+        self.populate_s = self.register_s = 0.0
+        # Private: anonymous shared memory would be tmpfs pages (4 KiB each, slower to allocate); and huge pages
+        # where the kernel offers them (3.5x faster to allocate on the CPU VM).
+        self._mapping: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(AttributeError, OSError):
+            self._mapping.madvise(mmap.MADV_HUGEPAGE)
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.address = self.tensor.data_ptr()
+        try:
+            start = time.monotonic()
+            try:
+                populate_write_range(self.address, size)  # the pages now, from several threads, not in the driver
+            except OSError:
+                pass  # only a speed-up: registration faults them in anyway
+            registering = time.monotonic()
+            self.populate_s = registering - start
+            register(self.address, size)
+            self.register_s = time.monotonic() - registering
+            self.registered = True
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pinned(self) -> bool:
+        return self.registered
+
+    def unpin_one(self) -> bool:
+        """Unregister the ring (one driver call); False when it is not registered."""
+        if not self.registered:
+            return False
+        self.registered = False
+        self._unregister(self.address)
+        return True
+
+    def close(self) -> None:
+        """Unregister (if still registered), then unmap; idempotent. A view still alive (a traceback's) keeps the
+        mapping until it goes."""
+        try:
+            self.unpin_one()
+        except RuntimeError as exc:  # forgotten: the unmap releases the pages
+            logger.warning("could not unregister the staging ring: %s", exc)
+        self.tensor = None
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+
+
+class _Job:
+    """One copy's shared state for its workers: the chunks still to claim, the slots, the first error."""
+
+    def __init__(self, dst: torch.Tensor, ring: _Ring, chunk: int, slots: int, fill: Callable[[int, int, int], None],
+                 stream: "torch.cuda.Stream | None") -> None:
+        self.dst, self.chunk, self.fill, self.stream = dst, chunk, fill, stream
+        self.total = dst.numel()
+        count = -(-self.total // chunk)
+        first = os.getpid() * _SPREAD % count
+        self._order: Iterator[int] = iter([(first + i) % count for i in range(count)])
+        self._lock = threading.Lock()
+        assert ring.tensor is not None
+        self.address = ring.address
+        self.stages = [ring.tensor.narrow(0, s * chunk, chunk) for s in range(slots)]
+        self.events = [torch.cuda.Event() for _ in range(slots)] if stream is not None else []
+        self.error: BaseException | None = None
+
+    def claim(self) -> int | None:
+        """The next chunk to copy; None when none is left or a worker failed."""
+        with self._lock:
+            return None if self.error is not None else next(self._order, None)
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.error = self.error or exc
+
+    def work(self, own: list[int]) -> None:
+        """Copy claimed chunks through the slots ``own`` until none is left; every copy queued from them is
+        complete on return (also after an error, which is recorded for the caller)."""
+        used: list[int] = []
+        try:
+            with self._device_context():
+                for k in itertools.count():
+                    index = self.claim()
+                    if index is None:
+                        return
+                    slot = own[k % len(own)]
+                    if slot in used:
+                        self.events[slot].synchronize()  # the device finished reading this slot
+                    offset = index * self.chunk
+                    n = min(self.chunk, self.total - offset)
+                    self.fill(self.address + slot * self.chunk, offset, n)
+                    stage = self.stages[slot] if n == self.chunk else self.stages[slot].narrow(0, 0, n)
+                    target = self.dst.narrow(0, offset, n)
+                    if self.stream is None:
+                        target.copy_(stage)
+                        continue
+                    target.copy_(stage, non_blocking=True)
+                    self.events[slot].record(self.stream)
+                    if slot not in used:
+                        used.append(slot)
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller once every worker is done
+            self.fail(exc)
+        finally:
+            for slot in used:  # also after an error: the ring is released next
+                self.events[slot].synchronize()
+
+    def _device_context(self) -> contextlib.AbstractContextManager[Any]:
+        if self.stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.stream.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
+
+
 class StagedCopy:
-    """``copy(dst, src)``: 1-D ``uint8`` ``src`` (host) into ``dst`` (same size, a device) through a pinned ring.
+    """``copy(dst, src, file=None)``: 1-D ``uint8`` ``src`` (host) into ``dst`` (same size, a device) through a
+    pinned ring (see module docs).
 
     ``register(ptr, nbytes)`` / ``unregister(ptr)`` pin and unpin the ring (CUDA's by default; tests pass
     recording fakes). ``stream``: where the device copies are queued (default: the current stream of ``dst``'s
-    device). ``last`` is the report of the latest copy.
+    device). ``background_release``: release the ring on the release thread after the copy instead of before
+    returning. ``last`` is the report of the latest copy.
     """
 
     def __init__(self, *, chunk_bytes: int = CHUNK_BYTES, slots: int = SLOTS, min_bytes: int = MIN_BYTES,
                  threads: int = THREADS, register: Callable[[int, int], None] | None = None,
-                 unregister: Callable[[int], None] | None = None,
-                 stream: "torch.cuda.Stream | None" = None) -> None:
+                 unregister: Callable[[int], None] | None = None, stream: "torch.cuda.Stream | None" = None,
+                 background_release: bool = False) -> None:
         if chunk_bytes <= 0 or slots < 2 or threads < 1:
             raise ValueError(f"StagedCopy needs chunk_bytes > 0, at least 2 slots and 1 thread, got {chunk_bytes}, "
                              f"{slots} and {threads}")
         self.chunk_bytes = int(chunk_bytes)
         self.slots = int(slots)
         self.min_bytes = int(min_bytes)
-        self.threads = int(threads)
+        self.threads = min(int(threads), self.slots)
         self._register = register
         self._unregister = unregister
         self._stream = stream
+        self._background_release = background_release
+        self._ring: _Ring | None = None
+        self._preparing: threading.Thread | None = None
         self.last: CopyReport | None = None
 
-    def __call__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    # ------------------------------------------------------------------------------------------ the ring
+    def prepare(self) -> None:
+        """Allocate, map and register the ring now, unless it is ready; a refusal of the driver is logged (once
+        per process) and the next copy is made directly."""
+        global _warned
+        if self._ring is not None:
+            return
+        register, unregister = self._pin_functions()
+        size = self.slots * self.chunk_bytes
+        try:
+            self._ring = _Ring(size, register, unregister)
+        except (RuntimeError, OSError) as exc:
+            if not _warned:
+                _warned = True
+                logger.warning("could not register a %d MiB staging ring (%s); copying from pageable memory instead "
+                               "(correct, slower)", size >> 20, exc)
+
+    def prepare_in_background(self, device: "torch.device | None" = None) -> None:
+        """Run :meth:`prepare` on a thread (``ft-staged-ring``), ``device`` current there (the CUDA context the
+        registration uses); the next copy or :meth:`close` joins it."""
+        if self._preparing is not None or self._ring is not None:
+            return
+        index = None
+        if device is not None and device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+
+        def run() -> None:
+            if index is not None:
+                torch.cuda.set_device(index)
+            self.prepare()
+
+        self._preparing = threading.Thread(target=run, name="ft-staged-ring", daemon=True)
+        self._preparing.start()
+
+    def close(self) -> None:
+        """Wait for a preparation in flight and release a ring not used by a copy. Idempotent."""
+        self._join_preparation()
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            self._release(ring)
+
+    def _join_preparation(self) -> float:
+        """Seconds waited for the preparing thread."""
+        thread, self._preparing = self._preparing, None
+        if thread is None:
+            return 0.0
+        start = time.monotonic()
+        thread.join()
+        return time.monotonic() - start
+
+    def _pin_functions(self) -> tuple[Callable[[int, int], None], Callable[[int], None]]:
+        if self._register is not None and self._unregister is not None:
+            return self._register, self._unregister
+        from flextensor.shm.pinning import host_register, host_unregister
+
+        return (lambda ptr, nbytes: host_register(ptr, nbytes, read_only=True)), host_unregister
+
+    def _release(self, ring: _Ring) -> None:
+        if self._background_release:
+            from flextensor.shm.background_release import release_in_background
+
+            release_in_background(ring)
+        else:
+            ring.close()
+
+    # ------------------------------------------------------------------------------------------ the copy
+    def __call__(self, dst: torch.Tensor, src: torch.Tensor, file: tuple[int, int] | None = None) -> None:
+        """Copy ``src`` into ``dst``. ``file``: ``(fd, offset)`` of a file whose bytes from ``offset`` are
+        ``src``'s (its mapping): read from there with ``pread`` (``EOFError`` when the file is shorter)."""
         for t, what in ((dst, "destination"), (src, "source")):
             if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
                 raise ValueError(f"StagedCopy: the {what} must be a contiguous 1-D uint8 tensor, got {t.dtype} "
@@ -108,95 +345,82 @@ class StagedCopy:
             raise ValueError(f"StagedCopy copies a host range of {src.numel()} bytes on {src.device} into as many "
                              f"bytes; got a destination of {dst.numel()} on {dst.device}")
         start = time.monotonic()
-        staged = src.numel() >= self.min_bytes and self._copy_staged(dst, src)
-        if not staged:
+        if src.numel() < self.min_bytes:
+            self.close()
             dst.copy_(src)
-        self.last = CopyReport(src.numel(), time.monotonic() - start, staged)
-
-    # ------------------------------------------------------------------------------------------ the ring
-    def _pin_functions(self) -> tuple[Callable[[int, int], None], Callable[[int], None]]:
-        if self._register is not None and self._unregister is not None:
-            return self._register, self._unregister
-        from flextensor.shm.pinning import host_register, host_unregister
-
-        return (lambda ptr, nbytes: host_register(ptr, nbytes, read_only=True)), host_unregister
-
-    def _copy_staged(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
-        """The ring copy; False (nothing copied) when the ring could not be registered."""
-        global _warned
-        register, unregister = self._pin_functions()
-        size = self.slots * self.chunk_bytes
-        mapping = mmap.mmap(-1, size)
-        ring = torch.frombuffer(mapping, dtype=torch.uint8)
-        address = ring.data_ptr()
+            self.last = CopyReport(src.numel(), time.monotonic() - start, False)
+            return
+        waited = self._join_preparation()
+        self.prepare()
+        ring, self._ring = self._ring, None
+        if ring is None:
+            dst.copy_(src)
+            self.last = CopyReport(src.numel(), time.monotonic() - start, False, ring_wait_s=waited)
+            return
         try:
-            try:
-                populate_write_range(address, size)  # the ring's pages now, not one by one in the driver
-            except OSError:
-                pass  # only a speed-up: registration faults them in anyway
-            try:
-                register(address, size)
-            except RuntimeError as exc:
-                if not _warned:
-                    _warned = True
-                    logger.warning("could not register a %d MiB staging ring (%s); copying %d MiB from pageable "
-                                   "memory instead (correct, slower)", size >> 20, exc, src.numel() >> 20)
-                return False
-            try:
-                self._run(dst, src, ring)
-            finally:
-                unregister(address)
-            return True
+            source, threads = self._run(dst, src, ring, file)
         finally:
-            del ring
-            try:
-                mapping.close()
-            except BufferError:  # a traceback still holds a view of it: unmapped when that goes
-                pass
+            self._release(ring)
+        self.last = CopyReport(src.numel(), time.monotonic() - start, True, source, threads, ring.populate_s,
+                               ring.register_s, waited)
 
-    def _run(self, dst: torch.Tensor, src: torch.Tensor, ring: torch.Tensor) -> None:
-        """The loop keeps its Python work per chunk small (views, events and the stream are made before it): each
-        step needs the GIL, which a follower's model factory holds most of the time meanwhile."""
-        cuda = dst.device.type == "cuda"
-        total, chunk = src.numel(), self.chunk_bytes
-        offsets = range(0, total, chunk)
-        targets = [dst.narrow(0, o, min(chunk, total - o)) for o in offsets]
-        slots = [ring.narrow(0, i * chunk, chunk) for i in range(self.slots)]
-        staging = [slots[k % self.slots].narrow(0, 0, t.numel()) for k, t in enumerate(targets)]
-        src_ptr, ring_ptr = src.data_ptr(), ring.data_ptr()
-        piece = max(1 << 20, -(-chunk // self.threads))
-        prefault = threading.Thread(target=_prefault, args=(src_ptr, total, self.threads), name="ft-staged-prefault",
-                                    daemon=True)
-        prefault.start()
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ft-staged-copy")
+    def _run(self, dst: torch.Tensor, src: torch.Tensor, ring: _Ring, file: tuple[int, int] | None
+             ) -> tuple[str, int]:
+        """The workers' copy (see module docs); returns where the bytes were read and by how many workers."""
         stream = None
-        if cuda:
+        if dst.device.type == "cuda":
             stream = self._stream if self._stream is not None else torch.cuda.current_stream(dst.device)
-        events = [torch.cuda.Event() for _ in range(self.slots)] if cuda else []
-        used = [False] * self.slots
+        prefault = None
+        if file is not None:
+            fd, base = file
+            source = "file"
+
+            def fill(address: int, offset: int, nbytes: int) -> None:
+                _read_file(fd, address, nbytes, base + offset)
+        else:
+            src_ptr = src.data_ptr()
+            source = "mapping"
+            prefault = threading.Thread(target=_prefault, args=(src_ptr, src.numel(), self.threads),
+                                        name="ft-staged-prefault", daemon=True)
+            prefault.start()
+
+            def fill(address: int, offset: int, nbytes: int) -> None:
+                ctypes.memmove(address, src_ptr + offset, nbytes)
+
+        job = _Job(dst, ring, self.chunk_bytes, self.slots, fill, stream)
+        threads = min(self.threads, -(-src.numel() // self.chunk_bytes))
+        owned = [[s for s in range(self.slots) if s % threads == w] for w in range(threads)]
+        helpers = [threading.Thread(target=job.work, args=(own,), name="ft-staged-copy", daemon=True)
+                   for own in owned[1:]]
         try:
-            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                for k, (offset, stage, target) in enumerate(zip(offsets, staging, targets)):
-                    slot = k % self.slots
-                    if used[slot]:
-                        events[slot].synchronize()  # the device finished reading this slot
-                    n = target.numel()
-                    base = ring_ptr + slot * chunk
-                    for future in [pool.submit(ctypes.memmove, base + p, src_ptr + offset + p, min(piece, n - p))
-                                   for p in range(0, n, piece)]:
-                        future.result()
-                    if cuda:
-                        target.copy_(stage, non_blocking=True)
-                        events[slot].record(stream)
-                        used[slot] = True
-                    else:
-                        target.copy_(stage)
+            for helper in helpers:
+                helper.start()
+            job.work(owned[0])
         finally:
-            for slot, event in enumerate(events):  # also after an error: the ring is unregistered next
-                if used[slot]:
-                    event.synchronize()
-            pool.shutdown(wait=True)
-            prefault.join()
+            for helper in helpers:
+                if helper.ident is not None:
+                    helper.join()
+            if prefault is not None:
+                prefault.join()
+        if job.error is not None:
+            raise job.error
+        return source, threads
+
+
+def _read_file(fd: int, address: int, nbytes: int, offset: int) -> None:
+    """``nbytes`` of file ``fd`` from ``offset`` into memory at ``address`` (``pread``: ctypes releases the GIL)."""
+    done = 0
+    while done < nbytes:
+        got = _libc.pread(fd, address + done, nbytes - done, offset + done)
+        if got < 0:
+            code = ctypes.get_errno()
+            if code == errno.EINTR:
+                continue
+            raise OSError(code, f"reading {nbytes} bytes at offset {offset} of fd {fd} failed: {os.strerror(code)}")
+        if got == 0:
+            raise EOFError(f"the file (fd {fd}) ends before byte {offset + done}, inside the {nbytes} bytes read at "
+                           f"offset {offset}: it was truncated while in use; restart the workers that share it")
+        done += got
 
 
 def _prefault(address: int, nbytes: int, threads: int) -> None:

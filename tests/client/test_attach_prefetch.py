@@ -411,11 +411,16 @@ def test_follower_prefetch_accepts_either_role_alone():
 
 
 @pytest.mark.cuda
-def test_a_cuda_follower_hands_its_registered_blocks_to_the_release_thread_on_close(held_ns: str, profile: str):
+def test_a_cuda_follower_hands_its_registered_blocks_to_the_release_thread_on_close(held_ns: str, profile: str,
+                                                                                   monkeypatch):
     """close() leaves the generation at once; the release thread unregisters the follower's blocks and unmaps
-    them afterwards (flextensor.shm.background_release); the resident tensors came through the pinned ring."""
+    them afterwards (flextensor.shm.background_release); the resident tensors came through the pinned ring
+    (staged here whatever their size: about 10 KiB in 1 KiB chunks), read from the store's file by several workers."""
     import flextensor.shm.background_release as release_mod
+    from flextensor.runtime.staged_copy import StagedCopy
 
+    monkeypatch.setattr(prefetch_mod, "StagedCopy",
+                        lambda **kwargs: StagedCopy(min_bytes=0, chunk_bytes=1024, threads=2, slots=4, **kwargs))
     config = ft.OffloadConfig(pinned_memory=True, num_blocks=2, min_blocks=2)
     session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     model = session.offload_from_profile(profile, config=config, name="model",
@@ -425,6 +430,8 @@ def test_a_cuda_follower_hands_its_registered_blocks_to_the_release_thread_on_cl
         assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
     report = session.report()[0]
     assert report["registered"] is True and "prefetch_resident" in report["steps"]
+    copied = report["resident_copy"]
+    assert (copied["staged"], copied["source"], copied["threads"]) == (True, "file", 2) and copied["nbytes"] > 0
     session.close()
     assert release_mod.wait_released(timeout=60)
     del model

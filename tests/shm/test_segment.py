@@ -56,6 +56,35 @@ def test_create_open_and_exclusive(seg_name):
         assert bytes(again.buffer[100:104]) == b"abcd"
 
 
+def test_open_file_reads_the_mapped_bytes_and_refuses_a_truncated_or_replaced_file(seg_name):
+    """The file behind a mapping, opened again for pread: the same bytes; a truncated file is a protocol error
+    (its mapping would SIGBUS), a removed or replaced name a FileNotFoundError (the mapping is still good)."""
+    from flextensor.shm.errors import ShmProtocolError
+
+    with SharedSegment.create(seg_name, 3 * 4096) as seg:
+        seg.buffer[5000:5004] = b"wxyz"
+        follower = SharedSegment.open(seg_name)
+        fd = follower.open_file()
+        try:
+            assert os.pread(fd, 4, 5000) == b"wxyz" and os.fstat(fd).st_size == 3 * 4096
+            with pytest.raises(OSError):
+                os.write(fd, b"x")  # read-only
+        finally:
+            os.close(fd)
+        os.truncate(f"/dev/shm{seg_name}", 4096)
+        with pytest.raises(ShmProtocolError, match="truncated"):
+            follower.open_file()
+        SharedSegment.unlink_name(seg_name)
+        with pytest.raises(FileNotFoundError, match="removed"):
+            follower.open_file()
+        with SharedSegment.create(seg_name, 3 * 4096):
+            with pytest.raises(FileNotFoundError, match="another file"):
+                follower.open_file()
+        follower.close()
+        with pytest.raises(ValueError, match="closed"):
+            follower.open_file()
+
+
 def test_default_mode_is_0600(seg_name):
     with SharedSegment.create(seg_name, 4096):
         st = os.stat(f"/dev/shm{seg_name}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import msgspec
@@ -14,7 +15,8 @@ from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.manifest import StoreManifest, TensorRecord, decode_manifest, validate_manifest
 from flextensor.shm.names import manager_namespace
-from flextensor.shm.tensor_store import MANIFEST_KIND, SharedTensorStore
+from flextensor.shm.segment import SharedSegment
+from flextensor.shm.tensor_store import DATA_KIND, MANIFEST_KIND, SharedTensorStore
 from tests.helpers.forkserver import run_code
 
 
@@ -160,18 +162,27 @@ def test_a_fill_supplies_the_bytes_and_a_segment_without_pages_gets_them_record_
         store.close()
 
 
-def test_copies_on_hands_the_one_copy_to_a_fill(ns: str) -> None:
+def test_copies_on_hands_the_one_copy_to_a_fill_with_the_data_file(ns: str) -> None:
+    """The fill gets the data segment's file, open for pread at the range's offset (closed after the fill), and
+    None once the segment's name is gone (the mapping still serves)."""
     source = _model()
     calls = []
 
-    def fill(dst: torch.Tensor, src: torch.Tensor) -> None:
-        calls.append((dst.numel(), src.numel()))
+    def fill(dst: torch.Tensor, src: torch.Tensor, file: tuple[int, int] | None) -> None:
+        calls.append((dst.numel(), src.numel(), file))
+        if file is not None:
+            fd, offset = file
+            assert os.pread(fd, src.numel(), offset) == src.numpy().tobytes()
         dst.copy_(src)
 
     with ShmCoordinator(ns, lease_seconds=2.0) as creator:
         store = SharedTensorStore.create_from_model(ns, source, shm_owner=creator.memory_owner)
         copies = store.copies_on("cpu", fill=fill)  # no buffer given: one is allocated for the fill
-        assert len(calls) == 1 and calls[0][0] == calls[0][1]
+        assert len(calls) == 1 and calls[0][0] == calls[0][1] and calls[0][2] is not None
+        with pytest.raises(OSError):
+            os.fstat(calls[0][2][0])  # closed after the fill
+        SharedSegment.unlink_name(creator.memory_owner.resource_name(DATA_KIND))
+        assert torch.equal(store.copies_on("cpu", fill=fill)["scale"], source.scale) and calls[1][2] is None
         hosts = {r.name: store.tensor(r) for r in store.records}  # copies are by record name (no aliases)
         assert set(copies) == set(hosts)
         for name, value in hosts.items():

@@ -1,9 +1,12 @@
-"""StagedCopy: a host range copied through a small pinned ring, chunk by chunk, gives the same bytes; the ring is
-registered once and unregistered after the last copy; a refused registration falls back to a direct copy."""
+"""StagedCopy: a host range copied through a small pinned ring, chunk by chunk, gives the same bytes, read from
+the range's file (pread) or its mapping, by one or several workers; the ring is registered once and unregistered
+after the last copy (or by the release thread); a refused registration falls back to a direct copy."""
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 
 import pytest
 import torch
@@ -41,7 +44,7 @@ def test_every_byte_arrives_through_the_ring(nbytes):
     src, dst = _source(nbytes), torch.zeros(nbytes, dtype=torch.uint8)
     copier(dst, src)
     assert torch.equal(dst, src)
-    assert copier.last.staged and copier.last.nbytes == nbytes
+    assert copier.last.staged and copier.last.nbytes == nbytes and copier.last.source == "mapping"
     (register, ptr, size), unregister = pin.calls
     assert register == "register" and size == 2 * CHUNK and unregister == ("unregister", ptr)
 
@@ -75,15 +78,117 @@ def test_mismatched_ranges_are_refused_with_the_sizes():
         copier(torch.zeros(10, dtype=torch.float32), torch.zeros(10, dtype=torch.uint8))
 
 
+def _file_holding(data: torch.Tensor, offset: int) -> int:
+    """A read-only fd of an unlinked temporary file holding ``data`` from ``offset``."""
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(b"\xff" * offset + data.numpy().tobytes())
+        f.flush()
+        return os.open(f.name, os.O_RDONLY)
+
+
+@pytest.mark.parametrize("threads,slots", [(1, 2), (3, 6), (4, 5)])
+def test_bytes_are_read_from_the_file_when_given_by_every_worker(threads, slots):
+    """With ``file`` the bytes come from the file (the mapping passed as ``src`` is not read: here it holds
+    zeros), whatever the number of workers and slots, starting chunk included."""
+    nbytes = 11 * CHUNK + 77
+    data = _source(nbytes)
+    fd = _file_holding(data, 4096 + 3)
+    pin = FakePin()
+    copier = StagedCopy(chunk_bytes=CHUNK, slots=slots, threads=threads, min_bytes=0, register=pin.register,
+                        unregister=pin.unregister)
+    try:
+        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        copier(dst, torch.zeros(nbytes, dtype=torch.uint8), (fd, 4096 + 3))
+    finally:
+        os.close(fd)
+    assert torch.equal(dst, data)
+    assert (copier.last.source, copier.last.threads, copier.last.staged) == ("file", min(threads, slots), True)
+    assert [c[0] for c in pin.calls] == ["register", "unregister"] and pin.calls[0][2] == slots * CHUNK
+
+
+def test_a_file_shorter_than_the_range_is_an_eof_error_and_the_ring_is_still_released():
+    data = _source(3 * CHUNK)
+    fd = _file_holding(data, 0)
+    pin = FakePin()
+    copier = StagedCopy(chunk_bytes=CHUNK, slots=4, threads=2, min_bytes=0, register=pin.register,
+                        unregister=pin.unregister)
+    try:
+        with pytest.raises(EOFError, match="truncated while in use"):
+            copier(torch.zeros(5 * CHUNK, dtype=torch.uint8), torch.zeros(5 * CHUNK, dtype=torch.uint8), (fd, 0))
+    finally:
+        os.close(fd)
+    assert [c[0] for c in pin.calls] == ["register", "unregister"]
+
+
+def test_a_ring_prepared_in_the_background_serves_the_next_copy_and_close_releases_an_unused_one():
+    pin = FakePin()
+    copier = StagedCopy(chunk_bytes=CHUNK, slots=2, min_bytes=0, register=pin.register, unregister=pin.unregister)
+    copier.prepare_in_background()
+    src, dst = _source(3 * CHUNK), torch.zeros(3 * CHUNK, dtype=torch.uint8)
+    copier(dst, src)
+    assert torch.equal(dst, src) and [c[0] for c in pin.calls] == ["register", "unregister"]
+    assert copier.last.ring_wait_s >= 0 and copier.last.ring_populate_s >= 0
+    copier.prepare_in_background()
+    copier.close()
+    copier.close()
+    assert [c[0] for c in pin.calls] == ["register", "unregister"] * 2
+
+
+def test_background_release_hands_the_ring_to_the_release_thread():
+    import flextensor.shm.background_release as release_mod
+
+    pin = FakePin()
+    copier = StagedCopy(chunk_bytes=CHUNK, slots=2, min_bytes=0, register=pin.register, unregister=pin.unregister,
+                        background_release=True)
+    src, dst = _source(2 * CHUNK + 5), torch.zeros(2 * CHUNK + 5, dtype=torch.uint8)
+    copier(dst, src)
+    assert torch.equal(dst, src)
+    assert release_mod.wait_released(timeout=30)
+    assert [c[0] for c in pin.calls] == ["register", "unregister"]
+
+
 @pytest.mark.cuda
 def test_a_staged_copy_to_the_gpu_equals_the_source():
     nbytes = 3 * staged_mod.CHUNK_BYTES + 4097
     src = _source(nbytes)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    copier = StagedCopy()
+    copier = StagedCopy(min_bytes=0)
     copier(dst, src)
-    assert copier.last.staged
+    assert copier.last.staged and copier.last.source == "mapping"
     assert torch.equal(dst.cpu(), src)
+
+
+@pytest.mark.cuda
+def test_a_staged_copy_from_a_segments_file_to_the_gpu_equals_it_on_a_side_stream(namespace):
+    """The follower's path: a shared segment read with pread by several workers, the ring prepared on a thread
+    and released on the release thread, the copies on a stream of the caller's."""
+    import flextensor.shm.background_release as release_mod
+    from flextensor.shm.segment import SharedSegment
+
+    nbytes = 5 * staged_mod.CHUNK_BYTES + 4097
+    data = _source(nbytes)
+    name = f"/{namespace}.staged"
+    creator = SharedSegment.create(name, nbytes + 4096)
+    try:
+        creator.tensor(torch.uint8, (nbytes,), offset=4096).copy_(data)
+        follower = SharedSegment.open(name)
+        stream = torch.cuda.Stream()
+        copier = StagedCopy(min_bytes=0, threads=4, slots=8, stream=stream, background_release=True)
+        copier.prepare_in_background(torch.device("cuda", torch.cuda.current_device()))
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        fd = follower.open_file()
+        try:
+            copier(dst, follower.tensor(torch.uint8, (nbytes,), offset=4096), (fd, 4096))
+        finally:
+            os.close(fd)
+        assert stream.query()  # complete on return
+        assert copier.last.source == "file" and copier.last.threads == 4 and copier.last.staged
+        assert torch.equal(dst.cpu(), data)
+        assert release_mod.wait_released(timeout=60)
+        follower.close()
+    finally:
+        creator.close()
+        SharedSegment.unlink_name(name)
 
 
 def test_a_followers_resident_copies_through_the_ring_equal_the_store(namespace):
