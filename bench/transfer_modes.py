@@ -202,10 +202,12 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
                            _ratio(b["offloaded_bytes"], a["offloaded_bytes"]),
                            _ratio(b["device_block_bytes"], a["device_block_bytes"])])
     mem_slots, mem_arena = runs["slots_memory"], runs["arena_memory"]
-    forward_ratio = _vs_twin(mem_arena, "small") / _vs_twin(mem_slots, "small")
+    # Medians of the same run, not each against its twin: a transfer-bound pass is ~40x its resident twin, whose
+    # noise would dominate a ratio of ratios.
+    forward_ratio = mem_arena["small_s"] / mem_slots["small_s"]
     goals = [
-        [f"memory mode: the arena's forward <= {GOAL_MEMORY_RATIO:.3f}x the slots' (transfer-bound, each against "
-         "its twin)", f"{forward_ratio:.3f}x", engine.verdict(forward_ratio <= GOAL_MEMORY_RATIO)],
+        [f"memory mode: the arena's forward <= {GOAL_MEMORY_RATIO:.3f}x the slots' (transfer-bound, medians of "
+         "this run)", f"{forward_ratio:.3f}x", engine.verdict(forward_ratio <= GOAL_MEMORY_RATIO)],
         ["memory mode: the arena streams no more than the slots", f"{gib(mem_arena['offloaded_bytes'])} vs "
          f"{gib(mem_slots['offloaded_bytes'])}",
          engine.verdict(mem_arena["offloaded_bytes"] <= mem_slots["offloaded_bytes"])],
