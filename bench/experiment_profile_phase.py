@@ -1,107 +1,151 @@
-"""Experiment (profile phase): why are some resident warm-up passes slower than resident passes?
+"""Experiment (profile phase at scale): what a fresh profile costs beyond its passes, per GiB of the model.
 
-Warm-up (PROFILING) passes of ``NthLayerStrategy(1)`` can measure slower than the default strategy's and the
-plain resident model's on the same model and input. During PROFILING the strategy plays no part, so the
-suspects are the order of the runs, the state left by earlier runs, and the host-side cost of the traps.
-This runs the same offload several times in alternating order and, per pass, records the wall time
-(synchronized), the time until ``model()`` returns (host launch time) and the GPU time between two events
-around the pass; for one pass of each run a ``torch.profiler`` table of the host side.
+bench_scale measures the profile phase among much else (a publish, a sharing group), at sizes that take minutes.
+This measures only the phase, at each ``--sizes`` GiB, each in a fresh process (no pinned cache, no warm
+allocator), with the bench_scale model and set-up: built on the device from a seed, moved to host memory (as a
+checkpoint loaded on the CPU gives it), then ``ft.offload()`` (timed, synchronized) and the
+``iters_before_inference`` passes (each timed and synchronized; the last one plans and switches to INFERENCE).
 
-Run on the GPU host: ``python bench/experiment_profile_phase.py`` (about a minute). Prints JSON lines.
+Overhead beyond the passes = ``offload()`` + the passes' sum - as many median passes: what the phase costs
+beyond running its passes at their usual cost (with ``max_gpu_mem_fraction=0.05`` a large model's warm-up
+streams its weights per call, so a usual pass is a streaming pass). After the phase: two more passes (before
+the host blocks are installed, when they build in the background), then ``wait_for_host_blocks`` and one
+streamed pass; every output is checked against the plain model's. One line per size on stdout, the raw numbers
+as JSON lines after it.
 
+Run: ``scripts/gpu-suite.sh bench experiment_profile_phase --sizes 6 24`` (H200 host, about 2 minutes), or
+``python bench/experiment_profile_phase.py --cpu`` (CPU: the GPU's stream-mode warm-up emulated by copying on the
+CPU; checks the paths and shows the Python work, not the GPU's costs).
 """
 
 from __future__ import annotations
 
-import gc
+import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import flextensor as ft  # noqa: E402
-from common import cuda_forward  # noqa: E402
-from models import BLOCK_PATTERN, ModelSpec, build_model, default_dtype, make_tokens  # noqa: E402
+
+GIB = 1 << 30
 
 
-def one_pass(fn, tokens) -> dict:
-    wall, launch, start, end = cuda_forward(fn, tokens)
-    return {"wall_ms": wall * 1e3, "launch_ms": launch * 1e3, "gpu_ms": start.elapsed_time(end)}
+def worker(args: argparse.Namespace) -> dict:
+    """One size in this process: build, reference, the timed profile phase, the switch to streaming."""
+    import torch
 
+    import flextensor as ft
+    from bench_scale import spec_for
+    from models import BLOCK_PATTERN, build_model, default_dtype, make_tokens, worker_env
 
-def host_profile(fn, tokens) -> list[tuple[str, float, int]]:
-    from torch.profiler import ProfilerActivity, profile
+    device = torch.device("cpu" if args.cpu else "cuda:0")
+    dtype = default_dtype(device)
+    spec = spec_for(args.worker, args.hidden, args.vocab, dtype)
+    _torch, device, dtype, spec = worker_env(str(device), str(dtype).removeprefix("torch."), spec.to_dict())
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    model = build_model(spec, device, dtype, seed=0)
+    tokens = make_tokens(spec, 1, args.seq, device)
+    with torch.no_grad():
+        ref = model(tokens).float().cpu()
+    model.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    manager = ft.get_offload_manager("phase")
+    if args.cpu:  # the GPU path on the CPU: stream through the loader, "copy" the warm-up's weights
+        from flextensor.manager import OffloadManager
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
-        fn(tokens)
-        torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    return [(r.key, round(r.self_cpu_time_total / 1e3, 3), r.count) for r in rows]
-
-
-def event_costs(n: int = 32, rounds: int = 50) -> dict:
-    """Host time per pass of ``n`` timing events: created anew each pass vs reused from a pool."""
-    torch.cuda.synchronize()
+        OffloadManager._stream_on_cpu = True
+        manager._warmup_override = args.warmup
+    config = ft.OffloadConfig(include_patterns=[BLOCK_PATTERN], pinned_memory=device.type == "cuda",
+                              skip_discovery=args.no_discovery, profiling_iters=args.profiling_iters,
+                              max_gpu_mem_fraction=None if args.cpu else args.fraction)
     start = time.perf_counter()
-    for _ in range(rounds):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        for e in events:
-            e.record()
-        events[-1].synchronize()
-    fresh = (time.perf_counter() - start) / rounds
-    pool = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    start = time.perf_counter()
-    for _ in range(rounds):
-        for e in pool:
-            e.record()
-        pool[-1].synchronize()
-    reused = (time.perf_counter() - start) / rounds
-    return {"events_per_pass": n, "fresh_ms": fresh * 1e3, "reused_ms": reused * 1e3}
+    proxy = ft.offload(model, config=config, name="phase")
+    sync()
+    offload_s = time.perf_counter() - start
+    passes, outputs = [], []
+    count = manager.iters_before_inference
+    building = False
+    with torch.no_grad():
+        for i in range(count + 2):
+            begin = time.perf_counter()
+            outputs.append(proxy(tokens))
+            sync()
+            passes.append(time.perf_counter() - begin)
+            if i == count - 1:
+                building = manager.engine.inference.deferred is not None
+        begin = time.perf_counter()
+        manager.wait_for_host_blocks()
+        wait_s = time.perf_counter() - begin
+        begin = time.perf_counter()
+        outputs.append(proxy(tokens))
+        sync()
+        streamed_s = time.perf_counter() - begin
+    diff = max(float((out.float().cpu() - ref).abs().max()) for out in outputs)
+    phase = passes[:count]
+    engine = manager.engine
+    info = {
+        "gib": args.worker, "model_bytes": spec.total_bytes(dtype), "layers": spec.layers,
+        "warmup": engine.warm.decision.mode.value if engine.warm.decision else None,
+        "offload_s": offload_s, "passes_s": phase, "after_switch_s": passes[len(phase):],
+        "built_in_background": building, "host_blocks_wait_s": wait_s, "host_build_s": engine.inference.host_build_s,
+        "streamed_pass_s": streamed_s, "streamed_bytes": sum(layout.nbytes for layout in engine.inference.layouts),
+        "max_abs_diff": diff,
+    }
+    ft.release("phase", preserve_model=False)
+    return info
+
+
+def summary(r: dict) -> str:
+    passes = r["passes_s"]
+    median = statistics.median(passes)
+    overhead = r["offload_s"] + sum(passes) - len(passes) * median
+    gib = r["model_bytes"] / GIB
+    return (f"{r['gib']:g} GiB ({r['warmup']} warm-up, {r['streamed_bytes'] / GIB:.2f} GiB streamed): "
+            f"offload {r['offload_s']:.3f} s + {len(passes)} passes {sum(passes):.3f} s (median {median:.3f}, last "
+            f"{passes[-1]:.3f}) -> overhead beyond the passes {overhead:.3f} s = {overhead / gib * 1e3:.0f} ms/GiB; "
+            f"after the switch {', '.join(f'{s:.3f}' for s in r['after_switch_s'])} s; host blocks "
+            f"{'in the background' if r['built_in_background'] else 'built at the switch'} "
+            f"(build {r['host_build_s'] or 0:.2f} s, wait {r['host_blocks_wait_s']:.3f} s); streamed pass "
+            f"{r['streamed_pass_s']:.3f} s; max |diff| {r['max_abs_diff']:.3g}")
 
 
 def main() -> None:
-    print(json.dumps({"run": "events", **event_costs()}), flush=True)
-    device = torch.device("cuda")
-    dtype = default_dtype(device)
-    spec = ModelSpec()
-    model = build_model(spec, device, dtype, seed=0)
-    tokens = make_tokens(spec, 1, 128, device)
-    for _ in range(3):
-        one_pass(model, tokens)
-    resident = [one_pass(model, tokens) for _ in range(10)]
-    print(json.dumps({"run": "resident", "passes": resident, "profile": host_profile(model, tokens)}), flush=True)
-    model.to("cpu")
-    gc.collect()
-    torch.cuda.empty_cache()
-    runs = ["adaptive", "nth", "adaptive", "nth"]
-    for i, kind in enumerate(runs):
-        strategy = ft.NthLayerStrategy(1) if kind.startswith("nth") else None
-        cfg = ft.OffloadConfig(include_patterns=[BLOCK_PATTERN], pinned_memory=True, skip_discovery=True,
-                               profiling_iters=10, load_strategy=strategy)
-        name = f"{kind}{i}"
-        t0 = time.perf_counter()
-        proxy = ft.offload(model, config=cfg, name=name)
-        setup_s = time.perf_counter() - t0
-        manager = ft.get_offload_manager(name)
-        passes = []
-        prof = None
-        for k in range(manager.iters_before_inference):
-            if k == 5:
-                prof = host_profile(proxy, tokens)
-                passes.append({"profiled": True})
-                continue
-            passes.append(one_pass(proxy, tokens))
-        after = [one_pass(proxy, tokens) for _ in range(3)]
-        manager.wait_for_host_blocks()
-        streamed = [one_pass(proxy, tokens) for _ in range(3)]
-        print(json.dumps({"run": name, "setup_s": setup_s, "passes": passes, "after_switch": after,
-                          "streamed": streamed, "profile": prof}), flush=True)
-        del proxy
-        ft.release(name)
-        gc.collect()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=float, nargs="+", help="model sizes in GiB (default 6 24; --cpu 0.5 2)")
+    p.add_argument("--fraction", type=float, default=0.05, help="max_gpu_mem_fraction (GPU)")
+    p.add_argument("--profiling-iters", type=int, default=10)
+    p.add_argument("--no-discovery", action="store_true")
+    p.add_argument("--hidden", type=int, help="model width (default 4096; --cpu 1024)")
+    p.add_argument("--vocab", type=int, help="vocabulary (default 32000; --cpu 1024)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--cpu", action="store_true", help="emulate the GPU path on the CPU")
+    p.add_argument("--warmup", choices=["stream", "resident"], default="stream", help="--cpu: the warm-up mode")
+    p.add_argument("--worker", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.hidden = args.hidden or (1024 if args.cpu else 4096)
+    args.vocab = args.vocab or (1024 if args.cpu else 32000)
+    if args.worker is not None:
+        print(json.dumps(worker(args)), flush=True)
+        return
+    rows = []
+    for size in args.sizes or ([0.5, 2] if args.cpu else [6, 24]):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(size), "--fraction", str(args.fraction),
+               "--profiling-iters", str(args.profiling_iters), "--hidden", str(args.hidden), "--vocab",
+               str(args.vocab), "--seq", str(args.seq), "--warmup", args.warmup]
+        cmd += ["--cpu"] * args.cpu + ["--no-discovery"] * args.no_discovery
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"{size:g} GiB FAILED:\n{out.stderr[-3000:]}", flush=True)
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(r)
+        print(summary(r), flush=True)
+    for r in rows:
+        print(json.dumps(r))
 
 
 if __name__ == "__main__":

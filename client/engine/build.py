@@ -36,11 +36,20 @@ first pass boundary after the blocks are ready.
 
 When (:func:`enter_inference` decides with :func:`can_defer`)
 -------------------------------------------------------------
-The warm-up kept a device copy of every tensor the plan streams (resident warm-up, no fall-back), the blocks are
-private (not shared memory: a shared block is published by the creator synchronously) and no meta tensor is
-involved. That includes a plan that streams nothing: its build makes no block but still unregisters the staged
-originals off the caller's thread. Otherwise the build runs synchronously, as before
-(:func:`build_inference`).
+The blocks are private (not shared memory: a shared block is published by the creator synchronously), no meta
+tensor is involved, and either
+
+- the warm-up kept a device copy of every tensor the plan streams (resident warm-up, no fall-back). That includes
+  a plan that streams nothing: its build makes no block but still unregisters the staged originals off the
+  caller's thread; or
+- the warm-up streamed (*stream* mode, or a resident one that fell back): every streamed tensor still holds its
+  host original, and host RAM has room for the blocks beside the originals (:data:`DEFER_HOST_MARGIN`). Until
+  the blocks are installed, each streamed trap's weights are copied per call by the warm loader, exactly as
+  in the PROFILING passes (``DeferredPlan.copied``); the originals are released only once nothing reads them.
+  Built synchronously instead, the blocks of a 24 GiB model held the last PROFILING pass for seconds.
+
+Otherwise the build runs synchronously (:func:`build_inference`); a large one registers plain memory in place
+(:data:`IN_PLACE_MIN_BYTES`) instead of allocating from PyTorch's pinned allocator.
 
 Sequence and threads
 --------------------
@@ -53,8 +62,8 @@ Sequence and threads
 2. Build thread (``ft-host-blocks``), :class:`HostBlockBuild`: reserve every block size with the provider, then
    block by block: allocate, copy each tensor from its host data, drop those sources and release their staging
    registration (so host RAM holds the originals and the blocks for about one arena at a time, as in the
-   synchronous build), region by region with a pause between (``UNREGISTER_PAUSE_S``; none once cancelled);
-   finally ``provider.finish()``, which registers the filled blocks in place one at a time with the same
+   synchronous build; after a stream-mode warm-up the sources stay until the install, step 3), region by
+   region with a pause between (``UNREGISTER_PAUSE_S``; none once cancelled); finally ``provider.finish()``, which registers the filled blocks in place one at a time with the same
    pause between. On CUDA the thread first makes the manager's device current. Its pinned memory never comes
    from PyTorch's pinned allocator, whatever ``pinned_memory_mode``: each fresh arena there is one
    ``cudaHostAlloc``, which holds up every launch of the process while it runs (0.8 s for 2 GiB on the H200
@@ -63,11 +72,14 @@ Sequence and threads
    call that needs the INFERENCE layout (``export_state``, ``get_gpu_memory_usage``, ``offloaded_tensors``,
    ``loader``, ``save_profile``: they wait for the build): :func:`install_deferred` points every streamed tensor
    at its host view (its device copy is freed before the rotating device blocks are allocated), creates the
-   loader and returns the cached device memory. A build failure is raised there, naming the cause.
+   loader and returns the cached device memory. After a stream-mode warm-up nothing reads the staged originals
+   from then on: their registrations are released on a thread (``PinnedStaging.release_later``), which frees
+   them. A build failure is raised there, naming the cause.
 4. ``release()`` while the build runs: :meth:`HostBlockBuild.cancel` stops it after the block in flight and joins
    it; the provider is closed; the tensors still hold their device copies, which teardown moves back (or drops
    to ``meta`` with ``preserve_model=False``). After a failed build the same holds: the failure already closed
-   the provider and unregistered the staging, and the model ran on resident.
+   the provider and unregistered the staging, and the model ran on resident (after a stream-mode warm-up: on
+   copies per call, from the originals).
 5. Offload timing (``offload_timing="eager"``) records no pass that ran before the switch: those passes stream
    nothing, and a report mixing them with streamed passes would say nothing true about either.
 """
@@ -87,6 +99,7 @@ from flextensor.engine.replan import attach_probe
 from flextensor.runtime.arena_loader import make_loader
 from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_view, block_views
+from flextensor.runtime.sweep import device_memory
 
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
@@ -96,6 +109,17 @@ __all__ = ["build_inference", "bypass_untimed_traps", "can_defer", "defer_infere
            "install_deferred", "start_loader"]
 
 logger = logging.getLogger("flextensor.manager")
+
+#: A synchronous build of at least this many block bytes registers plain memory in place, whatever
+#: ``pinned_memory_mode``: PyTorch's pinned allocator allocates each fresh arena with ``cudaHostAlloc``, which
+#: allocates, zeroes and locks at under 1 GB/s on the H200 host (0.8 s for 2 GiB), where filling fresh memory
+#: and registering it (``cudaHostRegister`` of populated pages, ~37 ms/GiB) costs a fraction of that. Smaller
+#: builds keep the pinned allocator, whose cache serves a later build in the same process for free.
+IN_PLACE_MIN_BYTES = 1 << 30
+#: Host RAM left free when a build after a stream-mode warm-up is deferred: its blocks and the originals they
+#: are filled from coexist until the install, so the blocks must fit in the available memory less this much
+#: (or a tenth of it, when more); otherwise the build runs synchronously, freeing the originals block by block.
+DEFER_HOST_MARGIN = 1 << 30
 
 
 def enter_inference(ctx: EngineContext, plan: Plan) -> None:
@@ -167,8 +191,10 @@ def build_inference(
     _settle_warmup(ctx, {p.name for layout in layouts for p in layout.tensors})
     if host_blocks is None and layouts:
         # Blocks read from a checkpoint have no tensor to pin_memory(): they are registered in place at their
-        # exact size, never rounded up by PyTorch's pinned allocator (up to 2x the model's host RAM).
-        ctx.inference.provider = ctx.provider_factory(register_in_place=weights is not None)
+        # exact size, never rounded up by PyTorch's pinned allocator (up to 2x the model's host RAM); so are
+        # large blocks (IN_PLACE_MIN_BYTES).
+        large = sum(layout.nbytes for layout in layouts) >= IN_PLACE_MIN_BYTES  # see IN_PLACE_MIN_BYTES
+        ctx.inference.provider = ctx.provider_factory(register_in_place=weights is not None or large)
         ctx.inference.provider.reserve([layout.nbytes for layout in layouts])
     blocks: list[HostBlock] = []
     ctx.inference.host_blocks = blocks  # filled as we go: on a failure, teardown finds every block in use
@@ -205,14 +231,17 @@ def build_inference(
 
 
 def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[HostBlock], schedule: list[str],
-                 num_slots: int, host_block_gate: Callable[[int], None] | None = None) -> None:
+                 num_slots: int, host_block_gate: Callable[[int], None] | None = None, *,
+                 release_staging: bool = True) -> None:
     """The last step of every INFERENCE build: host blocks in place, tensors pointed at them; create the loader
-    (none on a CPU compute device: Note [CPU in place])."""
+    (none on a CPU compute device: Note [CPU in place]). ``release_staging=False``: the caller already handed the
+    staged originals to a background release."""
     cfg = ctx.config
     block_of = {layout.label: layout.index for layout in layouts}
     ctx.inference.layouts = layouts
     ctx.inference.host_blocks = blocks
-    ctx.warm.staging.release_all()
+    if release_staging:
+        ctx.warm.staging.release_all()
     loader_schedule = [block_of[label] for label in schedule if label in block_of]
     missing = [layout.label for layout in layouts if layout.index not in loader_schedule]
     if missing:
@@ -277,40 +306,63 @@ def _settle_warmup(ctx: EngineContext, placed: set[str]) -> None:
 
 
 def can_defer(ctx: EngineContext, layouts: Sequence[BlockLayout]) -> bool:
-    """True when every streamed tensor holds a kept warm-up copy and the blocks are private (see module docs).
+    """True when the build can run behind the first inference passes (see "When" in the module docs).
 
-    Also with nothing to stream (no layouts): the build then has no block to make, but it still unregisters the
-    staged originals on its thread, and that is the slow part of such a switch (``cudaHostUnregister`` of every
-    offloadable weight: 0.2-0.3 s for 4.3 GB measured on the H200 host, inside the last PROFILING pass)."""
+    After a resident warm-up: every streamed tensor holds a kept warm-up copy. Also with nothing to stream (no
+    layouts): the build then has no block to make, but it still unregisters the staged originals on its thread,
+    and that is the slow part of such a switch (``cudaHostUnregister`` of every offloadable weight: 0.2-0.3 s
+    for 4.3 GB measured on the H200 host, inside the last PROFILING pass). After a stream-mode warm-up: every
+    streamed tensor is a real host tensor the warm loader copies per call, and the blocks fit beside them."""
     cfg = ctx.config
-    if cfg.shm_enabled or not ctx.warm.loader.keep or ctx.warm.loader.fell_back:
+    loader = ctx.warm.loader
+    if cfg.shm_enabled:
         return False
     tensors = ctx.tensors
-    return ctx.warm.loader.holds_all(tensors[p.name].tensor for layout in layouts for p in layout.tensors)
+    streamed = [tensors[p.name].tensor for layout in layouts for p in layout.tensors]
+    if loader.keep and not loader.fell_back:
+        return loader.holds_all(streamed)
+    if ctx.in_place or not layouts or loader.active:
+        return False
+    if any(t.is_meta or t.device.type != "cpu" or loader.holds(t) for t in streamed):
+        return False
+    _total, available = device_memory(torch.device("cpu"))
+    needed = sum(layout.nbytes for layout in layouts)
+    return needed <= available - max(DEFER_HOST_MARGIN, available // 10)
 
 
 def defer_inference(ctx: EngineContext, layouts: list[BlockLayout], schedule: list[str], num_slots: int) -> None:
-    """Enter INFERENCE resident now and start building the host blocks (step 1 of the module docs)."""
-    ctx.warm.loader.unload()
+    """Enter INFERENCE now and start building the host blocks (step 1 of the module docs): resident after a
+    resident warm-up, copying each streamed trap's weights per call after a stream-mode one."""
+    loader = ctx.warm.loader
+    loader.unload()
     streamed = [[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts]
-    sources = ctx.warm.loader.detach(streamed)
+    copied: dict[str, list[torch.Tensor]] = {}
+    if loader.keep and not loader.fell_back:
+        sources = loader.detach(streamed)
+    else:  # stream-mode warm-up: the host originals stay the tensors' data (and the copies' source) until install
+        sources = [[t.data for t in tensors] for tensors in streamed]
+        copied = {layout.label: tensors for layout, tensors in zip(layouts, streamed)}
     placed = {p.name for layout in layouts for p in layout.tensors}
-    resident = [n for n, e in ctx.tensors.items() if n not in placed and ctx.warm.loader.holds(e.tensor)]
+    resident = [n for n, e in ctx.tensors.items() if n not in placed and (loader.holds(e.tensor) or (
+        copied and not e.tensor.is_meta and e.tensor.device != ctx.device))]
     debug = logger.isEnabledFor(logging.DEBUG)
-    kept = ctx.warm.loader.commit(count=debug)  # everything else the warm-up copied stays resident for good
+    kept = loader.commit(count=debug)  # everything else the warm-up copied stays resident for good
+    still_host = {id(t) for tensors in copied.values() for t in tensors}
     for entry in ctx.tensors.values():  # (the warm-up holds no copy now: streamed ones detached, the rest committed)
-        if not entry.tensor.is_meta and entry.tensor.device != ctx.device:
+        if not entry.tensor.is_meta and entry.tensor.device != ctx.device and id(entry.tensor) not in still_host:
             ctx.to_device(entry.tensor)
     provider = ctx.provider_factory(register_in_place=True)  # no cudaHostAlloc behind running passes
-    # The build thread is the only user of the staging from here until install_deferred joined it.
+    # The build thread is the only user of the staging from here until install_deferred joined it (the warm
+    # loader's copies per call read the staged memory, but neither register nor release it).
     ctx.inference.deferred = HostBlockBuild(ctx.name, layouts, sources, provider, ctx.warm.staging.release,
-                                            ctx.device, release_after=resident)
-    ctx.inference.deferred_plan = DeferredPlan(layouts, list(schedule), num_slots, streamed)
+                                            ctx.device, release_after=resident, keep_sources=bool(copied))
+    ctx.inference.deferred_plan = DeferredPlan(layouts, list(schedule), num_slots, streamed, copied)
     ctx.sequence = list(schedule)
     bypass_untimed_traps(ctx, {layout.label for layout in layouts})
     if debug:
-        logger.debug("manager %r: INFERENCE starts resident (%d bytes committed); %d host blocks build in the "
-                     "background from the first inference pass", ctx.name, kept, len(layouts))
+        logger.debug("manager %r: INFERENCE starts %s (%d bytes committed); %d host blocks build in the "
+                     "background from the first inference pass", ctx.name,
+                     "copying the streamed weights per call" if copied else "resident", kept, len(layouts))
 
 
 def install_deferred(ctx: EngineContext) -> None:
@@ -319,7 +371,7 @@ def install_deferred(ctx: EngineContext) -> None:
     if build is None:
         return
     build.wait()
-    layouts, schedule, num_slots, streamed = ctx.inference.deferred_plan
+    layouts, schedule, num_slots, streamed, copied = ctx.inference.deferred_plan
     ctx.inference.deferred = None
     ctx.inference.host_build_s = build.elapsed_s
     if build.error is not None:
@@ -329,21 +381,24 @@ def install_deferred(ctx: EngineContext) -> None:
         ctx.warm.staging.release_all()
         raise RuntimeError(
             f"manager {ctx.name!r}: building the host blocks for INFERENCE failed: {build.error}. The model still "
-            "runs with every weight on the device; release() it, and lower the host memory needed (fewer "
+            f"runs, {'copying the streamed weights per call' if copied else 'with every weight on the device'}; "
+            "release() it, and lower the host memory needed (fewer "
             "offloaded layers, pinned_memory_mode='host_register') or free host RAM, then offload again"
         ) from build.error
     ctx.inference.deferred_plan = None
     ctx.inference.provider = build.provider
     for layout, block, tensors in zip(layouts, build.blocks, streamed):
         for placement, view, tensor in zip(layout.tensors, block_views(block.tensor, layout.tensors), tensors):
-            assign_data(tensor, view)  # frees the warm-up device copy
+            assign_data(tensor, view)  # frees the warm-up device copy (or drops the host original)
             ctx.inference.placement[placement.name] = (layout.index, placement)
-    if layouts and ctx.device.type == "cuda":
+    if copied:  # the staged originals are read no more: released (and so freed) off this thread
+        ctx.warm.staging.release_later([p.name for layout in layouts for p in layout.tensors])
+    elif layouts and ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # the device copies just freed: GiBs other processes may want
-    start_loader(ctx, layouts, build.blocks, schedule, num_slots)
+    start_loader(ctx, layouts, build.blocks, schedule, num_slots, release_staging=not copied)
     if layouts:
-        logger.info("manager %r: now streaming %d host blocks (built in %.2f s behind resident inference)", ctx.name,
-                    len(layouts), build.elapsed_s)
+        logger.info("manager %r: now streaming %d host blocks (built in %.2f s behind %s)", ctx.name, len(layouts),
+                    build.elapsed_s, "copies per call" if copied else "resident inference")
     else:
         logger.info("manager %r: the plan streams nothing; the staged host weights were released in the "
                     "background (%.2f s)", ctx.name, build.elapsed_s)

@@ -78,6 +78,9 @@ class DeferredPlan(NamedTuple):
     schedule: list[str]
     num_slots: int
     streamed: list[list[torch.Tensor]]  # the model's tensor objects, one list per block
+    # After a stream-mode warm-up: trap label -> its streamed tensors, which the warm loader copies per call
+    # until the blocks are installed (empty after a resident warm-up: the tensors hold their device copies)
+    copied: dict[str, list[torch.Tensor]] = {}
 
 
 def compute_device(config: OffloadConfig) -> torch.device:

@@ -5,10 +5,10 @@ copy of the next block in the schedule on its side stream; at the exit it lets t
 the compute that read it has run (``flextensor.runtime.loader``). A trap that streams nothing and is not timed
 calls its module's forward directly (``Trap.bypass``), without this handler.
 
-After a resident warm-up the host blocks are still being built on a thread when INFERENCE starts
-(``flextensor.engine.build``): the first inference pass starts that thread, and the first pass that begins
-after it finished installs its blocks and the loader. Until then the model runs resident and offload timing
-records nothing.
+The host blocks may still be being built on a thread when INFERENCE starts (``flextensor.engine.build``): the
+first inference pass starts that thread, and the first pass that begins after it finished installs its blocks
+and the loader. Until then the model runs resident (after a resident warm-up) or the warm loader copies each
+streamed trap's weights per call, as in PROFILING (after a stream-mode one), and offload timing records nothing.
 
 Between passes the plan may change (Note [replanning] in ``flextensor.engine.replan``): a replan measures a few
 passes with every trap timed, plans on a thread and installs the new streaming set at a pass's start.
@@ -91,6 +91,12 @@ class InferenceHandler(PhaseHandler):
     def enter(self, trap: Trap) -> None:
         ctx = self.ctx
         inference = ctx.inference
+        plan = inference.deferred_plan
+        if plan is not None and plan.copied:  # no host blocks yet, after a stream-mode warm-up: copy per call
+            tensors = plan.copied.get(trap.label)
+            if tensors:
+                ctx.warm.loader.load(tensors)
+            return
         timing = replan.measuring_timing(ctx) if inference.deferred is None else None
         if timing is not None:
             timing.begin_trap(trap.label)
@@ -104,6 +110,10 @@ class InferenceHandler(PhaseHandler):
     def exit(self, trap: Trap) -> None:
         ctx = self.ctx
         inference = ctx.inference
+        plan = inference.deferred_plan
+        if plan is not None and plan.copied:
+            ctx.warm.loader.unload()  # the copies enter() made, if any
+            return
         timing = replan.measuring_timing(ctx) if inference.deferred is None else None
         if timing is not None:
             timing.end_trap()

@@ -39,6 +39,7 @@ its group's end event, and everything after the pass (or a trap the pass did not
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -138,6 +139,11 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
         ctx.warm.loader.copy_stream = stream
     ready: dict[str | None, Any] = {}
     ordered = stream is compute  # True once every reader is ordered after the side-stream copies
+    # The side-stream copies switch streams (WarmLoader: torch.cuda.stream), which restores the current
+    # device's stream on exit and so sets that device: inside the engine's own device scope that is the
+    # engine's device, and the scope's exit never creates a context on another one (cuda:0 of a process that
+    # never chose a device).
+    scope = torch.cuda.device(ctx.device) if stream is not compute else contextlib.nullcontext()
     try:
         for label, group in groups:
             if not group:
@@ -146,7 +152,9 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
             if timed:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-            if not ctx.warm.loader.preload(ctx.tensor_objs(group)):
+            with scope:
+                kept = ctx.warm.loader.preload(ctx.tensor_objs(group))
+            if not kept:
                 ctx.warm.events = []
                 ready.clear()
                 return  # stream mode (out of device memory): the planner sweeps instead

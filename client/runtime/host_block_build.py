@@ -4,7 +4,8 @@ The engine uses it to build INFERENCE's host blocks behind resident inference (`
 when and why). Given block layouts, each block's source tensors and a provider, the thread reserves every
 block size, then block by block allocates, copies the sources in, and hands the sources back to their owner
 (``release_sources``: the staging unregisters and drops them), pausing between two unregistrations so the main
-thread's launches get through. The caller starts it, polls ``done``, joins with ``wait`` or stops it with
+thread's launches get through. With ``keep_sources`` the sources are still read by the caller (copies per call
+until the blocks are installed) and stay where they are; only ``release_after`` is handed back. The caller starts it, polls ``done``, joins with ``wait`` or stops it with
 ``cancel``; an error is kept in ``error`` for the caller's thread to raise.
 """
 
@@ -42,7 +43,7 @@ class HostBlockBuild:
 
     def __init__(self, manager_name: str, layouts: Sequence[BlockLayout], sources: list[list[torch.Tensor]],
                  provider: HostBlockProvider, release_sources, device: torch.device,
-                 release_after: Sequence[str] = ()) -> None:
+                 release_after: Sequence[str] = (), keep_sources: bool = False) -> None:
         if len(sources) != len(layouts):
             raise ValueError("HostBlockBuild: one source list per layout is needed")
         self.manager_name = manager_name
@@ -57,6 +58,7 @@ class HostBlockBuild:
         # unregistrations (PinnedStaging.release)
         self._release_sources = release_sources
         self._release_after = list(release_after)  # staged names of the tensors that stay resident
+        self._keep_sources = keep_sources  # the caller still reads the sources: they are not released here
         self._device = device
         self._cancel = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ft-host-blocks", daemon=True)
@@ -118,7 +120,8 @@ class HostBlockBuild:
                 self._fill(block, layout, self._sources[layout.index], progress)
                 self.blocks.append(block)
                 self._sources[layout.index] = []  # the build's references; the staging's go below
-                self._release_sources([p.name for p in layout.tensors], self._pause)
+                if not self._keep_sources:
+                    self._release_sources([p.name for p in layout.tensors], self._pause)
             progress.finish()
             self._release_sources(self._release_after, self._pause)
             return_free_heap()  # the last block's originals: no later allocate() trims the heap for them

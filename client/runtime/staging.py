@@ -26,7 +26,9 @@ Lifecycle (driven by the manager; see ``flextensor.manager``)
   of DISCOVERY; each trap's tensors once its host block is filled, at the switch to INFERENCE or on the
   background build's thread, ``flextensor.engine.build``, which is then the staging's only user); a region is
   unregistered when its last name is released. :meth:`release_all` unregisters the rest (end of the INFERENCE
-  build, ``release()``, teardown after an error). A region leaves the table *before* it is unregistered, so it
+  build, ``release()``, teardown after an error). :meth:`release_later` does a release on a thread of its own
+  (``ft-unstage``: tens of ms per GiB of ``cudaHostUnregister`` off the caller's thread); every other call that
+  changes the table joins that thread first, so the table has one user at a time. A region leaves the table *before* it is unregistered, so it
   can never be unregistered twice, even when the call fails.
 - Before unregistering, the device is synchronized once per call: a queued ``non_blocking`` warm-up copy may
   still be reading the region. This happens at phase switches and teardown only, never on the hot path.
@@ -44,11 +46,14 @@ every failure handled here.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from flextensor.runtime.heap import return_free_heap
 from flextensor.shm.pinning import clear_cuda_error
 
 __all__ = [
@@ -188,6 +193,7 @@ class PinnedStaging:
         self._device: torch.device | None = None
         self._regions: dict[int, StagedRegion] = {}  # by start address (unique once overlaps are merged)
         self._region_of: dict[str, StagedRegion] = {}
+        self._releasing: threading.Thread | None = None  # release_later's thread
         self.failed = False
 
     @staticmethod
@@ -206,14 +212,15 @@ class PinnedStaging:
     @property
     def regions(self) -> list[tuple[int, int]]:
         """``(ptr, nbytes)`` of every region registered now."""
-        return [(r.ptr, r.nbytes) for r in self._regions.values()]
+        return [(r.ptr, r.nbytes) for r in list(self._regions.values())]  # list(): a release_later may run
 
     @property
     def registered_bytes(self) -> int:
-        return sum(r.nbytes for r in self._regions.values())
+        return sum(r.nbytes for r in list(self._regions.values()))
 
     def stage(self, tensors: Mapping[str, torch.Tensor], device: torch.device) -> int:
         """Register the storages of ``tensors`` (name -> tensor); returns the bytes registered (0 on fallback)."""
+        self.join()
         if self._regions:
             raise RuntimeError("PinnedStaging.stage called twice; release_all() first")
         self._device = device
@@ -249,6 +256,47 @@ class PinnedStaging:
         main thread stalled for all of it, through torch's binding and through ctypes alike; H200 host). A
         background release passes a short sleep here, so each stall is one region's.
         """
+        self.join()
+        return self._release(names, between)
+
+    def release_later(self, names: Iterable[str], pause_s: float = 0.001) -> None:
+        """:meth:`release` ``names`` on a thread of its own, sleeping ``pause_s`` between two unregistrations.
+
+        For regions nothing reads any more whose release would stall the caller (tens of ms per GiB). The
+        device is synchronized on that thread before the first unregistration, as by :meth:`release`; the thread
+        makes the staging's device current first, so it never creates a context on another GPU. Freed memory
+        goes back to the OS there too (``return_free_heap``). :meth:`join` waits for it."""
+        self.join()
+        names = list(names)
+        device = self._device
+
+        def run() -> None:
+            try:
+                if device is not None and device.type == "cuda":
+                    torch.cuda.set_device(device)
+                self._release(names, lambda: time.sleep(pause_s))
+                return_free_heap()
+            except Exception as exc:  # noqa: BLE001 - a leftover registration goes at release_all / process exit
+                logger.warning("releasing %d staged warm-up tensors in the background failed: %s", len(names), exc)
+
+        thread = threading.Thread(target=run, name="ft-unstage", daemon=True)
+        self._releasing = thread
+        thread.start()
+
+    def join(self) -> None:
+        """Wait for a :meth:`release_later` in progress (no-op when there is none, or on its own thread)."""
+        thread = self._releasing
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+            self._releasing = None
+
+    def release_all(self) -> int:
+        """Unregister every region still registered (idempotent). Returns the number unregistered."""
+        self.join()
+        self._region_of.clear()
+        return self._unregister_regions(list(self._regions.values()))
+
+    def _release(self, names: Iterable[str], between: Callable[[], None] | None) -> int:
         freed: list[StagedRegion] = []
         for name in names:
             region = self._region_of.pop(name, None)
@@ -258,11 +306,6 @@ class PinnedStaging:
             if not region.names:
                 freed.append(region)
         return self._unregister_regions(freed, between)
-
-    def release_all(self) -> int:
-        """Unregister every region still registered (idempotent). Returns the number unregistered."""
-        self._region_of.clear()
-        return self._unregister_regions(list(self._regions.values()))
 
     # ------------------------------------------------------------------------------------------------ internals
     def _unregister_regions(self, regions: list[StagedRegion], between: Callable[[], None] | None = None) -> int:

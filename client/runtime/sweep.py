@@ -80,7 +80,10 @@ def _sweep(device: torch.device, host: torch.Tensor, sizes: Sequence[int], repea
     if device.type == "cuda":
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        # The device scope first: torch.cuda.stream() alone restores the *current* device's stream on exit,
+        # which sets that device (cuda:0 in a process that never chose one) and creates a context there.
+        # torch.cuda.device's exit puts the previous device back only if it already has a context.
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             for size in sizes:
                 best = float("inf")
                 for _ in range(repeats):

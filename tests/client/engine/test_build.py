@@ -300,18 +300,91 @@ def test_offload_timing_records_only_the_passes_that_stream(provider_wrap):
     assert all(r.transfer_ms > 0 for snap in report.passes for r in snap.per_trap if r.label in om.offloaded_tensors)
 
 
-def test_no_deferral_without_a_resident_warm_up(provider_wrap):
-    made = provider_wrap()
+def _profiled_streaming(**cfg):
+    """As :func:`_profiled_resident`, with a stream-mode warm-up (each trap's weights copied per call)."""
     model = tiny_transformer()
+    before = snapshot(model)
     ids = token_ids().to(DEVICE)
     ref = reference(model, ids)
     om = ft.get_offload_manager()
     om._warmup_override = "stream"
-    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2))
+    ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2,
+                                 **cfg))
     _warm_up(model, ids, ref, om)
+    return model, before, ids, ref, om
+
+
+def test_after_a_stream_mode_warm_up_the_build_runs_behind_passes_that_copy_per_call(provider_wrap, monkeypatch):
+    made = provider_wrap(gate=(gate := threading.Event()))
+    fake = FakeCudart()
+    inject_staging(monkeypatch, fake.staging(policy=lambda cfg, dev: True))
+    model, before, ids, ref, om = _profiled_streaming()
+    inference = om.engine.inference
+    staged = {p for _, p, _ in fake.registers}
+    assert inference.deferred is not None and inference.loader is None and set(inference.deferred_plan.copied)
+    streamed = [t for tensors in inference.deferred_plan.streamed for t in tensors]
+    loader = om.engine.warm.loader
+    copies = loader.copies
+    with torch.no_grad():
+        for _ in range(2):  # the build is held: every streamed trap's weights are copied per call, from the originals
+            assert same(model(ids), ref)
+    assert loader.copies == copies + 2 * len(streamed) and not loader.active
+    assert all(t.device.type == "cpu" for t in streamed)  # between calls: the originals, still staged
+    assert fake.live and not inference.deferred.done
+    gate.set()
+    om.wait_for_host_blocks()  # installs: the tensors point at their host blocks; the originals' staging goes
+    om.engine.warm.staging.join()
+    assert set(fake.unregisters) == staged and not fake.live
+    assert made[0].thread_names == {"ft-host-blocks"} and inference.loader is not None
+    for index, placement in inference.placement.values():
+        assert torch.equal(block_view(inference.host_blocks[index].tensor, placement), before[placement.name])
+    copies = loader.copies
+    with torch.no_grad():
+        assert same(model(ids), ref)
+    assert loader.copies == copies and inference.loader.copies_issued > 0  # the block loader streams now
+    ft.release()
+    assert same(reference(model, ids), ref)
+
+
+def test_no_deferral_after_a_stream_mode_warm_up_without_host_memory_for_both_copies(provider_wrap, monkeypatch):
+    import flextensor.engine.build as build_mod
+
+    made = provider_wrap()
+    monkeypatch.setattr(build_mod, "DEFER_HOST_MARGIN", 1 << 60)  # no room for the blocks beside the originals
+    _model, _before, _ids, _ref, om = _profiled_streaming()
     inference = om.engine.inference
     # built synchronously at the switch: one provider, the build's own, and no build thread
     assert inference.deferred is None and inference.loader is not None and made == [inference.provider]
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_release_during_a_build_after_a_stream_mode_warm_up(provider_wrap, preserve):
+    provider_wrap(gate=(gate := threading.Event()))
+    model, before, ids, ref, om = _profiled_streaming()
+    streamed = [t for tensors in om.engine.inference.deferred_plan.streamed for t in tensors]
+    with torch.no_grad():
+        assert same(model(ids), ref)  # the build starts (and waits at the gate)
+    gate.set()
+    ft.release(preserve_model=preserve)
+    if preserve:
+        after = snapshot(model)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    else:
+        assert streamed and all(t.is_meta for t in streamed)
+
+
+def test_a_failed_build_after_a_stream_mode_warm_up_keeps_copying_per_call(provider_wrap):
+    provider_wrap(fail_at=1)
+    model, _before, ids, ref, om = _profiled_streaming()
+    with torch.no_grad():
+        assert same(model(ids), ref)
+    om.engine.inference.deferred.wait()
+    with pytest.raises(RuntimeError, match="copying the streamed weights per call"):
+        om.wait_for_host_blocks()
+    with torch.no_grad():
+        assert same(model(ids), ref)
+    ft.release()
+    assert same(reference(model, ids), ref)
 
 
 def test_release_without_preserving_during_the_build_puts_streamed_weights_on_meta(provider_wrap):

@@ -290,13 +290,19 @@ def test_engine_exact_in_both_modes(case, mode):
     assert om.engine.warm.decision.mode.value == mode and om.engine.warm.decision.forced
     pending = len(om.engine.warm.pending)
     assert (pending == len(_candidates(om))) if mode == "resident" else pending == 0
-    seen = _run(model, x, ref, om)
+    seen = _run(model, x, ref, om, extra=0)
     assert seen[0] is (Phase.PROFILING if cfg.skip_discovery else Phase.DISCOVERY)
     warm = om.engine.warm.loader
     if mode == "resident":
         assert warm.copies == len(_candidates(om)) > 0, "a resident warm-up copies each tensor once"
     else:
         assert warm.copies == _stream_copies(om) > 0
+    om.wait_for_host_blocks()  # after a stream-mode warm-up INFERENCE copies per call until the blocks are in
+    copies = warm.copies
+    with torch.no_grad():
+        for _ in range(2):
+            assert same(model(x), ref)
+    assert warm.copies == copies
     assert warm.kept_count == 0 and not warm.active and not warm.fell_back
     ft.release()
     after = snapshot(model)
@@ -517,8 +523,11 @@ def test_out_of_memory_during_resident_warmup_falls_back(caplog):
     om = _offload(model, cpu_config(load_strategy=ALL, profiling_iters=2), "resident")
     om.engine.warm.loader.__class__ = LimitedLoader  # the device "fits" two kept copies: the preload runs out of memory
     with caplog.at_level(logging.WARNING, logger="flextensor"):
-        _run(model, x, ref, om)
+        _run(model, x, ref, om, extra=0)
     assert om.engine.warm.loader.fell_back and om.engine.warm.loader.copies == 2 + om.iters_before_inference * 16
+    om.wait_for_host_blocks()  # built behind passes that copied per call, as the warm-up did after the fall-back
+    with torch.no_grad():
+        assert same(model(x), ref)
     assert len([r for r in caplog.records if "out of device memory" in r.getMessage()]) == 1
 
 

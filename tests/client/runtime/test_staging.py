@@ -178,6 +178,7 @@ def test_engine_staging_lifecycle_with_recorded_cudart(warmup, monkeypatch):
         assert same(model(x), ref)  # the last PROFILING pass plans (resident: blocks built behind inference)
     assert om.phase is Phase.INFERENCE
     om.wait_for_host_blocks()
+    om.engine.warm.staging.join()  # after a streamed warm-up the originals are released on a thread
     assert sorted(fake.unregisters) == sorted(ptrs.values()) and not fake.live
     first_sync = fake.calls.index(("sync",))
     assert all(c[0] != "unregister" for c in fake.calls[:first_sync])
