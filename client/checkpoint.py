@@ -25,7 +25,7 @@ themselves, so from a warm page cache the two only add up). Populating a page ne
 page two ranges share is simply populated twice. The caller may pass its own ``populate(address, nbytes)`` (a
 shared segment's, which names a full ``/dev/shm``): its error stops the reads and is raised. The default one is
 only a speed-up: a kernel without the advice, or memory that refuses it, just leaves the faults to the readers.
-:attr:`ReadPlan.last` says how long the latest reading took, how many bytes were populated ahead and in how many
+:meth:`ReadPlan.read` says how long the reading took, how many bytes were populated ahead and in how many
 seconds.
 """
 
@@ -240,7 +240,7 @@ def populate_pages(address: int, nbytes: int) -> bool:
 
 @dataclass
 class ReadStats:
-    """What one :meth:`ReadPlan.run` (or several, added up) did: seconds from the first read to the last, bytes
+    """What one :meth:`ReadPlan.read` (or several, added up) did: seconds from the first read to the last, bytes
     read, bytes whose pages were populated ahead of the readers and the populating thread's seconds."""
 
     read_s: float = 0.0
@@ -277,8 +277,6 @@ class ReadPlan:
         self.label = label
         self.populate = populate
         self.populate_ahead = max(0, populate_ahead)
-        self.stats = ReadStats()  # of every run so far
-        self.last = ReadStats()  # of the latest run
         self._ranges: list[_Range] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (temporary, strided destination)
         self._cancel = threading.Event()
@@ -302,6 +300,15 @@ class ReadPlan:
             self._ranges.append(_Range(entry.path, entry.start + offset, target, offset,
                                        min(self.chunk_bytes, entry.nbytes - offset)))
 
+    def detach(self) -> "ReadPlan":
+        """The reads queued so far as a plan of their own (same settings), this one left empty: to run them on
+        another thread while whoever flushes this plan finds nothing left to read."""
+        other = ReadPlan(threads=self.threads, chunk_bytes=self.chunk_bytes, label=self.label,
+                         populate=self.populate, populate_ahead=self.populate_ahead)
+        other._ranges, self._ranges = self._ranges, []
+        other._copies, self._copies = self._copies, []
+        return other
+
     def cancel(self) -> None:
         """Stop :meth:`run` after the ranges in flight (a failure elsewhere: nobody needs the rest)."""
         self._cancel.set()
@@ -313,19 +320,22 @@ class ReadPlan:
         self._copies.clear()
 
     def run(self, *, populate: Populate | None | bool = True) -> int:
-        """Do every read (file order, ``threads`` at a time); returns the bytes read. An I/O error, a short read
-        (the file shrank since it was opened) or the error of a caller's ``populate`` is raised after every
-        thread stopped. ``populate``: this call's way of allocating destination pages ahead (``True``: the
-        plan's)."""
+        """:meth:`read`, returning the bytes read."""
+        return self.read(populate=populate).nbytes
+
+    def read(self, *, populate: Populate | None | bool = True) -> ReadStats:
+        """Do every read queued so far (file order, ``threads`` at a time) and say how it went. An I/O error, a
+        short read (the file shrank since it was opened) or the error of a caller's ``populate`` is raised after
+        every thread stopped. ``populate``: this call's way of allocating destination pages ahead (``True``: the
+        plan's). Reads queued meanwhile wait for the next call."""
         ranges, self._ranges = sorted(self._ranges, key=lambda r: (r.path, r.offset)), []
         copies, self._copies = self._copies, []
-        self.last = ReadStats()
         total = sum(r.nbytes for r in ranges)
+        stats = ReadStats(nbytes=total)
         if not ranges:
             for tmp, dest in copies:
                 dest.copy_(tmp)
-            return 0
-        stats = ReadStats(nbytes=total)
+            return stats
         ahead = _PopulateAhead(ranges, self.populate if populate is True else populate or None, self.populate_ahead,
                                stats)
         fds: dict[str, int] = {}
@@ -374,12 +384,10 @@ class ReadPlan:
             for fd in fds.values():
                 os.close(fd)
             stats.read_s = time.monotonic() - start
-            self.last = stats
-            self.stats.add(stats)
         for tmp, dest in copies:
             dest.copy_(tmp)
         progress.finish()
-        return total
+        return stats
 
 
 class _PopulateAhead:
@@ -448,6 +456,9 @@ class _PopulateAhead:
             if address < done < address + nbytes:
                 nbytes -= done - address
                 address = done
+            elif address < done and address + nbytes <= done:  # within the span populated last
+                position += 1
+                continue
             begin = time.monotonic()
             try:
                 supported = self._populate(address, nbytes) is not False
@@ -547,10 +558,10 @@ class CheckpointTensor:
         plan = ReadPlan(threads=self._plan.threads, label=f"{self._plan.label} ({self.entry.key})",
                         populate=self._plan.populate)
         plan.add(self.entry, out)
-        read = plan.run()
+        stats = plan.read()
         if self._owner is not None:
-            self._owner.bytes_read += read
-            self._owner.stats.add(plan.last)
+            self._owner.bytes_read += stats.nbytes
+            self._owner.stats.add(stats)
         return out if torch.device(device).type == "cpu" else out.to(device)
 
 
@@ -566,6 +577,7 @@ class CheckpointWeights(Mapping[str, CheckpointTensor]):
         self.plan = ReadPlan(label=label)
         self.bytes_read = 0  # block reads at flush() and resident reads (CheckpointTensor.to) alike
         self.stats = ReadStats()  # of the same reads: seconds reading, pages populated ahead
+        self._lock = threading.Lock()
         self._values = {name: CheckpointTensor(checkpoint.entries[key], self.plan, self)
                         for name, key in keys.items()}
 
@@ -578,13 +590,15 @@ class CheckpointWeights(Mapping[str, CheckpointTensor]):
     def __len__(self) -> int:
         return len(self._values)
 
-    def flush(self, *, populate: Populate | None | bool = True) -> None:
+    def flush(self, *, populate: Populate | None | bool = True) -> ReadStats:
         """Do the queued reads (parallel, file order); raises the first read error after every thread stopped.
-        ``populate``: how the destinations' pages are allocated ahead of the reads (see :meth:`ReadPlan.run`)."""
-        try:
-            self.bytes_read += self.plan.run(populate=populate)
-        finally:
-            self.stats.add(self.plan.last)
+        ``populate``: how the destinations' pages are allocated ahead of the reads (see :meth:`ReadPlan.read`).
+        Returns how this flush went (:attr:`stats` adds up every read)."""
+        stats = self.plan.read(populate=populate)
+        with self._lock:  # a session creator's reads may run on a thread while the engine flushes an empty plan
+            self.bytes_read += stats.nbytes
+            self.stats.add(stats)
+        return stats
 
     def close(self) -> None:
         self.plan.discard()
