@@ -31,7 +31,11 @@ imports and the CUDA context are not in it) for ``load_model_from_profile`` and 
   Goal: within 1.2x of ``cat``. Where the page cache cannot be dropped (tmpfs, or pages someone keeps), the
   table says so and gives no verdict.
 "of which reading" is the time spent inside the checkpoint reader (``ReadPlan.read``); the rest of the call
-allocates and pins the blocks, builds the model and publishes. Beside ``cat`` (cold and warm), a reference row
+allocates and pins the blocks, builds the model and publishes. A third table says where each load's time went:
+reading, the destination pages the reader's thread populated ahead of its reads (and its seconds), the
+registration of private host blocks inside the call (CUDA), and the call's steps (the session creator's
+``report()`` steps: its block reads run on a thread beside ``adopt`` and ``plan``, ``blocks_wait`` is what is left
+of them after those); each worker also prints one line per run as it finishes. Beside ``cat`` (cold and warm), a reference row
 runs the checkpoint reader alone (``ReadPlan`` over every tensor, into memory allocated and written before), and
 another writes as many bytes of fresh anonymous memory: the page allocation that a load into fresh host blocks
 pays on top of reading (inside its reads when the blocks' pages come as they are written, before them when a

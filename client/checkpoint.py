@@ -209,6 +209,9 @@ def _writable(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 @dataclass
 class _Range:
     path: str
@@ -222,9 +225,6 @@ class _Range:
         begin = self.dest.data_ptr() + self.dest_offset
         first = begin - begin % _PAGE
         return first, -(-(begin + self.nbytes - first) // _PAGE) * _PAGE
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def populate_pages(address: int, nbytes: int) -> bool:
@@ -261,13 +261,13 @@ Populate = Callable[[int, int], "bool | None"]
 
 
 class ReadPlan:
-    """Reads collected with :meth:`add`, then done by :meth:`run` in file order over a few threads.
+    """Reads collected with :meth:`add`, then done by :meth:`read` (or :meth:`run`) in file order over a few threads.
 
     A destination that is not contiguous (a transposed weight keeps its strides in a host block) is read into a
     temporary contiguous tensor and copied once; every other destination receives the bytes directly. Each
     pending range holds a reference to its destination, so its memory stays valid while a thread writes it.
     ``populate``: how destination pages are allocated ahead of the readers (see the module docstring; ``None``:
-    not at all); :meth:`run` may be given another one for its call.
+    not at all); :meth:`read` may be given another one for its call.
     """
 
     def __init__(self, *, threads: int = READ_THREADS, chunk_bytes: int = CHUNK_BYTES, label: str = "checkpoint",
@@ -450,15 +450,15 @@ class _PopulateAhead:
 
     def _run(self) -> None:
         position = 0
-        done = 0  # the end of the span populated last: a page two ranges share is populated once
+        last = (0, 0)  # the span populated last: a page it shares with the next range is populated once
         while (position := self._next(position)) is not None:
             address, nbytes = self.ranges[position].pages()
-            if address < done < address + nbytes:
-                nbytes -= done - address
-                address = done
-            elif address < done and address + nbytes <= done:  # within the span populated last
-                position += 1
-                continue
+            if last[0] <= address < last[1]:
+                if address + nbytes <= last[1]:  # inside it: nothing new
+                    position += 1
+                    continue
+                nbytes -= last[1] - address
+                address = last[1]
             begin = time.monotonic()
             try:
                 supported = self._populate(address, nbytes) is not False
@@ -471,7 +471,7 @@ class _PopulateAhead:
             if not supported:
                 return
             self._stats.populated_bytes += nbytes
-            done = address + nbytes
+            last = (address, address + nbytes)
             position += 1
 
 

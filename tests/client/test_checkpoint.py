@@ -266,3 +266,47 @@ def test_detached_reads_run_apart_and_the_plan_is_left_empty(tmp_path: Path) -> 
     assert plan.read().nbytes == 0 and plan.nbytes == 0
     assert detached.read().nbytes == checkpoint.nbytes
     assert torch.equal(block.view(torch.float32), torch.cat([tensors[k] for k in sorted(tensors)]))
+
+
+def test_pages_are_populated_when_memory_order_differs_from_file_order(tmp_path: Path, monkeypatch) -> None:
+    """The block holds the tensors in the reverse of their file order (the reads go in file order): the populating
+    thread still covers the pages of every range the reader had not reached."""
+    import threading
+
+    checkpoint, tensors = _eight_tensors(tmp_path)
+    keys = sorted(checkpoint.entries, key=lambda k: checkpoint.entries[k].start, reverse=True)
+    block = _fresh(checkpoint.nbytes)
+    spans: list[tuple[int, int]] = []
+    populated = threading.Event()
+
+    def populate(address: int, nbytes: int) -> None:
+        spans.append((address, nbytes))
+        if len(spans) == len(keys) - 1:
+            populated.set()
+
+    real = ckpt._read_range
+
+    def first_waits(fd, r):  # the reader holds the first range until the thread populated the rest
+        populated.wait(5)
+        real(fd, r)
+
+    monkeypatch.setattr(ckpt, "_read_range", first_waits)
+    plan = ReadPlan(threads=1, chunk_bytes=1 << 20, populate=populate)
+    places = {}
+    offset = 0
+    for key in keys:
+        entry = checkpoint.entries[key]
+        places[key] = (block.data_ptr() + offset, entry.nbytes)
+        plan.add(entry, block[offset:offset + entry.nbytes].view(entry.dtype).view(entry.shape))
+        offset += entry.nbytes
+    plan.read()
+    covered = {page for a, n in spans for page in range(a, a + n, 4096)}
+    first = min(keys, key=lambda k: checkpoint.entries[k].start)
+    for key, (address, nbytes) in places.items():
+        if key != first:
+            assert set(range(address, address + nbytes, 4096)) <= covered, key
+    offset = 0
+    for key in keys:
+        n = tensors[key].numel() * 4
+        assert torch.equal(block[offset:offset + n].view(torch.float32), tensors[key]), key
+        offset += n
