@@ -30,8 +30,12 @@ imports and the CUDA context are not in it) for ``load_model_from_profile`` and 
   and the drop is checked with ``mincore``; ``cat FILES > /dev/null``, equally cold, is timed for the same bytes.
   Goal: within 1.2x of ``cat``. Where the page cache cannot be dropped (tmpfs, or pages someone keeps), the
   table says so and gives no verdict.
-"of which reading" is the time spent inside the checkpoint reader (``ReadPlan.run``); the rest of the call
-allocates and pins the blocks, builds the model and publishes. Beside ``cat`` (cold and warm), a reference row
+"of which reading" is the time spent inside the checkpoint reader (``ReadPlan.read``); the rest of the call
+allocates and pins the blocks, builds the model and publishes. A third table says where each load's time went:
+reading, the destination pages the reader's thread populated ahead of its reads (and its seconds), the
+registration of private host blocks inside the call (CUDA), and the call's steps (the session creator's
+``report()`` steps: its block reads run on a thread beside ``adopt`` and ``plan``, ``blocks_wait`` is what is left
+of them after those); each worker also prints one line per run as it finishes. Beside ``cat`` (cold and warm), a reference row
 runs the checkpoint reader alone (``ReadPlan`` over every tensor, into memory allocated and written before), and
 another writes as many bytes of fresh anonymous memory: the page allocation that a load into fresh host blocks
 pays on top of reading (inside its reads when the blocks' pages come as they are written, before them when a
@@ -77,6 +81,9 @@ MEMORY_GOALS = {"lazy": 1.10, "lazy-torch": None, "session": 1.10, "inram": 1.25
 LABELS = {"lazy": "load_model_from_profile", "lazy-torch": "load_model_from_profile, pinned_memory_mode='torch'",
           "session": "session creator (checkpoint)", "inram": "session creator (in RAM)",
           "offload": "offload (model in RAM), added"}
+#: The session creator's steps shown (``session.report()``): model, store, queueing the block reads (they run on a
+#: thread from there), adoption and plan beside the reads, then the wait for the reads' end.
+SESSION_STEPS = ("factory", "store", "blocks", "adopt", "plan", "blocks_wait")
 EVICTED_BELOW = 0.01  # a "cold" run needs less than 1% of the checkpoint's bytes in the page cache
 
 
@@ -173,23 +180,53 @@ def _start_cuda() -> None:
         torch.cuda.synchronize()
 
 
-def _time_reads() -> list[float]:
-    """Instrument this worker's checkpoint reader: every ``ReadPlan.run`` appends its seconds to the list returned
-    (the benchmark's process only; it splits READY into reading and the rest)."""
-    from flextensor.checkpoint import ReadPlan
+class _Phases:
+    """Where a worker's call spends its time: this process's checkpoint reader (every ``ReadPlan.read``: seconds,
+    and the pages its thread populated ahead of the reads), the adoption (``offload_from_state``: for
+    ``load_model_from_profile`` it contains the reads and the registration) and the in-place registration of
+    private host blocks (``HostRegisterProvider.finish``, CUDA). Instruments the classes, in the worker only."""
 
-    spent: list[float] = []
-    run = ReadPlan.run
+    def __init__(self) -> None:
+        from flextensor.checkpoint import ReadPlan
+        from flextensor.manager import OffloadManager
+        from flextensor.runtime.host_memory import HostRegisterProvider
 
-    def timed_run(plan: ReadPlan) -> int:
-        start = time.monotonic()
-        try:
-            return run(plan)
-        finally:
-            spent.append(time.monotonic() - start)
+        self.seconds = {"read": 0.0, "populate": 0.0, "adopt": 0.0, "register": 0.0}
+        self.populated = 0
+        read, adopt, finish = ReadPlan.read, OffloadManager.offload_from_state, HostRegisterProvider.finish
+        phases = self
 
-    ReadPlan.run = timed_run  # type: ignore[method-assign]
-    return spent
+        def timed_read(plan: ReadPlan, *args, **kwargs):
+            start = time.monotonic()
+            try:
+                stats = read(plan, *args, **kwargs)
+            except BaseException:
+                phases.seconds["read"] += time.monotonic() - start
+                raise
+            phases.seconds["read"] += stats.read_s
+            phases.seconds["populate"] += stats.populate_s
+            phases.populated += stats.populated_bytes
+            return stats
+
+        def timed(name: str, fn):
+            def call(*args, **kwargs):
+                start = time.monotonic()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    phases.seconds[name] += time.monotonic() - start
+            return call
+
+        ReadPlan.read = timed_read  # type: ignore[method-assign]
+        OffloadManager.offload_from_state = timed("adopt", adopt)  # type: ignore[method-assign]
+        HostRegisterProvider.finish = timed("register", finish)  # type: ignore[method-assign]
+
+    def result(self, session=None) -> dict:
+        out = {**{f"{k}_s": v for k, v in self.seconds.items()}, "populated_bytes": self.populated}
+        if session is not None:  # the creator's steps (factory, store, blocks, adopt, plan: see session.report())
+            report = session.report()[0]
+            out["steps"] = {k: v for k, v in report["steps"].items() if isinstance(v, float)}
+        return out
 
 
 def _in_ram_factory(args: argparse.Namespace, ckpt: Path):
@@ -224,7 +261,7 @@ def worker(args: argparse.Namespace, root: Path) -> None:
     import flextensor.session  # noqa: F401
 
     _start_cuda()
-    reads = _time_reads()
+    phases = _Phases()
     ft.init(config, name="model")
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -257,7 +294,8 @@ def worker(args: argparse.Namespace, root: Path) -> None:
     ref = torch.load(root / "ref.pt")
     equal = torch.equal(out, ref) if device.type == "cpu" else bool(torch.allclose(out, ref, atol=2e-2, rtol=2e-2))
     print(json.dumps({"role": role, "growth": growth, "model_bytes": size, "ready_s": ready_s,
-                      "read_s": sum(reads), "equal": equal}), flush=True)
+                      "read_s": phases.seconds["read"], "phases": phases.result(session), "equal": equal}),
+          flush=True)
     if args.hold:
         sys.stdin.readline()
     if session is not None:
@@ -329,6 +367,7 @@ class Runner:
             proc.wait()
         result.update(mode=mode, cache=cache, cached_before=cached)
         self.runs.append(result)
+        _summary(self)
         return result
 
     def cat(self, cache: str) -> dict:
@@ -445,6 +484,54 @@ def timing_section(runner: Runner, modes: list[str]) -> str:
     return text
 
 
+def _median(samples: list[dict], get) -> float:
+    return statistics.median(get(r) for r in samples)
+
+
+def phases_section(runner: Runner, modes: list[str]) -> str:
+    """Where each load's time went (medians of the timed runs): the reader's seconds, the pages its thread
+    populated ahead and its seconds doing so, the registration of private host blocks inside the call (CUDA), and
+    the call's steps (``load_model_from_profile``: the adoption holds reading and registering; the session
+    creator: its ``report()`` steps, the reads inside ``blocks``)."""
+    rows = []
+    for mode in modes:
+        for cache in ("warm", "cold"):
+            samples = [r for r in runner.samples(mode, cache) if "phases" in r]
+            if not samples:
+                continue
+            ready = _median(samples, lambda r: r["ready_s"])
+            read = _median(samples, lambda r: r["phases"]["read_s"])
+            populated = _median(samples, lambda r: r["phases"]["populated_bytes"])
+            populate_s = _median(samples, lambda r: r["phases"]["populate_s"])
+            if mode == "session":
+                register = "after READY, in the background"
+                names = [n for n in SESSION_STEPS if n in samples[0]["phases"]["steps"]]
+                steps = ", ".join(f"{n} {_median(samples, lambda r, n=n: r['phases']['steps'].get(n, 0.0)):.2f}"
+                                  for n in names)
+            else:
+                register_s = _median(samples, lambda r: r["phases"]["register_s"])
+                register = f"{register_s:.2f} s" if torch.cuda.is_available() else "- (no CUDA)"
+                adopt = _median(samples, lambda r: r["phases"]["adopt_s"])
+                steps = f"model and matching {ready - adopt:.2f}, adoption {adopt:.2f} (reading, registering in it)"
+            rows.append([LABELS[mode], cache, f"{ready:.2f} s", f"{read:.2f} s",
+                         f"{common.gib(populated)} in {populate_s:.2f} s", register, steps])
+    return common.table(["way of loading", "page cache", "checkpoint to READY", "reading",
+                         "pages populated ahead of the reads (thread)", "registering", "steps (s)"], rows)
+
+
+def _summary(runner: Runner) -> None:
+    """One line per load run, as it comes: READY and its phases (the full tables follow at the end)."""
+    r = runner.runs[-1]
+    if "phases" not in r:
+        return
+    p = r["phases"]
+    steps = " ".join(f"{k}={v:.2f}" for k, v in p.get("steps", {}).items()
+                     if k in SESSION_STEPS)
+    print(f"[{r['mode']} {r['cache']}] READY {r['ready_s']:.2f} s: read {p['read_s']:.2f} s, populated "
+          f"{common.gib(p['populated_bytes'])} ahead in {p['populate_s']:.2f} s, register {p['register_s']:.2f} s, "
+          f"adopt {p['adopt_s']:.2f} s{'; ' + steps if steps else ''}", flush=True)
+
+
 def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="ft-bench-ckpt-", dir=args.tmp) as tmp:
         root = Path(tmp)
@@ -466,7 +553,9 @@ def run(args: argparse.Namespace) -> None:
         memory = memory_section(runner, modes)
         print(f"memory rows took {time.monotonic() - t1:.1f} s", flush=True)
         t1 = time.monotonic()
-        timing = timing_section(runner, [m for m in ("lazy", "session") if m in modes])
+        timed_modes = [m for m in ("lazy", "session") if m in modes]
+        timing = timing_section(runner, timed_modes)
+        phases = phases_section(runner, timed_modes)
         print(f"timing rows took {time.monotonic() - t1:.1f} s", flush=True)
         model_bytes = runner.runs[0]["model_bytes"]
         where = f"{args.tmp or tempfile.gettempdir()} ({page_cache.filesystem_type(root)})"
@@ -475,7 +564,8 @@ def run(args: argparse.Namespace) -> None:
                   f"pinned_memory_mode={args.pinned_mode!r} on CUDA.")
         data = {"args": vars(args), "runs": runner.runs}
         common.report(NAME if torch.cuda.is_available() else NAME + "_cpu", "Checkpoints at bounded host RAM",
-                      [("Peak RSS", memory + footer), ("Checkpoint to READY, warm and cold", timing)],
+                      [("Peak RSS", memory + footer), ("Checkpoint to READY, warm and cold", timing),
+                       ("Where the time goes", phases)],
                       data, docs=not args.no_docs)
 
 

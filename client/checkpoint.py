@@ -13,6 +13,20 @@ A checkpoint is one ``.safetensors`` file, a directory of shards with ``model.sa
 Hugging Face layout; a directory with a single ``.safetensors`` file and no index also works), or the index
 JSON itself. Every shard's header is checked against the file size when it is opened, so a truncated file is a
 ``ValueError`` naming the file and the first tensor that does not fit, before any byte is read.
+
+Destination pages ahead of the readers
+--------------------------------------
+A destination is usually fresh memory (a host block nobody wrote yet): its pages do not exist, and a read into it
+faults them in one at a time inside the copy, on the reader's thread, so from disk every read is stretched by
+the page allocation. So while the readers work, a thread allocates the pages of the ranges next in line
+(``MADV_POPULATE_WRITE``, several threads per range: :func:`flextensor.shm.prefault.populate_write_range`), at
+most :data:`POPULATE_AHEAD_BYTES` ahead of them; a range the readers reach first is skipped (they fault it in
+themselves, so from a warm page cache the two only add up). Populating a page never changes its bytes, so a
+page two ranges share is simply populated twice. The caller may pass its own ``populate(address, nbytes)`` (a
+shared segment's, which names a full ``/dev/shm``): its error stops the reads and is raised. The default one is
+only a speed-up: a kernel without the advice, or memory that refuses it, just leaves the faults to the readers.
+:meth:`ReadPlan.read` says how long the reading took, how many bytes were populated ahead and in how many
+seconds.
 """
 
 from __future__ import annotations
@@ -27,12 +41,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "READ_THREADS", "PROGRESS_INTERVAL_S", "TensorEntry", "SafetensorsCheckpoint",
-           "ReadPlan", "CheckpointTensor", "CheckpointWeights"]
+from flextensor.shm.prefault import populate_write_range
+
+__all__ = ["CHUNK_BYTES", "READ_THREADS", "POPULATE_AHEAD_BYTES", "PROGRESS_INTERVAL_S", "TensorEntry",
+           "SafetensorsCheckpoint", "ReadPlan", "ReadStats", "CheckpointTensor", "CheckpointWeights",
+           "populate_pages"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +57,8 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 32 << 20
 #: Reader threads (``preadv`` releases the GIL); a few suffice to keep an NVMe queue busy.
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
+#: Destination pages are allocated at most this many bytes ahead of the readers (see the module docstring).
+POPULATE_AHEAD_BYTES = 1 << 30
 #: A read that runs longer than this logs its progress (bytes, rate, ETA) at this interval.
 PROGRESS_INTERVAL_S = 2.0
 #: The largest header accepted (the format's own reference limit is 100 MB).
@@ -190,6 +209,9 @@ def _writable(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 @dataclass
 class _Range:
     path: str
@@ -198,20 +220,63 @@ class _Range:
     dest_offset: int
     nbytes: int
 
+    def pages(self) -> tuple[int, int]:
+        """The page-aligned span ``(address, nbytes)`` of memory this range writes."""
+        begin = self.dest.data_ptr() + self.dest_offset
+        first = begin - begin % _PAGE
+        return first, -(-(begin + self.nbytes - first) // _PAGE) * _PAGE
+
+
+def populate_pages(address: int, nbytes: int) -> bool:
+    """The default ``populate`` of a :class:`ReadPlan`: allocate the pages of ``[address, address + nbytes)``
+    (``MADV_POPULATE_WRITE`` from several threads); False when this memory or kernel cannot (a speed-up only)."""
+    try:
+        return populate_write_range(address, nbytes)
+    except OSError as exc:
+        logger.debug("populating %d bytes at %#x ahead of the reads failed (%s); the reads fault them in", nbytes,
+                     address, exc)
+        return False
+
+
+@dataclass
+class ReadStats:
+    """What one :meth:`ReadPlan.read` (or several, added up) did: seconds from the first read to the last, bytes
+    read, bytes whose pages were populated ahead of the readers and the populating thread's seconds."""
+
+    read_s: float = 0.0
+    nbytes: int = 0
+    populated_bytes: int = 0
+    populate_s: float = 0.0
+
+    def add(self, other: "ReadStats") -> None:
+        self.read_s += other.read_s
+        self.nbytes += other.nbytes
+        self.populated_bytes += other.populated_bytes
+        self.populate_s += other.populate_s
+
+
+#: ``populate(address, nbytes)``: allocate those pages; False means "cannot here" (stop trying), an error stops the
+#: reads (see the module docstring).
+Populate = Callable[[int, int], "bool | None"]
+
 
 class ReadPlan:
-    """Reads collected with :meth:`add`, then done by :meth:`run` in file order over a few threads.
+    """Reads collected with :meth:`add`, then done by :meth:`read` (or :meth:`run`) in file order over a few threads.
 
     A destination that is not contiguous (a transposed weight keeps its strides in a host block) is read into a
     temporary contiguous tensor and copied once; every other destination receives the bytes directly. Each
     pending range holds a reference to its destination, so its memory stays valid while a thread writes it.
+    ``populate``: how destination pages are allocated ahead of the readers (see the module docstring; ``None``:
+    not at all); :meth:`read` may be given another one for its call.
     """
 
-    def __init__(self, *, threads: int = READ_THREADS, chunk_bytes: int = CHUNK_BYTES, label: str = "checkpoint"
-                 ) -> None:
+    def __init__(self, *, threads: int = READ_THREADS, chunk_bytes: int = CHUNK_BYTES, label: str = "checkpoint",
+                 populate: Populate | None = populate_pages, populate_ahead: int = POPULATE_AHEAD_BYTES) -> None:
         self.threads = max(1, threads)
         self.chunk_bytes = max(1 << 20, chunk_bytes)
         self.label = label
+        self.populate = populate
+        self.populate_ahead = max(0, populate_ahead)
         self._ranges: list[_Range] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (temporary, strided destination)
         self._cancel = threading.Event()
@@ -235,6 +300,15 @@ class ReadPlan:
             self._ranges.append(_Range(entry.path, entry.start + offset, target, offset,
                                        min(self.chunk_bytes, entry.nbytes - offset)))
 
+    def detach(self) -> "ReadPlan":
+        """The reads queued so far as a plan of their own (same settings), this one left empty: to run them on
+        another thread while whoever flushes this plan finds nothing left to read."""
+        other = ReadPlan(threads=self.threads, chunk_bytes=self.chunk_bytes, label=self.label,
+                         populate=self.populate, populate_ahead=self.populate_ahead)
+        other._ranges, self._ranges = self._ranges, []
+        other._copies, self._copies = self._copies, []
+        return other
+
     def cancel(self) -> None:
         """Stop :meth:`run` after the ranges in flight (a failure elsewhere: nobody needs the rest)."""
         self._cancel.set()
@@ -245,61 +319,160 @@ class ReadPlan:
         self._ranges.clear()
         self._copies.clear()
 
-    def run(self) -> int:
-        """Do every read (file order, ``threads`` at a time); returns the bytes read. An I/O error or a short
-        read (the file shrank since it was opened) is raised after every thread stopped."""
+    def run(self, *, populate: Populate | None | bool = True) -> int:
+        """:meth:`read`, returning the bytes read."""
+        return self.read(populate=populate).nbytes
+
+    def read(self, *, populate: Populate | None | bool = True) -> ReadStats:
+        """Do every read queued so far (file order, ``threads`` at a time) and say how it went. An I/O error, a
+        short read (the file shrank since it was opened) or the error of a caller's ``populate`` is raised after
+        every thread stopped. ``populate``: this call's way of allocating destination pages ahead (``True``: the
+        plan's). Reads queued meanwhile wait for the next call."""
         ranges, self._ranges = sorted(self._ranges, key=lambda r: (r.path, r.offset)), []
         copies, self._copies = self._copies, []
         total = sum(r.nbytes for r in ranges)
+        stats = ReadStats(nbytes=total)
         if not ranges:
             for tmp, dest in copies:
                 dest.copy_(tmp)
-            return 0
+            return stats
+        ahead = _PopulateAhead(ranges, self.populate if populate is True else populate or None, self.populate_ahead,
+                               stats)
         fds: dict[str, int] = {}
         progress = _Progress(self.label, total)
-        lock = threading.Lock()
-        position = 0
 
         def worker() -> None:
-            nonlocal position
             while not self._cancel.is_set():
-                with lock:
-                    if position >= len(ranges):
-                        return
-                    r = ranges[position]
-                    position += 1
+                r = ahead.claim()
+                if r is None:
+                    return
                 _read_range(fds[r.path], r)
                 progress.add(r.nbytes)
 
+        start = time.monotonic()
         try:
             for path in dict.fromkeys(r.path for r in ranges):
                 fds[path] = os.open(path, os.O_RDONLY)
             progress.start()
+            ahead.start(self._cancel)
             threads = min(self.threads, len(ranges))
+            errors = []
             if threads == 1:
-                worker()
+                try:
+                    worker()
+                except BaseException as exc:  # noqa: BLE001 - raised below, once the populating thread stopped
+                    errors.append(exc)
             else:
                 with ThreadPoolExecutor(threads, thread_name_prefix="ft-ckpt-read") as pool:
                     futures = [pool.submit(worker) for _ in range(threads)]
-                    errors = []
                     for future in futures:
                         try:
                             future.result()
                         except BaseException as exc:  # noqa: BLE001 - raised below, once every thread stopped
                             self._cancel.set()
                             errors.append(exc)
-                    if errors:
-                        raise errors[0]
+            ahead.stop()
+            if ahead.error is not None:  # the cause: a read that failed after it (a full /dev/shm) only follows
+                raise ahead.error
+            if errors:
+                raise errors[0]
             if self._cancel.is_set():
                 raise RuntimeError(f"reading {self.label} was cancelled")
         finally:
+            ahead.stop()
             progress.stop()
             for fd in fds.values():
                 os.close(fd)
+            stats.read_s = time.monotonic() - start
         for tmp, dest in copies:
             dest.copy_(tmp)
         progress.finish()
-        return total
+        return stats
+
+
+class _PopulateAhead:
+    """The readers' queue of ranges, and the thread (``ft-ckpt-populate``) that allocates the destination pages of
+    the next ranges while the readers work (see the module docstring). A range is either claimed by a reader or
+    passed by the populating thread first, never both at once."""
+
+    def __init__(self, ranges: list[_Range], populate: Populate | None, window: int, stats: ReadStats) -> None:
+        self.ranges = ranges
+        self.error: BaseException | None = None
+        self._populate = populate
+        self._window = window
+        self._stats = stats
+        self._cond = threading.Condition()
+        self._claimed = 0  # ranges [0, _claimed) went to readers
+        self._end = [0]  # _end[k]: bytes of ranges [0, k)
+        for r in ranges:
+            self._end.append(self._end[-1] + r.nbytes)
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._cancel: threading.Event | None = None
+
+    def start(self, cancel: threading.Event) -> None:
+        self._cancel = cancel
+        if self._populate is not None and self._window > 0 and len(self.ranges) > 1:
+            self._thread = threading.Thread(target=self._run, name="ft-ckpt-populate", daemon=True)
+            self._thread.start()
+
+    def claim(self) -> _Range | None:
+        """The next range for a reader, or None when every range was handed out."""
+        with self._cond:
+            if self._claimed >= len(self.ranges):
+                return None
+            r = self.ranges[self._claimed]
+            self._claimed += 1
+            self._cond.notify_all()
+            return r
+
+    def stop(self) -> None:
+        """Stop the populating thread after the range in flight and join it. Idempotent."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def _next(self, position: int) -> int | None:
+        """The next range to populate at or after ``position`` (waiting while it is too far ahead), or None."""
+        with self._cond:
+            while True:
+                if self._stopped or self._cancel.is_set():
+                    return None
+                position = max(position, self._claimed)  # the readers took those: they fault them in
+                if position >= len(self.ranges):
+                    return None
+                if self._end[position] - self._end[self._claimed] <= self._window:
+                    return position
+                self._cond.wait(0.1)
+
+    def _run(self) -> None:
+        position = 0
+        last = (0, 0)  # the span populated last: a page it shares with the next range is populated once
+        while (position := self._next(position)) is not None:
+            address, nbytes = self.ranges[position].pages()
+            if last[0] <= address < last[1]:
+                if address + nbytes <= last[1]:  # inside it: nothing new
+                    position += 1
+                    continue
+                nbytes -= last[1] - address
+                address = last[1]
+            begin = time.monotonic()
+            try:
+                supported = self._populate(address, nbytes) is not False
+            except BaseException as exc:  # noqa: BLE001 - raised by run() once the readers stopped
+                self.error = exc
+                self._cancel.set()
+                return
+            finally:
+                self._stats.populate_s += time.monotonic() - begin
+            if not supported:
+                return
+            self._stats.populated_bytes += nbytes
+            last = (address, address + nbytes)
+            position += 1
 
 
 def _read_range(fd: int, r: _Range) -> None:
@@ -382,11 +555,13 @@ class CheckpointTensor:
 
     def to(self, device: torch.device | str) -> torch.Tensor:
         out = torch.empty(self.entry.shape, dtype=self.entry.dtype)
-        plan = ReadPlan(threads=self._plan.threads, label=f"{self._plan.label} ({self.entry.key})")
+        plan = ReadPlan(threads=self._plan.threads, label=f"{self._plan.label} ({self.entry.key})",
+                        populate=self._plan.populate)
         plan.add(self.entry, out)
-        read = plan.run()
+        stats = plan.read()
         if self._owner is not None:
-            self._owner.bytes_read += read
+            self._owner.bytes_read += stats.nbytes
+            self._owner.stats.add(stats)
         return out if torch.device(device).type == "cpu" else out.to(device)
 
 
@@ -401,6 +576,8 @@ class CheckpointWeights(Mapping[str, CheckpointTensor]):
         self.checkpoint = checkpoint
         self.plan = ReadPlan(label=label)
         self.bytes_read = 0  # block reads at flush() and resident reads (CheckpointTensor.to) alike
+        self.stats = ReadStats()  # of the same reads: seconds reading, pages populated ahead
+        self._lock = threading.Lock()
         self._values = {name: CheckpointTensor(checkpoint.entries[key], self.plan, self)
                         for name, key in keys.items()}
 
@@ -413,9 +590,15 @@ class CheckpointWeights(Mapping[str, CheckpointTensor]):
     def __len__(self) -> int:
         return len(self._values)
 
-    def flush(self) -> None:
-        """Do the queued reads (parallel, file order); raises the first read error after every thread stopped."""
-        self.bytes_read += self.plan.run()
+    def flush(self, *, populate: Populate | None | bool = True) -> ReadStats:
+        """Do the queued reads (parallel, file order); raises the first read error after every thread stopped.
+        ``populate``: how the destinations' pages are allocated ahead of the reads (see :meth:`ReadPlan.read`).
+        Returns how this flush went (:attr:`stats` adds up every read)."""
+        stats = self.plan.read(populate=populate)
+        with self._lock:  # a session creator's reads may run on a thread while the engine flushes an empty plan
+            self.bytes_read += stats.nbytes
+            self.stats.add(stats)
+        return stats
 
     def close(self) -> None:
         self.plan.discard()

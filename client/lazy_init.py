@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -173,6 +174,7 @@ def load_model_from_profile(
     if safetensor_path is None:
         raise ValueError("load_model_from_profile needs safetensor_path: a .safetensors file, a directory of shards "
                          "with model.safetensors.index.json, or that index file")
+    start = time.monotonic()
     state = read_profile(profile_directory)
     checkpoint = SafetensorsCheckpoint(safetensor_path)
     with init_empty_weights():
@@ -185,9 +187,17 @@ def load_model_from_profile(
                 buffer.data = buffer.data.to(buffer_device)
     weights = prepare_checkpoint(model, checkpoint, strict=strict, diagnose=diagnose,
                                  label=f"checkpoint {str(safetensor_path)!r}")
+    prepared = time.monotonic()
     try:
         manager.offload_from_state(model, state, weights=weights)
     finally:
         weights.close()
-    logger.info("manager %r: %.1f MiB read from %s", manager.name, weights.bytes_read / 2**20, safetensor_path)
+    end = time.monotonic()
+    stats = weights.stats
+    # Where the time went: reading (pages populated ahead of it on a thread), and the adoption around it (host
+    # blocks, their registration on CUDA, the resident tensors to the device).
+    logger.info("manager %r: %.1f MiB read from %s in %.2f s: model and matching %.2f s, adoption %.2f s, of which "
+                "reading %.2f s (%.1f MiB of pages populated ahead in %.2f s)", manager.name,
+                weights.bytes_read / 2**20, safetensor_path, end - start, prepared - start, end - prepared,
+                stats.read_s, stats.populated_bytes / 2**20, stats.populate_s)
     return model.eval()

@@ -23,19 +23,23 @@ made, which frees the private copy; pages ahead of the copy are bounded by :func
 whose factory built the model in RAM holds about one copy of the weights plus the window, never two. A tensor
 on ``meta`` (a checkpoint creator) gets its bytes from ``weights``: a checkpoint tensor's read is queued into its
 place (``read_into``) and the queued reads run together, in file order, over several threads (:func:`read_queued`):
-the store's once it is laid out, the blocks' in batches of half a window while the thread allocates the pages of
-the next ones, so reading the checkpoint and allocating its pages overlap. Everything is read before the engine
-sees any of it.
+the store's once it is laid out, then every block's in one run on a thread (:class:`BlockReads`), the arena's
+pages allocated by the reader a bounded distance ahead of its reads, so reading the checkpoint and allocating its
+pages overlap, and the engine's adoption and the plan's publication overlap the reads. Everything is read before
+READY.
 
 Order (see ``SharedOffloadSession._publish``)
 ---------------------------------------------
 store (records copied or read, model pointed at them; on CUDA its mapping registered on a thread meanwhile, so
 the engine's move of the resident tensors to the device runs at pinned speed) -> arena, block by block in index
-order -> the engine adopts the plan (``host_blocks``; resident tensors to the device) -> plan, READY.
+order -> the engine adopts the plan (``host_blocks``; resident tensors to the device) -> plan, READY. From a
+checkpoint the arena's reads run on their thread from the start of the adoption until just before READY (a copy
+from a block during the adoption waits for them: :meth:`BlockReads.gate`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -44,6 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 import msgspec
 import torch
 
+from flextensor.checkpoint import populate_pages
 from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
@@ -55,7 +60,7 @@ from flextensor.shm.tensor_store import ALIGNMENT, SharedTensorStore
 from flextensor.state import ModelTensor, TensorManagerState
 
 __all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "populate_window", "arena_plan", "store_bytes",
-           "publish_store", "fill_blocks", "read_queued", "BackgroundCall"]
+           "publish_store", "fill_blocks", "BlockReads", "read_queued", "BackgroundCall"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,46 +142,127 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     """Copy every streamed tensor into its place in its block (``blocks``: views of ``arena`` laid out by
     ``layout``), block by block in index order, pointing each model tensor at its place as soon as it is copied.
     Pages not allocated yet come ahead of the copy on a thread. Returns seconds spent waiting for them and the
-    allocating thread's seconds."""
+    allocating thread's seconds. (A checkpoint's reads go through :class:`BlockReads` instead.)"""
     populate = None
     window = populate_window(layout.total)
     if not arena.reserved and layouts:
         populate = PopulateAhead(arena, list(zip(layout.offsets, layout.sizes)), window=window).start()
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
-    pending: list[int] = []  # blocks written, or with their reads queued, and not yet done
-    queued = 0  # bytes of checkpoint reads queued
     try:
-        for position, (block_layout, block) in enumerate(zip(layouts, blocks)):
+        for block_layout, block in zip(layouts, blocks):
             if populate is not None:
                 populate.wait(block_layout.index)
             for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
                 entry = tensors[placement.name]
                 tensor = entry.tensor
-                if tensor.is_meta:  # the engine points it at the view once the read is done
-                    value = _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape)
-                    _write(view, value)
-                    queued += placement.nbytes if hasattr(value, "read_into") else 0
+                if tensor.is_meta:  # a weight supplied as a tensor (the engine points the model at the view)
+                    _write(view, _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape))
                 else:
                     view.copy_(tensor.detach())
                     assign_data(tensor, view)  # frees the private copy
                 progress.add(placement.nbytes)
-            pending.append(block_layout.index)
-            # Checkpoint reads run in batches of half a window, while the thread allocates the next pages.
-            if queued == 0 or queued >= window // 2 or position == len(layouts) - 1:
-                if queued:
-                    read_queued(weights)
-                    queued = 0
-                if populate is not None:
-                    for index in pending:
-                        populate.done(index)
-                    return_free_heap()  # the private copies just freed go back before more pages are taken
-                pending.clear()
+            if populate is not None:
+                populate.done(block_layout.index)
+                return_free_heap()  # the private copies just freed go back before more pages are taken
         progress.finish()
     finally:
         if populate is not None:
             populate.close()
     return {"populate_wait_s": populate.waited_s if populate else 0.0,
             "populate_s": populate.populate_s if populate else 0.0}
+
+
+class BlockReads:
+    """Every streamed tensor read from the checkpoint into its place in its block, on a thread of its own
+    (``ft-publish-read``), so that the engine's adoption and the plan's publication overlap the reads.
+
+    Made on the caller's thread, it queues the reads (``weights``: a ``flextensor.checkpoint.CheckpointWeights``)
+    and takes them out of ``weights`` (``ReadPlan.detach``: a flush by the engine's adoption finds nothing left);
+    a tensor the model already holds (not from the checkpoint) is copied now, and so is a strided place (read into
+    a temporary first), their pages allocated before. The model's meta tensors are pointed at their places by the
+    engine's adoption; a copy from block ``i`` waits for the reads through :meth:`gate`.
+
+    Why one run of the reader for every block: reads in batches wait for the slowest range of each batch and let
+    the disk's queue drain between them, and nothing here needs a bound on pages ahead of the reads (every page of
+    the arena is written, there is no private copy to free meanwhile). The arena's pages are allocated by the
+    reader ahead of its reads through the arena's ``reserve_range``, so a full ``/dev/shm`` is a
+    ``ShmSpaceError`` naming the segment. :meth:`wait` joins the thread and raises its error; :meth:`stop`
+    (always call it, also after an error elsewhere) cancels what is left and joins, so no thread writes into the
+    arena once the caller cleans up."""
+
+    def __init__(self, tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayout],
+                 blocks: Sequence[torch.Tensor], arena: Any, layout: ArenaLayout, weights: Any) -> None:
+        for block_layout, block in zip(layouts, blocks):
+            for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
+                entry = tensors[placement.name]
+                tensor = entry.tensor
+                if not tensor.is_meta or not view.is_contiguous():  # written by a copy: its pages come first
+                    arena.reserve_range(layout.offsets[block_layout.index] + placement.byte_offset, placement.nbytes)
+                if tensor.is_meta:
+                    _write(view, _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape))
+                else:
+                    view.copy_(tensor.detach())
+                    assign_data(tensor, view)
+        self._plan = weights.plan.detach()
+        self._arena, self._total = arena, layout.total
+        self.error: BaseException | None = None
+        self.stats: dict[str, float] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ft-publish-read", daemon=True)
+
+    def start(self) -> "BlockReads":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        arena = self._arena
+        populate = None
+        if not arena.reserved:
+            base, end = arena.address, arena.address + arena.size
+
+            def populate(address: int, nbytes: int) -> bool | None:
+                if base <= address and address + nbytes <= end:
+                    arena.reserve_range(address - base, nbytes)
+                    return None
+                return populate_pages(address, nbytes)  # the reader's temporary for a strided place
+
+        try:
+            try:
+                stats = self._plan.read(populate=populate)
+            except OSError as exc:
+                if exc.errno == errno.EFAULT and not arena.reserved:
+                    # A read reached pages that could not be allocated before the populating thread did: name
+                    # the cause (a full /dev/shm raises ShmSpaceError here) rather than "Bad address".
+                    arena.reserve_range(0, self._total)
+                raise
+            self.stats = {"read_s": stats.read_s, "read_bytes": float(stats.nbytes), "populate_s": stats.populate_s,
+                          "populated_bytes": float(stats.populated_bytes)}
+        except BaseException as exc:  # noqa: BLE001 - raised by wait() on the caller's thread
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def gate(self, then: Callable[[int], None] | None) -> Callable[[int], None]:
+        """A host-block gate that waits for the reads, then for ``then`` (the registration's gate, if any)."""
+        def wait(block: int) -> None:
+            self._done.wait()
+            if then is not None:
+                then(block)
+        return wait
+
+    def wait(self) -> dict[str, float]:
+        """Join the reads; raise their error, else return their seconds and bytes (read and populated ahead)."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.stats
+
+    def stop(self) -> None:
+        """Cancel the reads not started yet and join the thread. Idempotent."""
+        if not self._done.is_set():
+            self._plan.cancel()
+        if self._thread.ident is not None:
+            self._thread.join()
 
 
 def read_queued(weights: Mapping[str, Any] | None) -> None:

@@ -64,8 +64,8 @@ from flextensor.config import OffloadConfig
 from flextensor.creator_source import CreatorSource
 from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
-from flextensor.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, arena_plan, fill_blocks, populate_window,
-                                publish_store, read_queued, store_bytes)
+from flextensor.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, BlockReads, arena_plan, fill_blocks,
+                                populate_window, publish_store, read_queued, store_bytes)
 from flextensor.shm.blocks import ARENA_KIND, ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
@@ -303,29 +303,38 @@ class SharedOffloadSession:
                 model = source.build()
             logger.info("session %s: model built in %.2f s", share.namespace, steps["factory"])
             begin = time.monotonic()
+            reads: BlockReads | None = None  # a checkpoint's block reads, running beside the adoption
             try:
-                model = self._fill_shared(share, model, state, layouts, layout, resident, cfg, device, pin, source)
+                model, reads = self._fill_shared(share, model, state, layouts, layout, resident, cfg, device, pin,
+                                                 source)
                 published_plan = arena_plan(state, owner.resource_name(ARENA_KIND))
                 gate = None
                 if pin and layouts:
                     share.pinner = block_pinner(share.segments[0], published_plan, layout, device,
                                                 label=f"session {share.namespace}")
                     gate = share.pinner.wait
+                if reads is not None:
+                    gate = reads.gate(gate)
                 with timed_step(steps, "adopt"):  # the blocks are filled: the engine only points tensors at them
                     proxy = manager.offload_from_state(model, published_plan, cfg, allow_strategy_replan=False,
                                                        host_blocks=share.block_views, host_block_gate=gate,
                                                        shm_owner=owner, weights=source.weights)
+                with timed_step(steps, "plan"):
+                    published = manager.export_state()
+                    if sorted(t.name for t in published.tensors if not t.offloaded) != sorted(resident):
+                        raise RuntimeError(
+                            f"internal error in session {self.namespace!r}: the adopted plan keeps other tensors "
+                            "resident than the profile says; please report it (re-profiling may avoid it)")
+                    owner.write_blob(PLAN_KIND, published.to_json())
+                if reads is not None:
+                    with timed_step(steps, "blocks_wait"):  # the reads' own seconds: publish["read_s"]
+                        share.publish.update(reads.wait())
             finally:
+                if reads is not None:
+                    reads.stop()  # after a failure: nothing writes into the arena once it is cleaned up
                 source.close()
             if share.pinner is not None:
-                share.pinner.start()  # after the adoption's device allocations (see _adopt_published)
-            with timed_step(steps, "plan"):
-                published = manager.export_state()
-                if sorted(t.name for t in published.tensors if not t.offloaded) != sorted(resident):
-                    raise RuntimeError(
-                        f"internal error in session {self.namespace!r}: the adopted plan keeps other tensors "
-                        "resident than the profile says; please report it (re-profiling may avoid it)")
-                owner.write_blob(PLAN_KIND, published.to_json())
+                share.pinner.start()  # after the adoption's device allocations and the reads (see _adopt_published)
             share.shared_bytes = layout.total + share.store.nbytes
             elapsed = max(time.monotonic() - begin, 1e-9)
             share.publish.update(seconds=elapsed, gbps=share.shared_bytes / elapsed / 1e9)
@@ -343,10 +352,11 @@ class SharedOffloadSession:
 
     def _fill_shared(self, share: ManagerShare, model: nn.Module, state: TensorManagerState,
                      layouts: list[Any], layout: ArenaLayout, resident: list[str], cfg: OffloadConfig,
-                     device: torch.device, pin: bool, source: CreatorSource) -> nn.Module:
+                     device: torch.device, pin: bool, source: CreatorSource) -> tuple[nn.Module, BlockReads | None]:
         """The store, then the arena, filled from the model (or its checkpoint) and the model pointed at them; on
-        CUDA the store's mapping is registered meanwhile (see ``flextensor.publish``). What it opens belongs to
-        the share at once, so a failure is cleaned up by the caller's cleanup."""
+        CUDA the store's mapping is registered meanwhile (see ``flextensor.publish``). A checkpoint's block reads
+        are returned running (the caller adopts meanwhile, then waits for them). What it opens belongs to the
+        share at once, so a failure is cleaned up by the caller's cleanup."""
         owner = share.coordinator.memory_owner
         steps = share.steps
         views = []
@@ -362,11 +372,15 @@ class SharedOffloadSession:
                                         window=populate_window(store_bytes(state)))
             read_queued(source.weights)  # the resident tensors' checkpoint reads
         store_pin = None
+        reads = None
         if pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
             store_pin = BackgroundCall(share.store.pin, device=device_index(device))
         try:
             with timed_step(steps, "blocks"):
-                if layouts:
+                if layouts and source.weights is not None:
+                    reads = BlockReads(checked.tensors, layouts, views, share.segments[0], layout,
+                                       source.weights).start()
+                elif layouts:
                     share.publish.update(fill_blocks(checked.tensors, layouts, views, share.segments[0], layout,
                                                      source.weights, label=share.name))
         finally:
@@ -378,7 +392,7 @@ class SharedOffloadSession:
                     logger.warning("session %s: could not register the resident tensors' store with CUDA (%s); "
                                    "they are copied to the device from pageable memory (correct, slower)",
                                    share.namespace, error)
-        return model
+        return model, reads
 
     # ------------------------------------------------------------------------------------------ follower
     def _attach(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, deadline: _Deadline,

@@ -142,3 +142,171 @@ def test_a_slow_read_logs_bytes_rate_and_eta(tmp_path: Path, monkeypatch, caplog
         plan.run()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reading")]
     assert lines and all("MiB" in m and "GB/s" in m and "ETA" in m for m in lines)
+
+
+def _fresh(nbytes: int) -> torch.Tensor:
+    """Fresh anonymous memory (no page written yet), as a uint8 tensor that owns its mapping."""
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+def _eight_tensors(tmp_path: Path) -> tuple[SafetensorsCheckpoint, dict[str, torch.Tensor]]:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(8)}  # 1 MiB each
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    return SafetensorsCheckpoint(tmp_path / "m.safetensors"), tensors
+
+
+def _queue_into_one_block(plan: ReadPlan, checkpoint: SafetensorsCheckpoint) -> torch.Tensor:
+    block = _fresh(checkpoint.nbytes)
+    offset = 0
+    for key in sorted(checkpoint.entries):
+        entry = checkpoint.entries[key]
+        plan.add(entry, block[offset:offset + entry.nbytes].view(entry.dtype).view(entry.shape))
+        offset += entry.nbytes
+    return block
+
+
+def test_destination_pages_are_populated_ahead_of_the_reads_within_the_window(tmp_path: Path, monkeypatch) -> None:
+    """The populating thread gets page-aligned spans inside the destination, never more than the window ahead of
+    the readers, each page at most once; the bytes read are exact."""
+    checkpoint, tensors = _eight_tensors(tmp_path)
+    spans: list[tuple[int, int, int]] = []  # (address, nbytes, bytes the readers had claimed by then)
+    claimed = [0]
+    real = ckpt._read_range
+
+    def counting(fd, r):
+        claimed[0] += r.nbytes
+        real(fd, r)
+
+    def populate(address: int, nbytes: int) -> None:
+        spans.append((address, nbytes, claimed[0]))
+
+    plan = ReadPlan(threads=1, chunk_bytes=1 << 20, populate=populate, populate_ahead=2 << 20)
+    block = _queue_into_one_block(plan, checkpoint)
+    monkeypatch.setattr(ckpt, "_read_range", counting)
+    stats = plan.read()
+    assert stats.nbytes == checkpoint.nbytes and stats.populated_bytes == sum(n for _, n, _ in spans)
+    base = block.data_ptr()
+    assert all(a % 4096 == 0 and n % 4096 == 0 and base <= a and a + n <= base + block.numel() for a, n, _ in spans)
+    covered = [page for a, n, _ in spans for page in range(a, a + n, 4096)]
+    assert len(covered) == len(set(covered))  # no page twice
+    # A range is populated only while it starts at most 2 MiB past what the readers had claimed (ranges are 1 MiB;
+    # the count above lags a claim by at most the range being started).
+    assert all(a - base <= seen + (3 << 20) for a, _, seen in spans)
+    offset = 0
+    for key in sorted(tensors):
+        value = tensors[key]
+        assert torch.equal(block[offset:offset + value.numel() * 4].view(torch.float32), value), key
+        offset += value.numel() * 4
+
+
+def test_a_populate_error_stops_the_reads_and_is_raised(tmp_path: Path, monkeypatch) -> None:
+    """A caller's populate (a shared segment's: a full /dev/shm) fails: the readers stop after the ranges in flight
+    and its error, not a read's, reaches the caller once every thread stopped."""
+    import threading
+
+    checkpoint, _ = _eight_tensors(tmp_path)
+    calls = [0]
+    release = threading.Event()
+
+    def populate(address: int, nbytes: int) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            release.set()
+            raise OSError(28, "no room for the segment")
+
+    real = ckpt._read_range
+    read = [0]
+
+    def slow(fd, r):  # the readers stay behind the populating thread
+        release.wait(5)
+        read[0] += r.nbytes
+        real(fd, r)
+
+    plan = ReadPlan(threads=2, chunk_bytes=1 << 20, populate=populate)
+    _queue_into_one_block(plan, checkpoint)
+    monkeypatch.setattr(ckpt, "_read_range", slow)
+    with pytest.raises(OSError, match="no room for the segment"):
+        plan.read()
+    assert read[0] < checkpoint.nbytes
+    assert not [t for t in threading.enumerate() if t.name.startswith(("ft-ckpt-read", "ft-ckpt-populate"))]
+
+
+def test_memory_that_refuses_populating_is_still_read_exactly(tmp_path: Path) -> None:
+    """The default populate is only a speed-up: where the kernel or the memory refuses (False), the thread stops
+    and the readers fault the pages in themselves."""
+    checkpoint, tensors = _eight_tensors(tmp_path)
+    calls = [0]
+
+    def refuse(address: int, nbytes: int) -> bool:
+        calls[0] += 1
+        return False
+
+    plan = ReadPlan(threads=2, chunk_bytes=1 << 20, populate=refuse)
+    block = _queue_into_one_block(plan, checkpoint)
+    stats = plan.read()
+    assert calls[0] <= 1 and stats.populated_bytes == 0 and stats.nbytes == checkpoint.nbytes
+    assert torch.equal(block.view(torch.float32), torch.cat([tensors[k] for k in sorted(tensors)]))
+    # The default one, on this host's fresh memory: the same bytes.
+    plan = ReadPlan(threads=2, chunk_bytes=1 << 20)
+    block = _queue_into_one_block(plan, checkpoint)
+    plan.read()
+    assert torch.equal(block.view(torch.float32), torch.cat([tensors[k] for k in sorted(tensors)]))
+
+
+def test_detached_reads_run_apart_and_the_plan_is_left_empty(tmp_path: Path) -> None:
+    checkpoint, tensors = _eight_tensors(tmp_path)
+    plan = ReadPlan(threads=2, chunk_bytes=1 << 20)
+    block = _queue_into_one_block(plan, checkpoint)
+    detached = plan.detach()
+    assert plan.read().nbytes == 0 and plan.nbytes == 0
+    assert detached.read().nbytes == checkpoint.nbytes
+    assert torch.equal(block.view(torch.float32), torch.cat([tensors[k] for k in sorted(tensors)]))
+
+
+def test_pages_are_populated_when_memory_order_differs_from_file_order(tmp_path: Path, monkeypatch) -> None:
+    """The block holds the tensors in the reverse of their file order (the reads go in file order): the populating
+    thread still covers the pages of every range the reader had not reached."""
+    import threading
+
+    checkpoint, tensors = _eight_tensors(tmp_path)
+    keys = sorted(checkpoint.entries, key=lambda k: checkpoint.entries[k].start, reverse=True)
+    block = _fresh(checkpoint.nbytes)
+    spans: list[tuple[int, int]] = []
+    populated = threading.Event()
+
+    def populate(address: int, nbytes: int) -> None:
+        spans.append((address, nbytes))
+        if len(spans) == len(keys) - 1:
+            populated.set()
+
+    real = ckpt._read_range
+
+    def first_waits(fd, r):  # the reader holds the first range until the thread populated the rest
+        populated.wait(5)
+        real(fd, r)
+
+    monkeypatch.setattr(ckpt, "_read_range", first_waits)
+    plan = ReadPlan(threads=1, chunk_bytes=1 << 20, populate=populate)
+    places = {}
+    offset = 0
+    for key in keys:
+        entry = checkpoint.entries[key]
+        places[key] = (block.data_ptr() + offset, entry.nbytes)
+        plan.add(entry, block[offset:offset + entry.nbytes].view(entry.dtype).view(entry.shape))
+        offset += entry.nbytes
+    plan.read()
+    covered = {page for a, n in spans for page in range(a, a + n, 4096)}
+    first = min(keys, key=lambda k: checkpoint.entries[k].start)
+    for key, (address, nbytes) in places.items():
+        if key != first:
+            assert set(range(address, address + nbytes, 4096)) <= covered, key
+    offset = 0
+    for key in keys:
+        n = tensors[key].numel() * 4
+        assert torch.equal(block[offset:offset + n].view(torch.float32), tensors[key]), key
+        offset += n

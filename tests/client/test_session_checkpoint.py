@@ -93,3 +93,95 @@ def test_a_follower_of_a_checkpoint_creator_gets_equal_outputs(namespace: str, p
         assert matches(output_of(result), expected_output())
     assert shm_names(manager_namespace(namespace, "model")) == []
 
+
+
+def _slow_reads(monkeypatch) -> list[int]:
+    """Every checkpoint read takes 20 ms (a slow disk): the populating thread and the adoption run ahead of it.
+    Returns the sizes of the ranges read, as they are read."""
+    from flextensor import checkpoint as ckpt
+
+    real = ckpt._read_range
+    reads: list[int] = []
+
+    def slow(fd, r):
+        import time
+
+        time.sleep(0.02)
+        reads.append(r.nbytes)
+        real(fd, r)
+
+    monkeypatch.setattr(ckpt, "_read_range", slow)
+    return reads
+
+
+def _no_reading_thread() -> bool:
+    import threading
+
+    return not [t for t in threading.enumerate() if t.name.startswith(("ft-publish-read", "ft-ckpt-"))]
+
+
+def test_an_arena_full_mid_read_fails_the_creator_by_name_and_leaves_nothing(namespace: str, profile: str,
+                                                                             tmp_path: Path, monkeypatch) -> None:
+    """The reader allocates the arena's pages ahead of its reads (the segment's reserve_range): when /dev/shm runs
+    out part way, the creator raises the segment's ShmSpaceError, every thread stops, nothing is left."""
+    from flextensor.shm.errors import ShmSpaceError
+    from flextensor.shm.segment import SharedSegment
+
+    path = save_checkpoint(tiny_transformer(seed=0), tmp_path / "ckpt", shards=2)
+    real = SharedSegment.reserve_range
+    calls = []
+
+    def reserve_range(segment, offset: int, nbytes: int) -> None:
+        import threading
+
+        if threading.current_thread().name == "ft-ckpt-populate":
+            calls.append(offset)
+            if len(calls) == 2:
+                raise ShmSpaceError(f"no space in /dev/shm for shared-memory segment {segment.name!r}",
+                                    segment=segment.name, wanted=nbytes, free=0)
+        real(segment, offset, nbytes)
+
+    monkeypatch.setattr(SharedSegment, "reserve_range", reserve_range)
+    _slow_reads(monkeypatch)
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    try:
+        with pytest.raises(ShmSpaceError, match="no space in /dev/shm"):
+            session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                         follower_model_factory=_follower, checkpoint=str(path))
+    finally:
+        session.close()
+    assert len(calls) == 2 and _no_reading_thread()
+    assert shm_names(manager_namespace(namespace, "model")) == []
+    assert ft.get_offload_manager("model").model is None
+
+
+def test_an_adoption_failure_while_the_blocks_are_read_stops_the_reads_and_leaves_nothing(
+        namespace: str, profile: str, tmp_path: Path, monkeypatch) -> None:
+    """The engine adopts the plan while the blocks are read on their thread: when the adoption fails, the reads are
+    cancelled and joined before the arena is cleaned up, and the creator raises the adoption's error."""
+    from flextensor.manager import OffloadManager
+
+    path = save_checkpoint(tiny_transformer(seed=0), tmp_path / "ckpt")
+    reads = _slow_reads(monkeypatch)
+    ranges = []
+
+    def refuse(self, model, *args, **kwargs):  # the reads are still running when the adoption fails
+        import time
+
+        ranges.append(len(reads))
+        time.sleep(0.1)
+        ranges.append(len(reads))
+        raise RuntimeError("the adoption was refused")
+
+    monkeypatch.setattr(OffloadManager, "offload_from_state", refuse)
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    try:
+        with pytest.raises(RuntimeError, match="the adoption was refused"):
+            session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                         follower_model_factory=_follower, checkpoint=str(path))
+    finally:
+        session.close()
+    assert _no_reading_thread()
+    total = len(checkpoint_tensors(tiny_transformer(seed=0)))
+    assert ranges[0] < ranges[1] and len(reads) < total  # reads went on beside the adoption, the rest was cancelled
+    assert shm_names(manager_namespace(namespace, "model")) == []
