@@ -104,6 +104,32 @@ def test_prefetch_goes_as_far_as_the_arena_holds():
     assert mixed.copies_issued == 4  # 4 + 1 + 1 + 1 rows fit behind the running block
 
 
+# The CUDA overlap test's blocks in units of 16 MiB (65536 rows): wherever the two-block arena's ring places them,
+# each one fits beside the one before it, so every copy can be issued while the trap before it runs.
+OVERLAP_UNITS = (4, 1, 3, 1, 1, 2)
+
+
+def _copies_ahead(rows, passes: int = 4) -> list[int]:
+    """Per trap call: how many copies past its own had been issued once it entered (two-block arena)."""
+    loader, _params, _values = _loader(rows=rows, num_blocks=2)
+    ahead, entry = [], 0
+    for _pass in range(passes):
+        for b in range(len(rows)):
+            loader.enter(b)
+            ahead.append(loader.copies_issued - entry - 1)
+            loader.exit(b)
+            entry += 1
+    return ahead
+
+
+def test_where_the_ring_wraps_decides_if_the_next_block_fits_beside_the_running_one():
+    """Two blocks' arena: the next copy is issued at a trap's entry only when its range misses the running
+    trap's. With 4, 1, 3, 2, 4, 1 units (arena of 6) the 2-unit block lands at 3..5 after the 3-unit one took
+    0..3, and the 4-unit block after it fits nowhere beside it: every pass, that one copy waits for its trap."""
+    assert min(_copies_ahead(OVERLAP_UNITS)) >= 1  # some calls even have two or three small copies ahead
+    assert _copies_ahead((4, 1, 3, 2, 4, 1)) == [1, 1, 1, 0, 1, 1] * 4
+
+
 def test_resync_skips_reorders_and_repeats():
     loader, params, values = _loader(num_blocks=3)
     for b in [0, 1, 2, 2, 0, 4, 1, 1, 3, 0, 2, 4, 4]:
@@ -310,19 +336,22 @@ def test_a_replan_streams_its_new_set_through_an_arena_sized_to_it():
 @pytest.mark.cuda
 def test_cuda_arena_overlaps_without_syncs_and_stays_exact():
     """Unequal blocks through the arena on the side stream: exact after many passes (a copy overwriting a
-    range still read would show here), and the steady pass waits little for copies."""
-    rows = (262144, 65536, 196608, 131072, 262144, 65536)  # rows of 64 float32: 16 .. 64 MiB, copies of 0.3-1.3 ms
+    range still read would show here), and the steady pass waits little for copies. The blocks are ones whose
+    every copy fits beside the running trap (``OVERLAP_UNITS``); where the ring leaves no room for one, its
+    trap waits for all of its copy by design, and the planner's ``ArenaTrace`` counts that wait."""
+    rows = tuple(65536 * u for u in OVERLAP_UNITS)  # rows of 64 float32: 16 .. 64 MiB, copies of 0.3-1.3 ms
     params, layouts, hosts, values = _blocks(rows, pinned=True, device="cuda")
     timing = TimingCollector(use_cuda=True)
     loader = ArenaLoader(device=torch.device("cuda", 0), layouts=layouts, host_blocks=hosts, params=params,
                          schedule=list(range(len(rows))), num_blocks=2, timing=timing)
-    x = torch.randn(256, 64, device="cuda")  # ~10 ms of compute per trap: each next copy can hide
-    checks = []
+    x = torch.randn(256, 64, device="cuda")  # 2.5-10 ms of compute per trap: each next copy can hide
+    checks, ahead = [], []
     for pass_index in range(6):
         timing.begin_pass()
         for i in range(len(rows)):
             timing.begin_trap(f"t{i}")
             loader.enter(i)
+            ahead.append(loader.copies_issued - len(ahead) - 1)
             timing.start_compute()
             y = x
             for _ in range(30):  # compute that hides the next copy
@@ -332,11 +361,17 @@ def test_cuda_arena_overlaps_without_syncs_and_stays_exact():
             loader.exit(i)
         timing.end_pass()
     torch.cuda.synchronize()
-    assert len(checks) == 6 * len(rows) and bool(torch.stack(checks).all())
+    assert len(checks) == 6 * len(rows) and bool(torch.stack(checks).all()), \
+        [i for i, ok in enumerate(checks) if not bool(ok)]
+    assert min(ahead) >= 1, f"copies issued past its own at each trap entry: {ahead}"
     report = timing.collect()
     steady = report.passes[4]
-    assert steady.total_transfer_ms > 0
-    assert steady.total_wait_ms < 0.25 * steady.total_transfer_ms, ft.format_offload_timing_table(steady)
+    table = ft.format_offload_timing_table(steady)
+    assert steady.total_transfer_ms > 0, table
+    assert steady.total_wait_ms < 0.25 * steady.total_transfer_ms, (
+        f"steady pass waited {steady.total_wait_ms:.3f} ms for {steady.total_transfer_ms:.3f} ms of copies "
+        f"(arena {loader.arena_bytes >> 20} MiB; per pass, wait/transfer: "
+        f"{[(round(p.total_wait_ms, 3), round(p.total_transfer_ms, 3)) for p in report.passes]})\n{table}")
     loader.close()
 
 
