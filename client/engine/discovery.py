@@ -12,6 +12,10 @@ as the user of every parameter passed to a torch function while it runs. After t
 several traps or outside traps become resident (a kept warm-up copy becomes their device data) and leave the
 pinned staging. With a *resident* warm-up the first pass starts by copying every pending candidate to the
 device, before the recorder or any trap (:func:`flextensor.engine.warmup.preload`).
+
+A DISCOVERY pass is an eager region (Note [no compiled code under the usage recorder] in
+``flextensor.runtime.compile_guard``): a ``torch.compile``'d model and ``compile_fn``'s units run their own
+forwards uncompiled while the recorder sees every call, and compile from the first PROFILING pass on.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from flextensor.engine.hooks import Trap
 from flextensor.engine.phase import Phase, PhaseHandler
 from flextensor.engine.profiling import ProfilingHandler
 from flextensor.engine.warmup import choose_warmup, overlap_stream, preload, stage
+from flextensor.runtime.compile_guard import begin_eager_region, end_eager_region
 from flextensor.runtime.usage_recorder import OUTSIDE, UsageRecorder
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,11 +88,13 @@ class DiscoveryHandler(PhaseHandler):
         if recorder is not None:
             recorder.current = OUTSIDE
             recorder.__enter__()
+            begin_eager_region()  # nothing compiled runs under the recorder (see the module docstring)
 
     def end_pass(self, ok: bool) -> PhaseHandler:
         ctx = self.ctx
         profile = ctx.profile
         if profile.recorder is not None:
+            end_eager_region()
             profile.recorder.__exit__(None, None, None)
             profile.recorder.clear_copies()
         if not ok:

@@ -9,7 +9,8 @@ same way with ``begin``/``end`` callbacks, so the engine sees where a pass start
 
 torch.compile never compiles the patched forwards' own frames (``skip_frames``): the engine's steps run as plain
 Python, outside any graph, and the model's (or the trap's) own forward is compiled as a frame of its own (Note
-[engine steps outside compiled graphs] in ``flextensor.runtime.compile_guard``).
+[engine steps outside compiled graphs] in ``flextensor.runtime.compile_guard``). In an eager region (a DISCOVERY
+pass) they run the model's own forwards uncompiled instead (Note [no compiled code under the usage recorder]).
 
 Installing and uninstalling are a symmetric pair on each object: whatever forward the instance had before
 (none, or one set by someone else) is what ``uninstall`` puts back. The callbacks belong to the manager, which
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from flextensor.runtime.compile_guard import call_eagerly, dynamo_active, skip_frames
+from flextensor.runtime.compile_guard import call_eagerly, dynamo_active, in_eager_region, skip_frames
 
 __all__ = ["Trap", "RootForward", "ForwardShim", "assign_data", "bypass_resident_traps"]
 
@@ -108,16 +109,22 @@ class Trap:
             target = compile_fn(ForwardShim(original))
         trap = self
 
+        compiled = target is not original
+
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if dynamo_active():  # inside torch.compile'd code: the engine's steps must not be compiled
                 call_eagerly(enter, trap)
                 try:
+                    if in_eager_region():  # Note [no compiled code under the usage recorder]
+                        return call_eagerly(original, *args, **kwargs)
                     return target(*args, **kwargs)
                 finally:
                     call_eagerly(leave, trap)
             enter(trap)
             try:
+                if compiled and in_eager_region():  # Note [no compiled code under the usage recorder]
+                    return original(*args, **kwargs)
                 return target(*args, **kwargs)
             finally:
                 leave(trap)
@@ -217,7 +224,10 @@ class RootForward:
                 raise
             ok = False
             try:
-                out = original(*args, **kwargs)
+                if eager and in_eager_region():  # Note [no compiled code under the usage recorder]
+                    out = call_eagerly(original, *args, **kwargs)
+                else:
+                    out = original(*args, **kwargs)
                 ok = True
                 return out
             finally:

@@ -28,6 +28,21 @@ compiled as a frame of its own, one graph per unit, which identical layers share
 into the engine while a compiled region is running (:func:`dynamo_active`) calls it through
 :func:`call_eagerly`, so dynamo does not try to compile the engine's frames either; outside compiled code the
 engine is called directly (a ``torch.compiler.disable`` wrapper costs microseconds per call).
+
+Note [no compiled code under the usage recorder]
+------------------------------------------------
+A DISCOVERY pass runs with the usage recorder, a ``TorchFunctionMode`` whose state changes with every
+parameter it sees (``flextensor.runtime.usage_recorder``). Dynamo traces a frame run under a mode into the mode,
+and guards on the mode's state; some torch releases (2.11 among them) also build those guards with the mode
+active, so the recorder updates its usage map while dynamo reads it and the frame fails its own guard check
+("Guard failed on the same frame it was created ... ``___get_torch_function_mode_stack_at(0).usage``"). A graph traced
+there would not be reused anyway: it guards on the recorder and on the trap it was recording for. So an
+*eager region* (:func:`begin_eager_region`, held by the DISCOVERY handler from the start of its pass to its
+end, per thread) has the patched forwards run the model's own code, never compiled code: a ``torch.compile``'d
+model's forward runs through :func:`call_eagerly`, and a trap compiled by ``compile_fn`` calls its original
+forward. Compilation starts at the first PROFILING pass. What a model compiled itself inside a trap, or a
+model outside any trap, is not covered: nothing compiled by the user may run during DISCOVERY on such torch
+releases.
 """
 
 from __future__ import annotations
@@ -40,7 +55,8 @@ import weakref
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-__all__ = ["disable_compile", "skip_frames", "dynamo_active", "call_eagerly"]
+__all__ = ["disable_compile", "skip_frames", "dynamo_active", "call_eagerly", "begin_eager_region",
+           "end_eager_region", "in_eager_region"]
 
 _DYNAMO = "torch._dynamo"
 _lock = threading.RLock()
@@ -48,6 +64,8 @@ _pending: list[tuple[Any, str]] = []  # (owner, attribute name) still to wrap
 _pending_skips: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # functions whose frames dynamo must skip
 _callback: Callable[[], Any] | None = None  # torch._C._dynamo.eval_frame.get_eval_frame_callback, once imported
 _disabled_call: Callable[..., Any] | None = None  # torch.compiler.disable(_call), once imported
+# .depth: the eager regions open on this thread (Note [no compiled code under the usage recorder])
+_eager = threading.local()
 
 
 def disable_compile(owner: Any, names: Sequence[str]) -> None:
@@ -78,17 +96,37 @@ def dynamo_active() -> bool:
     return current is not None and current is not False
 
 
-def call_eagerly(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with dynamo off for everything it calls (``torch.compiler.disable``); call it only when
-    :func:`dynamo_active`, since the wrapper costs microseconds."""
+def call_eagerly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with dynamo off for everything it calls (``torch.compiler.disable``; a function
+    compiled on its own still compiles); call it only when :func:`dynamo_active`, since the wrapper costs
+    microseconds."""
     disabled = _disabled_call
     if disabled is None:
-        return fn(*args)
-    return disabled(fn, *args)
+        return fn(*args, **kwargs)
+    return disabled(fn, *args, **kwargs)
 
 
-def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
+def begin_eager_region() -> None:
+    """From now until the matching :func:`end_eager_region`, this thread's patched forwards run no compiled code
+    (Note [no compiled code under the usage recorder]). Regions nest."""
+    _eager.depth = getattr(_eager, "depth", 0) + 1
+
+
+def end_eager_region() -> None:
+    """Close the innermost :func:`begin_eager_region` of this thread."""
+    depth = getattr(_eager, "depth", 0)
+    if depth <= 0:
+        raise RuntimeError("end_eager_region() without a matching begin_eager_region() on this thread")
+    _eager.depth = depth - 1
+
+
+def in_eager_region() -> bool:
+    """Whether an eager region is open on this thread."""
+    return getattr(_eager, "depth", 0) > 0
+
+
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 def _schedule() -> None:

@@ -112,6 +112,21 @@ def frames_compiled() -> int:
     return dynamo.utils.counters["frames"]["total"]
 
 
+def graphs_compiled() -> int:
+    import torch._dynamo as dynamo
+
+    return dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def phase(manager) -> str:
+    return manager.phase.value if manager.phase is not None else "released"
+
+
+def params_on(model: nn.Module) -> dict[str, str]:
+    """Where each parameter lives (assertion messages)."""
+    return {name: str(p.device) for name, p in model.named_parameters()}
+
+
 def assert_only_trap_boundaries(breaks: list[str]) -> None:
     """A streamed trap is where a graph ends (its loader steps run between graphs); nothing else may break one:
     not the per-pass thread check, not the engine's bookkeeping, not the install of host blocks."""
@@ -135,21 +150,25 @@ def test_compiling_a_streamed_model_before_its_warmup_equals_eager(stream_on_cpu
     compiled = torch.compile(model)
     x = X.to(DEVICE)
     with torch.no_grad():
-        for _ in range(manager.iters_before_inference + 1):
-            assert close(compiled(x), ref)
+        assert close(compiled(x), ref)
+        assert graphs_compiled() == 0, f"DISCOVERY compiled code; breaks: {graph_breaks()}"  # an eager region
+        for i in range(manager.iters_before_inference):
+            assert close(compiled(x), ref), f"pass {i + 2}, phase {phase(manager)}"
         assert manager.engine.inference.deferred is not None
         manager.engine.inference.deferred.wait()  # built: the next compiled pass installs it
-        for _ in range(2):
-            assert close(compiled(x), ref)
+        for i in range(2):
+            assert close(compiled(x), ref), f"pass {i + 1} after the host blocks were built"
         assert manager.engine.inference.deferred is None and manager.loader is not None
         copies = manager.loader.copies_issued
         frames = frames_compiled()
         for _ in range(3):
             assert close(compiled(x), ref)
     assert manager.loader.copies_issued == copies + 3 * 3  # every pass streamed its three layers
-    assert frames_compiled() == frames  # nothing compiled per forward
+    assert frames_compiled() == frames, f"compiled per forward; breaks: {graph_breaks()}"
     assert_only_trap_boundaries(graph_breaks())
     ft.release()
+    assert set(params_on(model).values()) == {"cpu"}, params_on(model)  # back where they came from
+    model.to(DEVICE)
     with torch.no_grad():
         assert close(model(x), ref)  # released: the model's own forward, its weights back
 
@@ -202,8 +221,11 @@ def test_compile_fn_compiles_every_offloaded_unit(stream_on_cpu: None) -> None:
     manager = ft.get_offload_manager()
     x = X.to(DEVICE)
     with torch.no_grad():
-        for _ in range(manager.iters_before_inference):
-            assert close(model(x), ref)
+        assert close(model(x), ref)
+        assert graphs_compiled() == 0, "DISCOVERY compiled a unit"  # the units' own forwards ran, uncompiled
+        for i in range(manager.iters_before_inference - 1):
+            assert close(model(x), ref), f"pass {i + 2}, phase {phase(manager)}"
+        assert graphs_compiled() > 0  # PROFILING ran the compiled units
         manager.wait_for_host_blocks()
         outs = [model(x) for _ in range(3)]
     assert all(close(out, ref) for out in outs)
@@ -222,16 +244,19 @@ def test_compiling_the_model_again_after_release_and_offload(stream_on_cpu: None
     ref = eager_reference()
     model = net()
     x = X.to(DEVICE)
-    for _ in range(2):
+    for round_ in range(2):
         ft.offload(model, net_config())
         manager = ft.get_offload_manager()
         with torch.no_grad():
             for _ in range(manager.iters_before_inference):
                 model(x)
             compiled = torch.compile(model, backend="aot_eager")
-            assert all(close(compiled(x), ref) for _ in range(2))
+            outs = [compiled(x) for _ in range(2)]
+        assert all(close(out, ref) for out in outs), f"offload {round_ + 1}"
         ft.release()
+        assert set(params_on(model).values()) == {"cpu"}, (round_, params_on(model))  # where they came from
         dynamo.reset()
+    model.to(DEVICE)  # released weights are back on the CPU, where the model was built
     plain = torch.compile(model, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
         assert close(plain(x), ref)
