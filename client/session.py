@@ -326,6 +326,7 @@ class SharedOffloadSession:
                         f"internal error in session {self.namespace!r}: the adopted plan keeps other tensors "
                         "resident than the profile says; please report it (re-profiling may avoid it)")
                 owner.write_blob(PLAN_KIND, published.to_json())
+            assert share.store is not None  # _fill_shared published it
             share.shared_bytes = layout.total + share.store.nbytes
             elapsed = max(time.monotonic() - begin, 1e-9)
             share.publish.update(seconds=elapsed, gbps=share.shared_bytes / elapsed / 1e9)
@@ -415,6 +416,7 @@ class SharedOffloadSession:
             )
         with timed_step(steps, "validate"):
             check_offloaded_metadata(model, state)
+        assert share.store is not None  # taken from the attach thread, which opened it
         with timed_step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
             share.store.materialize(model, device, copies=prefetch.device_copies)
         sizes = layout.sizes
