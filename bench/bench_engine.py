@@ -232,7 +232,6 @@ def offload_run(
         out[f"{label}_s"], out[f"{label}_twin_s"] = median(mine), median(theirs)
     if collect_timing:
         out["timing"] = timing_summary(ft.collect_offload_timing(name))
-    del proxy
     ft.release(name)
     gc.collect()
     return out

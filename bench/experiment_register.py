@@ -7,7 +7,7 @@
 once. Last, 1 GiB from PyTorch's pinned allocator against an anonymous fill + cudaHostRegister.
 
 """
-import ctypes, mmap, os, sys, time, json
+import ctypes, mmap, sys, time, json
 from concurrent.futures import ThreadPoolExecutor
 import posix_ipc, torch
 NB, BS = 24, 64 << 20
@@ -34,7 +34,7 @@ def follower(variant, threads, flags, tag=""):
     t1 = time.perf_counter()
     if variant == "popread":
         def pr(a): return libc.madvise(a, BS, 22)
-        with ThreadPoolExecutor(threads) as p: rc = list(p.map(pr, addrs))
+        with ThreadPoolExecutor(threads) as p: list(p.map(pr, addrs))
     t2 = time.perf_counter()
     def reg(a): return int(cudart.cudaHostRegister(a, BS, flags))
     if threads == 1 or variant == "popread":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from flextensor.shm._version import __version__  # noqa: F401 - re-exported
+from flextensor.shm._version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover - what a type checker sees for ``ft.X`` (resolved lazily at run time)
     from flextensor.api import (
@@ -130,7 +130,18 @@ _LAZY: dict[str, str] = {
     "ShmCreatorDiedError": "flextensor.shm.errors",
 }
 
-__all__ = sorted([*_LAZY, "__version__"])
+__all__ = [  # every name of _LAZY, and the version (tests/client/test_api_surface.py checks they agree)
+    "AdaptiveStrategy", "BudgetFillStrategy", "DEFAULT_MANAGER_NAME", "GPUMemoryUsage", "GreedyStrategy",
+    "KnapsackStrategy", "NthLayerStrategy", "OffloadConfig", "OffloadManager", "OffloadTimingReport",
+    "OffloadTimingSnapshot", "Phase", "SharedOffloadSession", "ShmCreatorDiedError", "ShmCreatorFailedError",
+    "StrategyReplanStatus", "TrapTimingRecord", "TrapTimingStats", "__version__", "clear_profiling_durations",
+    "collect_offload_timing", "format_offload_timing_table", "get_gpu_memory_usage", "get_offload_manager", "init",
+    "init_empty_weights", "load_config", "load_config_from_env", "load_config_from_file", "load_model_from_profile",
+    "load_profile", "offload", "offload_block", "offload_from_profile", "offload_from_state", "offload_units",
+    "pause_profiling", "release", "request_strategy_replan", "reset_offload_timing", "resident_units",
+    "resume_profiling", "save_profile", "set_config", "strategy_replan_status", "suspend_profiling",
+    "update_offload_timing", "update_state",
+]
 
 
 def __getattr__(name: str) -> Any:

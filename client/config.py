@@ -137,7 +137,7 @@ def _check_transfer_budget_scale(name: str, value: Any) -> float:
     return number
 
 
-def _choices(values: tuple[str, ...]) -> str:
+def _choices(values: Sequence[str]) -> str:
     return ", ".join(repr(v) for v in values)
 
 

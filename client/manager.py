@@ -42,7 +42,7 @@ from flextensor.engine.profiling import clear_durations, resolve_windows
 from flextensor.engine import replan
 from flextensor.engine.replan import StrategyReplanStatus
 from flextensor.engine.teardown import teardown
-from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage
+from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage, offloaded_tensors
 from flextensor.patterns import PatternSet
 from flextensor.profiles import read_profile, write_instrumentation, write_profile
 from flextensor.runtime.graph_timing import is_capturing
@@ -156,6 +156,18 @@ class OffloadManager:
         self._budget_override = nbytes
         if self._ctx is not None:
             self._ctx.budget_bytes = nbytes
+
+    def _inference_context(self) -> EngineContext | None:
+        """The engine's context while the phase is INFERENCE, else ``None``."""
+        return self._ctx if self.phase is Phase.INFERENCE else None
+
+    def _require_inference(self, what: str) -> EngineContext:
+        ctx = self._inference_context()
+        if ctx is None:
+            phase = self.phase.value if self.phase is not None else "none (no model offloaded)"
+            raise RuntimeError(f"{what}: manager {self.name!r} is in phase {phase}; {what} needs INFERENCE, which "
+                               f"starts {self.iters_before_inference} forward passes after offload()")
+        return ctx
 
     def _config(self) -> OffloadConfig:
         if self.config is None:
@@ -377,10 +389,7 @@ class OffloadManager:
         """A snapshot of the live INFERENCE allocation (placements, block sizes and names, timings, plan)."""
         self._check_thread()
         self.wait_for_host_blocks()
-        if self.phase is not Phase.INFERENCE or self._ctx is None:
-            raise RuntimeError(f"export_state: manager {self.name!r} is not in INFERENCE (phase {self.phase}); run "
-                               f"{self.iters_before_inference} forward passes first")
-        return adoption.export_state(self._ctx)
+        return adoption.export_state(self._require_inference("export_state"))
 
     def offload_from_state(
         self,
@@ -474,24 +483,13 @@ class OffloadManager:
         self.wait_for_host_blocks()
         if not self.enabled:
             return GPUMemoryUsage(0, 0, 0)
-        ctx = self._ctx
-        if self.phase is not Phase.INFERENCE or ctx is None:
-            raise RuntimeError(
-                f"get_gpu_memory_usage: manager {self.name!r} is in phase "
-                f"{self.phase.value if self.phase else 'none'}; it reports after INFERENCE starts "
-                f"({self.iters_before_inference} forward passes after offload())"
-            )
-        return engine_memory_usage(ctx)
+        return engine_memory_usage(self._require_inference("get_gpu_memory_usage"))
 
     @property
     def offloaded_tensors(self) -> dict[str, list[str]]:
         """Trap label -> names of the tensors it streams (INFERENCE)."""
         self.wait_for_host_blocks()
-        if self._ctx is None:
-            return {}
-        inference = self._ctx.inference
-        return {layout.label: [p.name for p in layout.tensors] for layout in inference.layouts
-                if layout.label not in inference.resident_blocks}
+        return offloaded_tensors(self._ctx) if self._ctx is not None else {}
 
     @property
     def trap_labels(self) -> list[str]:
@@ -532,44 +530,27 @@ class OffloadManager:
     def allow_strategy_replan(self, value: bool) -> None:
         self._allow_replan = bool(value)
         if self._ctx is not None:
-            self._ctx.allow_replan = self._allow_replan
-            replan.attach_probe(self._ctx)
+            replan.allow(self._ctx, self._allow_replan)
 
     def request_strategy_replan(self, *, manual_update_state: bool = False) -> int:
         """Measure the next passes and plan again; the forwards (``update_state()`` steps with
         ``manual_update_state``) to drive, or 0 when nothing was armed (logged why)."""
         self._check_thread()
         self.wait_for_host_blocks()
-        ctx = self._ctx
-        reason = "not in INFERENCE" if ctx is None or self.phase is not Phase.INFERENCE else replan.unavailable_reason(ctx)
-        if reason is not None:
-            logger.warning("request_strategy_replan(%r): not armed: %s", self.name, reason)
-            return 0
-        return replan.request(ctx, manual=manual_update_state)
+        return replan.request_if_available(self.name, self._inference_context(), manual=manual_update_state)
 
     @property
     def strategy_replan_status(self) -> StrategyReplanStatus:
         """A snapshot of the replan state; reading it arms or advances nothing."""
-        ctx = self._ctx
-        if ctx is None or self.phase is not Phase.INFERENCE:
-            return StrategyReplanStatus("idle", can_request=False, applied=None)
-        r = ctx.inference.replan
-        return StrategyReplanStatus(r.state, replan.unavailable_reason(ctx) is None, r.applied)  # type: ignore[arg-type]
+        return replan.status(self._inference_context())
 
     def update_state(self, *, replay_generation: int = -1) -> None:
         """One step of a replan armed with ``manual_update_state=True`` (after a ``graph.replay()``, which runs
         no hooks); a ``replay_generation`` already counted is ignored. Phases advance in the root forward."""
         self._check_thread()
-        ctx = self._ctx
-        if ctx is None or self.phase is not Phase.INFERENCE:
-            return
-        state = ctx.inference.replan
-        if 0 <= replay_generation == state.generation:
-            return
-        state.generation = replay_generation if replay_generation >= 0 else state.generation
-        if state.state == "in_progress" and state.manual:
-            self.update_offload_timing(replay_generation=replay_generation)
-        replan.step(ctx)
+        ctx = self._inference_context()
+        if ctx is not None:
+            replan.step(ctx, replay_generation)
 
     # ------------------------------------------------------------------------------------------------ profiles
     def save_profile(self, profile_directory: str | os.PathLike[str] | None = None) -> Path:

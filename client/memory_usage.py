@@ -1,4 +1,4 @@
-"""``GPUMemoryUsage``: the device memory an offloaded model holds, as ``get_gpu_memory_usage`` reports it."""
+"""What an offloaded model holds on its device (``get_gpu_memory_usage``) and what it streams to it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from flextensor.state import tensor_nbytes
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
 
-__all__ = ["GPUMemoryUsage", "engine_memory_usage"]
+__all__ = ["GPUMemoryUsage", "engine_memory_usage", "offloaded_tensors"]
 
 MB = 1024 * 1024
 
@@ -54,8 +54,15 @@ def engine_memory_usage(ctx: EngineContext) -> GPUMemoryUsage:
     device that is neither streamed nor read in place from a host block (a block a replan made resident is)."""
     loader = ctx.inference.loader
     blocks = loader.device_bytes if loader is not None else 0
-    off_device = {p.name for layout in ctx.inference.layouts if layout.label not in ctx.inference.resident_blocks
-                  for p in layout.tensors}
+    off_device = {name for names in offloaded_tensors(ctx).values() for name in names}
     resident = sum(tensor_nbytes(e.tensor) for n, e in ctx.tensors.items()
                    if n not in off_device and e.tensor.device == ctx.device)
     return GPUMemoryUsage(blocks, resident, blocks + resident)
+
+
+def offloaded_tensors(ctx: EngineContext) -> dict[str, list[str]]:
+    """Trap label -> names of the tensors an engine in INFERENCE streams from that trap's host block (a block a
+    replan made resident streams nothing)."""
+    inference = ctx.inference
+    return {layout.label: [p.name for p in layout.tensors] for layout in inference.layouts
+            if layout.label not in inference.resident_blocks}

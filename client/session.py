@@ -335,6 +335,7 @@ class SharedOffloadSession:
                 source.close()
             if share.pinner is not None:
                 share.pinner.start()  # after the adoption's device allocations and the reads (see _adopt_published)
+            assert share.store is not None  # _fill_shared published it
             share.shared_bytes = layout.total + share.store.nbytes
             elapsed = max(time.monotonic() - begin, 1e-9)
             share.publish.update(seconds=elapsed, gbps=share.shared_bytes / elapsed / 1e9)
@@ -429,6 +430,7 @@ class SharedOffloadSession:
             )
         with timed_step(steps, "validate"):
             check_offloaded_metadata(model, state)
+        assert share.store is not None  # taken from the attach thread, which opened it
         with timed_step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
             share.store.materialize(model, device, copies=prefetch.device_copies)
         sizes = layout.sizes

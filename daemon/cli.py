@@ -330,7 +330,7 @@ def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str, *, forc
     except PermissionError as exc:
         raise CommandError(str(exc), "forbidden") from None
     deadline = time.monotonic() + timeout
-    reports = []
+    reports: list[dict[str, Any]] = []
     for ns in namespaces:
         try:
             report = cleanup_manager_namespace(ns, timeout=max(0.0, deadline - time.monotonic()), lock_dir=checked,

@@ -242,7 +242,8 @@ class RequestHandler:
         namespaces = [self._valid_ns(ns) for ns in request.namespaces]
         for ns, manager in zip(namespaces, request.managers):
             self._labels(ns, request.base, manager)
-        if not namespaces and request.base is None:
+        whole_base = request.base if not namespaces else None  # no namespaces: every one labelled with the base
+        if not namespaces and whole_base is None:
             raise _Refused("bad_request", "drain needs namespaces or a base namespace")
         fallback = peer.uid
         if request.lock_dir:
@@ -251,19 +252,19 @@ class RequestHandler:
             except OSError:
                 pass
         targets = list(namespaces)
-        if not namespaces:  # a whole base: every namespace labelled with it
-            targets = [v.namespace for v in reg.views.values() if v.base == request.base]
-            previous = reg.draining_bases.get(request.base)
+        if whole_base is not None:
+            targets = [v.namespace for v in reg.views.values() if v.base == whole_base]
+            previous = reg.draining_bases.get(whole_base)
             if previous is not None and peer.uid not in (0, previous):
-                raise _Refused("forbidden", f"drain refused: base {request.base!r} was drained by uid {previous}")
+                raise _Refused("forbidden", f"drain refused: base {whole_base!r} was drained by uid {previous}")
         for ns in targets:
             self._authorize(ns, peer, "drain", fallback_owner=reg.draining.get(ns, fallback))
         released = []
         if request.undo:
             for ns in targets:
                 reg.draining.pop(ns, None)
-            if not namespaces:
-                reg.draining_bases.pop(request.base, None)
+            if whole_base is not None:
+                reg.draining_bases.pop(whole_base, None)
             what = ", ".join(targets) or f"base {request.base}"
             return proto.OkReply(message=f"no longer draining {what}")
         for ns in targets:
@@ -276,8 +277,8 @@ class RequestHandler:
                     reg.holds[ns] = hold  # still held and heartbeating: keep it known (and releasable)
                     raise
                 released.append(ns)
-        if not namespaces:
-            reg.draining_bases[request.base] = peer.uid
+        if whole_base is not None:
+            reg.draining_bases[whole_base] = peer.uid
         what = ", ".join(targets) if targets else "no known namespace yet"
         base = f" (base {request.base!r}: future registrations refused too)" if not namespaces else ""
         extra = f"; released the hold on {', '.join(released)}" if released else ""

@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:  # pragma: no cover
+    from wsgiref.simple_server import WSGIServer
 
 __all__ = ["DaemonMetrics"]
 
@@ -70,7 +74,7 @@ class DaemonMetrics:
         for state in _STATES:
             self.generations.labels(state=state).set(0)
         self.port: int | None = None
-        self._server = None
+        self._server: WSGIServer | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the exposition server (a daemon thread); returns the bound port (``port`` 0: any free)."""

@@ -148,7 +148,7 @@ class Reaper:
 
     def poll_pending(self) -> list[tuple[list[bytes], CleanupReply | ErrorReply]]:
         """Advance every pending cleanup; returns (routing frames, reply) for the finished ones."""
-        done = []
+        done: list[tuple[list[bytes], CleanupReply | ErrorReply]] = []
         now = time.monotonic()
         for job in list(self.pending):
             if now < job.next_try and now < job.deadline:

@@ -333,6 +333,7 @@ class Registry:
             if view.logged_error != error:
                 view.logged_error = error
                 logger.error("namespace %s cannot be trusted (nothing will be removed): %s", ns, error)
+        assert state is not None, "a mapped header gives the state, else an error or ORPHAN did"
         view.state, view.error = state, error
         view.bytes = self._bytes(view, journal)
 
@@ -489,7 +490,7 @@ class Registry:
             slot = None if table is None else table.slot(slot_index)
         except (ShmProtocolError, AbortedCreationError, ValueError, PermissionError, IndexError, OSError):
             return "gone"
-        if slot is None or slot.state != SlotState.ACTIVE or slot.identity != identity or not (
+        if table is None or slot is None or slot.state != SlotState.ACTIVE or slot.identity != identity or not (
                 slot.live or slot.process_gone):
             return "gone"
         if (namespace, identity.token) in self.participants:

@@ -400,7 +400,7 @@ class Daemon:
             if getattr(hold.heartbeat, "lost", False):
                 logger.warning("lost the hold on %s (its lease was ended or taken over)", ns)
                 del self.registry.holds[ns]
-                hold.table = None
+                hold.table = None  # type: ignore[assignment]  # drop memoryview users before unmapping
                 hold.heartbeat = None
                 hold.segment.close()
         self._guard("scanning", self.registry.scan)

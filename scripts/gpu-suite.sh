@@ -8,7 +8,10 @@
 # Logs and JSON results go to $OUT (when set) or bench/results/.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-site="$(mktemp -d)/site"
+site="$(mktemp -d)"
+# Readable by every user: tests that run as other users (setpriv) import the package from here too.
+chmod 755 "$site"
+site="$site/site"
 mkdir -p "$site"
 cp -r client "$site/flextensor"
 cp -r shm "$site/flextensor/shm"

@@ -10,6 +10,7 @@ kept: the heartbeat thread beats every quarter lease, and a scheduler hiccup of 
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 __all__ = ["MAX_WAIT_SECONDS", "MIN_LEASE_SECONDS", "MAX_LEASE_SECONDS", "check_seconds", "check_lease_seconds"]
 
@@ -20,6 +21,12 @@ MIN_LEASE_SECONDS = 0.1
 MAX_LEASE_SECONDS = 24 * 3600.0
 
 
+@overload
+def check_seconds(value: object, what: str, *, allow_none: Literal[False], positive: bool = False,
+                  minimum: float | None = None, maximum: float = MAX_WAIT_SECONDS) -> float: ...
+@overload
+def check_seconds(value: object, what: str, *, allow_none: bool, positive: bool = False,
+                  minimum: float | None = None, maximum: float = MAX_WAIT_SECONDS) -> float | None: ...
 def check_seconds(value: object, what: str, *, allow_none: bool, positive: bool = False,
                   minimum: float | None = None, maximum: float = MAX_WAIT_SECONDS) -> float | None:
     """``value`` as a float number of seconds, or ``None`` when ``allow_none`` and it is ``None``.
@@ -49,6 +56,4 @@ def check_seconds(value: object, what: str, *, allow_none: bool, positive: bool 
 
 def check_lease_seconds(value: object, what: str = "lease_seconds") -> float:
     """A lease length: between ``MIN_LEASE_SECONDS`` and ``MAX_LEASE_SECONDS`` (``ValueError`` otherwise)."""
-    checked = check_seconds(value, what, allow_none=False, minimum=MIN_LEASE_SECONDS, maximum=MAX_LEASE_SECONDS)
-    assert checked is not None
-    return checked
+    return check_seconds(value, what, allow_none=False, minimum=MIN_LEASE_SECONDS, maximum=MAX_LEASE_SECONDS)

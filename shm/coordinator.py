@@ -126,7 +126,8 @@ class ShmCoordinator:
     def __init__(self, namespace: str, *, lease_seconds: float = 30.0, timeout: float | None = None,
                  join_timeout: float | None = None, base: str | None = None, manager: str | None = None) -> None:
         self._namespace = validate_namespace(namespace)
-        if (base is None) != (manager is None) or (base is not None and manager_namespace(base, manager) != namespace):
+        derived = manager_namespace(base, manager) if base is not None and manager is not None else None
+        if (base is None) != (manager is None) or derived not in (None, namespace):
             raise ValueError(f"base {base!r} and manager {manager!r} must both be given and derive namespace "
                              f"{namespace!r} (manager_namespace(base, manager)), or both be None")
         self._labels = (base, manager)
@@ -134,7 +135,7 @@ class ShmCoordinator:
         self._timeout = check_seconds(timeout, "timeout", allow_none=True)
         join_wait = self._timeout if join_timeout is None else check_seconds(join_timeout, "join_timeout",
                                                                              allow_none=False)
-        self._lease_ns = int(lease * 1e9)  # type: ignore[operator]
+        self._lease_ns = int(lease * 1e9)
         self._identity = ParticipantIdentity.current()
         self._segment_name = coordinator_segment_name(namespace)
         self._thread_lock = threading.Lock()  # one thread at a time on the FileLock object below
@@ -148,9 +149,9 @@ class ShmCoordinator:
         self._header: HeaderInfo | None = None
         self._elect_until_admitted(join_wait)
         assert self._header is not None and self._table is not None
-        self._is_creator = self._header.creator.token == self._identity.token
-        self._generation = self._header.generation
-        self._owner = ShmOwner(namespace, self._generation, self._is_creator, self._registration)
+        self._is_creator: bool = self._header.creator.token == self._identity.token
+        self._generation: int = self._header.generation
+        self._owner: ShmOwner = ShmOwner(namespace, self._generation, self._is_creator, self._registration)
         # The heartbeat starts after the lock is released: the lease claimed above runs for lease_seconds from
         # now, and starting a thread (a millisecond or more on a busy host) under the lock would make every
         # other worker joining at the same moment wait for it.

@@ -56,6 +56,7 @@ import logging
 import os
 import threading
 import uuid
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -70,6 +71,9 @@ from flextensor.shm.header import (
     store_u64,
 )
 from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns, pid_namespace, process_gone
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.shm.segment import SharedSegment
 
 __all__ = ["SlotState", "LeaseSlot", "LeaseTable", "Heartbeat"]
 
@@ -133,7 +137,7 @@ class LeaseTable:
         self.slot_count = slot_count
         self.segment = segment
         self._boot_raw = _uuid_bytes(boot_id())
-        self._owned_segment = None  # set by open()
+        self._owned_segment: SharedSegment | None = None  # set by open()
         self.header: HeaderInfo | None = None
 
     @classmethod

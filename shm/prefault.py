@@ -84,7 +84,7 @@ def _populate_range(address: int, size: int, advice: int, *, piece: int = CHUNK,
         results = [_populate(a, n, advice) for a, n in ranges]
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="ft-populate") as pool:
-            results = list(pool.map(lambda r: _populate(*r, advice), ranges))
+            results = list(pool.map(lambda r: _populate(r[0], r[1], advice), ranges))
     failures = [code for code in results if code]
     if not failures:
         return True

@@ -4,6 +4,7 @@ that nothing it created is left in /dev/shm or the lock directory afterwards."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -59,6 +60,15 @@ def isolated_host(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: p
             pass
     assert not leaked, f"/dev/shm gained entries during this test (ours carry {token!r}): {sorted(leaked)}"
     assert not leaked_locks, f"test left files in the lock directory {lock_dir}: {leaked_locks}"
+
+
+@pytest.fixture(autouse=True)
+def release_managers(isolated_host: Path):
+    """Every test releases every manager it created, even when it fails, before the leak check above."""
+    yield
+    api = sys.modules.get("flextensor.api")
+    if api is not None:  # never imported for the shm and daemon tests, which must not load torch
+        api.release_all()
 
 
 @pytest.fixture

@@ -19,7 +19,10 @@ DOCS = REPO / "docs" / "benchmarks.md"
 @pytest.mark.slow
 def test_quick_two_cpu_ranks_share_one_generation(tmp_path: Path) -> None:
     docs_before = DOCS.read_bytes()
-    env = dict(os.environ, FLEXTENSOR_BENCH_OUT=str(tmp_path / "results"), OMP_NUM_THREADS="1")
+    # CPU ranks on any host: with a GPU visible the engine would compute on it (its compute device is CUDA
+    # whenever CUDA is available), while --quick keeps the ranks' inputs on the CPU.
+    env = dict(os.environ, FLEXTENSOR_BENCH_OUT=str(tmp_path / "results"), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--nproc-per-node", "2", "--rounds", "1",
                            "--passes", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"

@@ -138,7 +138,7 @@ def check_state(
     cfg: OffloadConfig,
     *,
     host_blocks: Sequence[torch.Tensor] | None = None,
-    weights: Mapping[str, torch.Tensor] | None = None,
+    weights: Mapping[str, object] | None = None,  # only its keys are read here
 ) -> CheckedState:
     """Validate ``state`` against ``model`` (see the module docstring); the model is not touched."""
     if not isinstance(state, TensorManagerState):
@@ -198,9 +198,9 @@ def adopt_state(
     manager's trap callbacks). On failure the caller tears the context down."""
     state, modules, layouts = checked.state, checked.modules, checked.layouts
     cfg = ctx.config
-    for trap in state.traps:
-        owned = [t.name for t in state.tensors if t.trap == trap.label]
-        ctx.traps[trap.label] = Trap(trap.label, modules[trap.label], owned, kind=trap.kind)
+    for saved in state.traps:
+        owned = [t.name for t in state.tensors if t.trap == saved.label]
+        ctx.traps[saved.label] = Trap(saved.label, modules[saved.label], owned, kind=saved.kind)
     ctx.exclusive = {label: list(t.candidates) for label, t in ctx.traps.items()}
     ctx.plan.compute_s = dict(state.timings.compute_s)
     ctx.plan.samples = [(int(b), float(s)) for b, s in state.timings.transfer_samples]
@@ -247,15 +247,16 @@ def export_state(ctx: EngineContext) -> TensorManagerState:
         placed = ctx.inference.placement.get(name)
         if placed is not None and placed[0] not in renumber:
             placed = None
-        common = dict(name=name, kind=entry.kind, dtype=dtype_name(t.dtype), shape=list(t.shape),
-                      nbytes=tensor_nbytes(t), persistent=entry.persistent, aliases=list(entry.aliases),
-                      trap=owner_of.get(name, ""))
-        if placed is not None:
+        if placed is not None:  # its place in a streamed host block
             index, p = placed
-            tensors.append(TensorState(**common, stride=list(p.stride), storage_offset=0, offloaded=True,
-                                       block=renumber[index], byte_offset=p.byte_offset))
+            stride, storage_offset, block, byte_offset = list(p.stride), 0, renumber[index], p.byte_offset
         else:
-            tensors.append(TensorState(**common, stride=list(t.stride()), storage_offset=t.storage_offset()))
+            stride, storage_offset, block, byte_offset = list(t.stride()), int(t.storage_offset()), -1, 0
+        tensors.append(TensorState(name=name, kind=entry.kind, dtype=dtype_name(t.dtype), shape=list(t.shape),
+                                   stride=stride, storage_offset=storage_offset, nbytes=tensor_nbytes(t),
+                                   persistent=entry.persistent, aliases=list(entry.aliases),
+                                   trap=owner_of.get(name, ""), offloaded=placed is not None, block=block,
+                                   byte_offset=byte_offset))
     order = list(dict.fromkeys(ctx.sequence))
     order += [label for label in ctx.traps if label not in order]
     return TensorManagerState(

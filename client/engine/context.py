@@ -21,7 +21,7 @@ Groups, in the order a model meets them:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -151,6 +151,10 @@ class InferenceState:
     replan: ReplanState = field(default_factory=lambda: ReplanState())
 
 
+#: Where a strategy replan stands (``strategy_replan_status().state``).
+StrategyReplanState = Literal["idle", "in_progress", "done", "failed"]
+
+
 @dataclass(eq=False)
 class ReplanState:
     """Strategy replanning during INFERENCE (``flextensor.engine.replan``).
@@ -162,7 +166,7 @@ class ReplanState:
     latency-mode plan must hold at every batch the model met, so neither ever grows back.
     """
 
-    state: str = "idle"
+    state: StrategyReplanState = "idle"
     applied: bool | None = None
     manual: bool = False
     automatic: bool = False

@@ -160,11 +160,11 @@ class Trap:
 
     def unbypass(self) -> None:
         """Undo :meth:`bypass`: the enter/exit wrapper runs again (a replan streams or times this trap now)."""
-        module = self.module
-        if module is None or not self.bypassed:
+        module, wrapper = self.module, self._wrapper
+        if module is None or wrapper is None or not self.bypassed:  # bypassed: installed, so it has a wrapper
             return
         if module.__dict__.get("forward") is self._direct:
-            module.forward = self._wrapper
+            module.forward = wrapper
         self.bypassed = False
 
     def prepare_bypass(self) -> None:
@@ -176,7 +176,9 @@ class Trap:
     def _direct_forward(self) -> Callable[..., Any]:
         direct = self._direct
         if direct is None:
-            direct = functools.update_wrapper(functools.partial(self._target), self._original)  # type: ignore[arg-type]
+            target, original = self._target, self._original
+            assert target is not None and original is not None, "only an installed trap is bypassed"
+            direct = functools.update_wrapper(functools.partial(target), original)
             direct.__flextensor_trap__ = self.label  # type: ignore[attr-defined]
             self._direct = direct
         return direct
@@ -208,7 +210,7 @@ class RootForward:
         self.model = model
         self.depth = 0
         self._had_forward = "forward" in model.__dict__
-        self._previous = model.__dict__.get("forward")
+        self._previous: Any = model.__dict__.get("forward")  # the instance-level forward replaced, if any
         original = model.forward
 
         @functools.wraps(original)

@@ -35,10 +35,11 @@ import threading
 from collections import Counter
 from dataclasses import replace
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from flextensor.engine.context import StrategyReplanState
 from flextensor.engine.hooks import assign_data
 from flextensor.engine.switch import _trap_stream_cost, resolve_device_budget
 from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
@@ -52,8 +53,11 @@ from flextensor.state import tensor_nbytes
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
 
-__all__ = ["StrategyReplanState", "StrategyReplanStatus", "MEASURE_PASSES", "StreamingPlan", "attach_probe", "automatic", "measuring_timing", "begin_pass", "end_pass", "install_streaming", "plan_streaming",
-           "request", "step", "streaming_input", "unavailable_reason"]
+__all__ = [
+    "StrategyReplanState", "StrategyReplanStatus", "MEASURE_PASSES", "StreamingPlan", "allow", "attach_probe",
+    "automatic", "begin_pass", "end_pass", "install_streaming", "measuring_timing", "plan_streaming", "request",
+    "request_if_available", "status", "step", "streaming_input", "unavailable_reason",
+]
 
 logger = logging.getLogger("flextensor.manager")
 
@@ -69,9 +73,6 @@ TRAP_STALL_MS = 0.02
 QUIET_PASSES = 256
 #: Device memory a latency-mode replan leaves free when it moves blocks onto the device.
 DEVICE_MARGIN_BYTES = 512 * 1024 * 1024
-
-
-StrategyReplanState = Literal["idle", "in_progress", "done", "failed"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,30 @@ def attach_probe(ctx: EngineContext) -> None:
     loader.probe = replan.probe
 
 
+def status(ctx: EngineContext | None) -> StrategyReplanStatus:
+    """``strategy_replan_status`` of an INFERENCE context (``None``: no model, or not in INFERENCE yet)."""
+    if ctx is None:
+        return StrategyReplanStatus("idle", can_request=False, applied=None)
+    replan = ctx.inference.replan
+    return StrategyReplanStatus(replan.state, unavailable_reason(ctx) is None, replan.applied)
+
+
+def allow(ctx: EngineContext, allowed: bool) -> None:
+    """``allow_strategy_replan = allowed`` on a live engine: requests refused or not, the stall probe on or off."""
+    ctx.allow_replan = allowed
+    attach_probe(ctx)
+
+
+def request_if_available(name: str, ctx: EngineContext | None, *, manual: bool) -> int:
+    """``request_strategy_replan()`` of an INFERENCE context (else ``None``): :func:`request` when nothing in
+    :func:`unavailable_reason` stands in the way, else 0 and the reason logged."""
+    reason = "not in INFERENCE" if ctx is None else unavailable_reason(ctx)
+    if ctx is None or reason is not None:
+        logger.warning("request_strategy_replan(%r): not armed: %s", name, reason)
+        return 0
+    return request(ctx, manual=manual)
+
+
 def request(ctx: EngineContext, *, manual: bool, automatic_: bool = False) -> int:
     """Arm a replan (the caller checked :func:`unavailable_reason`); the passes or steps to drive."""
     replan = ctx.inference.replan
@@ -238,12 +263,19 @@ def measuring_timing(ctx: EngineContext) -> TimingCollector | None:
     return replan.measure if replan.measuring else ctx.timing
 
 
-def step(ctx: EngineContext) -> None:
-    """``update_state()``: one measured step of a manual replan (a CUDA-graph replay); plans and installs after
-    the last. Nothing armed manually: nothing to do (phases advance in the root forward)."""
+def step(ctx: EngineContext, replay_generation: int = -1) -> None:
+    """``update_state()``: one measured step of a manual replan (a CUDA-graph replay, whose passes are published to
+    ``offload_timing`` first); plans and installs after the last. A ``replay_generation >= 0`` already counted is
+    ignored. Nothing armed manually: nothing to do (phases advance in the root forward)."""
     replan = ctx.inference.replan
+    if 0 <= replay_generation == replan.generation:
+        return
+    if replay_generation >= 0:
+        replan.generation = replay_generation
     if replan.state != "in_progress" or not replan.manual:
         return
+    if ctx.timing is not None:
+        ctx.timing.publish_replays(replay_generation)
     replan.passes_left -= 1
     if replan.passes_left > 0:
         return

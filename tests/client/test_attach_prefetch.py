@@ -22,7 +22,7 @@ import flextensor.attach_prefetch as prefetch_mod
 from flextensor.attach_prefetch import FollowerPrefetch
 from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
 from flextensor.shm.names import manager_namespace
-from tests.helpers.models import DEVICE, TinyTransformer, cpu_config, release_managers, token_ids  # noqa: F401
+from tests.helpers.models import DEVICE, TinyTransformer, cpu_config, token_ids
 from tests.client.test_session import LEASE, expected_output, finish, make_profile, matches, read_result
 from tests.helpers.forkserver import spawn_module
 from tests.leftovers import shm_names

@@ -28,7 +28,7 @@ from flextensor.runtime.host_memory import PageableProvider, block_views, pack_b
 from flextensor.shm.names import manager_namespace
 from tests.client.test_session import finish, read_result
 from tests.helpers.checkpoints import big_input, big_mlp, make_profile, save_checkpoint
-from tests.helpers.models import DEVICE, release_managers  # noqa: F401
+from tests.helpers.models import DEVICE
 from tests.leftovers import shm_names
 
 REPO = Path(__file__).resolve().parents[2]

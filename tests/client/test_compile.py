@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flextensor as ft
-from tests.helpers.models import DEVICE, cpu_config, release_managers  # noqa: F401 (autouse fixture)
+from tests.helpers.models import DEVICE, cpu_config
 
 needs_compiler = pytest.mark.skipif(
     DEVICE.type == "cpu" and shutil.which("g++") is None and shutil.which("c++") is None,

@@ -19,7 +19,6 @@ from tests.helpers.models import (
     TinyTransformer,
     cpu_config,
     reference,
-    release_managers,  # noqa: F401
     same,
     tiny_transformer,
     token_ids,

@@ -7,7 +7,7 @@ import torch
 
 import flextensor as ft
 from flextensor.manager import Phase
-from tests.helpers.models import DEVICE, reference, same, cpu_config, release_managers, tiny_llama  # noqa: F401
+from tests.helpers.models import DEVICE, reference, same, cpu_config, tiny_llama
 
 pytest.importorskip("transformers")
 

@@ -24,7 +24,6 @@ from tests.helpers.models import (
     TinyTransformer,
     cpu_config,
     mlp_stack,
-    release_managers,  # noqa: F401
     tiny_transformer,
     token_ids,
 )

@@ -17,7 +17,7 @@ from flextensor.shm.names import manager_namespace
 from flextensor.shm.populate_ahead import PopulateAhead
 from flextensor.state import TensorManagerState
 from tests.client.test_session import LEASE, make_profile
-from tests.helpers.models import (DEVICE, TinyTransformer, cpu_config, reference, release_managers,  # noqa: F401
+from tests.helpers.models import (DEVICE, TinyTransformer, cpu_config, reference,
                                   same, tiny_transformer, token_ids)
 from tests.helpers.session_worker import shm_ranges
 from tests.leftovers import shm_names

@@ -23,7 +23,6 @@ from tests.helpers.models import (
     DEVICE,
     cpu_config,
     reference,
-    release_managers,  # noqa: F401
     tiny_transformer,
     token_ids,
     TinyTransformer,

@@ -13,8 +13,7 @@ import flextensor as ft
 from flextensor.shm.names import manager_namespace
 from tests.client.test_session import LEASE, expected_output, finish, matches, output_of, read_result, spawn
 from tests.helpers.checkpoints import checkpoint_tensors, save_checkpoint, tiny_profile
-from tests.helpers.models import DEVICE, TinyTransformer, cpu_config, release_managers, tiny_transformer, \
-    token_ids  # noqa: F401
+from tests.helpers.models import DEVICE, TinyTransformer, cpu_config, tiny_transformer, token_ids
 from tests.leftovers import shm_names
 
 

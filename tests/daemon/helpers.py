@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from tests.leftovers import shm_names  # noqa: F401  (the daemon tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable

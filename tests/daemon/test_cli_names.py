@@ -10,7 +10,8 @@ import struct
 
 from flextensor.shm.names import manager_namespace
 
-from tests.daemon.helpers import Daemon, run_cli, shm_names, wait_until
+from tests.daemon.helpers import Daemon, run_cli, wait_until
+from tests.leftovers import shm_names
 
 
 def test_ls_shows_base_and_manager_and_every_command_takes_either_form(socket_path, lock_dir, workers, namespace):

@@ -11,7 +11,8 @@ import time
 from flextensor.shm.header import coordinator_segment_size
 from flextensor.shm.names import manager_namespace
 
-from tests.daemon.helpers import PY, REPO, Daemon, run_cli, shm_names, wait_until
+from tests.daemon.helpers import PY, REPO, Daemon, run_cli, wait_until
+from tests.leftovers import shm_names
 
 LS_KEYS = {"namespace", "base", "manager", "generation", "state", "participants", "bytes", "age"}
 WEIGHTS = 1 << 20

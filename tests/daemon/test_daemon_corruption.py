@@ -7,7 +7,8 @@ import signal
 
 from flextensor.shm.names import manager_namespace
 
-from tests.daemon.helpers import Daemon, shm_names, wait_until
+from tests.daemon.helpers import Daemon, wait_until
+from tests.leftovers import shm_names
 
 
 def test_reaper_reclaims_a_generation_whose_journal_was_truncated_without_orphans(socket_path, lock_dir, workers,

@@ -9,7 +9,8 @@ import urllib.request
 
 from flextensor.shm.names import manager_namespace
 
-from tests.daemon.helpers import Daemon, shm_names, wait_until
+from tests.daemon.helpers import Daemon, wait_until
+from tests.leftovers import shm_names
 
 LONG_LEASE = "30"  # without the daemon, nothing would happen for 30 s
 

@@ -19,7 +19,8 @@ from flextensor.daemon.config import load_settings
 from flextensor.shm.leases import LeaseTable
 from flextensor.shm.names import manager_namespace
 from tests.client.test_session import expected_output, finish, make_profile, matches, output_of, read_result, spawn
-from tests.daemon.helpers import Daemon, run_cli, shm_names, wait_until
+from tests.daemon.helpers import Daemon, run_cli, wait_until
+from tests.leftovers import shm_names
 
 LEASE = "30"  # the workers' (and so the hold's) lease: nothing below may come from a lease running out
 MANAGER = "model"  # session_worker's default --name

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from flextensor.shm import ftd_protocol as proto
 from flextensor.shm.names import manager_namespace
 
-from tests.daemon.helpers import PY, REPO, Daemon, shm_names, wait_until
+from tests.daemon.helpers import PY, REPO, Daemon, wait_until
+from tests.leftovers import shm_names
 
 NOBODY = 65534
 

@@ -34,7 +34,8 @@ from tests.client.test_session import (
     wait_for_file,
     wait_for_joined,
 )
-from tests.daemon.helpers import Daemon, shm_names, wait_until
+from tests.daemon.helpers import Daemon, wait_until
+from tests.leftovers import shm_names
 
 LEASE = "30"  # without the daemon nothing below would happen for 30 s
 MANAGER = "model"  # session_worker's default --name

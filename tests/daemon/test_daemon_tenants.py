@@ -15,7 +15,8 @@ import pytest
 
 from flextensor.shm.names import manager_namespace
 
-from tests.daemon.helpers import Daemon, shm_names, wait_until
+from tests.daemon.helpers import Daemon, wait_until
+from tests.leftovers import shm_names
 from tests.daemon.test_daemon_security import NOBODY, _cli_as_nobody
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to play another uid")

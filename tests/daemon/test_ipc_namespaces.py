@@ -24,7 +24,8 @@ import pytest
 
 from flextensor.shm.names import manager_namespace
 
-from tests.daemon.helpers import Worker, shm_names
+from tests.daemon.helpers import Worker
+from tests.leftovers import shm_names
 
 
 def _unshare_works() -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import signal
@@ -48,8 +49,8 @@ def main() -> int:
 
     if args.as_uid is not None:
         # Everything imported lazily must be loaded first: the interpreter's files may be root-only here.
-        import encodings.ascii  # noqa: F401
-        import zmq  # noqa: F401
+        for module in ("encodings.ascii", "zmq"):
+            importlib.import_module(module)
 
         from flextensor.shm.identity import boot_id
 

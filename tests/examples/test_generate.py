@@ -10,7 +10,6 @@ import torch
 
 import flextensor as ft
 from tests.examples.conftest import tiny_args
-from tests.helpers.models import release_managers  # noqa: F401 - autouse: every test releases its managers
 from tests.helpers.session_worker import shm_ranges
 
 pytest.importorskip("transformers")

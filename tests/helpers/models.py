@@ -1,4 +1,4 @@
-"""Small test models for the engine tests, plus shared helpers and the manager-releasing fixture.
+"""Small test models for the engine tests, plus shared helpers.
 
 The models cover what the engine must not break: tied weights (embedding/head), registered buffers (persistent
 and not), a non-contiguous (transposed) parameter, norms, attention, a submodule shared by two blocks, and
@@ -11,21 +11,11 @@ import math
 import threading
 from typing import Callable
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import flextensor as ft
-from flextensor.api import release_all
-
-
-@pytest.fixture(autouse=True)
-def release_managers():
-    """Every test releases every manager it created, even when it fails."""
-    yield
-    release_all()
-
 
 # The compute device the engine picks: CUDA when present, else the CPU. On the CPU outputs must be EXACTLY equal to
 # the plain model; on a GPU the reference runs on the GPU too and outputs must agree to float tolerance.

@@ -30,7 +30,9 @@ def ns(namespace: str) -> str:
 
 
 def _as_user(uid: int, code: str, tmpdir: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TMPDIR": tmpdir, "PYTHONPATH": ROOT}
+    # Prepended: the package may come from a site directory on PYTHONPATH (scripts/gpu-suite.sh), not the checkout.
+    env = {**os.environ, "TMPDIR": tmpdir,
+           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c",
                            code], capture_output=True, text=True, env=env, timeout=60, cwd="/")
 

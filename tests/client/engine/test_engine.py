@@ -20,7 +20,6 @@ from tests.helpers.models import (
     SkippingModel,
     cpu_config,
     mlp_stack,
-    release_managers,  # noqa: F401  (autouse fixture)
     shared_model,
     snapshot,
     tiny_transformer,

@@ -15,7 +15,7 @@ import torch
 import flextensor as ft
 from flextensor.engine import replan
 from flextensor.manager import Phase
-from tests.helpers.models import DEVICE, cpu_config, mlp_stack, reference, release_managers, same  # noqa: F401
+from tests.helpers.models import DEVICE, cpu_config, mlp_stack, reference, same
 
 # On CUDA the blocks must be large enough for their copies to hide under batch-BIG compute (128 MiB each).
 LAYERS, D, H, BIG = (6, 2048, 8192, 4096) if torch.cuda.is_available() else (6, 256, 1024, 1024)

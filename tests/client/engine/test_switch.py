@@ -18,7 +18,6 @@ from tests.helpers.models import (
     DEVICE,
     cpu_config,
     reference,
-    release_managers,  # noqa: F401  (autouse fixture)
     same,
     tiny_transformer,
     token_ids,

@@ -37,7 +37,6 @@ from tests.helpers.models import (
     cpu_config,
     mlp_stack,
     reference,
-    release_managers,  # noqa: F401  (autouse fixture)
     same,
     snapshot,
     tiny_transformer,

@@ -15,8 +15,8 @@ from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel,
 from flextensor.runtime.arena_loader import ArenaLoader
 from flextensor.runtime.host_memory import ALIGN, block_view, pack_block, packed_stride
 from flextensor.runtime.timing import TimingCollector
-from tests.helpers.models import (  # noqa: F401
-    DEVICE, MLPBlock, SkippingModel, cpu_config, reference, release_managers, same,  # (autouse fixture)
+from tests.helpers.models import (
+    DEVICE, MLPBlock, SkippingModel, cpu_config, reference, same,
 )
 
 # Rows of each block's one (rows, 64) float32 tensor: 256 B a row, so a block is ``rows * 256`` bytes.

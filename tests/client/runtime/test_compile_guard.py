@@ -7,15 +7,12 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-
 import flextensor as ft
-from tests.helpers.models import (  # noqa: F401 - release_managers: every test releases its managers
+from tests.helpers.models import (
     ALL,
     DEVICE,
     cpu_config,
     reference,
-    release_managers,
     tiny_transformer,
     token_ids,
 )

@@ -17,12 +17,11 @@ from flextensor.manager import Phase
 from flextensor.runtime.host_memory import block_view, pack_block, packed_stride
 from flextensor.runtime.arena_loader import make_loader
 from flextensor.runtime.loader import StreamingLoader
-from tests.helpers.models import (  # noqa: F401 (release_managers: autouse fixture)
+from tests.helpers.models import (
     ALL,
     DEVICE,
     cpu_config,
     reference,
-    release_managers,
     same,
     tiny_transformer,
     token_ids,

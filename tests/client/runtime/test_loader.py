@@ -26,8 +26,8 @@ from flextensor.runtime.host_memory import (
 )
 from flextensor.runtime.loader import BlockLoader
 from flextensor.runtime.timing import TimingCollector
-from tests.helpers.models import (  # noqa: F401
-    DEVICE, count_new_streams, cpu_config, mlp_stack, reference, release_managers, same,
+from tests.helpers.models import (
+    DEVICE, count_new_streams, cpu_config, mlp_stack, reference, same,
 )
 
 

@@ -14,8 +14,8 @@ from flextensor.planning.slot_model import SlotRing
 from flextensor.runtime.host_memory import block_view, pack_block
 from flextensor.runtime.loader import BlockLoader
 from flextensor.runtime.timing import TimingCollector
-from tests.helpers.models import (  # noqa: F401
-    DEVICE, MLPBlock, cpu_config, reference, release_managers, same,
+from tests.helpers.models import (
+    DEVICE, MLPBlock, cpu_config, reference, same,
 )
 
 BIG, SMALL = 128, 64  # float32 elements of a large and a small block: 512 and 256 bytes

@@ -7,7 +7,7 @@ import torch
 
 import flextensor as ft
 from flextensor.runtime.timing import OffloadTimingReport, OffloadTimingSnapshot, TrapTimingRecord, TrapTimingStats
-from tests.helpers.models import DEVICE, reference, same, cpu_config, mlp_stack, release_managers  # noqa: F401
+from tests.helpers.models import DEVICE, cpu_config, mlp_stack
 
 
 def test_snapshot_and_report_properties():

@@ -22,7 +22,7 @@ from flextensor.runtime.trap_windows import (
     clocks_agree,
     read_pass,
 )
-from tests.helpers.models import ALL, DEVICE, cpu_config, release_managers  # noqa: F401  (autouse fixture)
+from tests.helpers.models import ALL, DEVICE, cpu_config
 
 
 class FakeMark:
