@@ -127,6 +127,8 @@ class StreamingLoader:
     """What every block loader shares: the checked blocks and schedule, entries and resync, host views, the gate
     and the copy stream (module docstring). Subclasses place entries on the device and order their copies."""
 
+    num_slots: int  # the device blocks (slots, or the consecutive blocks an arena holds): set by each subclass
+
     def __init__(
         self,
         *,
@@ -242,7 +244,8 @@ class StreamingLoader:
         caller's stream set back by id, instead of ``with torch.cuda.stream(side)``: the context manager
         resolves the device index twice and builds a ``Stream`` object per copy: with the copy views made once,
         the loader's host time per streamed trap went from 105 to 40 us on the H200 host (2026-11-30). Setting a
-        stream also makes its device current, so a caller whose current device is another one gets it back.
+        stream also makes its device current, so a caller whose current device is another one gets it back
+        (without creating a context there).
         """
         timing = self.timing
         if self.cuda and self._side is None:  # before the gate: made while the registration proceeds
@@ -272,7 +275,9 @@ class StreamingLoader:
             if side is not None:
                 torch.cuda.set_stream(back)
                 if device != back.device_index:
-                    torch.cuda.set_device(device)
+                    # As torch.cuda.device's exit does: back to the caller's device only where it already has a
+                    # context; a rank that never chose a device must not get one on cuda:0 from a copy.
+                    torch.cuda._maybe_exchange_device(device)
         self.copies_issued += 1
         self._pass_copies += 1
         return span
@@ -377,6 +382,9 @@ class StreamingLoader:
         """Forget the running trap after an exception inside it (its range is still released in order)."""
         if self._active is not None:
             self.exit(-1)
+
+    def enter(self, block: int) -> None:  # pragma: no cover - every loader defines it
+        raise NotImplementedError
 
     def exit(self, block: int) -> None:  # pragma: no cover - every loader defines it
         raise NotImplementedError
