@@ -169,10 +169,10 @@ class FollowerPrefetch:
                 copier = StagedCopy(stream=self._stream, background_release=True)
                 if self.store.nbytes >= copier.min_bytes:  # the ring's pages and registration, beside the steps below
                     copier.prepare_in_background(self._device)
-            self._open_blocks()
+            self._open_blocks(self._owner)
             blocks_done = time.monotonic()
             self.timings["blocks"] = blocks_done - opened
-            if self._stream is not None:
+            if copier is not None:  # a CUDA device
                 with torch.cuda.stream(self._stream):
                     # The resident copies' buffer first: allocated after the cached device blocks, it could be
                     # carved out of one of them, and the loader would have to allocate that block again.
@@ -202,12 +202,12 @@ class FollowerPrefetch:
         held = [torch.empty(slot_bytes, dtype=torch.uint8, device=self._device) for _ in range(self._slots)]
         del held
 
-    def _open_blocks(self) -> None:
+    def _open_blocks(self, owner: "ShmOwner") -> None:
         """Lay out the arena holding every host block, once (the session reuses ``layout``), and map it (one open:
         see ``flextensor.shm.blocks``)."""
         self.layout = arena_layout([b.nbytes for b in self._blocks])
         if self._blocks:
-            self.segments = [SharedBlockAllocator(self._owner).attach(self.layout)]
+            self.segments = [SharedBlockAllocator(owner).attach(self.layout)]
 
 
 def _check_roles(owner: "ShmOwner | None", state: "TensorManagerState | None", elect: Callable[..., Any] | None

@@ -408,12 +408,11 @@ class _PopulateAhead:
             self._end.append(self._end[-1] + r.nbytes)
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self._cancel: threading.Event | None = None
 
     def start(self, cancel: threading.Event) -> None:
-        self._cancel = cancel
         if self._populate is not None and self._window > 0 and len(self.ranges) > 1:
-            self._thread = threading.Thread(target=self._run, name="ft-ckpt-populate", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(self._populate, cancel), name="ft-ckpt-populate",
+                                            daemon=True)
             self._thread.start()
 
     def claim(self) -> _Range | None:
@@ -435,11 +434,11 @@ class _PopulateAhead:
         if thread is not None:
             thread.join()
 
-    def _next(self, position: int) -> int | None:
+    def _next(self, position: int, cancel: threading.Event) -> int | None:
         """The next range to populate at or after ``position`` (waiting while it is too far ahead), or None."""
         with self._cond:
             while True:
-                if self._stopped or self._cancel.is_set():
+                if self._stopped or cancel.is_set():
                     return None
                 position = max(position, self._claimed)  # the readers took those: they fault them in
                 if position >= len(self.ranges):
@@ -448,10 +447,11 @@ class _PopulateAhead:
                     return position
                 self._cond.wait(0.1)
 
-    def _run(self) -> None:
+    def _run(self, populate: Populate, cancel: threading.Event) -> None:
         position = 0
         last = (0, 0)  # the span populated last: a page it shares with the next range is populated once
-        while (position := self._next(position)) is not None:
+        while (found := self._next(position, cancel)) is not None:
+            position = found
             address, nbytes = self.ranges[position].pages()
             if last[0] <= address < last[1]:
                 if address + nbytes <= last[1]:  # inside it: nothing new
@@ -461,10 +461,10 @@ class _PopulateAhead:
                 address = last[1]
             begin = time.monotonic()
             try:
-                supported = self._populate(address, nbytes) is not False
+                supported = populate(address, nbytes) is not False
             except BaseException as exc:  # noqa: BLE001 - raised by run() once the readers stopped
                 self.error = exc
-                self._cancel.set()
+                cancel.set()
                 return
             finally:
                 self._stats.populate_s += time.monotonic() - begin

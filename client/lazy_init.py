@@ -47,12 +47,12 @@ def init_empty_weights() -> Iterator[None]:
     time, no memory); a parameter that is already ``meta`` keeps its identity (tied weights stay tied)."""
     original = nn.Module.register_parameter
 
-    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        current = module._parameters.get(name)
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
+        current = self._parameters.get(name)
         if current is not None and not current.is_meta:
             meta = current.to("meta")
-            module._parameters[name] = type(current)(meta, requires_grad=current.requires_grad)
+            self._parameters[name] = type(current)(meta, requires_grad=current.requires_grad)
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     try:

@@ -33,7 +33,7 @@ from torch import nn
 # the last PROFILING pass of a process's first model (milliseconds the profile phase should not pay).
 from flextensor.config import OffloadConfig
 from flextensor.engine import adoption
-from flextensor.engine.build import install_deferred
+from flextensor.engine.build import Weight, install_deferred
 from flextensor.engine.context import EngineContext, compute_device
 from flextensor.engine.discovery import start_warmup
 from flextensor.engine.hooks import RootForward, Trap
@@ -399,7 +399,7 @@ class OffloadManager:
         *,
         allow_strategy_replan: bool = True,
         host_blocks: Sequence[torch.Tensor] | None = None,
-        weights: Mapping[str, torch.Tensor] | None = None,
+        weights: Mapping[str, Weight] | None = None,
         compile_fn: Callable[[nn.Module], nn.Module] | None = None,
         shm_owner: Any = None,
         host_block_gate: Callable[[int], None] | None = None,

@@ -308,7 +308,7 @@ class SharedOffloadSession:
                 model, reads = self._fill_shared(share, model, state, layouts, layout, resident, cfg, device, pin,
                                                  source)
                 published_plan = arena_plan(state, owner.resource_name(ARENA_KIND))
-                gate = None
+                gate: Callable[[int], None] | None = None
                 if pin and layouts:
                     share.pinner = block_pinner(share.segments[0], published_plan, layout, device,
                                                 label=f"session {share.namespace}")

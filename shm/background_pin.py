@@ -66,8 +66,7 @@ class BackgroundPinner:
     def __init__(self, blocks: Sequence[PinRange], order: Sequence[int], *, device: int | None = None,
                  label: str = "") -> None:
         self._blocks = list(blocks)
-        seen: set[int] = set()
-        self._order = [i for i in list(order) + list(range(len(self._blocks))) if not (i in seen or seen.add(i))]
+        self._order = list(dict.fromkeys([*order, *range(len(self._blocks))]))  # first mention of each block
         if any(i < 0 or i >= len(self._blocks) for i in self._order):
             raise ValueError(f"pin order {list(order)} names a block outside 0..{len(self._blocks) - 1}")
         self._device = device

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from flextensor.engine.build import build_inference, bypass_untimed_traps
+from flextensor.engine.build import Weight, build_inference, bypass_untimed_traps
 from flextensor.engine.function_traps import (FunctionTrapsHandler, build_indirect, check_adoptable,
                                               install_function_traps)
 from flextensor.engine.hooks import Trap
@@ -191,7 +191,7 @@ def adopt_state(
     leave: TrapCallback,
     *,
     host_blocks: Sequence[torch.Tensor] | None = None,
-    weights: Mapping[str, torch.Tensor] | None = None,
+    weights: Mapping[str, Weight] | None = None,
     host_block_gate: Callable[[int], None] | None = None,
 ) -> PhaseHandler:
     """Build INFERENCE for a checked state on a fresh context and install its traps (``enter``/``leave`` are the

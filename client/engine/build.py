@@ -87,7 +87,7 @@ Sequence and threads
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -105,7 +105,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
     from flextensor.engine.switch import Plan
 
-__all__ = ["build_inference", "bypass_untimed_traps", "can_defer", "defer_inference", "enter_inference",
+__all__ = ["Weight", "build_inference", "bypass_untimed_traps", "can_defer", "defer_inference", "enter_inference",
            "install_deferred", "start_loader"]
 
 logger = logging.getLogger("flextensor.manager")
@@ -120,6 +120,19 @@ IN_PLACE_MIN_BYTES = 1 << 30
 #: are filled from coexist until the install, so the blocks must fit in the available memory less this much
 #: (or a tenth of it, when more); otherwise the build runs synchronously, freeing the originals block by block.
 DEFER_HOST_MARGIN = 1 << 30
+
+
+class Weight(Protocol):
+    """A ``weights=`` value, the source of a tensor on ``meta``: a tensor, or a checkpoint tensor read lazily
+    (``flextensor.checkpoint.CheckpointTensor``, whose read :func:`_copy_weight` queues into the host block)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def to(self, device: torch.device) -> torch.Tensor: ...
 
 
 def enter_inference(ctx: EngineContext, plan: Plan) -> None:
@@ -140,7 +153,7 @@ def bypass_untimed_traps(ctx: EngineContext, streamed: set[str]) -> None:
         bypass_resident_traps(ctx.traps.values(), streamed)
 
 
-def _lookup_weight(ctx, name: str, weights: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+def _lookup_weight(ctx, name: str, weights: Mapping[str, Weight] | None) -> Weight:
     entry = ctx.tensors[name]
     if weights is not None:
         for key in (name, *entry.aliases):
@@ -168,7 +181,7 @@ def _copy_weight(view: torch.Tensor, source) -> None:
         view.copy_(source)
 
 
-def _flush_weights(weights: Mapping[str, torch.Tensor] | None) -> None:
+def _flush_weights(weights: Mapping[str, Weight] | None) -> None:
     """Finish the queued checkpoint reads (``flextensor.checkpoint.CheckpointWeights.flush``) before the blocks are
     pinned or read: every block exists by now, so the reads run together, in file order."""
     flush = getattr(weights, "flush", None)
@@ -182,7 +195,7 @@ def build_inference(
     schedule: list[str],
     num_slots: int,
     host_blocks: Sequence[torch.Tensor] | None = None,
-    weights: Mapping[str, torch.Tensor] | None = None,
+    weights: Mapping[str, Weight] | None = None,
     block_names: Sequence[str] | None = None,
     host_block_gate: Callable[[int], None] | None = None,
 ) -> None:
@@ -371,6 +384,7 @@ def install_deferred(ctx: EngineContext) -> None:
     if build is None:
         return
     build.wait()
+    assert ctx.inference.deferred_plan is not None
     layouts, schedule, num_slots, streamed, copied = ctx.inference.deferred_plan
     ctx.inference.deferred = None
     ctx.inference.host_build_s = build.elapsed_s

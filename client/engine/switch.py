@@ -153,8 +153,9 @@ def plan_switch(ctx: EngineContext) -> Plan:
         names = offloaded.get(label)
         if not names:
             continue
-        packed_names, layout = inputs.whole.get(label, ((), None))
-        if names == packed_names:  # the whole trap streams: its block was packed ahead (prepare_switch)
+        packed = inputs.whole.get(label)  # (names, layout): the block prepare_switch packed ahead for the trap
+        if packed is not None and names == packed[0]:  # the whole trap streams: that block is its block
+            layout = packed[1]
             layouts.append(BlockLayout(len(layouts), label, layout.nbytes, layout.tensors))
         else:
             layouts.append(pack_block(len(layouts), label, [_layout_entry(tensors[n].tensor, n) for n in names]))

@@ -133,7 +133,7 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
     timed = ctx.device.type == "cuda" and ctx.warm.loader.non_blocking
     compute = torch.cuda.current_stream(ctx.device) if timed else None
     stream = compute
-    if timed and profiling:
+    if compute is not None and profiling:
         stream, ctx.warm.stream = ctx.warm.stream or torch.cuda.Stream(device=ctx.device), None
         stream.wait_stream(compute)  # memory the compute freed may be handed to these copies
         ctx.warm.loader.copy_stream = stream
@@ -158,11 +158,12 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
                 ctx.warm.events = []
                 ready.clear()
                 return  # stream mode (out of device memory): the planner sweeps instead
-            if timed:
+            if end is not None:
                 end.record(stream)
                 ctx.warm.events.append((sum(tensor_nbytes(ctx.tensors[n].tensor) for n in group), start, end))
                 ready[label] = end
         if stream is not compute and ready:
+            assert compute is not None
             outside = ready.pop(None, None)
             if outside is not None:  # candidates of no trap: whoever reads them, they are there first
                 compute.wait_event(outside)
@@ -172,6 +173,7 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
     finally:
         ctx.warm.loader.copy_stream = None
         if not ordered:  # out of memory, or an error part-way: copies already made stay; order them now
+            assert compute is not None and stream is not None
             compute.wait_stream(stream)
     logger.debug("manager %r: %d warm-up tensors (%d bytes) copied to %s and kept", ctx.name, len(names),
                  ctx.warm.loader.kept_bytes, ctx.device)

@@ -202,7 +202,8 @@ class ArenaLoader(StreamingLoader):
         while ahead <= last and self._free_for(ahead, entry):
             self._issue(ahead, compute)
             ahead += 1
-        if cpu_start is not None:  # synchronous copies: the trap (or the next one) waited for all of them
+        if cpu_start is not None and probe is not None:
+            # synchronous copies: the trap (or the next one) waited for all of them
             probe.add_cpu_wait(time.perf_counter() - cpu_start)
 
     def exit(self, block: int) -> None:

@@ -303,9 +303,9 @@ class ArenaProvider(HostBlockProvider):
         return_free_heap()
         slot = self._slots.get(index)
         if slot is None or slot[2] != nbytes:
-            arena = self._new_arena(align_up(max(nbytes, 1), PAGE))
-            self._extra.append(arena)
-            return HostBlock(arena.narrow(0, 0, nbytes))
+            extra = self._new_arena(align_up(max(nbytes, 1), PAGE))
+            self._extra.append(extra)
+            return HostBlock(extra.narrow(0, 0, nbytes))
         group, offset, _ = slot
         arena = self._arenas.get(group)
         if arena is None:

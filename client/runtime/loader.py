@@ -267,7 +267,7 @@ class StreamingLoader:
             span = timing.start_span(side) if timing is not None else None
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=self.cuda)
-            if span is not None:
+            if span is not None and timing is not None:
                 timing.end_span(span, side)
             if side is not None:
                 done.record(side)
@@ -337,7 +337,7 @@ class StreamingLoader:
                 probe.wait_for_copy(compute, copy_done)
             else:
                 compute.wait_event(copy_done)
-            if wait_span is not None:
+            if wait_span is not None and timing is not None:
                 timing.end_span(wait_span, compute)
         if timing is not None:
             timing.attach_transfer(self._pending_timing.pop(entry, None), wait_span)
@@ -548,7 +548,8 @@ class BlockLoader(StreamingLoader):
         if self._ring is not None:
             for passed in [e for e in self._placement if e < entry]:
                 del self._placement[passed]
-        if cpu_start is not None:  # synchronous copies: the trap (or the next one) waited for all of them
+        if cpu_start is not None and probe is not None:
+            # synchronous copies: the trap (or the next one) waited for all of them
             probe.add_cpu_wait(time.perf_counter() - cpu_start)
 
     def exit(self, block: int) -> None:
