@@ -54,6 +54,7 @@ Usage: ``python bench/bench_checkpoint.py [--layers N --d D --h H] [--workers 2]
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -257,8 +258,8 @@ def worker(args: argparse.Namespace, root: Path) -> None:
     size = sum(t.numel() * t.element_size() for t in meta().parameters())
     # The engine's modules are imported before the measurement: importing them costs ~70 MiB of anonymous memory
     # once per process (measured on the CPU VM), which is not memory the model's load needs.
-    import flextensor.lazy_init  # noqa: F401
-    import flextensor.session  # noqa: F401
+    for module in ("flextensor.lazy_init", "flextensor.session"):
+        importlib.import_module(module)
 
     _start_cuda()
     phases = _Phases()

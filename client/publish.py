@@ -216,15 +216,15 @@ class BlockReads:
 
     def _run(self) -> None:
         arena = self._arena
-        populate = None
-        if not arena.reserved:
-            base, end = arena.address, arena.address + arena.size
+        base, end = arena.address, arena.address + arena.size
 
-            def populate(address: int, nbytes: int) -> bool | None:
-                if base <= address and address + nbytes <= end:
-                    arena.reserve_range(address - base, nbytes)
-                    return None
-                return populate_pages(address, nbytes)  # the reader's temporary for a strided place
+        def reserve_in_arena(address: int, nbytes: int) -> bool | None:
+            if base <= address and address + nbytes <= end:
+                arena.reserve_range(address - base, nbytes)
+                return None
+            return populate_pages(address, nbytes)  # the reader's temporary for a strided place
+
+        populate = None if arena.reserved else reserve_in_arena
 
         try:
             try:
