@@ -11,7 +11,9 @@ streams only part of its tensors (the rest stays resident) is what makes the bud
 part, instead of to a whole trap, leaves the difference to resident tensors, so fewer bytes stream each pass.
 The price is prefetch depth: a block larger than the small slot rotates through the ``num_blocks - 1`` large
 slots only, so the planner offers the small slot only with three blocks or more (two large slots still
-pipeline) and keeps it only where its simulation says the pass gets faster.
+pipeline), only where some streamed block fits it (a slot nothing uses would be a block count below
+``min_blocks`` in disguise: ``plan_model.plan_small_slot``), and keeps it where its simulation says the pass
+gets faster.
 
 Placement: least recently used slot that fits
 ---------------------------------------------
