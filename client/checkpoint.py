@@ -16,17 +16,10 @@ JSON itself. Every shard's header is checked against the file size when it is op
 
 Destination pages ahead of the readers
 --------------------------------------
-A destination is usually fresh memory (a host block nobody wrote yet): its pages do not exist, and a read into it
-faults them in one at a time inside the copy, on the reader's thread, so from disk every read is stretched by
-the page allocation. So while the readers work, a thread allocates the pages of the ranges next in line
-(``MADV_POPULATE_WRITE``, several threads per range: :func:`flextensor.shm.prefault.populate_write_range`), at
-most :data:`POPULATE_AHEAD_BYTES` ahead of them; a range the readers reach first is skipped (they fault it in
-themselves, so from a warm page cache the two only add up). Populating a page never changes its bytes, so a
-page two ranges share is simply populated twice. The caller may pass its own ``populate(address, nbytes)`` (a
-shared segment's, which names a full ``/dev/shm``): its error stops the reads and is raised. The default one is
-only a speed-up: a kernel without the advice, or memory that refuses it, just leaves the faults to the readers.
-:meth:`ReadPlan.read` says how long the reading took, how many bytes were populated ahead and in how many
-seconds.
+While the readers work, a thread allocates the destination pages of the ranges next in line, a bounded window
+ahead of them, so a read from disk is not stretched by page faults: ``checkpoint_pages.py`` says how and why (and
+why it is not the segments' ``PopulateAhead``). :meth:`ReadPlan.read` says how long the reading took, how many
+bytes were populated ahead and in how many seconds.
 """
 
 from __future__ import annotations
@@ -41,11 +34,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 
-from flextensor.shm.prefault import populate_write_range
+from flextensor.checkpoint_pages import POPULATE_AHEAD_BYTES, Populate, ReadQueue, populate_pages
 
 __all__ = ["CHUNK_BYTES", "READ_THREADS", "POPULATE_AHEAD_BYTES", "PROGRESS_INTERVAL_S", "TensorEntry",
            "SafetensorsCheckpoint", "ReadPlan", "ReadStats", "CheckpointTensor", "CheckpointWeights",
@@ -57,8 +50,6 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 32 << 20
 #: Reader threads (``preadv`` releases the GIL); a few suffice to keep an NVMe queue busy.
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
-#: Destination pages are allocated at most this many bytes ahead of the readers (see the module docstring).
-POPULATE_AHEAD_BYTES = 1 << 30
 #: A read that runs longer than this logs its progress (bytes, rate, ETA) at this interval.
 PROGRESS_INTERVAL_S = 2.0
 #: The largest header accepted (the format's own reference limit is 100 MB).
@@ -227,17 +218,6 @@ class _Range:
         return first, -(-(begin + self.nbytes - first) // _PAGE) * _PAGE
 
 
-def populate_pages(address: int, nbytes: int) -> bool:
-    """The default ``populate`` of a :class:`ReadPlan`: allocate the pages of ``[address, address + nbytes)``
-    (``MADV_POPULATE_WRITE`` from several threads); False when this memory or kernel cannot (a speed-up only)."""
-    try:
-        return populate_write_range(address, nbytes)
-    except OSError as exc:
-        logger.debug("populating %d bytes at %#x ahead of the reads failed (%s); the reads fault them in", nbytes,
-                     address, exc)
-        return False
-
-
 @dataclass
 class ReadStats:
     """What one :meth:`ReadPlan.read` (or several, added up) did: seconds from the first read to the last, bytes
@@ -253,11 +233,6 @@ class ReadStats:
         self.nbytes += other.nbytes
         self.populated_bytes += other.populated_bytes
         self.populate_s += other.populate_s
-
-
-#: ``populate(address, nbytes)``: allocate those pages; False means "cannot here" (stop trying), an error stops the
-#: reads (see the module docstring).
-Populate = Callable[[int, int], "bool | None"]
 
 
 class ReadPlan:
@@ -336,8 +311,7 @@ class ReadPlan:
             for tmp, dest in copies:
                 dest.copy_(tmp)
             return stats
-        ahead = _PopulateAhead(ranges, self.populate if populate is True else populate or None, self.populate_ahead,
-                               stats)
+        ahead = ReadQueue(ranges, self.populate if populate is True else populate or None, self.populate_ahead)
         fds: dict[str, int] = {}
         progress = _Progress(self.label, total)
 
@@ -384,95 +358,11 @@ class ReadPlan:
             for fd in fds.values():
                 os.close(fd)
             stats.read_s = time.monotonic() - start
+            stats.populated_bytes, stats.populate_s = ahead.populated_bytes, ahead.populate_s
         for tmp, dest in copies:
             dest.copy_(tmp)
         progress.finish()
         return stats
-
-
-class _PopulateAhead:
-    """The readers' queue of ranges, and the thread (``ft-ckpt-populate``) that allocates the destination pages of
-    the next ranges while the readers work (see the module docstring). A range is either claimed by a reader or
-    passed by the populating thread first, never both at once."""
-
-    def __init__(self, ranges: list[_Range], populate: Populate | None, window: int, stats: ReadStats) -> None:
-        self.ranges = ranges
-        self.error: BaseException | None = None
-        self._populate = populate
-        self._window = window
-        self._stats = stats
-        self._cond = threading.Condition()
-        self._claimed = 0  # ranges [0, _claimed) went to readers
-        self._end = [0]  # _end[k]: bytes of ranges [0, k)
-        for r in ranges:
-            self._end.append(self._end[-1] + r.nbytes)
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-
-    def start(self, cancel: threading.Event) -> None:
-        if self._populate is not None and self._window > 0 and len(self.ranges) > 1:
-            self._thread = threading.Thread(target=self._run, args=(self._populate, cancel), name="ft-ckpt-populate",
-                                            daemon=True)
-            self._thread.start()
-
-    def claim(self) -> _Range | None:
-        """The next range for a reader, or None when every range was handed out."""
-        with self._cond:
-            if self._claimed >= len(self.ranges):
-                return None
-            r = self.ranges[self._claimed]
-            self._claimed += 1
-            self._cond.notify_all()
-            return r
-
-    def stop(self) -> None:
-        """Stop the populating thread after the range in flight and join it. Idempotent."""
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
-
-    def _next(self, position: int, cancel: threading.Event) -> int | None:
-        """The next range to populate at or after ``position`` (waiting while it is too far ahead), or None."""
-        with self._cond:
-            while True:
-                if self._stopped or cancel.is_set():
-                    return None
-                position = max(position, self._claimed)  # the readers took those: they fault them in
-                if position >= len(self.ranges):
-                    return None
-                if self._end[position] - self._end[self._claimed] <= self._window:
-                    return position
-                self._cond.wait(0.1)
-
-    def _run(self, populate: Populate, cancel: threading.Event) -> None:
-        position = 0
-        last = (0, 0)  # the span populated last: a page it shares with the next range is populated once
-        while (found := self._next(position, cancel)) is not None:
-            position = found
-            address, nbytes = self.ranges[position].pages()
-            if last[0] <= address < last[1]:
-                if address + nbytes <= last[1]:  # inside it: nothing new
-                    position += 1
-                    continue
-                nbytes -= last[1] - address
-                address = last[1]
-            begin = time.monotonic()
-            try:
-                supported = populate(address, nbytes) is not False
-            except BaseException as exc:  # noqa: BLE001 - raised by run() once the readers stopped
-                self.error = exc
-                cancel.set()
-                return
-            finally:
-                self._stats.populate_s += time.monotonic() - begin
-            if not supported:
-                return
-            self._stats.populated_bytes += nbytes
-            last = (address, address + nbytes)
-            position += 1
 
 
 def _read_range(fd: int, r: _Range) -> None:

@@ -21,6 +21,12 @@ when ranges ``i + 1 .. j`` fit in ``window`` bytes, ``i`` being the first range 
 smaller than the next range means no allocation ahead of the caller at all. :meth:`close` stops the thread after the
 range in flight and joins it (always call it, also after an error); ``waited_s`` is the time the caller spent
 waiting for allocation, the part of the fill the window did not hide.
+
+Not the checkpoint reader's
+---------------------------
+``flextensor.checkpoint_pages`` also allocates pages on a thread ahead of writers, for the checkpoint reader, but
+there it is only a speed-up: several readers take ranges from a queue and never wait for it, and it passes over
+the ranges they reached. Here each range must be allocated before it is written, so the writer waits for it.
 """
 
 from __future__ import annotations
