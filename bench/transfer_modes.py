@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bench_engine as engine
+from engine_report import ms, verdict
 from common import gib, report, table
 from models import BLOCK_PATTERN, ModelSpec, build_model, default_dtype, make_tokens
 
@@ -184,12 +185,12 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
               if r["device_total_bytes"] else f"{r['fraction']} of host RAM (CPU)")
     model_rows = [[r["model"], f"{r['dtype']} on {r['device']}", gib(r["model_bytes"]), gib(r["layer_bytes"]),
                    f"{tuple(r['small_shape'])}", f"{tuple(r['large_shape'])}", budget]]
-    rows = [["resident", engine.ms(res["small_s"]), engine.ms(res["large_s"]), "1.000x", "1.000x", "-", "-", "-",
+    rows = [["resident", ms(res["small_s"]), ms(res["large_s"]), "1.000x", "1.000x", "-", "-", "-",
              "-"]]
     for key, run in runs.items():
         streamed = run["offloaded_bytes"]
         resident = run["device_total_bytes"] - run["device_block_bytes"]
-        rows.append([run["label"], engine.ms(run["small_s"]), engine.ms(run["large_s"]),
+        rows.append([run["label"], ms(run["small_s"]), ms(run["large_s"]),
                      f"{_vs_twin(run, 'small'):.3f}x", f"{_vs_twin(run, 'large'):.3f}x",
                      gib(streamed), gib(resident), gib(run["device_block_bytes"]), run["strategy"]])
     pairs = [("every layer streams", "slots_nth", "arena_nth"), ("memory mode", "slots_memory", "arena_memory"),
@@ -207,17 +208,17 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
     forward_ratio = mem_arena["small_s"] / mem_slots["small_s"]
     goals = [
         [f"memory mode: the arena's forward <= {GOAL_MEMORY_RATIO:.3f}x the slots' (transfer-bound, medians of "
-         "this run)", f"{forward_ratio:.3f}x", engine.verdict(forward_ratio <= GOAL_MEMORY_RATIO)],
+         "this run)", f"{forward_ratio:.3f}x", verdict(forward_ratio <= GOAL_MEMORY_RATIO)],
         ["memory mode: the arena streams no more than the slots", f"{gib(mem_arena['offloaded_bytes'])} vs "
          f"{gib(mem_slots['offloaded_bytes'])}",
-         engine.verdict(mem_arena["offloaded_bytes"] <= mem_slots["offloaded_bytes"])],
+         verdict(mem_arena["offloaded_bytes"] <= mem_slots["offloaded_bytes"])],
         [f"memory mode 0.015, 6.0 GiB MLP, default configuration (slots): streams <= {gib(GOAL_STREAMED_BYTES)}",
          gib(mem_slots["offloaded_bytes"]),
-         engine.verdict(mem_slots["offloaded_bytes"] <= GOAL_STREAMED_BYTES
+         verdict(mem_slots["offloaded_bytes"] <= GOAL_STREAMED_BYTES
                         if _is_goal_case(r) else None)],
         [f"memory mode 0.015, 6.0 GiB MLP: the arena streams <= {gib(GOAL_STREAMED_BYTES)}",
          gib(mem_arena["offloaded_bytes"]),
-         engine.verdict(mem_arena["offloaded_bytes"] <= GOAL_STREAMED_BYTES
+         verdict(mem_arena["offloaded_bytes"] <= GOAL_STREAMED_BYTES
                         if _is_goal_case(r) else None)],
         ["outputs equal resident (max |diff|, small batch, worst run)",
          f"{max(run['max_abs_diff'] or 0.0 for run in runs.values()):.3g}", "-"],
