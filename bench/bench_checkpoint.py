@@ -57,7 +57,6 @@ import argparse
 import importlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,20 +71,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import page_cache  # noqa: E402
+from checkpoint_report import memory_table, phases_table, samples, summary_line, timing_table  # noqa: E402
 
 import flextensor as ft  # noqa: E402
 
 NAME = "bench_checkpoint"
-WARM_GOAL_S, WARM_GOAL_BYTES = 2.5, 6 << 30  # <= 2.5 s per 6 GiB from a warm page cache (H200 host)
-COLD_GOAL = 1.2  # from disk: within 1.2x of `cat FILES > /dev/null`
-MEMORY_GOALS = {"lazy": 1.10, "lazy-torch": None, "session": 1.10, "inram": 1.25, "offload": None}
-LABELS = {"lazy": "load_model_from_profile", "lazy-torch": "load_model_from_profile, pinned_memory_mode='torch'",
-          "session": "session creator (checkpoint)", "inram": "session creator (in RAM)",
-          "offload": "offload (model in RAM), added"}
-#: The session creator's steps shown (``session.report()``): model, store, queueing the block reads (they run on a
-#: thread from there), adoption and plan beside the reads, then the wait for the reads' end.
-SESSION_STEPS = ("factory", "store", "blocks", "adopt", "plan", "blocks_wait")
-EVICTED_BELOW = 0.01  # a "cold" run needs less than 1% of the checkpoint's bytes in the page cache
 
 
 class Block(nn.Module):
@@ -368,7 +358,9 @@ class Runner:
             proc.wait()
         result.update(mode=mode, cache=cache, cached_before=cached)
         self.runs.append(result)
-        _summary(self)
+        line = summary_line(result)
+        if line is not None:
+            print(line, flush=True)
         return result
 
     def cat(self, cache: str) -> dict:
@@ -396,28 +388,12 @@ class Runner:
         return result
 
     def samples(self, mode: str, cache: str) -> list[dict]:
-        return [r for r in self.runs if r["mode"] == mode and r["cache"] == cache]
+        return samples(self.runs, mode, cache)
 
 
 def memory_section(runner: Runner, modes: list[str]) -> str:
-    rows = []
-    for mode in modes:
-        result = runner.load(mode, "warm")
-        ratio = result["growth"] / result["model_bytes"]
-        goal = MEMORY_GOALS[mode]
-        verdict = "-" if goal is None else f"<= {goal:.2f}x " + ("met" if ratio <= goal else "MISSED")
-        followers_s = ", ".join(f"{s:.2f}" for s in result.get("followers_ready_s", [])) or "-"
-        rows.append([LABELS[mode], f"{ratio:.3f}x", verdict, f"{result['ready_s']:.2f} s", followers_s,
-                     "yes" if result["equal"] else "NO"])
-    return common.table(["way of loading", "peak RSS growth / model", "goal", "call to ready",
-                         "followers ready (s)", "output equal"], rows)
-
-
-def _seconds(samples: list[dict]) -> tuple[float, str]:
-    values = [r["ready_s"] for r in samples]
-    med = statistics.median(values)
-    spread = f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
-    return med, f"{med:.2f} s{spread}"
+    """The peak-RSS rows: one warm load of each way of loading (the first warm run of each)."""
+    return memory_table(modes, [runner.load(mode, "warm") for mode in modes])
 
 
 def _fresh_memory_s(nbytes: int) -> float:
@@ -432,6 +408,8 @@ def _fresh_memory_s(nbytes: int) -> float:
 
 
 def timing_section(runner: Runner, modes: list[str]) -> str:
+    """The timed runs: cold ones first (``cat``, the reader, each way of loading, ``--repeat`` times), then the
+    warm ones the memory rows did not already give, the warm references and the fresh-memory writes."""
     args = runner.args
     for _ in range(args.repeat):
         runner.cat("cold")
@@ -445,92 +423,7 @@ def timing_section(runner: Runner, modes: list[str]) -> str:
     runner.reader("warm")
     for _ in range(args.repeat):
         runner.runs.append({"mode": "fresh", "cache": "-", "ready_s": _fresh_memory_s(runner.file_bytes)})
-    cat_s, _ = _seconds(runner.samples("cat", "cold"))
-    evicted = all(r["cached_before"] < EVICTED_BELOW for r in runner.runs if r["cache"] == "cold")
-    model_bytes = next(r["model_bytes"] for r in runner.runs if "model_bytes" in r)
-    scale = WARM_GOAL_BYTES / model_bytes
-    references = {("cat", "cold"): "`cat` the files", ("cat", "warm"): "`cat` the files",
-                  ("reader", "cold"): "checkpoint reader alone", ("reader", "warm"): "checkpoint reader alone",
-                  ("fresh", "-"): "write as many bytes of fresh memory"}
-    rows = []
-    for mode, cache in [*references, *[(m, c) for m in modes for c in ("warm", "cold")]]:
-        samples = runner.samples(mode, cache)
-        seconds, text = _seconds(samples)
-        rate = f"{runner.file_bytes / seconds / 1e9:.2f} GB/s"
-        if (mode, cache) in references:
-            cached = "-" if cache == "-" else f"{100 * max(r['cached_before'] for r in samples):.0f}%"
-            vs_cat = f"{seconds / cat_s:.2f}x" if evicted and cache != "warm" else "-"
-            rows.append([references[mode, cache], cache, cached, text, "-", rate, vs_cat, "-"])
-            continue
-        cached = f"{100 * max(r['cached_before'] for r in samples):.0f}%"
-        reading = f"{statistics.median(r['read_s'] for r in samples):.2f} s"
-        if cache == "cold" and not evicted:
-            vs_cat, goal = "-", "not measured: the page cache kept the files"
-        elif cache == "cold":
-            ratio = seconds / cat_s
-            vs_cat, goal = f"{ratio:.2f}x", f"<= {COLD_GOAL:.1f}x " + ("met" if ratio <= COLD_GOAL else "MISSED")
-        else:
-            per_goal = seconds * scale
-            vs_cat = "-"
-            goal = (f"{per_goal:.2f} s per 6 GiB; H200 goal <= {WARM_GOAL_S} s: "
-                    + ("met" if per_goal <= WARM_GOAL_S else "MISSED"))
-        rows.append([LABELS[mode], cache, cached, text, reading, rate, vs_cat, goal])
-    text = common.table(["way of loading", "page cache", "cached before", "checkpoint to READY", "of which reading",
-                         "rate", "vs cold `cat`", "goal"], rows)
-    text += (f"\n\n{args.repeat} run(s) per row: the median (and the range); the rate is the checkpoint's bytes over "
-             "the median.")
-    if not evicted:
-        text += ("\n\nThe page cache could not be dropped for these files (tmpfs, or pages kept by someone): the "
-                 "\"cold\" rows read cached pages and say nothing about the disk.")
-    return text
-
-
-def _median(samples: list[dict], get) -> float:
-    return statistics.median(get(r) for r in samples)
-
-
-def phases_section(runner: Runner, modes: list[str]) -> str:
-    """Where each load's time went (medians of the timed runs): the reader's seconds, the pages its thread
-    populated ahead and its seconds doing so, the registration of private host blocks inside the call (CUDA), and
-    the call's steps (``load_model_from_profile``: the adoption holds reading and registering; the session
-    creator: its ``report()`` steps, the reads inside ``blocks``)."""
-    rows = []
-    for mode in modes:
-        for cache in ("warm", "cold"):
-            samples = [r for r in runner.samples(mode, cache) if "phases" in r]
-            if not samples:
-                continue
-            ready = _median(samples, lambda r: r["ready_s"])
-            read = _median(samples, lambda r: r["phases"]["read_s"])
-            populated = _median(samples, lambda r: r["phases"]["populated_bytes"])
-            populate_s = _median(samples, lambda r: r["phases"]["populate_s"])
-            if mode == "session":
-                register = "after READY, in the background"
-                names = [n for n in SESSION_STEPS if n in samples[0]["phases"]["steps"]]
-                steps = ", ".join(f"{n} {_median(samples, lambda r, n=n: r['phases']['steps'].get(n, 0.0)):.2f}"
-                                  for n in names)
-            else:
-                register_s = _median(samples, lambda r: r["phases"]["register_s"])
-                register = f"{register_s:.2f} s" if torch.cuda.is_available() else "- (no CUDA)"
-                adopt = _median(samples, lambda r: r["phases"]["adopt_s"])
-                steps = f"model and matching {ready - adopt:.2f}, adoption {adopt:.2f} (reading, registering in it)"
-            rows.append([LABELS[mode], cache, f"{ready:.2f} s", f"{read:.2f} s",
-                         f"{common.gib(populated)} in {populate_s:.2f} s", register, steps])
-    return common.table(["way of loading", "page cache", "checkpoint to READY", "reading",
-                         "pages populated ahead of the reads (thread)", "registering", "steps (s)"], rows)
-
-
-def _summary(runner: Runner) -> None:
-    """One line per load run, as it comes: READY and its phases (the full tables follow at the end)."""
-    r = runner.runs[-1]
-    if "phases" not in r:
-        return
-    p = r["phases"]
-    steps = " ".join(f"{k}={v:.2f}" for k, v in p.get("steps", {}).items()
-                     if k in SESSION_STEPS)
-    print(f"[{r['mode']} {r['cache']}] READY {r['ready_s']:.2f} s: read {p['read_s']:.2f} s, populated "
-          f"{common.gib(p['populated_bytes'])} ahead in {p['populate_s']:.2f} s, register {p['register_s']:.2f} s, "
-          f"adopt {p['adopt_s']:.2f} s{'; ' + steps if steps else ''}", flush=True)
+    return timing_table(runner.runs, modes, runner.file_bytes, args.repeat)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -556,7 +449,7 @@ def run(args: argparse.Namespace) -> None:
         t1 = time.monotonic()
         timed_modes = [m for m in ("lazy", "session") if m in modes]
         timing = timing_section(runner, timed_modes)
-        phases = phases_section(runner, timed_modes)
+        phases = phases_table(runner.runs, timed_modes, torch.cuda.is_available())
         print(f"timing rows took {time.monotonic() - t1:.1f} s", flush=True)
         model_bytes = runner.runs[0]["model_bytes"]
         where = f"{args.tmp or tempfile.gettempdir()} ({page_cache.filesystem_type(root)})"
