@@ -41,7 +41,9 @@ rank's work (the README's quick start), and the contexts column shows whether an
 With more ranks than GPUs, ranks share GPUs (rank i on ``cuda:(i % count)``): every path runs and the host RAM,
 time-to-ready and output checks hold as usual, but the throughput goal does not apply. A run with one rank on
 each of two or more GPUs writes its tables into docs/benchmarks.md (``--no-docs`` skips that); N=1, shared GPUs
-and ``--quick`` print them and save the JSON only.
+and ``--quick`` print them and save the JSON only. ``--quick`` hides every GPU from its ranks and their set-up
+process (``CUDA_VISIBLE_DEVICES=""``, set before torch looks for a device): the engine computes on the device CUDA
+offers whenever there is one, so on a GPU host the ranks would otherwise stream to a GPU from CPU inputs.
 """
 
 from __future__ import annotations
@@ -546,7 +548,9 @@ def write_report(args: argparse.Namespace, p: Params, ranks: list[dict], gpu: bo
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small model on CPU ranks (gloo): checks the paths only")
+    p.add_argument("--quick", action="store_true",
+                   help="small model on CPU ranks (gloo), every GPU hidden from them (CUDA_VISIBLE_DEVICES=''): "
+                        "checks the paths only, on any host")
     p.add_argument("--nproc-per-node", type=int,
                    help="without torchrun: the ranks to start (default: one per GPU; 2 with --quick or no GPU)")
     p.add_argument("--current-device", choices=["set", "keep"], default="set",
@@ -581,6 +585,8 @@ if __name__ == "__main__":
         setup_main(sys.argv[2], sys.argv[3])
     else:
         parsed = parse_args(sys.argv[1:])
+        if parsed.quick:  # before torch asks for a device, in torchrun's ranks and the set-up process too
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
             rank_main(parsed)
         else:
