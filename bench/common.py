@@ -18,7 +18,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import cProfile
+    import pstats
 
 RESULTS_DIR = Path(os.environ.get("FLEXTENSOR_BENCH_OUT", Path(__file__).resolve().parent / "results"))
 DOCS_BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -213,6 +217,12 @@ class JsonLineWorker:
                     raise RuntimeError(f"{self.mode} worker {self.proc.pid} failed: {data['error']}")
                 return data
 
+    def read_stage(self, timeout: float | None = None) -> None:
+        """Wait for the worker's 'loaded' line (imports done, waiting for "go": see :func:`loaded_then_wait`)."""
+        stage = self.read(timeout)
+        if stage.get("stage") != "loaded":
+            raise RuntimeError(f"{self.mode} worker {self.proc.pid}: expected the 'loaded' line, got {stage}")
+
     def send(self, command: str) -> None:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
@@ -221,3 +231,48 @@ class JsonLineWorker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+def loaded_then_wait() -> None:
+    """A worker's side of :func:`start_together`: tell the parent the imports are done, then wait for "go", so
+    that timed work never competes with other workers' interpreter start-up (seconds of CPU each), only with
+    their timed work."""
+    print(json.dumps({"stage": "loaded"}), flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("parent went away before 'go'")
+
+
+def start_together(workers: Sequence[JsonLineWorker], timeout: float | None = None) -> list[dict]:
+    """Let every worker finish its imports, then start them all at once (concurrent attaches or loads, as when a
+    server's workers start together); their reports (each within ``timeout`` s when given)."""
+    for w in workers:
+        w.read_stage(timeout)
+    for w in workers:
+        w.send("go")
+    return [w.read(timeout) for w in workers]
+
+
+def cleanup_namespace(namespace: str, manager: str, timeout: float) -> None:
+    """Safety net after a sharing group: reclaim whatever a failed worker left in ``namespace`` (a no-op when all
+    closed cleanly). A failure here is printed, never raised: it must not hide the benchmark's own error."""
+    import flextensor as ft
+
+    try:
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=[manager], timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - reported, never hides the benchmark's own error
+        print(f"cleanup_namespace({namespace!r}) failed: {exc}", file=sys.stderr, flush=True)
+
+
+def write_cprofile(profiler: "cProfile.Profile", path: str | Path) -> "pstats.Stats":
+    """A worker's cProfile as text into ``path``: by cumulative time (40 entries), then by own time (25). Returns
+    the stats for a caller that picks entries out of them."""
+    import io
+    import pstats
+
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(out.getvalue())
+    return stats
