@@ -57,7 +57,11 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, JsonLineWorker, docs_body, gib, median, report, table, write_docs_section  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR, JsonLineWorker, cleanup_namespace, gib, loaded_then_wait, report, start_together, table,
+    write_cprofile, write_docs_section,
+)
+from scale_report import build_sections, print_phases, save_partial  # noqa: E402
 from shm_rates import READ_HEADERS, follower_read_rates, read_rows, tmpfs_rates  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,12 +69,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MANAGER = "scale"
 GIB = 1 << 30
-#: A follower is ready after READY within its resident bytes at this rate, plus GOAL_FOLLOWER_FIXED_S.
-GOAL_FOLLOWER_GBPS = 40.0
-GOAL_FOLLOWER_FIXED_S = 0.1
-GOAL_PUBLISH_GBPS = 16.0
-GOAL_CLOSE_S = 0.5
-GOAL_SIZE_GIB = 24
 
 
 @dataclass
@@ -127,16 +125,7 @@ def _max_diff(p: Params, out) -> float:
 
 def _top_functions(profiler, path: str, count: int = 12) -> list[list]:
     """The profile by cumulative time into ``path``; the top ``count`` entries as [function, calls, cum s, own s]."""
-    import io
-    import pstats
-
-    out = io.StringIO()
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("cumulative").print_stats(40)
-    stats.sort_stats("tottime").print_stats(25)
-    with open(path, "w") as f:
-        f.write(out.getvalue())
+    stats = write_cprofile(profiler, path)
     entries = stats.stats.items()  # type: ignore[attr-defined]
     ours = sorted((kv for kv in entries if f"{os.sep}flextensor{os.sep}" in kv[0][0]), key=lambda kv: kv[1][3],
                   reverse=True)[:count]  # flextensor's functions by cumulative time
@@ -215,9 +204,7 @@ def worker_session(p: Params):
     from models import build_meta_model, build_model, make_tokens
 
     ft.SharedOffloadSession, ft.OffloadConfig  # resolve the lazy imports before the clock starts
-    print(json.dumps({"stage": "loaded"}), flush=True)
-    if sys.stdin.readline().strip() != "go":
-        raise SystemExit("parent went away before 'go'")
+    loaded_then_wait()
     info: dict = {"role": "follower", "factory_s": 0.0}
 
     def creator_factory():
@@ -308,15 +295,6 @@ class Worker(JsonLineWorker):
         return time.monotonic() - begin
 
 
-def start_together(workers: list[Worker], timeout: float) -> list[dict]:
-    for w in workers:
-        if w.read(timeout).get("stage") != "loaded":
-            raise RuntimeError(f"worker {w.proc.pid} did not report its imports")
-    for w in workers:
-        w.send("go")
-    return [w.read(timeout) for w in workers]
-
-
 def close_together(workers: list[Worker], timeout: float) -> list[tuple[float, float]]:
     """Tell every worker to close at once; (close() seconds, seconds from its reply to the process's exit)."""
     for w in workers:
@@ -369,207 +347,7 @@ def run_group(params: Params, workers: int, timeout: float, out: dict) -> None:
         for w in started:
             w.kill()
         if any(w.proc.returncode not in (0, None) for w in started) or "leftovers" not in out:
-            _cleanup(params.namespace)
-
-
-def _cleanup(namespace: str) -> None:
-    import flextensor as ft
-
-    try:
-        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=[MANAGER], timeout=45.0)
-    except Exception as exc:  # noqa: BLE001 - reported, never hides the size's own error
-        print(f"cleanup_namespace({namespace!r}) failed: {exc}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _s(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.3f} s"
-
-
-def _per_gib(seconds: float | None, size_gib: float) -> str:
-    return "-" if seconds is None else f"{seconds:.3f} s ({seconds / size_gib * 1e3:.0f} ms/GiB)"
-
-
-def _rate(nbytes: float, seconds: float | None) -> str:
-    return "-" if not seconds else f"{nbytes / seconds / 1e9:.2f} GB/s"
-
-
-#: A follower's steps as reported (``session.report()``), by the name the tables give them, in order: the join
-#: (election, daemon, plan), then the attach thread's (map the store, map the arena, device blocks, resident
-#: copy), then the caller's after the factory (validate, install the resident tensors, adopt the plan).
-PHASES = {"join": "join", "daemon": "daemon", "plan": "plan", "map store": "prefetch_store",
-          "map arena": "prefetch_blocks", "device blocks": "prefetch_slots", "copy": "prefetch_resident",
-          "factory": "factory", "validate": "validate", "install": "resident", "adopt": "adopt"}
-#: The resident copy's ring parts (``CopyReport``), which run on a thread of their own.
-RING_PARTS = ("ring_populate_s", "ring_register_s", "ring_wait_s")
-
-
-def size_row_values(r: dict) -> dict[str, str]:
-    """One column of the costs table (see build_sections)."""
-    g, setup, group = r["gib"], r.get("setup") or {}, r.get("group") or {}
-    col: dict[str, str] = {}
-    passes = setup.get("passes_s") or []
-    if passes:
-        mid = median(passes)
-        col["ft.offload()"] = _per_gib(setup["offload_s"], g)
-        col["profile passes (sum)"] = f"{_per_gib(sum(passes), g)}; {len(passes)} passes, median {mid:.3f} s, last " \
-                                      f"{passes[-1]:.3f} s"
-        col["profile-phase overhead: offload() + passes - n x median pass"] = _per_gib(
-            setup["offload_s"] + sum(passes) - len(passes) * mid, g)
-    creator = group.get("creator")
-    if creator:
-        col["creator publish (ready - factory)"] = f"{_per_gib(creator['publish_s'], g)}, " \
-                                                   f"{_rate(creator['shared_bytes'], creator['publish_s'])}"
-        pub = creator.get("publish") or {}
-        steps = creator.get("steps", {})
-        col["of which: store / blocks / adopt / plan"] = " / ".join(
-            f"{steps.get(k, 0.0):.3f}" for k in ("store", "blocks", "adopt", "plan")) + " s"
-        col["of which: waiting for pages (populate thread's time)"] = \
-            f"{pub.get('populate_wait_s', 0.0):.3f} s ({pub.get('populate_s', 0.0):.3f} s)"
-        col["creator close() / exit after it"] = f"{_s(creator.get('close_s'))} / {_s(creator.get('exit_s'))}"
-    followers = group.get("followers") or []
-    resident = (r.get("setup") or {}).get("resident_bytes", 0)
-    for label, workers in (("followers together", followers), ("follower alone", [group["alone"]] if
-                                                                  group.get("alone") else [])):
-        if not workers:
-            continue
-        ready = [w["ready_s"] for w in workers]
-        copy = [w["steps"].get("prefetch_resident", 0.0) for w in workers]
-        col[f"{label}: ready after READY (median, max)"] = f"{median(ready):.3f} / {max(ready):.3f} s " \
-                                                          f"({median(ready) / g * 1e3:.0f} ms/GiB)"
-        col[f"{label}: resident copy ({gib(resident)}), median"] = f"{median(copy):.3f} s, " \
-                                                                   f"{_rate(resident, median(copy))}"
-        col[f"{label}: phases, median ms ({' / '.join(PHASES)})"] = " / ".join(
-            f"{median([w['steps'].get(step, 0.0) for w in workers]) * 1e3:.0f}" for step in PHASES.values())
-        rings = [w["resident_copy"] for w in workers if w.get("resident_copy")]
-        if rings:
-            col[f"{label}: resident copy's ring, median ms (pages / registration / copy waited)"] = " / ".join(
-                f"{median([c[k] for c in rings]) * 1e3:.0f}" for k in RING_PARTS) + \
-                f"; read: {rings[0]['source']}, {rings[0]['threads']} workers"
-        col[f"{label}: first forward (median)"] = _s(median([w["first_forward_s"] for w in workers]))
-        col[f"{label}: background registration (median)"] = _s(median([w["register_s"] for w in workers]))
-        col[f"{label}: close() max / exit after it max"] = \
-            f"{max(w['close_s'] for w in workers):.3f} / {max(w['exit_s'] for w in workers):.3f} s"
-    if "leftovers" in group:
-        col["/dev/shm entries left after every process exited"] = str(len(group["leftovers"]))
-    diffs = [w.get("max_abs_diff") for w in [creator, *followers, group.get("alone")] if w]
-    if diffs:
-        col["max |out - reference| (every worker)"] = f"{max(diffs):.3g}"
-    if r.get("error"):
-        col["error"] = r["error"]
-    return col
-
-
-def follower_goal_rows(r: dict) -> list[list[str]]:
-    """Per size: a follower ready after READY within its resident bytes at GOAL_FOLLOWER_GBPS plus
-    GOAL_FOLLOWER_FIXED_S (alone, and the worst of those started together), and its close()."""
-    group, resident = r["group"], (r.get("setup") or {}).get("resident_bytes", 0)
-    goal = resident / (GOAL_FOLLOWER_GBPS * 1e9) + GOAL_FOLLOWER_FIXED_S
-    rows = []
-    for label, workers in ((f"{len(group.get('followers', []))} followers together (worst)", group.get("followers")),
-                           ("follower alone", [group["alone"]] if group.get("alone") else None)):
-        if workers:
-            worst = max(w["ready_s"] for w in workers)
-            rows.append([f"{label} ready after READY, {r['gib']:g} GiB ({gib(resident)} resident)", f"{worst:.3f} s",
-                         f"<= {goal:.3f} s", "met" if worst <= goal else "MISSED"])
-    followers = [*group.get("followers", []), *([group["alone"]] if group.get("alone") else [])]
-    if followers:
-        worst_close = max(w["close_s"] for w in followers)
-        rows.append([f"follower close(), {r['gib']:g} GiB (worst)", f"{worst_close:.3f} s", f"<= {GOAL_CLOSE_S} s",
-                     "met" if worst_close <= GOAL_CLOSE_S else "MISSED"])
-    return rows
-
-
-def goal_rows(results: list[dict]) -> list[list[str]]:
-    rows = [row for x in results if x.get("group") for row in follower_goal_rows(x)]
-    r = next((x for x in results if abs(x["gib"] - GOAL_SIZE_GIB) < 1e-9 and x.get("group")), None)
-    if r is None:
-        return rows
-    group = r["group"]
-    creator = group.get("creator")
-    if creator:
-        gbps = creator["shared_bytes"] / max(creator["publish_s"], 1e-9) / 1e9
-        rows.append([f"creator publish, {GOAL_SIZE_GIB} GiB", f"{gbps:.1f} GB/s", f">= {GOAL_PUBLISH_GBPS} GB/s",
-                     "met" if gbps >= GOAL_PUBLISH_GBPS else "MISSED"])
-    if "leftovers" in group:
-        rows.append(["/dev/shm after every process closed and exited", f"{len(group['leftovers'])} entries", "0",
-                     "met" if not group["leftovers"] else "MISSED"])
-    return rows
-
-
-def build_sections(data: dict) -> list[tuple[str, str]]:
-    results = data["sizes"]
-    headers = ["measure"] + [f"{r['gib']:g} GiB" for r in results]
-    columns = [size_row_values(r) for r in results]
-    measures = list(dict.fromkeys(k for col in columns for k in col))
-    rows = [[m] + [col.get(m, "-") for col in columns] for m in measures]
-    model_rows = []
-    for r in results:
-        s = r.get("setup") or {}
-        model_rows.append([f"{r['gib']:g} GiB", f"hidden {r['spec']['hidden']}, {r['spec']['layers']} layers",
-                           gib(r["model_bytes"]), s.get("tensors", "-"), gib(s["resident_bytes"]) if s else "-",
-                           gib(s["streamed_bytes"]) if s else "-", s.get("blocks", "-"), s.get("strategy", "-")])
-    sections = [
-        ("Models", table(["size", "model", "weights", "tensors", "resident (plan)", "streamed", "host blocks",
-                          "strategy"], model_rows)),
-        (f"Costs per size (and per GiB), {data['workers']} workers, {data['dtype']} on {data['device']}, "
-         f"max_gpu_mem_fraction={data['fraction']}", table(headers, rows)),
-    ]
-    goals = goal_rows(results)
-    if goals:
-        sections.append(("Goals", table(["measure", "measured", "goal", "status"], goals)))
-    for r in results:
-        top = (r.get("setup") or {}).get("cprofile_top")
-        if top:
-            sections.append((f"Where the fresh profile's offload() and passes go, {r['gib']:g} GiB (cProfile: "
-                             "flextensor's functions by cumulative time, then any by own time; "
-                             f"cprofile-setup-{r['gib']:g}.txt has more)",
-                             table(["function", "calls", "cumulative", "own"],
-                                   [[f, n, f"{cum:.3f} s", f"{own:.3f} s"] for f, n, cum, own in top])))
-    reads = data.get("reads")
-    if reads:
-        sections.append((f"A follower's reads of a {gib(reads['bytes'])} segment into the staging ring, host side "
-                         f"only ({reads['threads']} worker{'s' if reads['threads'] != 1 else ''} each, fresh processes; see "
-                         "bench/shm_rates.py)",
-                         table(READ_HEADERS, read_rows(reads))))
-    rates = data.get("tmpfs")
-    if rates:
-        sections.append((f"Shared-memory pages on this host ({gib(rates['bytes'])}, {rates['torch_threads']} torch "
-                         "threads)", table(["way", "rate"], [[k, f"{v:.1f} GB/s" if isinstance(v, float) else v]
-                                                             for k, v in rates.items()
-                                                             if k not in ("bytes", "torch_threads")])))
-    return sections
-
-
-def phase_line(w: dict) -> str:
-    """One follower's time to ready, step by step, on one line (ms)."""
-    steps, ring = w.get("steps", {}), w.get("resident_copy") or {}
-    parts = " ".join(f"{name} {steps[step] * 1e3:.0f}" for name, step in PHASES.items() if step in steps)
-    line = f"ready {w['ready_s'] * 1e3:.0f} ms: {parts}"
-    if ring:
-        line += (f" | ring pages {ring['ring_populate_s'] * 1e3:.0f} register {ring['ring_register_s'] * 1e3:.0f} "
-                 f"waited {ring['ring_wait_s'] * 1e3:.0f}; read {ring['source']} x{ring['threads']} "
-                 f"{ring['gbps']:.1f} GB/s")
-    return line + (f" | blocks registered in {w['register_s'] * 1e3:.0f}; close {w.get('close_s', 0) * 1e3:.0f}, "
-                   f"exit {w.get('exit_s', 0) * 1e3:.0f}")
-
-
-def print_phases(r: dict) -> None:
-    group = r.get("group") or {}
-    for label, workers in (("together", group.get("followers") or []), ("alone", [group["alone"]] if
-                                                                         group.get("alone") else [])):
-        for w in workers:
-            print(f"[{r['gib']:g} GiB] follower {label}: {phase_line(w)}", flush=True)
-
-
-def save_partial(data: dict) -> None:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / "bench_scale.partial.json").write_text(json.dumps(data, indent=2, default=str))
-    (RESULTS_DIR / "bench_scale.md").write_text(docs_body(build_sections(data)))
+            cleanup_namespace(params.namespace, MANAGER, timeout=45.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
