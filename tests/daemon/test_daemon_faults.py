@@ -52,9 +52,11 @@ def _sigkill_everyone(daemon, workers, namespace, lock_dir):
     assert wait_until(lambda: not any(lock_dir.iterdir()), 1.0), list(lock_dir.iterdir())
     for w in [creator, *followers]:
         w.kill()
+    # Seen by its pidfd, or first by the lease reader at a scan (the process is gone): a death either way. The
+    # reclaim is logged just after its cleanup removed the names waited for above: wait for the line too.
+    assert wait_until(lambda: "(death)" in daemon.read_log(), 2.0), daemon.read_log()
     log = daemon.read_log()
-    # Seen by its pidfd, or first by the lease reader at a scan (the process is gone): a death either way.
-    assert ("exited holding lease slot" in log or "no longer counts" in log) and "(death)" in log
+    assert "exited holding lease slot" in log or "no longer counts" in log
     m = _metrics(daemon)
     assert m["ftd_registrations_total"] == 3 and m["ftd_deaths_detected_total"] == 3
     assert m['ftd_reclaims_total{reason="death"}'] == 1
