@@ -58,7 +58,7 @@ from functools import cached_property
 
 from flextensor.planning.arena_model import ArenaMap, ArenaTrace, window_bytes
 from flextensor.planning.slot_model import (PipelineTrace, SlotRing, SlotTrace, effective_blocks, slot_sizes,
-                                            small_slot_for)
+                                            small_slot_used)
 from flextensor.planning.transfer_model import TransferModel
 
 MIB = 1 << 20
@@ -376,9 +376,7 @@ def plan_small_slot(inp: PlanInput, per_trap: Sequence[int], num_blocks: int, sm
     """The small slot (``flextensor.planning.slot_model``) a slot plan offloading ``per_trap`` through
     ``num_blocks`` slots really has: 0 for an arena, for too few slots, when it would hold the largest block, or
     when it holds no streamed block at all (a slot nothing uses would only hide a lower block count)."""
-    if inp.arena or not small_slot or not any(0 < nbytes <= small_slot for nbytes in per_trap):
-        return 0
-    return small_slot_for(max(per_trap, default=0), num_blocks, small_slot)
+    return 0 if inp.arena else small_slot_used(per_trap, num_blocks, small_slot)
 
 
 def rotating_bytes(inp: PlanInput, per_trap: Sequence[int], num_blocks: int, small_slot: int = 0) -> int:

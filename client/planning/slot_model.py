@@ -12,7 +12,7 @@ part, instead of to a whole trap, leaves the difference to resident tensors, so 
 The price is prefetch depth: a block larger than the small slot rotates through the ``num_blocks - 1`` large
 slots only, so the planner offers the small slot only with three blocks or more (two large slots still
 pipeline), only where some streamed block fits it (a slot nothing uses would be a block count below
-``min_blocks`` in disguise: ``plan_model.plan_small_slot``), and keeps it where its simulation says the pass
+``min_blocks`` in disguise: ``small_slot_used``), and keeps it where its simulation says the pass
 gets faster.
 
 Placement: least recently used slot that fits
@@ -34,7 +34,8 @@ from typing import Any, Generic, TypeVar
 
 from flextensor.planning.transfer_model import TransferModel
 
-__all__ = ["PipelineTrace", "SlotRing", "SlotTrace", "effective_blocks", "slot_sizes", "small_slot_for"]
+__all__ = ["PipelineTrace", "SlotRing", "SlotTrace", "effective_blocks", "slot_sizes", "small_slot_for",
+           "small_slot_used"]
 
 Owner = TypeVar("Owner")
 
@@ -48,6 +49,15 @@ def small_slot_for(largest: int, slots: int, small_slot: int) -> int:
     if slots >= MIN_SLOTS_WITH_SMALL and 0 < small_slot < largest:
         return int(small_slot)
     return 0
+
+
+def small_slot_used(blocks: Sequence[int], slots: int, small_slot: int) -> int:
+    """The small slot a plan streaming ``blocks`` (bytes per trap, 0 for resident ones) really has:
+    ``small_slot_for`` of its largest block, and 0 when no streamed block fits the slot (a slot nothing uses
+    would be a block count below ``min_blocks`` in disguise)."""
+    if not small_slot or not any(0 < nbytes <= small_slot for nbytes in blocks):
+        return 0
+    return small_slot_for(max(blocks, default=0), slots, small_slot)
 
 
 def slot_sizes(largest: int, slots: int, small_slot: int = 0) -> tuple[int, ...]:
@@ -129,7 +139,7 @@ class SlotTrace:
         inp = self.inp
         transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
         largest = max(per, default=0)
-        small = self.small_slot if any(0 < nbytes <= self.small_slot for nbytes in per) else 0  # else unused
+        small = small_slot_used(per, self.num_blocks, self.small_slot)
         ring: SlotRing[float] = SlotRing(slot_sizes(largest, self.num_blocks, small) or (0,))
         clock = last_end = 0.0
         for i, nbytes in enumerate(per):
