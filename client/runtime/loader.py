@@ -435,6 +435,7 @@ class BlockLoader(StreamingLoader):
         self._ring: SlotRing[int] | None = SlotRing(self.slot_sizes) if self.small_slot else None
         self._placement: dict[int, tuple[int, int]] = {}
         self._placed = -1
+        self._kept_from = 0  # the entries before it are passed: their placements are dropped
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._copy_pairs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         L = len(self.schedule)
@@ -546,8 +547,9 @@ class BlockLoader(StreamingLoader):
                 break
             self._issue(ahead, compute)
         if self._ring is not None:
-            for passed in [e for e in self._placement if e < entry]:
-                del self._placement[passed]
+            for passed in range(self._kept_from, entry):
+                self._placement.pop(passed, None)
+            self._kept_from = entry
         if cpu_start is not None and probe is not None:
             # synchronous copies: the trap (or the next one) waited for all of them
             probe.add_cpu_wait(time.perf_counter() - cpu_start)
