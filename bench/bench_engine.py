@@ -53,7 +53,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import gib, median, report, timed  # noqa: E402
 from engine_report import build_sections  # noqa: E402
-from models import BLOCK_PATTERN, ModelSpec, build_model, default_device, default_dtype, make_tokens  # noqa: E402
+from models import (  # noqa: E402
+    BLOCK_PATTERN, ModelSpec, add_model_arguments, build_model, default_device, default_dtype, make_tokens,
+)
 
 import flextensor as ft  # noqa: E402
 
@@ -325,12 +327,7 @@ def accelerate_run(model: torch.nn.Module, work: Workload, device: torch.device,
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU: checks the paths, not the speed")
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--mlp-ratio", type=int, default=2)
-    p.add_argument("--small", type=int, nargs=2, metavar=("B", "S"), help="transfer-bound input (batch, seq)")
-    p.add_argument("--large", type=int, nargs=2, metavar=("B", "S"), help="compute-bound input (batch, seq)")
+    add_model_arguments(p)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--profiling-iters", type=int, default=10)
     p.add_argument("--profile-repeats", type=int, default=5,

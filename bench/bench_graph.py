@@ -38,7 +38,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import gib, median, report, table  # noqa: E402
-from models import BLOCK_PATTERN, ModelSpec, build_model, default_dtype, make_tokens  # noqa: E402
+from models import (  # noqa: E402
+    BLOCK_PATTERN, ModelSpec, add_model_arguments, build_model, default_dtype, make_tokens,
+)
 
 import flextensor as ft  # noqa: E402
 
@@ -214,12 +216,7 @@ def build_sections(r: dict) -> list[tuple[str, str]]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small model: checks the paths in seconds")
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--mlp-ratio", type=int, default=2)
-    p.add_argument("--small", type=int, nargs=2, metavar=("B", "S"), help="transfer-bound input (batch, seq)")
-    p.add_argument("--large", type=int, nargs=2, metavar=("B", "S"), help="compute-bound input (batch, seq)")
+    add_model_arguments(p)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--profiling-iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)

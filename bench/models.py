@@ -214,3 +214,14 @@ def worker_env(device_name: str, dtype_name: str, spec_fields: dict):
     spec = ModelSpec(**spec_fields)
     build_meta_model(ModelSpec(hidden=spec.head_dim, layers=1, vocab=16, head_dim=spec.head_dim), dtype)
     return torch, device, dtype, spec
+
+
+def add_model_arguments(parser) -> None:
+    """The benchmark transformer's size and its two inputs, as ``bench_engine`` and ``bench_graph`` take them
+    (unset sizes and shapes are filled in by each benchmark, per device)."""
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--mlp-ratio", type=int, default=2)
+    parser.add_argument("--small", type=int, nargs=2, metavar=("B", "S"), help="transfer-bound input (batch, seq)")
+    parser.add_argument("--large", type=int, nargs=2, metavar=("B", "S"), help="compute-bound input (batch, seq)")
