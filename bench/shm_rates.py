@@ -41,15 +41,17 @@ def tmpfs_rates(nbytes: int) -> dict:
     import posix_ipc
     import torch
 
-    from flextensor.shm.prefault import MADV_POPULATE_WRITE, _populate, populate_write
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flextensor.shm.prefault import MADV_POPULATE_WRITE, _populate, populate_write, populate_write_range
 
     src = torch.ones(nbytes, dtype=torch.uint8)
     rates: dict = {"bytes": nbytes, "torch_threads": torch.get_num_threads()}
 
-    def fresh_segment() -> mmap.mmap:
+    def fresh_segment(size: int = nbytes) -> mmap.mmap:
         name = f"/ftscale{uuid.uuid4().hex[:10]}"
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
-        mapping = mmap.mmap(shm.fd, nbytes, flags=mmap.MAP_SHARED)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        mapping = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED)
         shm.close_fd()
         posix_ipc.unlink_shared_memory(name)  # the mapping keeps the pages until it is closed
         return mapping
@@ -62,11 +64,14 @@ def tmpfs_rates(nbytes: int) -> dict:
         del dst
         return seconds
 
-    def one_thread(mapping: mmap.mmap) -> None:
+    def address_of(mapping: mmap.mmap) -> int:
         anchor = ctypes.c_char.from_buffer(mapping)
         address = ctypes.addressof(anchor)
         del anchor
-        code = _populate(address, nbytes, MADV_POPULATE_WRITE)
+        return address
+
+    def one_thread(mapping: mmap.mmap) -> None:
+        code = _populate(address_of(mapping), nbytes, MADV_POPULATE_WRITE)
         if code:
             raise OSError(code, os.strerror(code))
 
@@ -82,6 +87,19 @@ def tmpfs_rates(nbytes: int) -> dict:
     mapping = fresh_segment()
     rates["copy into a fresh segment (the copy faults the pages)"] = nbytes / copy_into(mapping) / 1e9
     mapping.close()
+    for parts in (8, 16):  # an arena's parts (flextensor.shm.blocks): tmpfs allocates each file under its own locks
+        segments = [fresh_segment(nbytes // parts) for _ in range(parts)]
+        try:
+            begin = time.perf_counter()
+            with ThreadPoolExecutor(parts) as pool:
+                done = list(pool.map(lambda m: populate_write_range(address_of(m), nbytes // parts, threads=1),
+                                     segments))
+            seconds = time.perf_counter() - begin
+            rates[f"allocate: {parts} segments of 1/{parts}, a thread each"] = (
+                nbytes / seconds / 1e9 if all(done) else "n/a (the kernel lacks MADV_POPULATE_WRITE)")
+        finally:
+            for mapping in segments:
+                mapping.close()
     for label, populate in (("allocate: MADV_POPULATE_WRITE from several threads", threads),
                             ("allocate: MADV_POPULATE_WRITE, one thread", one_thread)):
         mapping = fresh_segment()

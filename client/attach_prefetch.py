@@ -55,8 +55,8 @@ on its own thread and are not among them either: ``copy_report`` (a
 the part of ``resident`` spent waiting for the ring.
 
 The arena's layout (:func:`flextensor.shm.blocks.arena_layout`) is computed once, on the thread, from the plan's
-block sizes: the thread maps the arena with it and keeps it as ``layout``, from which the session makes the
-blocks' views and its registration ranges.
+block sizes: the thread checks the plan's block names and maps the arena's parts with it and keeps it as
+``layout``, from which the session makes the blocks' views and its registration ranges.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ import torch
 from flextensor.runtime.loader import slot_count
 from flextensor.runtime.staged_copy import CopyReport, StagedCopy
 from flextensor.planning.plan_model import effective_blocks
-from flextensor.shm.blocks import ARENA_KIND, ArenaLayout, SharedBlockAllocator, arena_layout
+from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.tensor_store import SharedTensorStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -152,13 +152,15 @@ class FollowerPrefetch:
             slots = effective_blocks(self._num_blocks, self._min_blocks, len(self._blocks))
             self._slots = slot_count(slots, sum(label in streamed for label in self.state.schedule)) \
                 if self._blocks else 0
-            arena = self._owner.resource_name(ARENA_KIND)
+            # The arena's layout, once (the session reuses it): which part and offset each block has.
+            self.layout = arena_layout([b.nbytes for b in self._blocks])
+            parts = SharedBlockAllocator(self._owner).names(self.layout)
             for position, block in enumerate(self._blocks):
-                if block.index != position or block.name != arena:
+                if block.index != position or block.name != parts[self.layout.parts[position]]:
                     raise ValueError(
-                        f"published plan names host block {block.index} {block.name!r}, but this generation's "
-                        f"blocks are in {arena!r}: the plan belongs to another namespace or generation; restart "
-                        "the workers"
+                        f"published plan names host block {block.index} {block.name!r}, but this generation "
+                        f"keeps it in {parts[self.layout.parts[position]]!r}: the plan belongs to another "
+                        "namespace or generation; restart the workers"
                     )
             start = time.monotonic()
             self.store = SharedTensorStore.attach(self._namespace, shm_owner=self._owner)
@@ -203,11 +205,10 @@ class FollowerPrefetch:
         del held
 
     def _open_blocks(self, owner: "ShmOwner") -> None:
-        """Lay out the arena holding every host block, once (the session reuses ``layout``), and map it (one open:
-        see ``flextensor.shm.blocks``)."""
-        self.layout = arena_layout([b.nbytes for b in self._blocks])
+        """Map the arena's parts holding every host block (a few opens: see ``flextensor.shm.blocks``)."""
         if self._blocks:
-            self.segments = [SharedBlockAllocator(owner).attach(self.layout)]
+            assert self.layout is not None  # laid out when the plan's blocks were checked
+            self.segments = SharedBlockAllocator(owner).attach(self.layout)
 
 
 def _check_roles(owner: "ShmOwner | None", state: "TensorManagerState | None", elect: Callable[..., Any] | None

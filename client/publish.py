@@ -8,9 +8,11 @@ pages come, the copy and the CUDA registration of the creator's own mapping all 
 one after the other: on the H200 host a 24 GiB model published at 5.3 GB/s. Here the session fills the arena and
 the store itself and hands the engine the filled blocks (``host_blocks``, as a follower does), so:
 
-- the arena's pages are allocated on a thread ahead of the copy (:class:`~flextensor.shm.populate_ahead.PopulateAhead`)
+- the arena's pages are allocated on threads ahead of the copy (:class:`~flextensor.shm.populate_ahead.PopulateAhead`,
+  a worker per arena part: tmpfs allocates one file's pages under that file's locks, ``flextensor.shm.blocks``)
   when they could not be allocated ahead of time (a model built in RAM: see ``flextensor.creator_source``), and the
-  copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block;
+  copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block; the
+  arena fills on a thread (``ft-publish-blocks``) while the store fills, for the same reason;
 - the creator's mapping is registered with CUDA in the background after READY, block by block in schedule order,
   exactly like a follower's (``flextensor.shm.background_pin``), instead of inside the publish;
 - the resident tensors are published from the host, before the engine moves them to the device, instead of being
@@ -30,9 +32,10 @@ READY.
 
 Order (see ``SharedOffloadSession._publish``)
 ---------------------------------------------
-store (records copied or read, model pointed at them; on CUDA its mapping registered on a thread meanwhile, so
-the engine's move of the resident tensors to the device runs at pinned speed) -> arena, block by block in index
-order -> the engine adopts the plan (``host_blocks``; resident tensors to the device) -> plan, READY. From a
+store (records copied or read, model pointed at them; on CUDA its mapping then registered on a thread, so the
+engine's move of the resident tensors to the device runs at pinned speed) -> arena, block by block in index order
+(from a model in RAM: beside the store, from its start) -> the engine adopts the plan (``host_blocks``; resident
+tensors to the device) -> plan, READY. From a
 checkpoint the arena's reads run on their thread from the start of the adoption until just before READY (a copy
 from a block during the adoption waits for them: :meth:`BlockReads.gate`).
 """
@@ -52,7 +55,7 @@ from flextensor.checkpoint import populate_pages
 from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
-from flextensor.shm.blocks import ArenaLayout
+from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator
 from flextensor.shm.manifest import DTYPE_SIZES
 from flextensor.shm.populate_ahead import PopulateAhead
 from flextensor.shm.sizes import align_up
@@ -77,9 +80,10 @@ def populate_window(total: int) -> int:
     return max(1, min(POPULATE_AHEAD_BYTES, total // 16))
 
 
-def arena_plan(state: TensorManagerState, arena: str) -> TensorManagerState:
-    """``state`` with every host block naming the arena segment ``arena`` (what the published plan says)."""
-    blocks = [msgspec.structs.replace(b, name=arena) for b in state.blocks]
+def arena_plan(state: TensorManagerState, names: Sequence[str], layout: ArenaLayout) -> TensorManagerState:
+    """``state`` with every host block naming its arena part's segment (``names``, in part order, ``layout``'s
+    parts): what the published plan says."""
+    blocks = [msgspec.structs.replace(b, name=names[layout.parts[b.index]]) for b in state.blocks]
     return msgspec.structs.replace(state, blocks=blocks)
 
 
@@ -138,18 +142,24 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
 
 
 def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayout], blocks: Sequence[torch.Tensor],
-                arena: Any, layout: ArenaLayout, weights: Mapping[str, Any] | None, *, label: str) -> dict[str, float]:
-    """Copy every streamed tensor into its place in its block (``blocks``: views of ``arena`` laid out by
-    ``layout``), block by block in index order, pointing each model tensor at its place as soon as it is copied.
-    Pages not allocated yet come ahead of the copy on a thread. Returns seconds spent waiting for them and the
-    allocating thread's seconds. (A checkpoint's reads go through :class:`BlockReads` instead.)"""
+                arenas: Sequence[Any], layout: ArenaLayout, weights: Mapping[str, Any] | None, *, label: str,
+                cancel: threading.Event | None = None) -> dict[str, float]:
+    """Copy every streamed tensor into its place in its block (``blocks``: views of the arena's parts ``arenas``
+    laid out by ``layout``), block by block in index order, pointing each model tensor at its place as soon as it
+    is copied. Pages not allocated yet come ahead of the copy, a worker per part (consecutive blocks lie in
+    different parts, whose pages are allocated in parallel: see ``flextensor.shm.blocks``). Returns seconds spent
+    waiting for them and the allocating threads' seconds; stops before the next block once ``cancel`` is set (the
+    caller failed elsewhere). (A checkpoint's reads go through :class:`BlockReads` instead.)"""
     populate = None
     window = populate_window(layout.total)
-    if not arena.reserved and layouts:
-        populate = PopulateAhead(arena, list(zip(layout.offsets, layout.sizes)), window=window).start()
+    if not all(arena.reserved for arena in arenas) and layouts:
+        populate = PopulateAhead(SharedBlockAllocator.ranges(arenas, layout), window=window,
+                                 workers=len(arenas)).start()
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
     try:
         for block_layout, block in zip(layouts, blocks):
+            if cancel is not None and cancel.is_set():
+                return {}
             if populate is not None:
                 populate.wait(block_layout.index)
             for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
@@ -191,20 +201,21 @@ class BlockReads:
     arena once the caller cleans up."""
 
     def __init__(self, tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayout],
-                 blocks: Sequence[torch.Tensor], arena: Any, layout: ArenaLayout, weights: Any) -> None:
+                 blocks: Sequence[torch.Tensor], arenas: Sequence[Any], layout: ArenaLayout, weights: Any) -> None:
         for block_layout, block in zip(layouts, blocks):
             for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
                 entry = tensors[placement.name]
                 tensor = entry.tensor
                 if not tensor.is_meta or not view.is_contiguous():  # written by a copy: its pages come first
-                    arena.reserve_range(layout.offsets[block_layout.index] + placement.byte_offset, placement.nbytes)
+                    arenas[layout.parts[block_layout.index]].reserve_range(
+                        layout.offsets[block_layout.index] + placement.byte_offset, placement.nbytes)
                 if tensor.is_meta:
                     _write(view, _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape))
                 else:
                     view.copy_(tensor.detach())
                     assign_data(tensor, view)
         self._plan = weights.plan.detach()
-        self._arena, self._total = arena, layout.total
+        self._arenas = list(arenas)
         self.error: BaseException | None = None
         self.stats: dict[str, float] = {}
         self._done = threading.Event()
@@ -215,25 +226,27 @@ class BlockReads:
         return self
 
     def _run(self) -> None:
-        arena = self._arena
-        base, end = arena.address, arena.address + arena.size
+        arenas = self._arenas
+        reserved = all(arena.reserved for arena in arenas)
 
         def reserve_in_arena(address: int, nbytes: int) -> bool | None:
-            if base <= address and address + nbytes <= end:
-                arena.reserve_range(address - base, nbytes)
-                return None
+            for arena in arenas:
+                if arena.address <= address and address + nbytes <= arena.address + arena.size:
+                    arena.reserve_range(address - arena.address, nbytes)
+                    return None
             return populate_pages(address, nbytes)  # the reader's temporary for a strided place
 
-        populate = None if arena.reserved else reserve_in_arena
+        populate = None if reserved else reserve_in_arena
 
         try:
             try:
                 stats = self._plan.read(populate=populate)
             except OSError as exc:
-                if exc.errno == errno.EFAULT and not arena.reserved:
+                if exc.errno == errno.EFAULT and not reserved:
                     # A read reached pages that could not be allocated before the populating thread did: name
                     # the cause (a full /dev/shm raises ShmSpaceError here) rather than "Bad address".
-                    arena.reserve_range(0, self._total)
+                    for arena in arenas:
+                        arena.reserve_range(0, arena.size)
                 raise
             self.stats = {"read_s": stats.read_s, "read_bytes": float(stats.nbytes), "populate_s": stats.populate_s,
                           "populated_bytes": float(stats.populated_bytes)}
@@ -273,16 +286,17 @@ def read_queued(weights: Mapping[str, Any] | None) -> None:
 
 
 class BackgroundCall:
-    """One call on a thread of its own (``ft-publish-pin``); :meth:`join` returns its error, if any.
+    """One call on a thread of its own (``name``); :meth:`join` returns its error, if any.
 
-    The creator registers the store's mapping this way while it fills the arena; on CUDA the thread makes the
-    caller's device current first."""
+    The creator fills the arena this way while it fills the store, and registers the store's mapping while the
+    arena fills; on CUDA the thread makes the caller's device current first."""
 
-    def __init__(self, call: Callable[[], None], *, device: int | None = None) -> None:
+    def __init__(self, call: Callable[[], None], *, device: int | None = None, name: str = "ft-publish-pin"
+                 ) -> None:
         self.error: BaseException | None = None
         self.seconds = 0.0
         self._call, self._device = call, device
-        self._thread = threading.Thread(target=self._run, name="ft-publish-pin", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

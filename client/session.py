@@ -66,7 +66,7 @@ from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
 from flextensor.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, BlockReads, arena_plan, fill_blocks,
                                 populate_window, publish_store, read_queued, store_bytes)
-from flextensor.shm.blocks import ARENA_KIND, ArenaLayout, SharedBlockAllocator, arena_layout
+from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator, peek_ready
@@ -297,7 +297,7 @@ class SharedOffloadSession:
             # The segments are made while the model is built, without their pages: those come on a thread a window
             # ahead of the copy or the checkpoint read (flextensor.publish), so allocating tmpfs pages, the slow
             # part of publishing, overlaps the copy, and a model built in RAM is freed into them as they fill.
-            sizes = {DATA_KIND: store_size, **({ARENA_KIND: layout.total} if layouts else {})}
+            sizes = {DATA_KIND: store_size, **(layout.kinds if layouts else {})}
             owner.prepare_segments(sizes, reserve=False)
             with timed_step(steps, "factory"):
                 model = source.build()
@@ -307,10 +307,10 @@ class SharedOffloadSession:
             try:
                 model, reads = self._fill_shared(share, model, state, layouts, layout, resident, cfg, device, pin,
                                                  source)
-                published_plan = arena_plan(state, owner.resource_name(ARENA_KIND))
+                published_plan = arena_plan(state, SharedBlockAllocator(owner).names(layout), layout)
                 gate: Callable[[int], None] | None = None
                 if pin and layouts:
-                    share.pinner = block_pinner(share.segments[0], published_plan, layout, device,
+                    share.pinner = block_pinner(share.segments, published_plan, layout, device,
                                                 label=f"session {share.namespace}")
                     gate = share.pinner.wait
                 if reads is not None:
@@ -354,37 +354,51 @@ class SharedOffloadSession:
     def _fill_shared(self, share: ManagerShare, model: nn.Module, state: TensorManagerState,
                      layouts: list[Any], layout: ArenaLayout, resident: list[str], cfg: OffloadConfig,
                      device: torch.device, pin: bool, source: CreatorSource) -> tuple[nn.Module, BlockReads | None]:
-        """The store, then the arena, filled from the model (or its checkpoint) and the model pointed at them; on
-        CUDA the store's mapping is registered meanwhile (see ``flextensor.publish``). A checkpoint's block reads
+        """The store and the arena filled from the model (together, from a model in RAM), or the store then the
+        arena from its checkpoint, and the model pointed at them; on CUDA the store's mapping is registered once it
+        is filled, while the arena fills (see ``flextensor.publish``). A checkpoint's block reads
         are returned running (the caller adopts meanwhile, then waits for them). What it opens belongs to the
         share at once, so a failure is cleaned up by the caller's cleanup."""
         owner = share.coordinator.memory_owner
         steps = share.steps
         views = []
         if layouts:
-            arena = SharedBlockAllocator(owner).create(layout)
-            share.segments.append(arena)
-            views = SharedBlockAllocator.views(arena, layout)
+            share.segments.extend(SharedBlockAllocator(owner).create(layout))
+            views = SharedBlockAllocator.views(share.segments, layout)
         share.block_views = views
         # Refuse a model that does not match the profile before anything of it changes.
         checked = check_state(model, state, cfg, host_blocks=views, weights=source.weights)
-        with timed_step(steps, "store"):
-            share.store = publish_store(share.namespace, model, resident, owner, source.weights,
-                                        window=populate_window(store_bytes(state)))
-            read_queued(source.weights)  # the resident tensors' checkpoint reads
+        # A model in RAM fills the arena on a thread while the store fills here: their pages are different files,
+        # which tmpfs allocates in parallel (see flextensor.shm.blocks), and allocating them is the slow part.
+        blocks_fill = None
+        cancel = threading.Event()
+        if layouts and source.weights is None:
+            blocks_fill = BackgroundCall(lambda: share.publish.update(fill_blocks(
+                checked.tensors, layouts, views, share.segments, layout, None, label=share.name, cancel=cancel)),
+                name="ft-publish-blocks")
         store_pin = None
         reads = None
-        if pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
-            store_pin = BackgroundCall(share.store.pin, device=device_index(device))
         try:
-            with timed_step(steps, "blocks"):
+            with timed_step(steps, "store"):
+                share.store = publish_store(share.namespace, model, resident, owner, source.weights,
+                                            window=populate_window(store_bytes(state)))
+                read_queued(source.weights)  # the resident tensors' checkpoint reads
+            if pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
+                store_pin = BackgroundCall(share.store.pin, device=device_index(device))
+            with timed_step(steps, "blocks"):  # from a model in RAM: what the arena's fill took beyond the store's
                 if layouts and source.weights is not None:
-                    reads = BlockReads(checked.tensors, layouts, views, share.segments[0], layout,
+                    reads = BlockReads(checked.tensors, layouts, views, share.segments, layout,
                                        source.weights).start()
-                elif layouts:
-                    share.publish.update(fill_blocks(checked.tensors, layouts, views, share.segments[0], layout,
-                                                     source.weights, label=share.name))
+                elif blocks_fill is not None:
+                    fill, blocks_fill = blocks_fill, None
+                    failure = fill.join()
+                    share.publish["blocks_fill_s"] = fill.seconds
+                    if failure is not None:
+                        raise failure
         finally:
+            if blocks_fill is not None:  # the store failed: stop the arena's fill before anything is cleaned up
+                cancel.set()
+                blocks_fill.join()
             if store_pin is not None:  # never left running: a failure's cleanup unpins the store
                 with timed_step(steps, "register_store_wait"):
                     error = store_pin.join()
@@ -434,13 +448,13 @@ class SharedOffloadSession:
         with timed_step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
             share.store.materialize(model, device, copies=prefetch.device_copies)
         sizes = layout.sizes
-        host_blocks = SharedBlockAllocator.views(share.segments[0], layout) if sizes else []
+        host_blocks = SharedBlockAllocator.views(share.segments, layout) if sizes else []
         share.shared_bytes = layout.total + share.store.nbytes
         gate = None
         if cfg.pinned_memory and torch.cuda.is_available() and sizes:
             # Registration runs behind the follower's return and first forward, block by block in schedule
             # order; each copy from a block waits for that block only (see flextensor.shm.background_pin).
-            share.pinner = block_pinner(share.segments[0], state, layout, device, label=f"session {share.namespace}")
+            share.pinner = block_pinner(share.segments, state, layout, device, label=f"session {share.namespace}")
             gate = share.pinner.wait
         with timed_step(steps, "adopt"):
             proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False,

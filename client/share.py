@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -148,13 +148,15 @@ def privatize_shared_views(model: nn.Module, store: SharedTensorStore) -> None:
                 tensor.data = tensor.data.clone()
 
 
-def block_pinner(arena: Any, state: TensorManagerState, layout: Any, device: torch.device, *,
+def block_pinner(arenas: Sequence[Any], state: TensorManagerState, layout: Any, device: torch.device, *,
                  label: str) -> BackgroundPinner:
-    """The background registration of this process's mapping of the arena (``layout``), block by block in
-    ``state``'s schedule order (see ``flextensor.shm.background_pin``); the caller starts it after adopting."""
+    """The background registration of this process's mappings of the arena's parts (``arenas``, laid out by
+    ``layout``), block by block in ``state``'s schedule order (see ``flextensor.shm.background_pin``); the caller
+    starts it after adopting."""
     index_of = {b.label: b.index for b in state.blocks}
     order = [index_of[label] for label in state.schedule if label in index_of]
-    ranges = [PinRange(arena, offset, size) for offset, size in zip(layout.offsets, layout.sizes)]
+    ranges = [PinRange(arenas[part], offset, size)
+              for offset, size, part in zip(layout.offsets, layout.sizes, layout.parts)]
     return BackgroundPinner(ranges, order, device=device_index(device), label=label)
 
 

@@ -1,4 +1,4 @@
-"""Allocating a segment's pages on a thread, a bounded window ahead of the writer: :class:`PopulateAhead`.
+"""Allocating segments' pages on threads, a bounded window ahead of the writer: :class:`PopulateAhead`.
 
 Why
 ---
@@ -13,14 +13,22 @@ beyond the range it is writing: the memory bound stays one copy plus a window.
 
 Protocol
 --------
-``ranges`` are ``(offset, nbytes)`` in the order the caller writes them. The caller calls :meth:`wait` before
-writing range ``i`` (it raises the allocation's error: ``ShmSpaceError`` for a full ``/dev/shm``) and
+``ranges`` are ``(segment, offset, nbytes)`` in the order the caller writes them. The caller calls :meth:`wait`
+before writing range ``i`` (it raises the allocation's error: ``ShmSpaceError`` for a full ``/dev/shm``) and
 :meth:`done` once it is written, in order (a caller may write several ranges before it calls ``done`` for them,
-e.g. reads it runs together). The thread allocates range ``j`` when the caller waits for it (or a later one), or
-when ranges ``i + 1 .. j`` fit in ``window`` bytes, ``i`` being the first range not done yet; so a window
-smaller than the next range means no allocation ahead of the caller at all. :meth:`close` stops the thread after the
-range in flight and joins it (always call it, also after an error); ``waited_s`` is the time the caller spent
-waiting for allocation, the part of the fill the window did not hide.
+e.g. reads it runs together). A worker thread takes the next range not taken yet, ``j``, when the caller waits
+for it (or a later one), or when ranges ``i + 1 .. j`` fit in ``window`` bytes, ``i`` being the first range not
+done yet; so a window smaller than the next range means no allocation ahead of the caller at all. :meth:`close`
+stops the workers after the ranges in flight and joins them (always call it, also after an error); ``waited_s``
+is the time the caller spent waiting for allocation, the part of the fill the window did not hide.
+
+Several workers
+---------------
+tmpfs allocates the pages of one file under that file's locks, so threads on one segment stop at about 5 GB/s,
+while separate segments allocate in parallel (see ``flextensor.shm.blocks``). With ``workers > 1`` each worker
+takes ranges in turn and allocates its range from ``threads`` threads of its own, so ranges in different
+segments (an arena's parts hold consecutive blocks) are allocated at once; ranges still complete out of order,
+and :meth:`wait` waits for its own range only.
 
 Not the checkpoint reader's
 ---------------------------
@@ -31,6 +39,7 @@ the ranges they reached. Here each range must be allocated before it is written,
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Sequence
@@ -39,42 +48,51 @@ __all__ = ["PopulateAhead"]
 
 
 class PopulateAhead:
-    """Reserve ``ranges`` of ``segment`` on a thread (``ft-populate-ahead``), ``window`` bytes ahead of the caller."""
+    """Reserve ``ranges`` (``(segment, offset, nbytes)``) on ``workers`` threads (``ft-populate-ahead``),
+    ``window`` bytes ahead of the caller."""
 
-    def __init__(self, segment: Any, ranges: Sequence[tuple[int, int]], *, window: int) -> None:
+    def __init__(self, ranges: Sequence[tuple[Any, int, int]], *, window: int, workers: int = 1,
+                 threads: int | None = None) -> None:
         if window <= 0:
             raise ValueError(f"PopulateAhead: window must be > 0 bytes, got {window!r}")
-        self._segment = segment
-        self._ranges = [(int(o), int(n)) for o, n in ranges]
+        if workers < 1:
+            raise ValueError(f"PopulateAhead: workers must be >= 1, got {workers!r}")
+        self._ranges = [(segment, int(o), int(n)) for segment, o, n in ranges]
         self._window = int(window)
+        #: Threads each range is allocated from: all of the host's for one worker, a share of them for several.
+        self._threads = threads if threads is not None else (None if workers == 1 else
+                                                              max(1, (os.cpu_count() or 1) // workers))
         self._cond = threading.Condition()
-        self._populated = 0  # ranges [0, _populated) are allocated
+        self._taken = 0  # ranges [0, _taken) were taken by a worker
+        self._allocated = [False] * len(self._ranges)
         self._released = 0  # ranges [0, _released) were written (done)
         self._wanted = -1  # the latest range the caller waited for
         self._end = [0]  # _end[k]: bytes of ranges [0, k)
-        for _offset, nbytes in self._ranges:
+        for _segment, _offset, nbytes in self._ranges:
             self._end.append(self._end[-1] + nbytes)
         self._stop = False
         self.error: BaseException | None = None
         self.waited_s = 0.0
-        self.populate_s = 0.0  # the thread's time in reserve_range
-        self._thread = threading.Thread(target=self._run, name="ft-populate-ahead", daemon=True)
+        self.populate_s = 0.0  # the workers' time in reserve_range, summed
+        self._workers = [threading.Thread(target=self._run, name="ft-populate-ahead", daemon=True)
+                         for _ in range(min(workers, max(1, len(self._ranges))))]
 
     def start(self) -> "PopulateAhead":
-        self._thread.start()
+        for worker in self._workers:
+            worker.start()
         return self
 
     def wait(self, index: int) -> None:
-        """Return once range ``index`` is allocated; raise the allocation error that stopped the thread."""
+        """Return once range ``index`` is allocated; raise the allocation error that stopped the workers."""
         with self._cond:
-            if self._populated > index:
+            if self._allocated[index]:
                 return
             self._wanted = max(self._wanted, index)
             self._cond.notify_all()
             start = time.monotonic()
-            self._cond.wait_for(lambda: self._populated > index or self.error is not None or self._stop)
+            self._cond.wait_for(lambda: self._allocated[index] or self.error is not None or self._stop)
             self.waited_s += time.monotonic() - start
-            if self._populated > index:
+            if self._allocated[index]:
                 return
             if self.error is not None:
                 raise self.error
@@ -89,12 +107,13 @@ class PopulateAhead:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop after the range in flight and join the thread. Idempotent."""
+        """Stop after the ranges in flight and join the workers. Idempotent."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread.ident is not None:
-            self._thread.join()
+        for worker in self._workers:
+            if worker.ident is not None:
+                worker.join()
 
     def _may_allocate(self, index: int) -> bool:
         """Range ``index`` is the first not written, or the caller waits for it (or a later one), or it is within
@@ -103,21 +122,27 @@ class PopulateAhead:
         return index <= max(current, self._wanted) or self._end[index + 1] - self._end[current + 1] <= self._window
 
     def _run(self) -> None:
-        for index, (offset, nbytes) in enumerate(self._ranges):
+        while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stop or self._may_allocate(index))
-                if self._stop:
+                self._cond.wait_for(lambda: self._stop or self.error is not None or self._taken >= len(self._ranges)
+                                    or self._may_allocate(self._taken))
+                if self._stop or self.error is not None or self._taken >= len(self._ranges):
                     return
+                index = self._taken
+                self._taken += 1
+            segment, offset, nbytes = self._ranges[index]
             start = time.monotonic()
             try:
-                self._segment.reserve_range(offset, nbytes)
+                segment.reserve_range(offset, nbytes, threads=self._threads)
             except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread by wait()
                 with self._cond:
-                    self.error = exc
+                    if self.error is None:
+                        self.error = exc
                     self._cond.notify_all()
                 return
             finally:
-                self.populate_s += time.monotonic() - start
+                with self._cond:
+                    self.populate_s += time.monotonic() - start
             with self._cond:
-                self._populated += 1
+                self._allocated[index] = True
                 self._cond.notify_all()

@@ -57,14 +57,14 @@ def populate_write(mapping: mmap.mmap, size: int) -> bool:
         del anchor  # release the buffer export so the mapping can be closed later
 
 
-def populate_write_range(address: int, size: int) -> bool:
+def populate_write_range(address: int, size: int, *, threads: int | None = None) -> bool:
     """Allocate and map every page of ``size`` bytes at ``address`` (a shared mapping), from as many threads as
-    the range has :data:`MIN_PIECE` pieces (at most :data:`MAX_THREADS`); False when the kernel lacks
-    ``MADV_POPULATE_WRITE``. ``OSError`` as :func:`populate_write`."""
-    threads = min(MAX_THREADS, os.cpu_count() or 1)
+    the range has :data:`MIN_PIECE` pieces (at most ``threads``, by default :data:`MAX_THREADS`); False when the
+    kernel lacks ``MADV_POPULATE_WRITE``. ``OSError`` as :func:`populate_write`."""
+    threads = max(1, min(threads or MAX_THREADS, MAX_THREADS, os.cpu_count() or 1))
     piece = max(MIN_PIECE, min(CHUNK, -(-size // threads)))
     piece += -piece % mmap.PAGESIZE
-    return _populate_range(address, size, MADV_POPULATE_WRITE, piece=piece)
+    return _populate_range(address, size, MADV_POPULATE_WRITE, piece=piece, threads=threads)
 
 
 def populate_read(address: int, size: int, *, threads: int = MAX_THREADS) -> bool:

@@ -434,10 +434,11 @@ class SharedSegment:
         flat = torch.frombuffer(memoryview(mapping), dtype=dtype, offset=offset, count=span)
         return flat.as_strided(shape_t, stride_t)
 
-    def reserve_range(self, offset: int, nbytes: int) -> None:
+    def reserve_range(self, offset: int, nbytes: int, *, threads: int | None = None) -> None:
         """Allocate and map the pages of ``[offset, offset + nbytes)`` of a segment created with
-        ``reserve=False``, before writing there; a full ``/dev/shm`` is a :class:`ShmSpaceError` here rather
-        than a SIGBUS in the copy. A no-op on a segment reserved whole."""
+        ``reserve=False``, before writing there, from up to ``threads`` threads (default: one per core, at most
+        ``prefault.MAX_THREADS``); a full ``/dev/shm`` is a :class:`ShmSpaceError` here rather than a SIGBUS in
+        the copy. A no-op on a segment reserved whole."""
         if self.reserved or nbytes <= 0:
             return
         if offset < 0 or offset + nbytes > self.size:
@@ -447,7 +448,7 @@ class SharedSegment:
         length = _page_end(offset + nbytes) - start
         length = min(length, self.size - start)
         try:
-            if not populate_write_range(self.address + start, length):  # kernels before 5.14
+            if not populate_write_range(self.address + start, length, threads=threads):  # kernels before 5.14
                 shm = posix_ipc.SharedMemory(self.name, 0)
                 try:
                     os.posix_fallocate(shm.fd, start, length)

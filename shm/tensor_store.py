@@ -188,7 +188,7 @@ class SharedTensorStore:
             segment.check_intact()
             populate = None
             if not segment.reserved:
-                populate = PopulateAhead(segment, [(r.byte_offset, r.nbytes) for r in records],
+                populate = PopulateAhead([(segment, r.byte_offset, r.nbytes) for r in records],
                                          window=max(1, window)).start()
             try:
                 for index, (record, source) in enumerate(zip(records, sources)):

@@ -448,13 +448,13 @@ class HostRegisterProvider(ArenaProvider):
 
 
 class ShmProvider(HostBlockProvider):
-    """Host blocks in POSIX shared memory: every block a page-aligned range of the generation's one arena segment
-    (``flextensor.shm.blocks``).
+    """Host blocks in POSIX shared memory: every block a page-aligned range of one of the generation's arena
+    parts (``flextensor.shm.blocks``).
 
     The creator of the sharing generation creates the arena (fresh blocks, ``prefilled=False``); a follower maps
     the creator's (``prefilled=True``: the weights are already there). Both happen in :meth:`reserve`, which
-    gets every block size at once. When ``pin``, the creator registers the whole arena once in :meth:`finish`,
-    after the fill (pages populated); a follower registers right after mapping (nothing to fill).
+    gets every block size at once. When ``pin``, the creator registers each part once in :meth:`finish`, after
+    the fill (pages populated); a follower registers right after mapping (nothing to fill).
     """
 
     kind = "shm"
@@ -465,12 +465,12 @@ class ShmProvider(HostBlockProvider):
         self.owner = owner
         self.pinned = pin
         self._allocator = SharedBlockAllocator(owner)
-        self._arena: Any = None
+        self._parts: list[Any] = []
         self._views: list[torch.Tensor] = []
-        self._offsets: tuple[int, ...] = ()
+        self._ranges: list[tuple[Any, int, int]] = []  # each block's (part, offset, size)
 
     def reserve(self, sizes: Sequence[int]) -> None:
-        if self._arena is not None:
+        if self._parts:
             raise RuntimeError(f"the shared host blocks of {self.owner.namespace!r} were already reserved")
         sizes = [int(n) for n in sizes]
         if not sizes:
@@ -478,41 +478,44 @@ class ShmProvider(HostBlockProvider):
         from flextensor.shm.blocks import arena_layout
 
         creator = bool(self.owner.is_creator)
-        layout = arena_layout(sizes)  # once, for the segment and the views
-        arena = self._allocator.create(layout) if creator else self._allocator.attach(layout)
-        self._arena = arena
-        self._views = self._allocator.views(arena, layout)
-        self._offsets = layout.offsets
+        layout = arena_layout(sizes)  # once, for the segments and the views
+        self._parts = self._allocator.create(layout) if creator else self._allocator.attach(layout)
+        self._views = self._allocator.views(self._parts, layout)
+        self._ranges = self._allocator.ranges(self._parts, layout)
         if self.pinned and not creator:  # the device only ever reads host blocks (host -> device copies)
-            arena.pin(read_only=True)
+            for part in self._parts:
+                part.pin(read_only=True)
 
     def allocate(self, index: int, nbytes: int) -> HostBlock:
-        if self._arena is None or not 0 <= index < len(self._views):
+        if not self._parts or not 0 <= index < len(self._views):
             raise RuntimeError(f"shared host block {index} was not reserved: call reserve() with every block size "
                                "first (one arena holds them all)")
         view = self._views[index]
         if view.numel() != nbytes:
             raise ValueError(f"shared host block {index} was reserved with {view.numel()} bytes, not {nbytes}")
-        if self.owner.is_creator and not self._arena.reserved:
+        part, offset, _size = self._ranges[index]
+        if self.owner.is_creator and not part.reserved:
             # An arena whose pages come as it is filled (a creator that frees its private weights meanwhile):
             # the previous blocks' sources are gone by now, so their heap pages go back to the OS before this
             # block's pages are taken (see flextensor.runtime.heap).
             return_free_heap()
-            self._arena.reserve_range(self._offsets[index], nbytes)
-        return HostBlock(view, name=self._arena.name, prefilled=not self.owner.is_creator)
+            part.reserve_range(offset, nbytes)
+        return HostBlock(view, name=part.name, prefilled=not self.owner.is_creator)
 
     def finish(self, between: Callable[[], None] | None = None) -> None:
-        if self.pinned and self._arena is not None and not self._arena.pinned:
-            self._arena.pin(read_only=True)
+        if self.pinned:
+            for part in self._parts:
+                if not part.pinned:
+                    part.pin(read_only=True)
 
     def close(self) -> None:
-        arena, self._arena = self._arena, None
-        self._views = []
-        if arena is not None:
+        parts, self._parts = self._parts, []
+        self._views, self._ranges = [], []
+        for part in parts:
             try:
-                arena.close()
+                part.close()
             except Exception as exc:  # noqa: BLE001 - teardown goes on; the last participant unlinks the name
-                logger.warning("could not close the shared host blocks %s: %s", getattr(arena, "name", "?"), exc)
+                logger.warning("could not close the shared host blocks %s: %s", getattr(part, "name", "?"), exc)
 
 
 def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None,

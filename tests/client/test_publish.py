@@ -36,9 +36,9 @@ def populations(monkeypatch) -> list[dict]:
     made: list[dict] = []
 
     class Recording(PopulateAhead):
-        def __init__(self, segment, ranges, *, window):
-            super().__init__(segment, ranges, window=window)
-            made.append({"ranges": list(ranges), "window": window})
+        def __init__(self, ranges, *, window, workers=1):
+            super().__init__(ranges, window=window, workers=workers)
+            made.append({"ranges": list(ranges), "window": window, "workers": workers})
 
     monkeypatch.setattr(publish_mod, "PopulateAhead", Recording)
     monkeypatch.setattr(store_mod, "PopulateAhead", Recording)
@@ -70,7 +70,9 @@ def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(names
             ranges = shm_ranges()
             assert all(any(lo <= t.data_ptr() < hi for lo, hi in ranges) for t in model.parameters())
         # Pages came through the window: one population for the store's records, one for the arena's blocks.
-        store_pop, block_pop = populations
+        assert len(populations) == 2  # the arena's fill starts first, on its thread, beside the store's
+        block_pop, store_pop = sorted(populations, key=lambda p: p["ranges"][0][0].name.endswith(".sd"))
+        assert block_pop["ranges"][0][0].name.endswith(f".{ARENA_KIND}")
         manager = ft.get_offload_manager("model")
         assert len(block_pop["ranges"]) == len(manager.offloaded_tensors) and block_pop["window"] == WINDOW
         published = TensorManagerState.from_json(session_owner_blob(namespace))
@@ -98,4 +100,45 @@ def test_a_model_that_does_not_match_the_profile_is_refused_before_anything_is_p
                                      creator_model_factory=lambda: tiny_transformer(seed=0, d=48),
                                      follower_model_factory=_meta_model)
     session.close()
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
+def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(namespace, profile, monkeypatch):
+    """From a model in RAM the arena fills on a thread while the store fills: when the store fails, that thread
+    is stopped (before its next block) and joined before anything is cleaned up, the creator raises the store's
+    error, and nothing is left."""
+    import threading
+    import time
+
+    import flextensor.session as session_mod
+    from flextensor.profiles import read_profile
+
+    filled: list[int] = []
+    real_assign = publish_mod.assign_data
+
+    def slow_assign(tensor, view):  # each streamed tensor takes 20 ms: the fill is still running at the failure
+        time.sleep(0.02)
+        filled.append(view.numel())
+        real_assign(tensor, view)
+
+    def failing_store(*args, **kwargs):
+        time.sleep(0.05)
+        raise OSError(28, "No space left on device (the store)")
+
+    monkeypatch.setattr(publish_mod, "assign_data", slow_assign)
+    monkeypatch.setattr(session_mod, "publish_store", failing_store)
+    streamed = sum(t.offloaded for t in read_profile(profile).tensors)
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    try:
+        with pytest.raises(OSError, match="the store"):
+            session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                         creator_model_factory=lambda: tiny_transformer(seed=0),
+                                         follower_model_factory=_meta_model)
+        assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]
+        stopped_at = len(filled)
+        assert 0 < stopped_at < streamed  # the arena's fill had started and was stopped part way
+        time.sleep(0.1)
+        assert len(filled) == stopped_at  # nothing writes into the arena any more
+    finally:
+        session.close()
     assert shm_names(manager_namespace(namespace, "model")) == []

@@ -94,6 +94,34 @@ def test_a_follower_of_a_checkpoint_creator_gets_equal_outputs(namespace: str, p
 
 
 
+@pytest.mark.parametrize("source", ["in RAM", "checkpoint"])
+def test_an_arena_in_parts_is_published_read_and_removed_whole(namespace: str, profile: str, tmp_path: Path,
+                                                               source: str) -> None:
+    """A large model's arena is cut into parts (here forced small): the creator fills every part (copied from
+    the model in RAM, or read from the checkpoint), followers map each part and compute equal outputs, and the
+    last one out removes every part."""
+    extra = ["--arena-part-bytes", "4096"]
+    if source == "checkpoint":
+        extra += ["--checkpoint", str(save_checkpoint(tiny_transformer(seed=0), tmp_path / "ckpt", shards=2))]
+    creator = spawn(namespace, profile, *extra, "--hold")
+    followers = []
+    try:
+        first = read_result(creator)
+        assert first["role"] == "creator"
+        names = shm_names(manager_namespace(namespace, "model"))
+        parts = sorted(n.rsplit(".", 1)[1] for n in names if n.rsplit(".", 1)[1].startswith("h"))
+        assert len(parts) > 1 and parts[0] == "h" and parts[1:] == [f"h{k}" for k in range(1, len(parts))], names
+        followers = [spawn(namespace, profile, *extra, "--hold") for _ in range(2)]
+        results = [read_result(f) for f in followers]
+        assert [r["role"] for r in results] == ["follower", "follower"]
+        for result in (first, *results):
+            assert matches(output_of(result), expected_output())
+    finally:
+        codes = [finish(p) for p in (*followers, creator)]
+    assert codes == [0] * (len(followers) + 1)
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
 def _slow_reads(monkeypatch) -> list[int]:
     """Every checkpoint read takes 20 ms (a slow disk): the populating thread and the adoption run ahead of it.
     Returns the sizes of the ranges read, as they are read."""
@@ -130,7 +158,7 @@ def test_an_arena_full_mid_read_fails_the_creator_by_name_and_leaves_nothing(nam
     real = SharedSegment.reserve_range
     calls = []
 
-    def reserve_range(segment, offset: int, nbytes: int) -> None:
+    def reserve_range(segment, offset: int, nbytes: int, **kwargs) -> None:
         import threading
 
         if threading.current_thread().name == "ft-ckpt-populate":
@@ -138,7 +166,7 @@ def test_an_arena_full_mid_read_fails_the_creator_by_name_and_leaves_nothing(nam
             if len(calls) == 2:
                 raise ShmSpaceError(f"no space in /dev/shm for shared-memory segment {segment.name!r}",
                                     segment=segment.name, wanted=nbytes, free=0)
-        real(segment, offset, nbytes)
+        real(segment, offset, nbytes, **kwargs)
 
     monkeypatch.setattr(SharedSegment, "reserve_range", reserve_range)
     _slow_reads(monkeypatch)

@@ -74,7 +74,13 @@ def main() -> int:
                         help="close(preserve_models=True), then run the model again and report whether it still views SHM")
     parser.add_argument("--log", action="store_true", help="log INFO lines to stderr (tests wait on them)")
     parser.add_argument("--checkpoint", help="the creator reads this safetensors checkpoint (no creator factory)")
+    parser.add_argument("--arena-part-bytes", type=int,
+                        help="cut the host-block arena into parts of this many bytes (as a large model's is)")
     args = parser.parse_args()
+    if args.arena_part_bytes:  # every participant must lay the arena out alike: each worker gets the option
+        from flextensor.shm import blocks
+
+        blocks.ARENA_PART_MIN_BYTES = args.arena_part_bytes
     if args.log:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 

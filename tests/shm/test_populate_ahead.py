@@ -27,7 +27,7 @@ class RecordingSegment:
         self.fail_at = fail_at
         self.changed = threading.Condition()
 
-    def reserve_range(self, offset: int, nbytes: int) -> None:
+    def reserve_range(self, offset: int, nbytes: int, *, threads: int | None = None) -> None:
         if offset // MIB == self.fail_at:
             raise ShmSpaceError("no space in /dev/shm for shared-memory segment '/x'", segment="/x", wanted=nbytes,
                                 free=0)
@@ -43,13 +43,13 @@ class RecordingSegment:
         return list(self.calls)
 
 
-def _ranges(n: int) -> list[tuple[int, int]]:
-    return [(i * MIB, MIB) for i in range(n)]
+def _ranges(segment, n: int) -> list[tuple[object, int, int]]:
+    return [(segment, i * MIB, MIB) for i in range(n)]
 
 
 def test_the_thread_stays_within_the_window_beyond_the_range_being_written():
     segment = RecordingSegment()
-    ahead = PopulateAhead(segment, _ranges(8), window=3 * MIB).start()
+    ahead = PopulateAhead(_ranges(segment, 8), window=3 * MIB).start()
     try:
         ahead.wait(0)
         assert segment.settled(4) == [0, 1, 2, 3]  # range 0 (being written) and 3 MiB beyond it, no more
@@ -65,7 +65,7 @@ def test_the_thread_stays_within_the_window_beyond_the_range_being_written():
 
 def test_a_window_smaller_than_a_range_allocates_each_range_only_when_it_is_written():
     segment = RecordingSegment()
-    ahead = PopulateAhead(segment, _ranges(4), window=MIB // 2).start()
+    ahead = PopulateAhead(_ranges(segment, 4), window=MIB // 2).start()
     try:
         for i in range(4):
             ahead.wait(i)
@@ -77,7 +77,7 @@ def test_a_window_smaller_than_a_range_allocates_each_range_only_when_it_is_writ
 
 def test_an_allocation_error_reaches_the_writer_at_that_range():
     segment = RecordingSegment(fail_at=2)
-    ahead = PopulateAhead(segment, _ranges(4), window=8 * MIB).start()
+    ahead = PopulateAhead(_ranges(segment, 4), window=8 * MIB).start()
     try:
         ahead.wait(0)
         ahead.done(0)
@@ -93,7 +93,7 @@ def test_an_allocation_error_reaches_the_writer_at_that_range():
 
 def test_close_stops_the_thread_and_a_later_wait_says_so():
     segment = RecordingSegment()
-    ahead = PopulateAhead(segment, _ranges(4), window=MIB // 2).start()
+    ahead = PopulateAhead(_ranges(segment, 4), window=MIB // 2).start()
     ahead.wait(0)
     ahead.close()
     with pytest.raises(RuntimeError, match="closed before range 2"):
@@ -104,7 +104,7 @@ def test_bytes_written_through_it_are_read_back_and_pages_come_only_as_allowed(n
     name = f"/{namespace}.ahead"
     n, window = 8, 2 * MIB
     segment = SharedSegment.create(name, n * MIB, reserve=False)
-    ahead = PopulateAhead(segment, _ranges(n), window=window).start()
+    ahead = PopulateAhead(_ranges(segment, n), window=window).start()
     try:
         expected = torch.arange(n * MIB, dtype=torch.int64).remainder(251).to(torch.uint8)
         for i in range(n):
@@ -125,7 +125,7 @@ def test_a_caller_that_writes_several_ranges_before_done_is_never_held_by_the_wi
     """Checkpoint reads run in batches: ranges are written, then marked done together. Waiting for the next range
     allocates it whatever the window, so the batch cannot wait for its own completion."""
     segment = RecordingSegment()
-    ahead = PopulateAhead(segment, _ranges(6), window=MIB // 2).start()
+    ahead = PopulateAhead(_ranges(segment, 6), window=MIB // 2).start()
     try:
         for i in range(4):
             ahead.wait(i)  # none done yet: beyond range 0 the window allows nothing, the waits do
@@ -136,3 +136,50 @@ def test_a_caller_that_writes_several_ranges_before_done_is_never_held_by_the_wi
         assert segment.calls == list(range(6))
     finally:
         ahead.close()
+
+
+class MeetingSegment(RecordingSegment):
+    """A segment whose allocations wait until ``parties`` of them are in flight at once (fails after 10 s)."""
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        super().__init__()
+        self.barrier = barrier
+        self.threads: list[int | None] = []
+
+    def reserve_range(self, offset: int, nbytes: int, *, threads: int | None = None) -> None:
+        self.threads.append(threads)
+        self.barrier.wait(timeout=10)
+        super().reserve_range(offset, nbytes)
+
+
+def test_several_workers_allocate_ranges_of_different_segments_at_once_within_the_window():
+    """An arena's parts hold consecutive blocks: with a worker per part, the next ranges are allocated together
+    (each from its share of the threads), and still never beyond the window."""
+    barrier = threading.Barrier(2)
+    parts = [MeetingSegment(barrier), MeetingSegment(barrier)]
+    ranges = [(parts[i % 2], i * MIB, MIB) for i in range(6)]
+    ahead = PopulateAhead(ranges, window=MIB, workers=2, threads=3).start()
+    try:
+        ahead.wait(1)  # ranges 0 and 1 meet at the barrier: both were in flight at once
+        assert parts[0].settled(1) == [0] and parts[1].settled(1) == [1]
+        for i in range(6):
+            ahead.wait(i)
+            ahead.done(i)
+        assert parts[0].calls == [0, 2, 4] and parts[1].calls == [1, 3, 5]
+        assert parts[0].threads == parts[1].threads == [3, 3, 3]
+    finally:
+        ahead.close()
+
+
+def test_with_several_workers_an_error_stops_them_all_and_reaches_the_writer():
+    segment = RecordingSegment(fail_at=1)
+    ahead = PopulateAhead(_ranges(segment, 8), window=8 * MIB, workers=3).start()
+    try:
+        ahead.wait(0)
+        with pytest.raises(ShmSpaceError, match="no space"):
+            ahead.wait(1)
+        with pytest.raises(ShmSpaceError):
+            ahead.wait(7)
+    finally:
+        ahead.close()
+    assert 1 not in segment.calls and len(segment.calls) < 8

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from flextensor.shm import blocks as blocks_mod
 from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator, arena_layout
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.errors import ShmProtocolError
@@ -291,10 +292,11 @@ def test_shared_host_blocks_live_in_one_arena_at_page_aligned_offsets(ns: str) -
     sizes = [4096, 10, 5000]
     layout = arena_layout(sizes)
     assert layout.offsets == (0, 4096, 8192) and layout.total == 16384  # every block on its own page
+    assert layout.parts == (0, 0, 0) and layout.part_sizes == (16384,)  # a small arena is one segment
     with ShmCoordinator(ns, lease_seconds=2.0) as creator:
         blocks = SharedBlockAllocator(creator.memory_owner)
         arena = blocks.create(sizes)
-        assert arena.name == blocks.name == creator.memory_owner.resource_name(ARENA_KIND)
+        assert [a.name for a in arena] == blocks.names(sizes) == [creator.memory_owner.resource_name(ARENA_KIND)]
         mine = blocks.views(arena, sizes)
         for i, view in enumerate(mine):
             view.copy_(torch.full((sizes[i],), i + 1, dtype=torch.uint8))
@@ -310,8 +312,52 @@ def test_shared_host_blocks_live_in_one_arena_at_page_aligned_offsets(ns: str) -
             with pytest.raises(RuntimeError, match="only the creator"):
                 theirs.create(sizes)
             del views
-            seen.close()
+            for segment in seen:
+                segment.close()
         with pytest.raises(ValueError, match="positive integer size"):
             blocks.create([64, 0])
         del mine
-        arena.close()
+        for segment in arena:
+            segment.close()
+
+
+def test_a_large_arena_is_cut_into_parts_that_take_blocks_in_turn(ns: str, monkeypatch) -> None:
+    """Blocks go to the parts round robin (consecutive blocks in different files, whose pages the kernel allocates
+    in parallel); each part is its own segment, ``h``, ``h1``, ...; a follower computes the same layout from the
+    sizes alone and reads the creator's bytes."""
+    monkeypatch.setattr(blocks_mod, "ARENA_PART_MIN_BYTES", 8192)
+    sizes = [4096, 10, 5000, 8192, 100]
+    layout = arena_layout(sizes)
+    assert layout.parts == (0, 1, 0, 1, 0)  # 23 KiB of blocks / 8 KiB: 2 parts (never more than the bytes allow)
+    assert layout.offsets == (0, 0, 4096, 4096, 12288)
+    assert layout.part_sizes == (16384, 12288) and layout.total == 28672
+    assert list(layout.kinds) == [ARENA_KIND, f"{ARENA_KIND}1"]
+    many = arena_layout([4096] * 20)
+    assert len(many.part_sizes) == blocks_mod.ARENA_MAX_PARTS == 8 and many.parts[:9] == (*range(8), 0)
+    monkeypatch.setattr(blocks_mod, "ARENA_MAX_PARTS", 3)
+    assert len(arena_layout([4096] * 20).part_sizes) == 3
+    monkeypatch.setattr(blocks_mod, "ARENA_MAX_PARTS", 8)
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        blocks = SharedBlockAllocator(creator.memory_owner)
+        arena = blocks.create(layout)
+        owner = creator.memory_owner
+        assert [a.name for a in arena] == [owner.resource_name(ARENA_KIND), owner.resource_name(f"{ARENA_KIND}1")]
+        assert [os.stat(f"/dev/shm{a.name}").st_size for a in arena] == [16384, 12288]
+        mine = blocks.views(arena, layout)
+        for i, view in enumerate(mine):
+            view.copy_(torch.full((sizes[i],), i + 1, dtype=torch.uint8))
+        creator.notify_ready()
+        with ShmCoordinator(ns, lease_seconds=2.0) as follower:
+            theirs = SharedBlockAllocator(follower.memory_owner)
+            seen = theirs.attach(sizes)
+            views = theirs.views(seen, sizes)
+            assert [torch.unique(v).tolist() for v in views] == [[i + 1] for i in range(len(sizes))]
+            del views
+            for segment in seen:
+                segment.close()
+            # A part smaller than the layout needs is refused, and the parts mapped before it are unmapped.
+            with pytest.raises(ValueError, match=r"h1 holds 12288 bytes but the published plan needs 16384"):
+                theirs.attach([4096, 16384, 100])
+        del mine
+        for segment in arena:
+            segment.close()
