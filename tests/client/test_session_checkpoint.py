@@ -192,11 +192,13 @@ def test_an_adoption_failure_while_the_blocks_are_read_stops_the_reads_and_leave
     reads = _slow_reads(monkeypatch)
     ranges = []
 
-    def refuse(self, model, *args, **kwargs):  # the reads are still running when the adoption fails
+    def refuse(self, model, *args, **kwargs):  # fails once a read finished beside it, with reads still to come
         import time
 
         ranges.append(len(reads))
-        time.sleep(0.1)
+        deadline = time.monotonic() + 10.0
+        while len(reads) == ranges[0] and time.monotonic() < deadline:
+            time.sleep(0.002)
         ranges.append(len(reads))
         raise RuntimeError("the adoption was refused")
 
