@@ -36,7 +36,10 @@ Ordering and ownership
 
 Joining on the thread
 ---------------------
-When a READY generation already exists (``peek_ready``, read without the coordinator lock), the caller is
+A follower that joined a generation not READY yet waits for READY on the thread too (``elect`` waits, then reads
+the plan), so its model is built while the creator publishes, and the attach starts the moment READY comes; a
+factory that fails, or an interrupt, cancels that wait (:meth:`FollowerPrefetch.cancel`). When a READY
+generation already exists (``peek_ready``, read without the coordinator lock), the caller is
 almost certainly a follower, so the session starts the factory at once and lets the thread join the generation
 first (``elect``: the election under the coordinator lock, the daemon registration, the plan), then do the
 above. With several followers arriving together the lock is taken in turn, and that wait now overlaps the
@@ -97,8 +100,11 @@ class FollowerPrefetch:
 
     def __init__(self, namespace: str, device: torch.device, *, num_blocks: int, min_blocks: int,
                  owner: "ShmOwner | None" = None, state: "TensorManagerState | None" = None,
-                 elect: "Callable[[], tuple[ShmCoordinator | None, TensorManagerState | None]] | None" = None) -> None:
+                 elect: "Callable[[], tuple[ShmCoordinator | None, TensorManagerState | None]] | None" = None,
+                 cancel: threading.Event | None = None) -> None:
         _check_roles(owner, state, elect)
+        #: Set by :meth:`cancel`: an ``elect`` that waits (for READY) watches it and gives up.
+        self.cancelled = cancel if cancel is not None else threading.Event()
         self._namespace = namespace
         self._owner = owner
         self._elect = elect
@@ -124,16 +130,22 @@ class FollowerPrefetch:
         self._thread.start()
         return self
 
+    def cancel(self) -> None:
+        """Tell an ``elect`` still waiting (for READY) to give up; the thread's other steps are bounded anyway."""
+        self.cancelled.set()
+
     def join(self) -> None:
-        """Wait for the thread to finish, even through an interrupt (re-raised afterwards): only then may the
-        caller take over what it opened, and the thread's work is bounded (opens and copies, and at most
-        ``ELECT_LOCK_WAIT_S`` of waiting for the coordinator lock)."""
+        """Wait for the thread to finish, even through an interrupt (which cancels a wait for READY, then is
+        re-raised): only then may the caller take over what it opened, and the thread's work is bounded (opens
+        and copies, at most ``ELECT_LOCK_WAIT_S`` of waiting for the coordinator lock, and a wait for READY that
+        :meth:`cancel` ends)."""
         interrupted: BaseException | None = None
         while self._thread.is_alive():
             try:
                 self._thread.join()
             except BaseException as exc:  # noqa: BLE001 - e.g. KeyboardInterrupt: finish the join, then raise
                 interrupted = interrupted or exc
+                self.cancel()
         if interrupted is not None:
             raise interrupted
 

@@ -17,15 +17,17 @@ creator (elected: the first to create the manager's coordinator segment)
     ``ShmCreatorFailedError`` with the creator's message, and only then cleaned up.
 
 follower
-    waits for READY (``ShmCreatorDiedError`` when the creator's lease ends first, ``TimeoutError`` after
-    ``wait_timeout``), decodes the plan, calls ``follower_model_factory()`` (normally a ``meta`` model) while a
-    thread attaches the tensor store and maps the arena and copies the resident tensors to the device
-    (``flextensor.attach_prefetch``), checks the published metadata against the model (naming the offending
+    calls ``follower_model_factory()`` (normally a ``meta`` model) while a thread waits for READY
+    (``ShmCreatorDiedError`` when the creator's lease ends first, ``TimeoutError`` after ``wait_timeout``; a
+    failing factory cancels the wait), decodes the plan, attaches the tensor store, maps the arena and copies the
+    resident tensors to the device (``flextensor.attach_prefetch``), so a follower that arrives before READY has
+    its model built by then; checks the published metadata against the model (naming the offending
     tensor), installs the resident tensors and adopts the plan over the creator's host blocks, views of the
     arena (laid out once, on the thread): no private copy. ``session.report()["steps"]`` times each step, the
     thread's parts included. No step contains another, so the steps of one thread add up to at most that
-    thread's time: the caller's to at most ``ready_s``; the attach thread's (``join``, ``daemon`` and ``plan``
-    when it joined, every ``prefetch_*`` but ``prefetch_wait``) run beside ``factory`` and ``prefetch_wait``.
+    thread's time: the caller's to at most ``ready_s``; the attach thread's (``wait`` and ``plan``, or ``join``,
+    ``daemon`` and ``plan`` when it joined, and every ``prefetch_*`` but ``prefetch_wait``) run beside
+    ``factory`` and ``prefetch_wait``.
     With pinning on CUDA the follower registers its mappings of the blocks in the background, in schedule order
     (``flextensor.shm.background_pin``): it is ready as soon as the plan is adopted, and a copy from a block
     waits only until that block is registered.
@@ -412,20 +414,23 @@ class SharedOffloadSession:
     # ------------------------------------------------------------------------------------------ follower
     def _attach(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, deadline: _Deadline,
                 factory: Callable[[], nn.Module]) -> nn.Module:
+        """A follower of a generation not READY yet: a thread waits for READY, reads the plan and opens the store,
+        host blocks and resident copies while the factory builds the model (see ``flextensor.attach_prefetch``),
+        so a follower that arrives before READY has its model by the time the creator publishes."""
         coordinator = share.coordinator
-        owner = coordinator.memory_owner
         steps = share.steps
-        with timed_step(steps, "wait"):
-            coordinator.wait_for_ready(deadline.remaining())
-        share.wait_s = steps["wait"]
-        with timed_step(steps, "plan"):
-            state = read_published_plan(owner, share.namespace)
-        device = compute_device(cfg)
-        # Store, host blocks and resident copies are opened on a thread while the factory builds the model.
-        prefetch = FollowerPrefetch(share.namespace, device, num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
-                                    owner=owner, state=state).start()
+        cancel = threading.Event()
 
+        def wait_then_read() -> tuple[ShmCoordinator, TensorManagerState]:
+            with timed_step(steps, "wait"):
+                coordinator.wait_for_ready(deadline.remaining(), cancel=cancel)
+            with timed_step(steps, "plan"):
+                return coordinator, read_published_plan(coordinator.memory_owner, share.namespace)
+
+        prefetch = FollowerPrefetch(share.namespace, compute_device(cfg), num_blocks=cfg.num_blocks,
+                                    min_blocks=cfg.min_blocks, elect=wait_then_read, cancel=cancel).start()
         model = run_factory_while_attaching(prefetch, factory, steps, lambda: share.take_from(prefetch))
+        share.wait_s = steps["wait"]
         return self._adopt_published(share, manager, cfg, model, prefetch)
 
     def _adopt_published(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, model: nn.Module,

@@ -46,13 +46,16 @@ def run_factory_while_attaching(prefetch: FollowerPrefetch, factory: Callable[[]
                                  take_over: Callable[[], None]) -> nn.Module:
     """Run the follower's model factory on this thread while the attach thread works, then join the thread.
 
-    The thread is joined even when the factory fails or the caller is interrupted, and ``take_over`` gives
-    whatever the thread opened an owner before any error propagates; then the thread's error, then the factory's
-    result is checked."""
+    The thread is joined even when the factory fails (its wait for READY, if any, cancelled first) or the caller
+    is interrupted, and ``take_over`` gives whatever the thread opened an owner before any error propagates; then
+    the thread's error, then the factory's result is checked."""
     model = None
     try:
         with timed_step(steps, "factory"):
             model = factory()
+    except BaseException:
+        prefetch.cancel()
+        raise
     finally:
         try:
             with timed_step(steps, "prefetch_wait"):

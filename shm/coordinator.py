@@ -381,12 +381,13 @@ class ShmCoordinator:
         logger.warning("namespace %s generation %d marked FAILED: %s", self._namespace, self._generation, message)
 
     # ------------------------------------------------------------------ followers
-    def wait_for_ready(self, timeout: float | None = None) -> None:
+    def wait_for_ready(self, timeout: float | None = None, *, cancel: threading.Event | None = None) -> None:
         """Wait until the creator published (READY).
 
         ``ShmCreatorFailedError`` when it marked the generation FAILED (``creator_message`` holds its text),
         ``ShmCreatorDiedError`` when its lease ran out while INITIALIZING, ``TimeoutError`` after ``timeout``
-        seconds (None: no limit).
+        seconds (None: no limit), ``InterruptedError`` once ``cancel`` is set (a caller that waits on a thread
+        and gave up meanwhile).
         """
         timeout = check_seconds(timeout, "timeout", allow_none=True)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -418,6 +419,7 @@ class ShmCoordinator:
                         "creator"
                     )
                 continue
+            pause = _POLL_S
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -426,9 +428,12 @@ class ShmCoordinator:
                         f"{timeout:g} s; its creator (pid {creator.pid}) is alive and still INITIALIZING: pass a "
                         "longer timeout if loading the model takes longer"
                     )
-                time.sleep(min(_POLL_S, remaining))
-            else:
-                time.sleep(_POLL_S)
+                pause = min(_POLL_S, remaining)
+            if cancel is None:
+                time.sleep(pause)
+            elif cancel.wait(pause):
+                raise InterruptedError(f"waiting for namespace {self._namespace!r} generation {self._generation} "
+                                       "to be READY was cancelled by its caller")
 
     # ------------------------------------------------------------------ leaving
     def close(self, timeout: float | None = None) -> None:

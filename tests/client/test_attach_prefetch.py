@@ -374,6 +374,9 @@ def test_the_steps_of_each_thread_add_up_to_at_most_its_time(held_ns: str, profi
     if join_path == "join on the thread":
         assert {"join", "daemon", "plan"} <= set(steps)
         on_thread |= {"join", "daemon", "plan"}
+    else:  # joined first: the thread waits for READY and reads the plan while the factory runs
+        assert {"wait", "plan"} <= set(steps)
+        on_thread |= {"wait", "plan"}
     assert len(runs) == 1 and {"prefetch_store", "prefetch_blocks"} <= on_thread
     assert sum(steps[name] for name in on_thread) <= runs[0], steps
     assert sum(seconds for name, seconds in steps.items() if name not in on_thread) <= report["ready_s"], steps

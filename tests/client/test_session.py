@@ -205,6 +205,50 @@ def test_creator_killed_before_publishing_is_seen_as_dead_within_the_lease(names
     SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
 
 
+def test_a_follower_that_arrives_before_ready_builds_its_model_while_the_creator_publishes(
+        namespace: str, profile: str, tmp_path: Path) -> None:
+    """The follower's factory runs while a thread waits for READY, not after it: its model is built before the
+    creator (here 5 s in its factory) has published, and it attaches with equal outputs once READY comes."""
+    from flextensor.shm.coordinator import peek_ready
+
+    started, built = tmp_path / "creator-started", tmp_path / "follower-built"
+    creator = spawn(namespace, profile, "--mode", "slow", "--slow-seconds", "5", "--marker", str(started), "--hold")
+    procs = [creator]
+    try:
+        wait_for_file(started)
+        procs.append(spawn(namespace, profile, "--factory-marker", str(built)))
+        wait_for_file(built)
+        assert not peek_ready(manager_namespace(namespace, "model"))  # built while the creator still publishes
+        results = [read_result(p) for p in procs]
+    finally:
+        codes = finish_all(procs)
+    assert codes == [0, 0] and [r["role"] for r in results] == ["creator", "follower"], results
+    assert all(matches(output_of(r), expected_output()) for r in results)
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
+def test_a_follower_whose_factory_fails_before_ready_stops_waiting_at_once(namespace: str, profile: str,
+                                                                          tmp_path: Path) -> None:
+    """A follower factory that fails while the thread waits for READY (the creator hangs; the wait timeout is
+    60 s) ends the wait: the follower raises the factory's error within seconds, with no thread left behind."""
+    started = tmp_path / "creator-started"
+    creator = spawn(namespace, profile, "--mode", "hang", "--marker", str(started))
+    try:
+        wait_for_file(started)
+        begin = time.monotonic()
+        follower = spawn(namespace, profile, "--follower-fails")
+        result = read_result(follower, timeout=30)
+        elapsed = time.monotonic() - begin
+        assert finish(follower) == 3
+    finally:
+        creator.send_signal(signal.SIGKILL)
+        finish(creator)
+    assert result["error"] == "RuntimeError" and "config.json is missing" in result["message"], result
+    assert elapsed < 15.0, f"the follower gave up after {elapsed:.1f} s"
+    ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
 def test_late_follower_attaches_after_the_creator_closed(namespace: str, profile: str) -> None:
     creator = spawn(namespace, profile, "--hold")
     first = read_result(creator)

@@ -74,6 +74,9 @@ def main() -> int:
                         help="close(preserve_models=True), then run the model again and report whether it still views SHM")
     parser.add_argument("--log", action="store_true", help="log INFO lines to stderr (tests wait on them)")
     parser.add_argument("--checkpoint", help="the creator reads this safetensors checkpoint (no creator factory)")
+    parser.add_argument("--slow-seconds", type=float, default=1.0, help="how long mode slow's factory sleeps")
+    parser.add_argument("--factory-marker", help="the follower factory touches this file when it starts")
+    parser.add_argument("--follower-fails", action="store_true", help="the follower factory raises")
     parser.add_argument("--arena-part-bytes", type=int,
                         help="cut the host-block arena into parts of this many bytes (as a large model's is)")
     args = parser.parse_args()
@@ -93,10 +96,13 @@ def main() -> int:
         if args.mode == "hang":
             time.sleep(3600)
         if args.mode == "slow":
-            time.sleep(1.0)
+            time.sleep(args.slow_seconds)
         return tiny_transformer(seed=0)
 
     def follower_factory() -> torch.nn.Module:
+        _touch(args.factory_marker)
+        if args.follower_fails:
+            raise RuntimeError("the follower's factory failed: config.json is missing")
         if args.checkpoint:  # the creator builds with this factory too: buffers stay real, parameters go meta
             with ft.init_empty_weights():
                 return TinyTransformer()

@@ -235,6 +235,21 @@ def test_wait_for_ready_timeout(ns):
     assert_gone(ns)
 
 
+def test_a_cancelled_wait_for_ready_ends_at_once_and_a_later_wait_still_works(ns):
+    import threading
+
+    cancel = threading.Event()
+    with ShmCoordinator(ns, lease_seconds=LEASE) as creator, ShmCoordinator(ns, lease_seconds=LEASE) as follower:
+        threading.Timer(0.1, cancel.set).start()
+        start = time.monotonic()
+        with pytest.raises(InterruptedError, match="was cancelled by its caller"):
+            follower.wait_for_ready(timeout=30, cancel=cancel)
+        assert time.monotonic() - start < 1.0
+        creator.notify_ready()
+        follower.wait_for_ready(timeout=1, cancel=threading.Event())
+    assert_gone(ns)
+
+
 def test_lock_acquisition_is_bounded_by_timeout(ns, children):
     (holder,) = children(1)
     holder.ok("hold_lock", ns=ns)

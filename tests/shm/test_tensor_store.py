@@ -288,6 +288,21 @@ def test_malformed_or_foreign_manifest_bytes_are_refused(ns: str) -> None:
                 SharedTensorStore.attach(ns, shm_owner=follower.memory_owner)
 
 
+def _attached_blocks(follower: ShmCoordinator, sizes: list[int]):
+    """A follower's allocator, its mappings of the arena's parts and its views of the blocks."""
+    theirs = SharedBlockAllocator(follower.memory_owner)
+    seen = theirs.attach(sizes)
+    return theirs, seen, theirs.views(seen, sizes)
+
+
+def _fill_each_block(blocks: SharedBlockAllocator, arena, layout) -> list[torch.Tensor]:
+    """The creator's views of its blocks, block ``i`` filled with the byte ``i + 1``."""
+    mine = blocks.views(arena, layout)
+    for i, view in enumerate(mine):
+        view.fill_(i + 1)
+    return mine
+
+
 def test_shared_host_blocks_live_in_one_arena_at_page_aligned_offsets(ns: str) -> None:
     sizes = [4096, 10, 5000]
     layout = arena_layout(sizes)
@@ -297,14 +312,10 @@ def test_shared_host_blocks_live_in_one_arena_at_page_aligned_offsets(ns: str) -
         blocks = SharedBlockAllocator(creator.memory_owner)
         arena = blocks.create(sizes)
         assert [a.name for a in arena] == blocks.names(sizes) == [creator.memory_owner.resource_name(ARENA_KIND)]
-        mine = blocks.views(arena, sizes)
-        for i, view in enumerate(mine):
-            view.copy_(torch.full((sizes[i],), i + 1, dtype=torch.uint8))
+        mine = _fill_each_block(blocks, arena, sizes)
         creator.notify_ready()
         with ShmCoordinator(ns, lease_seconds=2.0) as follower:
-            theirs = SharedBlockAllocator(follower.memory_owner)
-            seen = theirs.attach(sizes)
-            views = theirs.views(seen, sizes)
+            theirs, seen, views = _attached_blocks(follower, sizes)
             assert [v.numel() for v in views] == sizes
             assert all(torch.equal(a, b) for a, b in zip(views, mine))
             with pytest.raises(ValueError, match="needs 20480"):
@@ -343,14 +354,10 @@ def test_a_large_arena_is_cut_into_parts_that_take_blocks_in_turn(ns: str, monke
         owner = creator.memory_owner
         assert [a.name for a in arena] == [owner.resource_name(ARENA_KIND), owner.resource_name(f"{ARENA_KIND}1")]
         assert [os.stat(f"/dev/shm{a.name}").st_size for a in arena] == [16384, 12288]
-        mine = blocks.views(arena, layout)
-        for i, view in enumerate(mine):
-            view.copy_(torch.full((sizes[i],), i + 1, dtype=torch.uint8))
+        mine = _fill_each_block(blocks, arena, layout)
         creator.notify_ready()
         with ShmCoordinator(ns, lease_seconds=2.0) as follower:
-            theirs = SharedBlockAllocator(follower.memory_owner)
-            seen = theirs.attach(sizes)
-            views = theirs.views(seen, sizes)
+            theirs, seen, views = _attached_blocks(follower, sizes)
             assert [torch.unique(v).tolist() for v in views] == [[i + 1] for i in range(len(sizes))]
             del views
             for segment in seen:
