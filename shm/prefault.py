@@ -3,9 +3,10 @@
 Why not only ``posix_fallocate``: on tmpfs it allocates and zeroes every 4 KiB page under the inode lock, in
 one thread. Measured on the H200 host (16 cores, 2026-11-29) that is ~190 ms/GiB, while a copy into fresh
 anonymous memory (transparent huge pages) runs at 13-18 GB/s, so publishing was 4x slower than a plain copy.
-``MADV_POPULATE_WRITE`` (Linux 5.14) write-faults a range in without touching its bytes; faults on separate
-ranges proceed in parallel, so a thread per core allocates the segment at memory bandwidth and leaves the pages
-mapped for the creator's copy. Like ``posix_fallocate`` it reports a full ``/dev/shm`` as an error (never as
+``MADV_POPULATE_WRITE`` (Linux 5.14) write-faults a range in without touching its bytes and leaves the pages
+mapped for the creator's copy; faults on separate ranges proceed in parallel up to the file's own locks (a few
+threads per file, :data:`WRITE_THREADS_PER_FILE`; separate files allocate side by side, which is why a large
+arena is cut into parts, ``blocks.py``). Like ``posix_fallocate`` it reports a full ``/dev/shm`` as an error (never as
 SIGBUS later). On kernels without it (``EINVAL``) the caller falls back to ``posix_fallocate``.
 
 ``MADV_POPULATE_READ`` is the follower's counterpart: the pages exist already, a fresh mapping only lacks page-
@@ -27,6 +28,11 @@ MADV_POPULATE_WRITE = 23
 #: Each thread populates ranges of this size; below it one call in the caller's thread is cheaper than a pool.
 CHUNK = 64 << 20
 MAX_THREADS = 16
+#: Threads that allocate the pages of one file by default. tmpfs allocates a file's pages under that file's locks,
+#: so more threads only wait for each other (H200 host, one 2 GiB segment: 1 thread 2.6 GB/s, 4 threads 5.3 GB/s,
+#: 8 threads 4.5 GB/s, 16 threads 4.8 GB/s), and their waiting takes cores from whatever fills other files
+#: meanwhile (a creator fills its store beside the arena's parts: ``flextensor.shm.blocks``).
+WRITE_THREADS_PER_FILE = 4
 #: A range being allocated (``populate_write_range``) is cut into pieces of at least this size, as many as there
 #: are threads: a creator allocates record by record and block by block, often tens of MiB each, and whole
 #: ``CHUNK``-sized pieces would leave most threads idle (one thread allocated 2.7 GB/s on the H200 host, several
@@ -59,9 +65,9 @@ def populate_write(mapping: mmap.mmap, size: int) -> bool:
 
 def populate_write_range(address: int, size: int, *, threads: int | None = None) -> bool:
     """Allocate and map every page of ``size`` bytes at ``address`` (a shared mapping), from as many threads as
-    the range has :data:`MIN_PIECE` pieces (at most ``threads``, by default :data:`MAX_THREADS`); False when the
-    kernel lacks ``MADV_POPULATE_WRITE``. ``OSError`` as :func:`populate_write`."""
-    threads = max(1, min(threads or MAX_THREADS, MAX_THREADS, os.cpu_count() or 1))
+    the range has :data:`MIN_PIECE` pieces (at most ``threads``, by default :data:`WRITE_THREADS_PER_FILE`);
+    False when the kernel lacks ``MADV_POPULATE_WRITE``. ``OSError`` as :func:`populate_write`."""
+    threads = max(1, min(threads or WRITE_THREADS_PER_FILE, MAX_THREADS, os.cpu_count() or 1))
     piece = max(MIN_PIECE, min(CHUNK, -(-size // threads)))
     piece += -piece % mmap.PAGESIZE
     return _populate_range(address, size, MADV_POPULATE_WRITE, piece=piece, threads=threads)

@@ -70,7 +70,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from flextensor.shm.prefault import populate_read, populate_write_range
+from flextensor.shm.prefault import MAX_THREADS, populate_read, populate_write_range
 
 __all__ = ["StagedCopy", "CopyReport", "CHUNK_BYTES", "SLOTS", "MIN_BYTES", "THREADS"]
 
@@ -137,7 +137,8 @@ class _Ring:
         try:
             start = time.monotonic()
             try:
-                populate_write_range(self.address, size)  # the pages now, from several threads, not in the driver
+                # The pages now, from several threads, not in the driver (anonymous memory: no file's locks).
+                populate_write_range(self.address, size, threads=MAX_THREADS)
             except OSError:
                 pass  # only a speed-up: registration faults them in anyway
             registering = time.monotonic()
