@@ -125,6 +125,9 @@ class FollowerPrefetch:
         self.error: BaseException | None = None
         self.timings: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="ft-attach", daemon=True)
+        # Set as _run ends. join() waits on it rather than on Thread.join: on Python 3.11 a Thread.join that an
+        # interrupt stops marks a running thread as stopped, and a loop on is_alive() would end early.
+        self._done = threading.Event()
 
     def start(self) -> "FollowerPrefetch":
         self._thread.start()
@@ -139,6 +142,8 @@ class FollowerPrefetch:
         re-raised): only then may the caller take over what it opened, and the thread's work is bounded (opens
         and copies, at most ``ELECT_LOCK_WAIT_S`` of waiting for the coordinator lock, and a wait for READY that
         :meth:`cancel` ends)."""
+        if self._thread.ident is None:  # never started
+            return
         interrupted: BaseException | None = None
         while self._thread.is_alive():
             try:
@@ -206,8 +211,11 @@ class FollowerPrefetch:
         except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()
             self.error = exc
         finally:
-            if copier is not None:
-                copier.close()  # a ring prepared and not used (an error came first) is released too
+            try:
+                if copier is not None:
+                    copier.close()  # a ring prepared and not used (an error came first) is released too
+            finally:
+                self._done.set()
 
     def _warm_device_cache(self, slot_bytes: int) -> None:
         """Allocate the loader's rotating device blocks and free them together, into PyTorch's cache, where the

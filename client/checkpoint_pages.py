@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
-from flextensor.shm.prefault import populate_write_range
+from flextensor.shm.prefault import MAX_THREADS, populate_write_range
 
 __all__ = ["POPULATE_AHEAD_BYTES", "Populate", "populate_pages", "ReadQueue"]
 
@@ -50,7 +50,7 @@ def populate_pages(address: int, nbytes: int) -> bool:
     ``[address, address + nbytes)`` (``MADV_POPULATE_WRITE`` from several threads); False when this memory or
     kernel cannot (a speed-up only)."""
     try:
-        return populate_write_range(address, nbytes)
+        return populate_write_range(address, nbytes, threads=MAX_THREADS)  # private memory: no file's locks
     except OSError as exc:
         logger.debug("populating %d bytes at %#x ahead of the reads failed (%s); the reads fault them in", nbytes,
                      address, exc)

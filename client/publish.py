@@ -291,11 +291,12 @@ class BackgroundCall:
     The creator fills the arena this way while it fills the store, and registers the store's mapping while the
     arena fills; on CUDA the thread makes the caller's device current first."""
 
-    def __init__(self, call: Callable[[], None], *, device: int | None = None, name: str = "ft-publish-pin"
-                 ) -> None:
+    def __init__(self, call: Callable[[], None], *, device: int | None = None, name: str = "ft-publish-pin",
+                 cancel: threading.Event | None = None) -> None:
         self.error: BaseException | None = None
         self.seconds = 0.0
-        self._call, self._device = call, device
+        self._call, self._device, self._cancel = call, device, cancel
+        self._done = threading.Event()  # set as the call returns (why not Thread.join: FollowerPrefetch.join)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -309,7 +310,20 @@ class BackgroundCall:
             self.error = exc
         finally:
             self.seconds = time.monotonic() - start
+            self._done.set()
 
     def join(self) -> BaseException | None:
-        self._thread.join()
+        """Wait for the call, even through an interrupt (which sets ``cancel``, then is re-raised once the thread
+        ended): nothing may be cleaned up while the call still writes into it."""
+        interrupted: BaseException | None = None
+        while not self._done.is_set():
+            try:
+                self._done.wait()
+            except BaseException as exc:  # noqa: BLE001 - e.g. KeyboardInterrupt: finish the join, then raise
+                interrupted = interrupted or exc
+                if self._cancel is not None:
+                    self._cancel.set()
+        self._thread.join()  # the call has returned: only the thread's last instructions are left
+        if interrupted is not None:
+            raise interrupted
         return self.error

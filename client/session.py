@@ -377,7 +377,7 @@ class SharedOffloadSession:
         if layouts and source.weights is None:
             blocks_fill = BackgroundCall(lambda: share.publish.update(fill_blocks(
                 checked.tensors, layouts, views, share.segments, layout, None, label=share.name, cancel=cancel)),
-                name="ft-publish-blocks")
+                name="ft-publish-blocks", cancel=cancel)
         store_pin = None
         reads = None
         try:
@@ -392,15 +392,15 @@ class SharedOffloadSession:
                     reads = BlockReads(checked.tensors, layouts, views, share.segments, layout,
                                        source.weights).start()
                 elif blocks_fill is not None:
-                    fill, blocks_fill = blocks_fill, None
-                    failure = fill.join()
-                    share.publish["blocks_fill_s"] = fill.seconds
+                    failure = blocks_fill.join()  # an interrupt here cancels the fill and still waits for it
+                    share.publish["blocks_fill_s"] = blocks_fill.seconds
+                    blocks_fill = None
                     if failure is not None:
                         raise failure
         finally:
             if blocks_fill is not None:  # the store failed: stop the arena's fill before anything is cleaned up
                 cancel.set()
-                blocks_fill.join()
+                blocks_fill.join()  # also through an interrupt: the thread must be gone before the cleanup
             if store_pin is not None:  # never left running: a failure's cleanup unpins the store
                 with timed_step(steps, "register_store_wait"):
                     error = store_pin.join()

@@ -3,7 +3,7 @@
 Why
 ---
 CUDA registration is per process: every follower must ``cudaHostRegister`` its own mapping of the shared host
-blocks (page-aligned ranges of one arena segment, ``blocks.py``) before the device can DMA from them at full
+blocks (page-aligned ranges of the arena's segments, ``blocks.py``) before the device can DMA from them at full
 speed. On the H200 host that costs 63-150 ms/GiB and grows when several followers register at once (the driver
 serialises them), so registering everything before the model is handed back made a follower's time to ready
 5-10x what the rest of attaching costs. Nothing needs a block registered before the first copy *from that

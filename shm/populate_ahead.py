@@ -28,7 +28,8 @@ tmpfs allocates the pages of one file under that file's locks, so threads on one
 while separate segments allocate in parallel (see ``flextensor.shm.blocks``). With ``workers > 1`` each worker
 takes ranges in turn and allocates its range from ``threads`` threads of its own, so ranges in different
 segments (an arena's parts hold consecutive blocks) are allocated at once; ranges still complete out of order,
-and :meth:`wait` waits for its own range only.
+and :meth:`wait` waits for its own range only. The threads per range are the cores shared among the ranges the
+window lets be in flight, at most what one file can use (``prefault.WRITE_THREADS_PER_FILE``).
 
 Not the checkpoint reader's
 ---------------------------
@@ -43,6 +44,8 @@ import os
 import threading
 import time
 from typing import Any, Sequence
+
+from .prefault import WRITE_THREADS_PER_FILE
 
 __all__ = ["PopulateAhead"]
 
@@ -59,9 +62,13 @@ class PopulateAhead:
             raise ValueError(f"PopulateAhead: workers must be >= 1, got {workers!r}")
         self._ranges = [(segment, int(o), int(n)) for segment, o, n in ranges]
         self._window = int(window)
-        #: Threads each range is allocated from: all of the host's for one worker, a share of them for several.
-        self._threads = threads if threads is not None else (None if workers == 1 else
-                                                              max(1, (os.cpu_count() or 1) // workers))
+        #: Threads each range is allocated from: the default for one file (``prefault.WRITE_THREADS_PER_FILE``)
+        #: for one worker; for several, a share of the cores among the ranges the window lets be in flight at once
+        #: (the first not written, and as many more as fit in the window), at most that default.
+        largest = max((n for _s, _o, n in self._ranges), default=1)
+        in_flight = max(1, min(workers, 1 + self._window // max(1, largest)))
+        self._threads = threads if threads is not None else (None if workers == 1 else max(1, min(
+            WRITE_THREADS_PER_FILE, (os.cpu_count() or 1) // in_flight)))
         self._cond = threading.Condition()
         self._taken = 0  # ranges [0, _taken) were taken by a worker
         self._allocated = [False] * len(self._ranges)

@@ -489,7 +489,7 @@ class ShmProvider(HostBlockProvider):
     def allocate(self, index: int, nbytes: int) -> HostBlock:
         if not self._parts or not 0 <= index < len(self._views):
             raise RuntimeError(f"shared host block {index} was not reserved: call reserve() with every block size "
-                               "first (one arena holds them all)")
+                               "first (the arena is laid out for all of them at once)")
         view = self._views[index]
         if view.numel() != nbytes:
             raise ValueError(f"shared host block {index} was reserved with {view.numel()} bytes, not {nbytes}")

@@ -84,7 +84,8 @@ CHUNK_BYTES = 8 << 20
 #: there reached 17.7 GB/s with 8 workers, 36.6 with 12 and 40.4 with 16 (2026-12-02). Workers blocked in the
 #: kernel do not spin, so followers attaching together share the cores without the OpenMP penalty above.
 THREADS = max(1, min(16, os.cpu_count() or 1))
-#: Slots of the ring: two per worker, so a worker fills one while the device reads the other.
+#: Slots of the ring: two per worker, so a worker fills one while the device reads the other (256 MiB of pinned
+#: ring with 16 workers, held by a follower only while it copies its resident tensors).
 SLOTS = 2 * THREADS
 #: Smaller ranges are copied directly.
 MIN_BYTES = 64 << 20

@@ -81,6 +81,14 @@ def _mapped(namespace: str) -> list[str]:
         return [line.split()[-1] for line in maps if ns in line]
 
 
+def _running(name: str) -> list[threading.Thread]:
+    """Threads called ``name`` still running, after a moment for one that has only its last instructions left."""
+    deadline = time.monotonic() + 2.0
+    while (found := [t for t in threading.enumerate() if t.name == name]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
 def _meta_model() -> TinyTransformer:
     with torch.device("meta"):
         return TinyTransformer()
@@ -172,31 +180,30 @@ def test_thread_failure_is_raised_and_nothing_stays_mapped(held_ns: str, profile
 
 def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(held_ns: str, profile: str,
                                                                            monkeypatch, join_path):
-    """A Ctrl-C that lands while the session waits for the attach thread: the wait finishes, the session owns
-    what the thread opened, and the interrupt reaches the caller."""
+    """A Ctrl-C (a real SIGINT) that lands while the session waits for the attach thread: the wait finishes, the
+    session owns what the thread opened, and the interrupt reaches the caller."""
+    import signal
+
     original_open = SharedBlockAllocator.attach
+    built = threading.Event()
 
     def slow_open_arena(self, layout):
-        time.sleep(0.2)  # the thread is still opening when the session starts waiting
+        built.wait(10)  # the factory returned: the session waits for this thread now (or is about to)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.2)  # still opening while the interrupt is handled
         return original_open(self, layout)
 
-    class InterruptedOnce(threading.Thread):
-        interrupted = False
-
-        def join(self, timeout=None):
-            if self.name == "ft-attach" and not InterruptedOnce.interrupted:
-                InterruptedOnce.interrupted = True
-                raise KeyboardInterrupt
-            return super().join(timeout)
+    def factory():
+        model = _meta_model()
+        built.set()
+        return model
 
     session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
         patch.setattr(SharedBlockAllocator, "attach", slow_open_arena)
-        patch.setattr(prefetch_mod.threading, "Thread", InterruptedOnce)
         session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                     creator_model_factory=_unused_creator_factory,
-                                     follower_model_factory=_meta_model)
-    assert InterruptedOnce.interrupted
+                                     creator_model_factory=_unused_creator_factory, follower_model_factory=factory)
+    assert not _running("ft-attach")
     assert _mapped(held_ns) == []
     session.close()
 

@@ -142,3 +142,25 @@ def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(na
     finally:
         session.close()
     assert shm_names(manager_namespace(namespace, "model")) == []
+
+
+def test_an_interrupt_while_waiting_for_the_arena_fill_cancels_it_and_still_waits_for_it():
+    """Ctrl-C while the creator waits for the arena's fill: the fill is told to stop and the thread has ended
+    before the interrupt goes on (the cleanup that follows must not race a thread still writing)."""
+    import signal
+    import threading
+
+    cancel = threading.Event()
+    stopped = threading.Event()
+
+    def fill() -> None:  # a fill that only stops when cancelled
+        while not cancel.wait(0.01):
+            pass
+        stopped.set()
+
+    call = publish_mod.BackgroundCall(fill, name="ft-publish-blocks", cancel=cancel)
+    threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        call.join()
+    assert cancel.is_set() and stopped.is_set()
+    assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]

@@ -170,12 +170,12 @@ def test_shm_provider_creator_then_follower(namespace):
     try:
         assert creator.is_creator
         with pytest.raises(RuntimeError, match="call reserve"):
-            made.allocate(0, 4096)  # one arena holds every block: all sizes first
+            made.allocate(0, 4096)  # the arena is laid out for every block at once: all sizes first
         made.reserve([4096, 100])
         with pytest.raises(RuntimeError, match="already reserved"):
             made.reserve([4096, 100])
         block, small = made.allocate(0, 4096), made.allocate(1, 100)
-        assert not block.prefilled and block.name == small.name  # both in the one arena segment
+        assert not block.prefilled and block.name == small.name  # a small arena is one segment
         assert small.tensor.data_ptr() - block.tensor.data_ptr() == 4096  # each block on its own page
         with pytest.raises(ValueError, match="reserved with 100 bytes"):
             made.allocate(1, 64)
