@@ -13,8 +13,9 @@ context), with the bench_session set-up (``models.BenchTransformer``, every ``De
    ``offload()`` and passes is written beside the results (``cprofile-setup-<GiB>.txt``) to show where it goes.
 2. **A sharing group** of ``--workers`` (default 4) processes on that profile, as bench_session runs them: the
    creator (its factory rebuilds the same model in host RAM: built on the device from the seed, then moved to
-   the host; the factory is not part of the publish) publishes; then the followers start together, after READY,
-   so their whole time to ready is after READY; each runs one forward (checked against the reference), then all
+   the host; the factory is not part of the publish) publishes, while one follower started once the creator was
+   elected builds its model and waits (its time from READY to ready is what that wait did not hide); then the
+   followers start together, after READY, so their whole time to ready is after READY; each runs one forward (checked against the reference), then all
    ``close()`` at once and exit right after; then one more follower joins alone (the same measures without
    contention), closes and exits; the creator closes last. Once every process is gone, ``/dev/shm`` must hold
    nothing of the namespace.
@@ -237,6 +238,10 @@ def worker_session(p: Params):
     info["first_forward_s"] = time.perf_counter() - begin
     info["max_abs_diff"] = _max_diff(p, out)
     share = session.report()[0]
+    # From READY (as this process saw it) to ready: the whole time for a follower started after READY; for one
+    # started before, what its wait for READY (on the attach thread, beside its factory) did not hide.
+    steps = share["steps"]
+    info["after_ready_s"] = info["ready_s"] - sum(steps.get(k, 0.0) for k in ("join", "daemon", "wait"))
     info.update(wait_s=share["wait_s"], register_s=share["register_s"], registered=share.get("registered"),
                 register_wait_s=share.get("register_wait_s"), shared_bytes=share["shared_bytes"],
                 steps=share["steps"], publish=share.get("publish"), resident_copy=share.get("resident_copy"))
@@ -324,14 +329,37 @@ def run_setup(params: Params, timeout: float) -> dict:
             worker.kill()
 
 
+def wait_for_election(namespace: str, timeout: float) -> None:
+    """Return once a worker of ``namespace`` has made the manager's coordinator (the election is under way)."""
+    from flextensor.shm.names import coordinator_segment_name, manager_namespace
+
+    path = "/dev/shm" + coordinator_segment_name(manager_namespace(namespace, MANAGER))
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no worker made {path} within {timeout:.0f} s")
+        time.sleep(0.005)
+
+
 def run_group(params: Params, workers: int, timeout: float, out: dict) -> None:
-    """Creator, followers together, closes, one follower alone, the creator's close; results into ``out``."""
+    """Creator with one follower started before READY, followers together, closes, one follower alone, the
+    creator's close; results into ``out``."""
     params = Params(**{**asdict(params), "namespace": f"scale{uuid.uuid4().hex[:10]}"})
     started: list[Worker] = []
     try:
-        creator = Worker("session", params)
-        started.append(creator)
-        out["creator"] = start_together([creator], timeout)[0]
+        # The creator, and one follower started once the creator is elected: it builds its model while the
+        # creator publishes, as a server's workers started together do.
+        creator, early = Worker("session", params), Worker("session", params)
+        started += [creator, early]
+        for w in (creator, early):
+            w.read_stage(timeout)
+        creator.send("go")
+        wait_for_election(params.namespace, timeout)
+        early.send("go")
+        out["creator"], out["early"] = creator.read(timeout), early.read(timeout)
+        if out["creator"]["role"] != "creator":  # the early one was elected after all
+            out["creator"], out["early"], creator, early = out["early"], out["creator"], early, creator
+        (out["early"]["close_s"], out["early"]["exit_s"]), = close_together([early], timeout)
         followers = [Worker("session", params) for _ in range(workers - 1)]
         started += followers
         out["followers"] = start_together(followers, timeout)

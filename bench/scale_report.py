@@ -36,11 +36,28 @@ def _rate(nbytes: float, seconds: float | None) -> str:
 #: A follower's steps as reported (``session.report()``), by the name the tables give them, in order: the join
 #: (election, daemon, plan), then the attach thread's (map the store, map the arena, device blocks, resident
 #: copy), then the caller's after the factory (validate, install the resident tensors, adopt the plan).
-PHASES = {"join": "join", "daemon": "daemon", "plan": "plan", "map store": "prefetch_store",
+PHASES = {"join": "join", "daemon": "daemon", "wait": "wait", "plan": "plan", "map store": "prefetch_store",
           "map arena": "prefetch_blocks", "device blocks": "prefetch_slots", "copy": "prefetch_resident",
           "factory": "factory", "validate": "validate", "install": "resident", "adopt": "adopt"}
 #: The resident copy's ring parts (``CopyReport``), which run on a thread of their own.
 RING_PARTS = ("ring_populate_s", "ring_register_s", "ring_wait_s")
+
+
+#: The follower started once the creator is elected (its model built while the creator publishes).
+EARLY = "follower started before READY"
+
+
+def follower_groups(group: dict) -> list[tuple[str, list[dict]]]:
+    """The followers of a sharing group by how they started: together after READY, alone, before READY."""
+    return [("followers together", group.get("followers") or []),
+            ("follower alone", [group["alone"]] if group.get("alone") else []),
+            (EARLY, [group["early"]] if group.get("early") else [])]
+
+
+def after_ready(label: str, w: dict) -> float:
+    """Seconds from READY to ready: the whole time of a follower started after READY, else what its wait for
+    READY did not hide."""
+    return w.get("after_ready_s", w["ready_s"]) if label == EARLY else w["ready_s"]
 
 
 def size_row_values(r: dict) -> dict[str, str]:
@@ -68,11 +85,10 @@ def size_row_values(r: dict) -> dict[str, str]:
         col["creator close() / exit after it"] = f"{_s(creator.get('close_s'))} / {_s(creator.get('exit_s'))}"
     followers = group.get("followers") or []
     resident = (r.get("setup") or {}).get("resident_bytes", 0)
-    for label, workers in (("followers together", followers), ("follower alone", [group["alone"]] if
-                                                                  group.get("alone") else [])):
+    for label, workers in follower_groups(group):
         if not workers:
             continue
-        ready = [w["ready_s"] for w in workers]
+        ready = [after_ready(label, w) for w in workers]
         copy = [w["steps"].get("prefetch_resident", 0.0) for w in workers]
         col[f"{label}: ready after READY (median, max)"] = f"{median(ready):.3f} / {max(ready):.3f} s " \
                                                           f"({median(ready) / g * 1e3:.0f} ms/GiB)"
@@ -91,7 +107,7 @@ def size_row_values(r: dict) -> dict[str, str]:
             f"{max(w['close_s'] for w in workers):.3f} / {max(w['exit_s'] for w in workers):.3f} s"
     if "leftovers" in group:
         col["/dev/shm entries left after every process exited"] = str(len(group["leftovers"]))
-    diffs = [w.get("max_abs_diff") for w in [creator, *followers, group.get("alone")] if w]
+    diffs = [w.get("max_abs_diff") for w in [creator, *followers, group.get("alone"), group.get("early")] if w]
     if diffs:
         col["max |out - reference| (every worker)"] = f"{max(diffs):.3g}"
     if r.get("error"):
@@ -105,13 +121,13 @@ def follower_goal_rows(r: dict) -> list[list[str]]:
     group, resident = r["group"], (r.get("setup") or {}).get("resident_bytes", 0)
     goal = resident / (GOAL_FOLLOWER_GBPS * 1e9) + GOAL_FOLLOWER_FIXED_S
     rows = []
-    for label, workers in ((f"{len(group.get('followers', []))} followers together (worst)", group.get("followers")),
-                           ("follower alone", [group["alone"]] if group.get("alone") else None)):
+    for label, workers in follower_groups(group):
         if workers:
-            worst = max(w["ready_s"] for w in workers)
-            rows.append([f"{label} ready after READY, {r['gib']:g} GiB ({gib(resident)} resident)", f"{worst:.3f} s",
+            worst = max(after_ready(label, w) for w in workers)
+            shown = f"{len(workers)} followers together (worst)" if label == "followers together" else label
+            rows.append([f"{shown} ready after READY, {r['gib']:g} GiB ({gib(resident)} resident)", f"{worst:.3f} s",
                          f"<= {goal:.3f} s", "met" if worst <= goal else "MISSED"])
-    followers = [*group.get("followers", []), *([group["alone"]] if group.get("alone") else [])]
+    followers = [w for _label, workers in follower_groups(group) for w in workers]
     if followers:
         worst_close = max(w["close_s"] for w in followers)
         rows.append([f"follower close(), {r['gib']:g} GiB (worst)", f"{worst_close:.3f} s", f"<= {GOAL_CLOSE_S} s",
@@ -184,7 +200,7 @@ def phase_line(w: dict) -> str:
     """One follower's time to ready, step by step, on one line (ms)."""
     steps, ring = w.get("steps", {}), w.get("resident_copy") or {}
     parts = " ".join(f"{name} {steps[step] * 1e3:.0f}" for name, step in PHASES.items() if step in steps)
-    line = f"ready {w['ready_s'] * 1e3:.0f} ms: {parts}"
+    line = f"ready {w['ready_s'] * 1e3:.0f} ms (after READY {w.get('after_ready_s', w['ready_s']) * 1e3:.0f}): {parts}"
     if ring:
         line += (f" | ring pages {ring['ring_populate_s'] * 1e3:.0f} register {ring['ring_register_s'] * 1e3:.0f} "
                  f"waited {ring['ring_wait_s'] * 1e3:.0f}; read {ring['source']} x{ring['threads']} "
@@ -195,10 +211,9 @@ def phase_line(w: dict) -> str:
 
 def print_phases(r: dict) -> None:
     group = r.get("group") or {}
-    for label, workers in (("together", group.get("followers") or []), ("alone", [group["alone"]] if
-                                                                         group.get("alone") else [])):
+    for label, workers in follower_groups(group):
         for w in workers:
-            print(f"[{r['gib']:g} GiB] follower {label}: {phase_line(w)}", flush=True)
+            print(f"[{r['gib']:g} GiB] {label}: {phase_line(w)}", flush=True)
 
 
 def save_partial(data: dict) -> None:
