@@ -145,12 +145,16 @@ class FollowerPrefetch:
         if self._thread.ident is None:  # never started
             return
         interrupted: BaseException | None = None
-        while self._thread.is_alive():
+        while not self._done.is_set():
             try:
-                self._thread.join()
+                self._done.wait()
             except BaseException as exc:  # noqa: BLE001 - e.g. KeyboardInterrupt: finish the join, then raise
                 interrupted = interrupted or exc
                 self.cancel()
+        try:
+            self._thread.join()  # _run has returned: only the thread's last instructions are left
+        except BaseException as exc:  # noqa: BLE001 - the work is done; the interrupt goes on below
+            interrupted = interrupted or exc
         if interrupted is not None:
             raise interrupted
 

@@ -323,7 +323,10 @@ class BackgroundCall:
                 interrupted = interrupted or exc
                 if self._cancel is not None:
                     self._cancel.set()
-        self._thread.join()  # the call has returned: only the thread's last instructions are left
+        try:
+            self._thread.join()  # the call has returned: only the thread's last instructions are left
+        except BaseException as exc:  # noqa: BLE001 - the work is done; the interrupt goes on below
+            interrupted = interrupted or exc
         if interrupted is not None:
             raise interrupted
         return self.error

@@ -184,25 +184,32 @@ def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(held
     session owns what the thread opened, and the interrupt reaches the caller."""
     import signal
 
-    original_open = SharedBlockAllocator.attach
-    built = threading.Event()
+    original_open, original_join = SharedBlockAllocator.attach, FollowerPrefetch.join
+    joining = threading.Event()
+    opened: list[float] = []
+
+    def join(self):
+        joining.set()
+        return original_join(self)
 
     def slow_open_arena(self, layout):
-        built.wait(10)  # the factory returned: the session waits for this thread now (or is about to)
+        joining.wait(10)
+        time.sleep(0.05)  # the session is inside the join, waiting for this thread
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
         time.sleep(0.2)  # still opening while the interrupt is handled
-        return original_open(self, layout)
-
-    def factory():
-        model = _meta_model()
-        built.set()
-        return model
+        segments = original_open(self, layout)
+        opened.append(time.monotonic())
+        return segments
 
     session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
         patch.setattr(SharedBlockAllocator, "attach", slow_open_arena)
+        patch.setattr(FollowerPrefetch, "join", join)
         session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                     creator_model_factory=_unused_creator_factory, follower_model_factory=factory)
+                                     creator_model_factory=_unused_creator_factory,
+                                     follower_model_factory=_meta_model)
+    raised = time.monotonic()
+    assert opened and opened[0] < raised  # the interrupt went on only once the thread had opened everything
     assert not _running("ft-attach")
     assert _mapped(held_ns) == []
     session.close()
