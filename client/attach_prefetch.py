@@ -72,6 +72,7 @@ import torch
 
 from flextensor.runtime.loader import slot_count
 from flextensor.runtime.staged_copy import CopyReport, StagedCopy
+from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.planning.plan_model import effective_blocks
 from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.tensor_store import SharedTensorStore
@@ -125,9 +126,7 @@ class FollowerPrefetch:
         self.error: BaseException | None = None
         self.timings: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="ft-attach", daemon=True)
-        # Set as _run ends. join() waits on it rather than on Thread.join: on Python 3.11 a Thread.join that an
-        # interrupt stops marks a running thread as stopped, and a loop on is_alive() would end early.
-        self._done = threading.Event()
+        self._done = threading.Event()  # set as _run ends (see flextensor.runtime.thread_join)
 
     def start(self) -> "FollowerPrefetch":
         self._thread.start()
@@ -142,21 +141,7 @@ class FollowerPrefetch:
         re-raised): only then may the caller take over what it opened, and the thread's work is bounded (opens
         and copies, at most ``ELECT_LOCK_WAIT_S`` of waiting for the coordinator lock, and a wait for READY that
         :meth:`cancel` ends)."""
-        if self._thread.ident is None:  # never started
-            return
-        interrupted: BaseException | None = None
-        while not self._done.is_set():
-            try:
-                self._done.wait()
-            except BaseException as exc:  # noqa: BLE001 - e.g. KeyboardInterrupt: finish the join, then raise
-                interrupted = interrupted or exc
-                self.cancel()
-        try:
-            self._thread.join()  # _run has returned: only the thread's last instructions are left
-        except BaseException as exc:  # noqa: BLE001 - the work is done; the interrupt goes on below
-            interrupted = interrupted or exc
-        if interrupted is not None:
-            raise interrupted
+        join_through_interrupts(self._thread, self._done, self.cancelled)
 
     # ------------------------------------------------------------------------------------------ the thread
     def _run(self) -> None:

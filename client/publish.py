@@ -55,6 +55,7 @@ from flextensor.checkpoint import populate_pages
 from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
+from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator
 from flextensor.shm.manifest import DTYPE_SIZES
 from flextensor.shm.populate_ahead import PopulateAhead
@@ -296,7 +297,7 @@ class BackgroundCall:
         self.error: BaseException | None = None
         self.seconds = 0.0
         self._call, self._device, self._cancel = call, device, cancel
-        self._done = threading.Event()  # set as the call returns (why not Thread.join: FollowerPrefetch.join)
+        self._done = threading.Event()  # set as the call returns (see flextensor.runtime.thread_join)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -315,18 +316,5 @@ class BackgroundCall:
     def join(self) -> BaseException | None:
         """Wait for the call, even through an interrupt (which sets ``cancel``, then is re-raised once the thread
         ended): nothing may be cleaned up while the call still writes into it."""
-        interrupted: BaseException | None = None
-        while not self._done.is_set():
-            try:
-                self._done.wait()
-            except BaseException as exc:  # noqa: BLE001 - e.g. KeyboardInterrupt: finish the join, then raise
-                interrupted = interrupted or exc
-                if self._cancel is not None:
-                    self._cancel.set()
-        try:
-            self._thread.join()  # the call has returned: only the thread's last instructions are left
-        except BaseException as exc:  # noqa: BLE001 - the work is done; the interrupt goes on below
-            interrupted = interrupted or exc
-        if interrupted is not None:
-            raise interrupted
+        join_through_interrupts(self._thread, self._done, self._cancel)
         return self.error

@@ -27,6 +27,18 @@ def _follower() -> TinyTransformer:
         return TinyTransformer()
 
 
+def _creator_raises(namespace: str, profile: str, path: Path, error: type, match: str) -> None:
+    """A session that becomes the checkpoint's creator raises ``error`` (its message matching ``match``) from
+    ``offload_from_profile``; the session is closed after it, also when the check fails."""
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    try:
+        with pytest.raises(error, match=match):
+            session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                         follower_model_factory=_follower, checkpoint=str(path))
+    finally:
+        session.close()
+
+
 @pytest.mark.parametrize("shards", [1, 2])
 def test_creator_reads_the_checkpoint_into_the_shared_blocks(namespace: str, profile: str, tmp_path: Path,
                                                              shards: int) -> None:
@@ -68,11 +80,7 @@ def test_a_bad_checkpoint_fails_the_creator_by_name_and_leaves_nothing(namespace
     save_file(tensors, str(path))
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[:-1000])
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
-    with pytest.raises(error, match=match):
-        session.offload_from_profile(profile, config=cpu_config(), name="model", follower_model_factory=_follower,
-                                     checkpoint=str(path))
-    session.close()
+    _creator_raises(namespace, profile, path, error, match)
     assert shm_names(manager_namespace(namespace, "model")) == []
     assert ft.get_offload_manager("model").model is None
 
@@ -170,13 +178,7 @@ def test_an_arena_full_mid_read_fails_the_creator_by_name_and_leaves_nothing(nam
 
     monkeypatch.setattr(SharedSegment, "reserve_range", reserve_range)
     _slow_reads(monkeypatch)
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
-    try:
-        with pytest.raises(ShmSpaceError, match="no space in /dev/shm"):
-            session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                         follower_model_factory=_follower, checkpoint=str(path))
-    finally:
-        session.close()
+    _creator_raises(namespace, profile, path, ShmSpaceError, "no space in /dev/shm")
     assert len(calls) == 2 and _no_reading_thread()
     assert shm_names(manager_namespace(namespace, "model")) == []
     assert ft.get_offload_manager("model").model is None
@@ -203,13 +205,7 @@ def test_an_adoption_failure_while_the_blocks_are_read_stops_the_reads_and_leave
         raise RuntimeError("the adoption was refused")
 
     monkeypatch.setattr(OffloadManager, "offload_from_state", refuse)
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
-    try:
-        with pytest.raises(RuntimeError, match="the adoption was refused"):
-            session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                         follower_model_factory=_follower, checkpoint=str(path))
-    finally:
-        session.close()
+    _creator_raises(namespace, profile, path, RuntimeError, "the adoption was refused")
     assert _no_reading_thread()
     total = len(checkpoint_tensors(tiny_transformer(seed=0)))
     assert ranges[0] < ranges[1] and len(reads) < total  # reads went on beside the adoption, the rest was cancelled
