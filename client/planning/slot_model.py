@@ -119,38 +119,82 @@ class SlotRing(Generic[Owner]):
 class SlotTrace:
     """The pipeline simulator of ``flextensor.planning.plan_model`` over slots of the sizes ``slot_sizes``
     gives: a copy waits for the copy before it (one copy stream) and for the compute end of its slot's previous
-    entry (module docstring); a streamed trap's ``stream_cost_s`` is on the compute path. ``with_change`` runs
-    the whole pass again (this layout is only searched for a few candidates)."""
+    entry (module docstring); a streamed trap's ``stream_cost_s`` is on the compute path. Like
+    :class:`PipelineTrace` it remembers its state before every trap, so ``with_change`` re-simulates from the
+    changed trap (BudgetFill's polish asks it thousands of times at the switch to INFERENCE)."""
 
     # ``inp`` is a PlanInput, typed loosely: flextensor.planning.plan_model imports this module.
     def __init__(self, inp: Any, per_trap: Sequence[int], num_blocks: int, small_slot: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"simulate_overhead: num_blocks must be >= 1, got {num_blocks}")
         self.inp, self.per_trap, self.num_blocks, self.small_slot = inp, list(per_trap), num_blocks, small_slot
-        self.overhead = self._run(self.per_trap)
+        self._sizes = self._slots(self.per_trap)
+        # Per trap, the state before it: (clock, last copy end, placements so far, each slot's last placement,
+        # each slot's owner's compute end), so that with_change can resume there (see _run).
+        self.before: list[tuple[float, float, int, tuple[int, ...], tuple[float | None, ...]]] = []
+        self.overhead = self._run(0, self._start(), self.per_trap, self._sizes, record=True)
 
     def with_change(self, trap: int, nbytes: int) -> float:
-        """Overhead if trap ``trap`` carried ``nbytes`` instead (same slots)."""
-        per = list(self.per_trap)
-        per[trap] = nbytes
-        return self._run(per)
+        """Overhead if trap ``trap`` carried ``nbytes`` instead (same slot count). Resumed before ``trap`` when
+        the slots keep their sizes; from the start when the change resizes them (a new largest block, or the
+        small slot now used or unused)."""
+        per = self.per_trap
+        saved, per[trap] = per[trap], nbytes
+        try:
+            sizes = self._slots(per)
+            if sizes != self._sizes:  # other slots: no state of the base run is this run's, so no early end
+                return self._run(0, self._start(), per, sizes, record=False, converge=False)
+            return self._run(trap, self.before[trap], per, sizes, record=False)
+        finally:
+            per[trap] = saved
 
-    def _run(self, per: Sequence[int]) -> float:
+    def _slots(self, per: Sequence[int]) -> tuple[int, ...]:
+        largest = max(per, default=0)
+        return slot_sizes(largest, self.num_blocks, small_slot_used(per, self.num_blocks, self.small_slot)) or (0,)
+
+    def _start(self) -> tuple[float, float, int, tuple[int, ...], tuple[float | None, ...]]:
+        slots = len(self._sizes)
+        return 0.0, 0.0, 0, (-1,) * slots, (None,) * slots
+
+    def _run(self, first: int, state: tuple[float, float, int, tuple[int, ...], tuple[float | None, ...]],
+             per: Sequence[int], sizes: tuple[int, ...], record: bool, converge: bool = True) -> float:
+        """Simulate from trap ``first`` in ``state``: the placement of :class:`SlotRing` (least recently used slot
+        that holds the block) kept in plain lists, so that a state is cheap to save and compare.
+
+        A re-run (``record=False``) over the base run's slots (``converge``) that is back in the base run's state
+        before some later trap (same clock, copy end and slot state) would repeat the base run from there: it
+        returns the base run's overhead."""
         inp = self.inp
         transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
-        largest = max(per, default=0)
-        small = small_slot_used(per, self.num_blocks, self.small_slot)
-        ring: SlotRing[float] = SlotRing(slot_sizes(largest, self.num_blocks, small) or (0,))
-        clock = last_end = 0.0
-        for i, nbytes in enumerate(per):
+        clock, last_end, placed, last_use_t, owner_t = state
+        last_use, owner = list(last_use_t), list(owner_t)
+        before = self.before
+        slots = range(len(sizes))
+        for i in range(first, len(compute)):
+            if record:
+                before.append((clock, last_end, placed, tuple(last_use), tuple(owner)))
+            elif converge and i > first:
+                b_clock, b_last, b_placed, b_use, b_owner = before[i]
+                if (clock == b_clock and last_end == b_last and placed == b_placed
+                        and tuple(last_use) == b_use and tuple(owner) == b_owner):
+                    return self.overhead
+            nbytes = per[i]
             if nbytes > 0:
-                slot, release = ring.place(nbytes, 0.0)
+                best = -1
+                for slot in slots:
+                    if sizes[slot] >= nbytes and (best < 0 or last_use[slot] < last_use[best]):
+                        best = slot
+                if best < 0:
+                    raise ValueError(f"a block of {nbytes} bytes fits none of the device slots {list(sizes)}")
+                release = owner[best]
+                last_use[best] = placed
+                placed += 1
                 start = last_end if release is None or release < last_end else release
                 last_end = start + transfer.seconds(nbytes) / scale
                 if last_end > clock:
                     clock = last_end
                 clock += compute[i] + cost[i]
-                ring.set_owner(slot, clock)
+                owner[best] = clock
             else:
                 clock += compute[i]
         overhead = clock - inp.total_compute_s

@@ -49,7 +49,7 @@ from flextensor.planning.basic_strategies import (  # noqa: F401 - the basic str
     _SubsetSums,
     _tables,
 )
-from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL, slot_sizes
+from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL, slot_sizes, small_slot_for
 
 logger = logging.getLogger(__name__)
 
@@ -347,6 +347,7 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
         current, off = trace.overhead, sum(per)
         room = budget - base_total + off  # integers: "base_total - off + gain + peak_blocks > budget" rearranged
         order = sorted(range(len(per)), key=lambda j: -per[j])
+        in_small = sum(1 for b in per if 0 < b <= small) if small else 0  # blocks the small slot could hold
         best: tuple[tuple[float, int], int, int, int] | None = None
         for i in range(len(traps)):
             if evaluations <= 0:
@@ -367,9 +368,9 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
                 else:
                     now_blocks = fewer_blocks if left == 0 else kept_blocks
                     if small and now_blocks:  # exact: whether a block still fits the small slot may change
-                        per[i] = left
-                        rotating = rotating_bytes(inp, per, now_blocks, small)
-                        per[i] = per_i
+                        rotating = _slots_after_move(n_off - (per_i > 0) + (left > 0), now_blocks, min_blocks,
+                                                     others_max if others_max >= left else left, small,
+                                                     in_small - (0 < per_i <= small) + (0 < left <= small))
                     else:
                         rotating = now_blocks * (others_max if others_max >= left else left)
                     if gain + rotating > room:
@@ -394,6 +395,17 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
             masks[i] |= 1 << other
         per[i] += neg_gain
     return masks
+
+
+def _slots_after_move(offloaded: int, num_blocks: int, min_blocks: int, largest: int, small: int,
+                      in_small: int) -> int:
+    """``rotating_bytes`` of a slot plan after one polish move, from the running totals instead of a pass over
+    every trap (the polish asks this for every move of every round): ``offloaded`` streamed traps, the
+    ``largest`` block, and ``in_small`` streamed blocks that fit the ``small`` slot."""
+    if not offloaded:
+        return 0
+    slots = effective_blocks(num_blocks, min_blocks, offloaded)
+    return sum(slot_sizes(largest, slots, small_slot_for(largest, slots, small) if in_small else 0))
 
 
 def _spread(values: list[int], limit: int) -> list[int]:

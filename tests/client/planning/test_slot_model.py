@@ -66,6 +66,46 @@ def _llm_like(layers: int = 24, tensor: int = 128 * MIB) -> tuple[TrapCost, ...]
                                                 TensorCost(f"layers.{i}.fc2", tensor)), 2e-5) for i in range(layers))
 
 
+def _ring_overhead(inp: PlanInput, per: list[int], blocks: int, small: int) -> float:
+    """The slot simulator written plainly over a SlotRing: the reference SlotTrace's resumed runs must equal."""
+    largest = max(per, default=0)
+    used = small if small and any(0 < b <= small for b in per) else 0
+    ring: SlotRing[float] = SlotRing(slot_sizes(largest, blocks, used) or (0,))
+    clock = last_end = 0.0
+    for i, nbytes in enumerate(per):
+        if nbytes > 0:
+            slot, release = ring.place(nbytes, 0.0)
+            start = last_end if release is None or release < last_end else release
+            last_end = start + inp.transfer.seconds(nbytes) / inp.scale
+            clock = max(clock, last_end) + inp.compute[i] + inp.stream_costs[i]
+            ring.set_owner(slot, clock)
+        else:
+            clock += inp.compute[i]
+    overhead = clock - inp.total_compute_s
+    return 0.0 if overhead <= 1e-9 * max(inp.total_compute_s, 1e-12) else overhead
+
+
+def test_slot_trace_resumes_like_a_full_simulation():
+    """with_change resumes before the changed trap when the slots keep their sizes, and starts over when the
+    change resizes them (a new largest block, the small slot used or no longer used): equal either way."""
+    rng = random.Random(11)
+    for _ in range(80):
+        n = rng.randint(2, 10)
+        traps = tuple(TrapCost(f"t{i}", rng.uniform(0.0, 2.0), (TensorCost(f"t{i}.w", 900),),
+                               rng.choice([0.0, 0.01])) for i in range(n))
+        inp = PlanInput(traps, TransferModel(500.0, rng.choice([0.0, 0.05])), None, 4, 2)
+        per = [rng.choice([0, 100, 300, 600, 900]) for _ in traps]
+        blocks, small = rng.randint(3, 5), rng.choice([0, 300, 600])
+        trace = SlotTrace(inp, per, blocks, small)
+        assert trace.overhead == pytest.approx(_ring_overhead(inp, per, blocks, small), abs=1e-12)
+        for i in range(n):
+            for nbytes in (0, 100, 600, 900, 1200):
+                changed = per[:i] + [nbytes] + per[i + 1:]
+                assert trace.with_change(i, nbytes) == pytest.approx(
+                    _ring_overhead(inp, changed, blocks, small), abs=1e-12)
+        assert trace.per_trap == per  # probing leaves the base untouched
+
+
 def test_memory_mode_sizes_the_last_slot_to_the_partly_streamed_trap():
     """At a budget of 2057 MiB (1.5% of the H200's memory) with the default 4 blocks: four whole-layer slots
     leave room for 4 resident layers (5.0 GiB stream); three whole-layer slots and one of a tensor leave room
