@@ -50,6 +50,14 @@ generation ended between the peek and the join), or the generation is not READY,
 own thread with what the thread returned (the model the factory built is then used as it is, or dropped for
 the creator's).
 
+CUDA's start
+------------
+In a process that has not used CUDA yet (a follower's usual state here), its start (driver and primary
+context: seconds) runs on a thread of its own (:class:`CudaStart`), begun with the attach thread and waited for
+only once there is a plan to copy, and through the driver library with ctypes, which lets go of the GIL (torch's
+lazy start holds it throughout). Made by torch on any thread, it held back the wait for READY, so a creator's
+death was seen seconds late, and the factory, which does not need CUDA.
+
 ``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``resident``), for
 ``session.report()``. The join is not among them: ``elect`` times its own parts (the session reports ``join``,
 ``daemon`` and ``plan``), and a part spanning those would count their time twice in a sum. The ring's parts run
@@ -64,6 +72,7 @@ block sizes: the thread checks the plan's block names and maps the arena's parts
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -83,7 +92,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.shm.segment import SharedSegment
     from flextensor.state import TensorManagerState
 
-__all__ = ["FollowerPrefetch", "ELECT_LOCK_WAIT_S"]
+__all__ = ["FollowerPrefetch", "CudaStart", "ELECT_LOCK_WAIT_S"]
 
 #: How long the thread waits for the coordinator lock before it leaves the join to the caller's thread.
 ELECT_LOCK_WAIT_S = 2.0
@@ -113,9 +122,11 @@ class FollowerPrefetch:
         self._blocks: list[Any] = []
         self._slots = 0
         self._device = device
+        self._cuda = device.type == "cuda"
         # The caller's current stream: copies and cached allocations land in its pool, where the caller's
-        # later allocations (the loader's device blocks) look for them.
-        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        # later allocations (the loader's device blocks) look for them. A process that has not used CUDA yet
+        # has no stream but the default one, which the thread then takes itself (see "CUDA's start").
+        self._stream = torch.cuda.current_stream(device) if self._cuda and torch.cuda.is_initialized() else None
         self.coordinator: "ShmCoordinator | None" = None  # joined by the thread (``elect``)
         self.state = state  # the published plan (None until read when electing on the thread)
         self.layout: ArenaLayout | None = None  # the arena's layout, computed once on the thread
@@ -146,6 +157,7 @@ class FollowerPrefetch:
     # ------------------------------------------------------------------------------------------ the thread
     def _run(self) -> None:
         copier: StagedCopy | None = None
+        cuda_start = CudaStart(self._device) if self._cuda and self._stream is None else None
         try:
             if self._elect is not None:  # not timed here: elect times its parts (see "Joining on the thread")
                 self.coordinator, self.state = self._elect()
@@ -172,6 +184,8 @@ class FollowerPrefetch:
             self.store = SharedTensorStore.attach(self._namespace, shm_owner=self._owner)
             opened = time.monotonic()
             self.timings["store"] = opened - start
+            if cuda_start is not None:
+                self._stream = cuda_start.wait()
             if self._stream is not None:
                 torch.cuda.set_device(self._device)
                 copier = StagedCopy(stream=self._stream, background_release=True)
@@ -218,6 +232,62 @@ class FollowerPrefetch:
         if self._blocks:
             assert self.layout is not None  # laid out when the plan's blocks were checked
             self.segments = SharedBlockAllocator(owner).attach(self.layout)
+
+
+class CudaStart:
+    """CUDA's lazy start (driver, primary context: seconds in a fresh process) on a thread of its own.
+
+    The attach thread starts it before it joins the generation and waits for it only once it has a plan to copy,
+    so neither the wait for READY nor the factory waits for CUDA, and a creator's death or failure is seen and
+    raised without it (a start still running then finishes on its own; it holds nothing to clean up).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ft-cuda-start", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            retained = _retain_primary_context(self._device.index or 0)
+            try:
+                torch.cuda.set_device(self._device)  # the slow part is done: torch finds the context there
+                self._stream = torch.cuda.current_stream(self._device)  # this thread's: the default stream
+            finally:
+                if retained is not None:
+                    retained()
+        except BaseException as exc:  # noqa: BLE001 - raised by wait(), on the attach thread
+            self._error = exc
+
+    def wait(self) -> Any:
+        """The device's default stream, once CUDA is up; CUDA's start error if it failed."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._stream
+
+
+def _retain_primary_context(index: int) -> Callable[[], None] | None:
+    """Start the CUDA driver and the device's primary context through ``libcuda`` with ctypes; returns the
+    call that drops this reference (once torch holds its own), or None where that was not possible.
+
+    Why not torch alone: its lazy start holds the GIL for the seconds that the driver and context take, so
+    every other thread of the process (the wait for READY, the factory) stood still meanwhile. A ctypes call
+    lets go of the GIL; torch's own start then finds both done. Best effort: torch starts them anyway.
+    """
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    if lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(device), index) != 0:
+        return None
+    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) != 0:
+        return None
+    release = getattr(lib, "cuDevicePrimaryCtxRelease_v2", None) or lib.cuDevicePrimaryCtxRelease
+    return lambda: release(device)
 
 
 def _check_roles(owner: "ShmOwner | None", state: "TensorManagerState | None", elect: Callable[..., Any] | None
