@@ -58,7 +58,7 @@ def start_warmup(ctx: EngineContext, specs: Any, enter: TrapCallback, leave: Tra
     for name, entry in ctx.tensors.items():
         if name not in candidates:
             ctx.to_device(entry.tensor)
-    stage(ctx, candidates)
+    stage(ctx, candidates, background=True)
     choose_warmup(ctx, candidates)
     handler: PhaseHandler
     if cfg.skip_discovery:

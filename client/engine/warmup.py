@@ -23,7 +23,8 @@ When the offload candidates fit on the device, DISCOVERY/PROFILING keep one devi
 the order it happens:
 
 1. ``offload()``: :func:`stage` registers the candidates' host storages in place (``flextensor.runtime.staging``), so
-   the copies are direct DMA and may be queued (``non_blocking``); :func:`choose_warmup` records the decision
+   the copies are direct DMA and may be queued (``non_blocking``); for a large model on a thread, in trap order,
+   each copy waiting for its own region; :func:`choose_warmup` records the decision
    and the names still to copy; with DISCOVERY skipped, :func:`overlap_stream` makes the side stream the first
    pass will copy on.
 2. The first warm-up pass, before any trap: :func:`preload` copies every pending candidate once, trap
@@ -56,6 +57,10 @@ __all__ = ["choose_warmup", "stage", "overlap_stream", "preload", "wait_copy", "
 
 logger = logging.getLogger(__name__)
 
+#: Offload candidates of at least this many bytes are staged on a thread (:func:`stage`); fewer take
+#: milliseconds, and ``offload()`` then returns with them registered.
+BACKGROUND_STAGING_BYTES = 1 << 30
+
 
 def choose_warmup(ctx: EngineContext, candidates: Iterable[str]) -> WarmupDecision:
     """Decide for ``ctx`` (after ``offload()`` placed the non-candidates), log the one INFO line, and arm the
@@ -87,13 +92,25 @@ def choose_warmup(ctx: EngineContext, candidates: Iterable[str]) -> WarmupDecisi
     return decision
 
 
-def stage(ctx: EngineContext, candidates: set[str]) -> None:
-    """Pin the candidates' host storages in place for the warm-up copies (``flextensor.runtime.staging``)."""
-    if not candidates or not ctx.warm.staging.wanted(ctx.config, ctx.device):
+def stage(ctx: EngineContext, candidates: set[str], *, background: bool = False) -> None:
+    """Pin the candidates' host storages in place for the warm-up copies (``flextensor.runtime.staging``).
+
+    ``background`` (``offload()``'s warm-up): from :data:`BACKGROUND_STAGING_BYTES` on, a thread registers them
+    in trap order while ``offload()`` returns, and each warm-up copy waits for its own region (the loader's
+    ``gate``): the registration (~45 ms/GiB) overlaps the first pass instead of holding ``offload()``."""
+    staging = ctx.warm.staging
+    if not candidates or not staging.wanted(ctx.config, ctx.device):
         return
-    ctx.warm.staging.stage({n: ctx.tensors[n].tensor for n in sorted(candidates)}, ctx.device)
+    tensors = {n: ctx.tensors[n].tensor for n in sorted(candidates)}
+    if background and sum(tensor_nbytes(t) for t in tensors.values()) >= BACKGROUND_STAGING_BYTES:
+        order = [n for trap in ctx.traps.values() for n in trap.candidates if n in tensors]
+        staging.stage_in_background(tensors, ctx.device, order)
+        ctx.warm.loader.gate = staging.wait_for
+        ctx.warm.loader.non_blocking = True  # a region the thread could not pin is copied from pageable memory:
+        return  # safe with non_blocking too (the copy returns once the driver holds the bytes)
+    staging.stage(tensors, ctx.device)
     # Unless staging failed, every host candidate is now page-locked (by us, or already before).
-    ctx.warm.loader.non_blocking = not ctx.warm.staging.failed
+    ctx.warm.loader.non_blocking = not staging.failed
 
 
 def overlap_stream(ctx: EngineContext) -> Any:

@@ -13,7 +13,7 @@ does not wait for it; the engine synchronizes before it unregisters those pages.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -57,6 +57,9 @@ class WarmLoader:
         #: When set (CUDA, pinned sources), copies are issued on this stream instead of the current one; the
         #: caller orders the readers (``OffloadManager._preload_warmup``: one event per trap).
         self.copy_stream: Any = None
+        #: Called with each host tensor before its copy: waits for its staging registration when that runs on
+        #: a thread (``PinnedStaging.wait_for``), so the copy is a DMA rather than a pageable one.
+        self.gate: Callable[[torch.Tensor], None] | None = None
         self.copies = 0
         self.copied_bytes = 0
         self.fell_back = False
@@ -72,6 +75,8 @@ class WarmLoader:
 
     def _copy(self, host: torch.Tensor) -> torch.Tensor:
         """One warm-up copy of ``host`` on the compute device (a subclass may wrap it, e.g. to count or fail)."""
+        if self.gate is not None:
+            self.gate(host)
         if host.device == self.device:  # same_device_copies: a clone keeps dtype, shape and strides
             return host.clone()
         if self.copy_stream is None:

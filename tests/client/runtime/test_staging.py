@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
+import time
 import warnings
 
 import pytest
@@ -117,6 +119,100 @@ def test_staging_registration_failure_undoes_and_warns_once(caplog):
     assert staging.release_all() == 0 and len(fake.unregisters) == 1
 
 
+def test_staging_registers_on_several_threads_and_undoes_them_all_on_a_failure(monkeypatch):
+    """Enough bytes are registered on REGISTER_THREADS threads (each region once); a failure on one of them
+    undoes every region the others registered, and nothing stays registered."""
+    import flextensor.runtime.staging as staging_mod
+
+    monkeypatch.setattr(staging_mod, "PARALLEL_MIN_BYTES", 0)
+    tensors = {f"t{i}": torch.randn(64) for i in range(16)}
+    fake = FakeCudart()
+    threads: set[str] = set()
+
+    def register(ptr: int, nbytes: int) -> None:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.002)  # long enough that the pool's threads take turns
+        fake.register(ptr, nbytes)
+
+    staging = PinnedStaging(register=register, unregister=fake.unregister, synchronize=fake.synchronize,
+                            is_pinned=lambda s: False)
+    assert staging.stage(tensors, torch.device("cpu")) == 16 * 256 and not staging.failed
+    assert sorted(p for _, p, _ in fake.registers) == sorted(_ptr(t) for t in tensors.values())
+    assert len(threads) > 1 and all(name.startswith("ft-stage") for name in threads)
+    assert staging.release_all() == 16 and not fake.live
+
+    failing = FakeCudart(fail_register_at=5)
+    staging = PinnedStaging(register=failing.register, unregister=failing.unregister,
+                            synchronize=failing.synchronize, is_pinned=lambda s: False)
+    assert staging.stage(tensors, torch.device("cpu")) == 0
+    assert staging.failed and not staging.active and not failing.live
+    assert sorted(failing.unregisters) == sorted(p for _, p, _ in failing.registers)
+
+
+def test_background_staging_registers_in_the_given_order_and_copies_wait_for_their_region():
+    tensors = {name: torch.randn(16) for name in ("c", "a", "b", "d")}
+    fake = FakeCudart()
+    release_b = threading.Event()
+
+    def register(ptr: int, nbytes: int) -> None:
+        if ptr == _ptr(tensors["b"]):
+            assert release_b.wait(10)
+        fake.register(ptr, nbytes)
+
+    staging = PinnedStaging(register=register, unregister=fake.unregister, synchronize=fake.synchronize,
+                            is_pinned=lambda s: False)
+    assert staging.stage_in_background(tensors, torch.device("cpu"), ["d", "b", "c", "a"]) == 4 * 64
+    staging.wait_for(tensors["d"])  # registered first, so ready while "b" still blocks the thread
+    assert [p for _, p, _ in fake.registers] == [_ptr(tensors["d"])] and staging.regions == [(_ptr(tensors["d"]), 64)]
+    threading.Timer(0.1, release_b.set).start()
+    staging.wait_for(tensors["b"])
+    staging.wait_for(torch.randn(3))  # not staged: no wait
+    staging.join()
+    assert [p for _, p, _ in fake.registers] == [_ptr(tensors[n]) for n in ("d", "b", "c", "a")]
+    assert not staging.failed and staging.registered_bytes == 4 * 64
+    assert staging.release_all() == 4 and not fake.live
+
+
+def test_background_staging_failure_keeps_what_it_registered_and_warns_once(caplog):
+    tensors = {f"t{i}": torch.randn(8) for i in range(5)}
+    order = sorted(tensors)
+    fake = FakeCudart(fail_register_at=3)
+    staging = fake.staging()
+    with caplog.at_level(logging.WARNING, logger="flextensor"):
+        staging.stage_in_background(tensors, torch.device("cpu"), order)
+        for tensor in tensors.values():
+            staging.wait_for(tensor)  # none waits forever: the regions never tried are ready too
+        staging.join()
+    assert staging.failed
+    assert [r.getMessage() for r in caplog.records if "pinned staging" in r.getMessage()] == [
+        "pinned staging of the warm-up weights stopped after 64 of 160 bytes (cudaHostRegister failed: "
+        "cudaErrorMemoryAllocation (2)); the rest is copied from pageable memory during DISCOVERY/PROFILING "
+        "(slower). Raise RLIMIT_MEMLOCK (`ulimit -l unlimited`) or pass weights that are already pinned to avoid "
+        "this"]
+    assert staging.regions == [(_ptr(tensors["t0"]), 32), (_ptr(tensors["t1"]), 32)]
+    assert staging.release(["t2", "t3", "t4"]) == 0  # never registered: nothing to undo
+    assert staging.release_all() == 2 and not fake.live
+
+
+def test_release_all_stops_a_background_staging_after_the_region_in_flight():
+    tensors = {f"t{i}": torch.randn(8) for i in range(6)}
+    fake = FakeCudart()
+    first_in, go_on = threading.Event(), threading.Event()
+
+    def register(ptr: int, nbytes: int) -> None:
+        fake.register(ptr, nbytes)
+        first_in.set()
+        assert go_on.wait(10)
+
+    staging = PinnedStaging(register=register, unregister=fake.unregister, synchronize=fake.synchronize,
+                            is_pinned=lambda s: False)
+    staging.stage_in_background(tensors, torch.device("cpu"), sorted(tensors))
+    assert first_in.wait(10)
+    threading.Timer(0.1, go_on.set).start()
+    assert staging.release_all() == 1  # the one in flight, unregistered after the thread stopped
+    assert len(fake.registers) == 1 and not fake.live and staging.regions == []
+
+
 def test_staging_unregister_failure_is_not_retried(caplog):
     x, y = torch.randn(4), torch.randn(4)
     fake = FakeCudart(fail_unregister={_ptr(x)})
@@ -186,6 +282,43 @@ def test_engine_staging_lifecycle_with_recorded_cudart(warmup, monkeypatch):
     ft.release()
     assert len(fake.unregisters) == len(ptrs)  # nothing unregistered twice
     assert same(reference(model, x), ref)
+
+
+def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(monkeypatch):
+    """From BACKGROUND_STAGING_BYTES on, offload() leaves the registration to a thread (in trap order) and
+    returns; the first pass's copies wait for their own regions; outputs stay exact and every region is
+    registered and unregistered once, from that thread."""
+    import flextensor.engine.warmup as warmup_mod
+
+    monkeypatch.setattr(warmup_mod, "BACKGROUND_STAGING_BYTES", 0)
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    ptrs = _param_ptrs(model)
+    fake = FakeCudart()
+    threads: set[str] = set()
+    go_on = threading.Event()
+
+    def register(ptr: int, nbytes: int) -> None:
+        threads.add(threading.current_thread().name)
+        assert go_on.wait(10)  # held until offload() returned
+        fake.register(ptr, nbytes)
+
+    om = ft.get_offload_manager()
+    inject_staging(monkeypatch, PinnedStaging(register=register, unregister=fake.unregister,
+                                              synchronize=fake.synchronize, is_pinned=lambda s: False,
+                                              policy=lambda cfg, dev: True))
+    om._warmup_override = "stream"
+    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
+    assert fake.registers == [] and om.engine.warm.loader.non_blocking
+    go_on.set()
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + 1):
+            assert same(model(x), ref)
+    assert threads == {"ft-stage"}
+    assert sorted(p for _, p, _ in fake.registers) == sorted(ptrs.values())
+    ft.release()
+    assert sorted(fake.unregisters) == sorted(ptrs.values()) and not fake.live
 
 
 class _KeepResident:
@@ -342,8 +475,33 @@ def test_cuda_already_pinned_weights_are_not_registered_or_unregistered():
 
 
 @pytest.mark.cuda
-def test_cuda_registration_failure_falls_back_to_pageable(tmp_path, caplog):
-    """A read-only mapping cannot be registered without cudaHostRegisterReadOnly: staging must fall back."""
+def test_cuda_background_staging_pins_every_weight_and_outputs_match(monkeypatch):
+    """The warm-up staged on a thread (as for a large model): every host weight ends up pinned, the passes are
+    exact, and release() unpins them all."""
+    import flextensor.engine.warmup as warmup_mod
+
+    monkeypatch.setattr(warmup_mod, "BACKGROUND_STAGING_BYTES", 0)
+    model, ids, ref = _cuda_model_and_ref()
+    host = {n: p.data for n, p in model.named_parameters() if n.startswith("blocks.")}
+    ft.offload(model, _cuda_cfg(profiling_iters=3))
+    om = ft.get_offload_manager()
+    staging = om.engine.warm.staging
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
+    staging.join()
+    assert not staging.failed and all(t.is_pinned() for t in host.values())
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + 1):
+            torch.testing.assert_close(model(ids).float(), ref, atol=2e-2, rtol=2e-2)
+    assert om.phase is Phase.INFERENCE
+    ft.release()
+    assert not any(t.is_pinned() for t in host.values())
+
+
+@pytest.mark.cuda
+def test_cuda_read_only_mapping_is_staged(tmp_path):
+    """Staging registers read-only (the device only reads staged memory), so weights in a read-only file
+    mapping, which cannot be registered for writing, are staged too and the warm-up copies them asynchronously."""
     model, ids, ref = _cuda_model_and_ref(torch.float32)
     weight = model.blocks[0].down.weight
     path = tmp_path / "w.bin"
@@ -354,14 +512,45 @@ def test_cuda_registration_failure_falls_back_to_pageable(tmp_path, caplog):
         warnings.simplefilter("ignore")  # "the given buffer is not writable"
         readonly = torch.frombuffer(mapped, dtype=torch.float32).view(weight.shape)
     weight.data = readonly
-    with caplog.at_level(logging.WARNING, logger="flextensor"):
-        ft.offload(model, _cuda_cfg())
+    ft.offload(model, _cuda_cfg())
     om = ft.get_offload_manager()
-    assert om.engine.warm.staging.failed and om.engine.warm.staging.regions == [] and not om.engine.warm.loader.non_blocking
-    assert len([r for r in caplog.records if "pinned staging" in r.getMessage()]) == 1
+    staging = om.engine.warm.staging
+    assert not staging.failed and om.engine.warm.loader.non_blocking
+    assert (readonly.data_ptr(), readonly.untyped_storage().nbytes()) in staging.regions
     with torch.no_grad():
-        for _ in range(om.iters_before_inference + 2):  # and no stale CUDA error surfaces in later kernels
+        for _ in range(om.iters_before_inference + 2):
             torch.testing.assert_close(model(ids).float(), ref, atol=1e-4, rtol=1e-4)
     assert om.phase is Phase.INFERENCE
     ft.release()
+    assert not readonly.is_pinned()
     del weight, readonly
+
+
+@pytest.mark.cuda
+def test_cuda_registration_failure_falls_back_to_pageable(caplog):
+    """A storage of which another part of the process already registered a range cannot be registered again
+    (the driver refuses a byte twice): staging undoes what it registered and the warm-up copies from pageable
+    memory, with one warning and no CUDA error left for a later kernel to raise."""
+    from flextensor.shm.pinning import host_register, host_unregister
+
+    model, ids, ref = _cuda_model_and_ref(torch.float32)
+    weight = model.blocks[0].down.weight
+    owned = weight.detach().clone()
+    weight.data = owned
+    inside = owned.data_ptr() + owned.untyped_storage().nbytes() // 2 // 4096 * 4096
+    host_register(inside, 4096)  # someone else's registration in the middle: torch still sees it unpinned
+    try:
+        with caplog.at_level(logging.WARNING, logger="flextensor"):
+            ft.offload(model, _cuda_cfg())
+        om = ft.get_offload_manager()
+        staging = om.engine.warm.staging
+        assert staging.failed and staging.regions == [] and not om.engine.warm.loader.non_blocking
+        assert not model.blocks[1].down.weight.is_pinned()  # what was registered before the failure is undone
+        assert len([r for r in caplog.records if "pinned staging" in r.getMessage()]) == 1
+        with torch.no_grad():
+            for _ in range(om.iters_before_inference + 2):  # and no stale CUDA error surfaces in later kernels
+                torch.testing.assert_close(model(ids).float(), ref, atol=1e-4, rtol=1e-4)
+        assert om.phase is Phase.INFERENCE
+        ft.release()
+    finally:
+        host_unregister(inside)
