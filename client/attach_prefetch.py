@@ -52,11 +52,11 @@ the creator's).
 
 CUDA's start
 ------------
-In a process that has not used CUDA yet (a follower's usual state here), its start (driver and primary
-context: seconds) runs on a thread of its own (:class:`CudaStart`), begun with the attach thread and waited for
-only once there is a plan to copy, and through the driver library with ctypes, which lets go of the GIL (torch's
-lazy start holds it throughout). Made by torch on any thread, it held back the wait for READY, so a creator's
-death was seen seconds late, and the factory, which does not need CUDA.
+In a process that has not used CUDA yet, the thread starts it (driver and primary context: seconds), once the
+generation is READY: started before the wait for READY (on the caller's thread, or on one of its own), it held
+that wait up, and a creator killed meanwhile was reported 4-5 s after the SIGKILL on the H200 host, where the
+lease was 1 s. A server whose workers pick their device first (``torch.cuda.set_device``, as under
+``torchrun``) has CUDA up already, and the thread copies on the caller's current stream.
 
 ``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``resident``), for
 ``session.report()``. The join is not among them: ``elect`` times its own parts (the session reports ``join``,
@@ -72,7 +72,6 @@ block sizes: the thread checks the plan's block names and maps the arena's parts
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -92,7 +91,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.shm.segment import SharedSegment
     from flextensor.state import TensorManagerState
 
-__all__ = ["FollowerPrefetch", "CudaStart", "ELECT_LOCK_WAIT_S"]
+__all__ = ["FollowerPrefetch", "ELECT_LOCK_WAIT_S"]
 
 #: How long the thread waits for the coordinator lock before it leaves the join to the caller's thread.
 ELECT_LOCK_WAIT_S = 2.0
@@ -157,13 +156,15 @@ class FollowerPrefetch:
     # ------------------------------------------------------------------------------------------ the thread
     def _run(self) -> None:
         copier: StagedCopy | None = None
-        cuda_start = CudaStart(self._device) if self._cuda and self._stream is None else None
         try:
             if self._elect is not None:  # not timed here: elect times its parts (see "Joining on the thread")
                 self.coordinator, self.state = self._elect()
                 if self.coordinator is None or self.state is None:
                     return  # the caller takes over: the lock was busy, or this is no follower of a READY generation
                 self._owner = self.coordinator.memory_owner
+            if self._cuda and self._stream is None:  # after the wait for READY: see "CUDA's start"
+                torch.cuda.set_device(self._device)
+                self._stream = torch.cuda.current_stream(self._device)  # this thread's: the default stream
             assert self._owner is not None and self.state is not None
             self._blocks = self.state.blocks_in_order()
             streamed = {b.label for b in self._blocks}
@@ -184,8 +185,6 @@ class FollowerPrefetch:
             self.store = SharedTensorStore.attach(self._namespace, shm_owner=self._owner)
             opened = time.monotonic()
             self.timings["store"] = opened - start
-            if cuda_start is not None:
-                self._stream = cuda_start.wait()
             if self._stream is not None:
                 torch.cuda.set_device(self._device)
                 copier = StagedCopy(stream=self._stream, background_release=True)
@@ -232,62 +231,6 @@ class FollowerPrefetch:
         if self._blocks:
             assert self.layout is not None  # laid out when the plan's blocks were checked
             self.segments = SharedBlockAllocator(owner).attach(self.layout)
-
-
-class CudaStart:
-    """CUDA's lazy start (driver, primary context: seconds in a fresh process) on a thread of its own.
-
-    The attach thread starts it before it joins the generation and waits for it only once it has a plan to copy,
-    so neither the wait for READY nor the factory waits for CUDA, and a creator's death or failure is seen and
-    raised without it (a start still running then finishes on its own; it holds nothing to clean up).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._stream: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ft-cuda-start", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            retained = _retain_primary_context(self._device.index or 0)
-            try:
-                torch.cuda.set_device(self._device)  # the slow part is done: torch finds the context there
-                self._stream = torch.cuda.current_stream(self._device)  # this thread's: the default stream
-            finally:
-                if retained is not None:
-                    retained()
-        except BaseException as exc:  # noqa: BLE001 - raised by wait(), on the attach thread
-            self._error = exc
-
-    def wait(self) -> Any:
-        """The device's default stream, once CUDA is up; CUDA's start error if it failed."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._stream
-
-
-def _retain_primary_context(index: int) -> Callable[[], None] | None:
-    """Start the CUDA driver and the device's primary context through ``libcuda`` with ctypes; returns the
-    call that drops this reference (once torch holds its own), or None where that was not possible.
-
-    Why not torch alone: its lazy start holds the GIL for the seconds that the driver and context take, so
-    every other thread of the process (the wait for READY, the factory) stood still meanwhile. A ctypes call
-    lets go of the GIL; torch's own start then finds both done. Best effort: torch starts them anyway.
-    """
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    device, context = ctypes.c_int(), ctypes.c_void_p()
-    if lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(device), index) != 0:
-        return None
-    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) != 0:
-        return None
-    release = getattr(lib, "cuDevicePrimaryCtxRelease_v2", None) or lib.cuDevicePrimaryCtxRelease
-    return lambda: release(device)
 
 
 def _check_roles(owner: "ShmOwner | None", state: "TensorManagerState | None", elect: Callable[..., Any] | None
