@@ -12,7 +12,8 @@ the store itself and hands the engine the filled blocks (``host_blocks``, as a f
   a worker per arena part: tmpfs allocates one file's pages under that file's locks, ``flextensor.shm.blocks``)
   when they could not be allocated ahead of time (a model built in RAM: see ``flextensor.creator_source``), and the
   copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block; the
-  arena fills on a thread (``ft-publish-blocks``) while the store fills, for the same reason;
+  arena fills on a thread (``ft-publish-blocks``) while the store fills, for the same reason (a failure of either
+  stops the other before its next block or record);
 - the creator's mapping is registered with CUDA in the background after READY, block by block in schedule order,
   exactly like a follower's (``flextensor.shm.background_pin``), instead of inside the publish;
 - the resident tensors are published from the host, before the engine moves them to the device, instead of being
@@ -125,11 +126,18 @@ def _write(view: torch.Tensor, value: Any) -> None:
 
 
 def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], owner: Any,
-                  weights: Mapping[str, Any] | None, *, window: int) -> SharedTensorStore:
+                  weights: Mapping[str, Any] | None, *, window: int,
+                  stop: Callable[[], BaseException | None] | None = None) -> SharedTensorStore:
     """Publish ``names`` (the plan's resident tensors) into the store and point the model's host tensors at their
-    shared copies, record by record (a tensor on a device is copied and left there)."""
+    shared copies, record by record (a tensor on a device is copied and left there).
+
+    ``stop`` is asked before each record: an error it returns (the arena's fill beside the store failed) is
+    raised at once, so the publish fails without filling the rest of a store it would throw away."""
 
     def fill(record: Any, view: torch.Tensor, source: torch.Tensor) -> None:
+        failure = stop() if stop is not None else None
+        if failure is not None:
+            raise failure
         if source.is_meta:
             _write(view, _weight(weights, record.all_names, source.dtype, source.shape))
         else:
@@ -312,6 +320,10 @@ class BackgroundCall:
         finally:
             self.seconds = time.monotonic() - start
             self._done.set()
+
+    def failure(self) -> BaseException | None:
+        """The call's error once it failed; None while it runs or after it succeeded (a look, no wait)."""
+        return self.error
 
     def join(self) -> BaseException | None:
         """Wait for the call, even through an interrupt (which sets ``cancel``, then is re-raised once the thread

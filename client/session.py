@@ -383,7 +383,8 @@ class SharedOffloadSession:
         try:
             with timed_step(steps, "store"):
                 share.store = publish_store(share.namespace, model, resident, owner, source.weights,
-                                            window=populate_window(store_bytes(state)))
+                                            window=populate_window(store_bytes(state)),
+                                            stop=None if blocks_fill is None else blocks_fill.failure)
                 read_queued(source.weights)  # the resident tensors' checkpoint reads
             if pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
                 store_pin = BackgroundCall(share.store.pin, device=device_index(device))

@@ -144,6 +144,42 @@ def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(na
     assert shm_names(manager_namespace(namespace, "model")) == []
 
 
+def test_an_arena_fill_failure_stops_the_store_beside_it_and_leaves_nothing(namespace, profile, monkeypatch):
+    """The other way round: when the arena's fill fails (here at once, as a full /dev/shm would make it), the
+    store stops before its next record instead of filling to its end, the creator raises the arena's error, and
+    nothing is left."""
+    import time
+
+    import flextensor.session as session_mod
+    from flextensor.profiles import read_profile
+
+    stored: list[int] = []
+    real_assign = publish_mod.assign_data
+
+    def slow_assign(tensor, view):  # each resident tensor takes 20 ms: the store is still filling at the failure
+        time.sleep(0.02)
+        stored.append(view.numel())
+        real_assign(tensor, view)
+
+    def failing_fill(*args, **kwargs):
+        time.sleep(0.03)
+        raise OSError(28, "No space left on device (the arena)")
+
+    monkeypatch.setattr(publish_mod, "assign_data", slow_assign)
+    monkeypatch.setattr(session_mod, "fill_blocks", failing_fill)
+    resident = sum(not t.offloaded for t in read_profile(profile).tensors)
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    try:
+        with pytest.raises(OSError, match="the arena"):
+            session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                         creator_model_factory=lambda: tiny_transformer(seed=0),
+                                         follower_model_factory=_meta_model)
+        assert len(stored) < resident  # the store stopped part way
+    finally:
+        session.close()
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
 def test_an_interrupt_while_waiting_for_the_arena_fill_cancels_it_and_still_waits_for_it():
     """Ctrl-C while the creator waits for the arena's fill: the fill is told to stop and the thread has ended
     before the interrupt goes on (the cleanup that follows must not race a thread still writing)."""
