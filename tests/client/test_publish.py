@@ -103,6 +103,45 @@ def test_a_model_that_does_not_match_the_profile_is_refused_before_anything_is_p
     assert shm_names(manager_namespace(namespace, "model")) == []
 
 
+def _slow_assigns(monkeypatch) -> list[int]:
+    """Every model tensor pointed at its shared copy takes 20 ms (so a fill is still running when the other one
+    fails); returns the list of the copies' element counts, in order."""
+    import time
+
+    made: list[int] = []
+    real_assign = publish_mod.assign_data
+
+    def slow_assign(tensor, view):
+        time.sleep(0.02)
+        made.append(view.numel())
+        real_assign(tensor, view)
+
+    monkeypatch.setattr(publish_mod, "assign_data", slow_assign)
+    return made
+
+
+def _fails_after(seconds: float, what: str):
+    """A stand-in for a fill that fails as a full /dev/shm would, after ``seconds``."""
+    import time
+
+    def fail(*args, **kwargs):
+        time.sleep(seconds)
+        raise OSError(28, f"No space left on device ({what})")
+
+    return fail
+
+
+def _creator_raises(namespace: str, profile: str, match: str) -> None:
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    try:
+        with pytest.raises(OSError, match=match):
+            session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                         creator_model_factory=lambda: tiny_transformer(seed=0),
+                                         follower_model_factory=_meta_model)
+    finally:
+        session.close()
+
+
 def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(namespace, profile, monkeypatch):
     """From a model in RAM the arena fills on a thread while the store fills: when the store fails, that thread
     is stopped (before its next block) and joined before anything is cleaned up, the creator raises the store's
@@ -113,34 +152,15 @@ def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(na
     import flextensor.session as session_mod
     from flextensor.profiles import read_profile
 
-    filled: list[int] = []
-    real_assign = publish_mod.assign_data
-
-    def slow_assign(tensor, view):  # each streamed tensor takes 20 ms: the fill is still running at the failure
-        time.sleep(0.02)
-        filled.append(view.numel())
-        real_assign(tensor, view)
-
-    def failing_store(*args, **kwargs):
-        time.sleep(0.05)
-        raise OSError(28, "No space left on device (the store)")
-
-    monkeypatch.setattr(publish_mod, "assign_data", slow_assign)
-    monkeypatch.setattr(session_mod, "publish_store", failing_store)
+    filled = _slow_assigns(monkeypatch)  # the store is replaced: these are the arena's
+    monkeypatch.setattr(session_mod, "publish_store", _fails_after(0.05, "the store"))
     streamed = sum(t.offloaded for t in read_profile(profile).tensors)
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
-    try:
-        with pytest.raises(OSError, match="the store"):
-            session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                         creator_model_factory=lambda: tiny_transformer(seed=0),
-                                         follower_model_factory=_meta_model)
-        assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]
-        stopped_at = len(filled)
-        assert 0 < stopped_at < streamed  # the arena's fill had started and was stopped part way
-        time.sleep(0.1)
-        assert len(filled) == stopped_at  # nothing writes into the arena any more
-    finally:
-        session.close()
+    _creator_raises(namespace, profile, "the store")
+    assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]
+    stopped_at = len(filled)
+    assert 0 < stopped_at < streamed  # the arena's fill had started and was stopped part way
+    time.sleep(0.1)
+    assert len(filled) == stopped_at  # nothing writes into the arena any more
     assert shm_names(manager_namespace(namespace, "model")) == []
 
 
@@ -148,35 +168,14 @@ def test_an_arena_fill_failure_stops_the_store_beside_it_and_leaves_nothing(name
     """The other way round: when the arena's fill fails (here at once, as a full /dev/shm would make it), the
     store stops before its next record instead of filling to its end, the creator raises the arena's error, and
     nothing is left."""
-    import time
-
     import flextensor.session as session_mod
     from flextensor.profiles import read_profile
 
-    stored: list[int] = []
-    real_assign = publish_mod.assign_data
-
-    def slow_assign(tensor, view):  # each resident tensor takes 20 ms: the store is still filling at the failure
-        time.sleep(0.02)
-        stored.append(view.numel())
-        real_assign(tensor, view)
-
-    def failing_fill(*args, **kwargs):
-        time.sleep(0.03)
-        raise OSError(28, "No space left on device (the arena)")
-
-    monkeypatch.setattr(publish_mod, "assign_data", slow_assign)
-    monkeypatch.setattr(session_mod, "fill_blocks", failing_fill)
+    stored = _slow_assigns(monkeypatch)  # the arena's fill is replaced: these are the store's
+    monkeypatch.setattr(session_mod, "fill_blocks", _fails_after(0.03, "the arena"))
     resident = sum(not t.offloaded for t in read_profile(profile).tensors)
-    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
-    try:
-        with pytest.raises(OSError, match="the arena"):
-            session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                         creator_model_factory=lambda: tiny_transformer(seed=0),
-                                         follower_model_factory=_meta_model)
-        assert len(stored) < resident  # the store stopped part way
-    finally:
-        session.close()
+    _creator_raises(namespace, profile, "the arena")
+    assert len(stored) < resident  # the store stopped part way
     assert shm_names(manager_namespace(namespace, "model")) == []
 
 
