@@ -291,7 +291,14 @@ class PinnedStaging:
         total = sum(r.nbytes for r in regions)
 
         def run() -> None:
-            done, errors = self._register_all(regions, self._cancel_staging)
+            errors: list[BaseException] = []
+            done: list[StagedRegion] = []
+            try:  # this thread's current device first: never a context on another GPU (cuda:0 by default)
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                done, errors = self._register_all(regions, self._cancel_staging)
+            except BaseException as exc:  # noqa: BLE001 - reported below, like a failed registration
+                errors.append(exc)
             for region in regions:  # not tried (a failure, a cancel): nobody may wait for them
                 region.ready.set()
             if errors:
