@@ -161,16 +161,21 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
     # engine's device, and the scope's exit never creates a context on another one (cuda:0 of a process that
     # never chose a device).
     scope = torch.cuda.device(ctx.device) if stream is not compute else contextlib.nullcontext()
+    pinned = True  # every copy so far came from registered memory: its events time a DMA (the samples' premise)
+    last: Any = None  # the last group's end event
     try:
         for label, group in groups:
             if not group:
                 continue
+            tensors = ctx.tensor_objs(group)
+            if ctx.warm.loader.gate is not None:  # staged on a thread: before the timing, not inside it
+                pinned = all([ctx.warm.staging.wait_for(t.data) for t in tensors]) and pinned
             start = end = None
             if timed:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(stream)
             with scope:
-                kept = ctx.warm.loader.preload(ctx.tensor_objs(group))
+                kept = ctx.warm.loader.preload(tensors)
             if not kept:
                 ctx.warm.events = []
                 ready.clear()
@@ -178,14 +183,16 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
             if end is not None:
                 end.record(stream)
                 ctx.warm.events.append((sum(tensor_nbytes(ctx.tensors[n].tensor) for n in group), start, end))
-                ready[label] = end
+                ready[label] = last = end
+        if not pinned:  # part of the sweep came from pageable memory: no samples, the planner sweeps itself
+            ctx.warm.events = []
         if stream is not compute and ready:
             assert compute is not None
             outside = ready.pop(None, None)
             if outside is not None:  # candidates of no trap: whoever reads them, they are there first
                 compute.wait_event(outside)
             ctx.warm.ready = ready
-            ctx.warm.last = ctx.warm.events[-1][2]
+            ctx.warm.last = last
             ordered = True
     finally:
         ctx.warm.loader.copy_stream = None

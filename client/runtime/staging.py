@@ -73,6 +73,8 @@ logger = logging.getLogger(__name__)
 #: ``PARALLEL_MIN_BYTES`` to register (less takes a few milliseconds on one thread).
 REGISTER_THREADS = 4
 PARALLEL_MIN_BYTES = 256 << 20
+#: How the driver (or a host without CUDA) refuses a registration: staging then falls back to pageable copies.
+_REGISTER_ERRORS = (RuntimeError, ValueError, OSError)
 
 
 @dataclass
@@ -233,6 +235,11 @@ class PinnedStaging:
         return [(r.ptr, r.nbytes) for r in list(self._regions.values()) if r.registered]
 
     @property
+    def stopping(self) -> bool:
+        """True once :meth:`release_all` told a background staging to stop after the region in flight."""
+        return self._cancel_staging.is_set()
+
+    @property
     def registered_bytes(self) -> int:
         return sum(r.nbytes for r in list(self._regions.values()) if r.registered)
 
@@ -251,8 +258,9 @@ class PinnedStaging:
             self.failed = True
             for region in done:
                 self._unregister_one(region)
-            if not isinstance(exc, (RuntimeError, ValueError, OSError)):
-                raise exc
+            for error in errors:  # a bug, not a refusal of the driver: raised, not folded into the fallback
+                if not isinstance(error, _REGISTER_ERRORS):
+                    raise error
             total = sum(r.nbytes for r in regions)
             logger.warning(
                 "pinned staging of the warm-up weights failed (%s); DISCOVERY/PROFILING passes copy them from "
@@ -299,11 +307,15 @@ class PinnedStaging:
                 done, errors = self._register_all(regions, self._cancel_staging)
             except BaseException as exc:  # noqa: BLE001 - reported below, like a failed registration
                 errors.append(exc)
+            if errors:
+                self.failed = True  # before the waiters below wake up
             for region in regions:  # not tried (a failure, a cancel): nobody may wait for them
                 region.ready.set()
+            for error in errors:
+                if not isinstance(error, _REGISTER_ERRORS):  # a bug: its traceback, beside the fallback below
+                    logger.error("staging the warm-up weights on a thread failed unexpectedly", exc_info=error)
             if errors:
                 clear_cuda_error()
-                self.failed = True
                 logger.warning(
                     "pinned staging of the warm-up weights stopped after %d of %d bytes (%s); the rest is copied "
                     "from pageable memory during DISCOVERY/PROFILING (slower). Raise RLIMIT_MEMLOCK (`ulimit -l "
@@ -315,12 +327,14 @@ class PinnedStaging:
             self._staging.start()
         return total
 
-    def wait_for(self, tensor: torch.Tensor) -> None:
+    def wait_for(self, tensor: torch.Tensor) -> bool:
         """Block until the region holding ``tensor``'s storage was tried by :meth:`stage_in_background` (at once
-        for any other tensor)."""
+        for any other tensor); False when that registration did not happen (a copy from it is pageable)."""
         region = self._by_storage.get(int(tensor.untyped_storage().data_ptr())) if self._by_storage else None
-        if region is not None:
-            region.ready.wait()
+        if region is None:
+            return True
+        region.ready.wait()
+        return region.registered
 
     def _register_all(self, regions: list[StagedRegion], cancel: threading.Event | None = None
                       ) -> tuple[list[StagedRegion], list[BaseException]]:
@@ -400,13 +414,13 @@ class PinnedStaging:
             staging.join()
             with self._join_lock:  # the build thread and the caller's may both get here
                 if self._staging is staging:
-                    self._staging = None
-                    self._by_storage = {}
                     for region in [r for r in self._regions.values() if not r.registered]:
                         del self._regions[region.ptr]
                         for name in region.names:
                             self._region_of.pop(name, None)
                         region.storages.clear()
+                    self._by_storage = {}
+                    self._staging = None  # last: a caller that sees None finds the table settled
         thread = self._releasing
         if thread is not None and thread is not threading.current_thread():
             thread.join()

@@ -23,6 +23,7 @@ from torch import nn
 import flextensor as ft
 from flextensor.engine.phase import Phase
 from flextensor.runtime.staging import PinnedStaging, plan_regions
+from flextensor.runtime.warm_loader import WarmLoader
 from tests.helpers.fake_cudart import FakeCudart, inject_staging
 from tests.helpers.models import (
     ALL,
@@ -197,18 +198,20 @@ def test_background_staging_failure_keeps_what_it_registered_and_warns_once(capl
 def test_release_all_stops_a_background_staging_after_the_region_in_flight():
     tensors = {f"t{i}": torch.randn(8) for i in range(6)}
     fake = FakeCudart()
-    first_in, go_on = threading.Event(), threading.Event()
+    first_in = threading.Event()
 
     def register(ptr: int, nbytes: int) -> None:
         fake.register(ptr, nbytes)
         first_in.set()
-        assert go_on.wait(10)
+        deadline = time.monotonic() + 10
+        while not staging.stopping:  # the first registration ends only once release_all() asked to stop
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
 
     staging = PinnedStaging(register=register, unregister=fake.unregister, synchronize=fake.synchronize,
                             is_pinned=lambda s: False)
     staging.stage_in_background(tensors, torch.device("cpu"), sorted(tensors))
     assert first_in.wait(10)
-    threading.Timer(0.1, go_on.set).start()
     assert staging.release_all() == 1  # the one in flight, unregistered after the thread stopped
     assert len(fake.registers) == 1 and not fake.live and staging.regions == []
 
@@ -302,7 +305,18 @@ def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(monkeypatch
     def register(ptr: int, nbytes: int) -> None:
         threads.add(threading.current_thread().name)
         assert go_on.wait(10)  # held until offload() returned
+        time.sleep(0.005)  # slower than the pass's copies: without their waits, a copy would come first
         fake.register(ptr, nbytes)
+
+    copied_pinned: list[bool] = []
+    real_copy = WarmLoader._copy
+
+    def copy(loader, host):
+        copied = real_copy(loader, host)
+        copied_pinned.append(_ptr(host) in fake.live)  # its region was registered before the copy
+        return copied
+
+    monkeypatch.setattr(WarmLoader, "_copy", copy)
 
     om = ft.get_offload_manager()
     inject_staging(monkeypatch, PinnedStaging(register=register, unregister=fake.unregister,
@@ -317,6 +331,7 @@ def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(monkeypatch
             assert same(model(x), ref)
     assert threads == {"ft-stage"}
     assert sorted(p for _, p, _ in fake.registers) == sorted(ptrs.values())
+    assert copied_pinned and all(copied_pinned)
     ft.release()
     assert sorted(fake.unregisters) == sorted(ptrs.values()) and not fake.live
 
@@ -527,25 +542,38 @@ def test_cuda_read_only_mapping_is_staged(tmp_path):
 
 
 @pytest.mark.cuda
-def test_cuda_registration_failure_falls_back_to_pageable(caplog):
+def test_cuda_registration_failure_falls_back_to_pageable(caplog, monkeypatch):
     """A storage of which another part of the process already registered a range cannot be registered again
     (the driver refuses a byte twice): staging undoes what it registered and the warm-up copies from pageable
     memory, with one warning and no CUDA error left for a later kernel to raise."""
     from flextensor.shm.pinning import host_register, host_unregister
 
+    import flextensor.runtime.staging as staging_mod
+
     model, ids, ref = _cuda_model_and_ref(torch.float32)
-    weight = model.blocks[0].down.weight
-    owned = weight.detach().clone()
-    weight.data = owned
-    inside = owned.data_ptr() + owned.untyped_storage().nbytes() // 2 // 4096 * 4096
+    host = [p.data for n, p in model.named_parameters() if n.startswith("blocks.")]
+    # The staged weight highest in memory fails: regions are tried in address order (one thread below), so the
+    # ones before it are registered first and must be undone.
+    target = max((t for t in host if t.untyped_storage().nbytes() >= 3 * 4096), key=lambda t: t.data_ptr())
+    inside = target.data_ptr() + target.untyped_storage().nbytes() // 2 // 4096 * 4096
     host_register(inside, 4096)  # someone else's registration in the middle: torch still sees it unpinned
+    registered: list[int] = []
+    real_register = staging_mod._default_register
+
+    def counted(ptr: int, nbytes: int) -> None:
+        real_register(ptr, nbytes)
+        registered.append(ptr)
+
+    monkeypatch.setattr(staging_mod, "_default_register", counted)
+    monkeypatch.setattr(staging_mod, "PARALLEL_MIN_BYTES", 1 << 62)
     try:
         with caplog.at_level(logging.WARNING, logger="flextensor"):
             ft.offload(model, _cuda_cfg())
         om = ft.get_offload_manager()
         staging = om.engine.warm.staging
         assert staging.failed and staging.regions == [] and not om.engine.warm.loader.non_blocking
-        assert not model.blocks[1].down.weight.is_pinned()  # what was registered before the failure is undone
+        assert registered  # regions before the failing one were registered ...
+        assert not any(t.is_pinned() for t in host)  # ... and undone
         assert len([r for r in caplog.records if "pinned staging" in r.getMessage()]) == 1
         with torch.no_grad():
             for _ in range(om.iters_before_inference + 2):  # and no stale CUDA error surfaces in later kernels
