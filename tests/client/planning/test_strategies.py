@@ -161,6 +161,29 @@ def test_a_timed_trap_cost_equals_one_built_whole_and_checks_its_timings():
             template.timed(*args)
 
 
+@settings(max_examples=300, deadline=None)
+@given(per=st.lists(st.sampled_from([0, 100, 300, 600, 900]), min_size=1, max_size=8), data=st.data())
+def test_a_polish_move_sizes_the_slots_as_rotating_bytes_does(per, data):
+    """The polish's running-total check of a move equals rotating_bytes of the plan after the move."""
+    from flextensor.planning.plan_model import rotating_bytes
+    from flextensor.planning.slot_model import effective_blocks
+    from flextensor.planning.strategies import _slots_after_move
+
+    min_blocks = data.draw(st.integers(2, 4))
+    inp = PlanInput(tuple(TrapCost(f"t{i}", 1e-3, (TensorCost(f"t{i}.w", 900),)) for i in range(len(per))),
+                    TransferModel(1e9), 10**9, max(min_blocks, 6), min_blocks)
+    i = data.draw(st.integers(0, len(per) - 1))
+    left = data.draw(st.sampled_from([0, 100, 300, 600, 900]))
+    small = data.draw(st.sampled_from([0, 100, 300, 600]))
+    after = per[:i] + [left] + per[i + 1:]
+    blocks = effective_blocks(data.draw(st.integers(min_blocks, 6)), min_blocks, sum(b > 0 for b in after))
+    others = max(per[:i] + per[i + 1:], default=0)
+    in_small = sum(1 for b in per if 0 < b <= small) if small else 0
+    assert _slots_after_move(sum(b > 0 for b in after), blocks, min_blocks, max(others, left), small,
+                             in_small - (0 < per[i] <= small) + (0 < left <= small)) == \
+        rotating_bytes(inp, after, blocks, small)
+
+
 @pytest.mark.parametrize("cost", [0.0, 0.3])
 def test_pipeline_trace_resumes_like_a_full_simulation(cost):
     traps = [TrapCost(f"t{i}", c, (TensorCost(f"t{i}.0", 9),), cost * (i % 2 + 1))
