@@ -14,8 +14,9 @@ context), with the bench_session set-up (``models.BenchTransformer``, every ``De
 2. **A sharing group** of ``--workers`` (default 4) processes on that profile, as bench_session runs them: the
    creator (its factory rebuilds the same model in host RAM: built on the device from the seed, then moved to
    the host; the factory is not part of the publish) publishes, while one follower started once the creator was
-   elected builds its model and waits (its time from READY to ready is what that wait did not hide); then the
-   followers start together, after READY, so their whole time to ready is after READY; each runs one forward (checked against the reference), then all
+   elected builds its model and waits (its time from READY to ready is what that wait did not hide; the two run
+   their first forwards only once both are ready, one after the other, as workers on GPUs of their own would
+   not share a link); then the followers start together, after READY, so their whole time to ready is after READY; each runs one forward (checked against the reference), then all
    ``close()`` at once and exit right after; then one more follower joins alone (the same measures without
    contention), closes and exits; the creator closes last. Once every process is gone, ``/dev/shm`` must hold
    nothing of the namespace.
@@ -90,6 +91,8 @@ class Params:
     namespace: str = ""
     wait_timeout: float = 300.0
     cprofile: bool = True
+    #: Once ready, report the "ready" stage and run the first forward only on "forward" (see run_group).
+    hold_forward: bool = False
 
 
 # ================================================================================================================
@@ -230,6 +233,10 @@ def worker_session(p: Params):
     info.update(ready_s=(returned if idle else synced) - start, ready_synced_s=synced - start,
                 device_idle_at_return=idle)
     info["publish_s"] = info["ready_s"] - info["factory_s"] if info["role"] == "creator" else None
+    if p.hold_forward:
+        print(json.dumps({"stage": "ready"}), flush=True)
+        if sys.stdin.readline().strip() != "forward":
+            raise SystemExit("parent went away before 'forward'")
     tokens = make_tokens(spec, p.batch, p.seq, device)
     begin = time.perf_counter()
     with torch.no_grad():
@@ -341,6 +348,13 @@ def wait_for_election(namespace: str, timeout: float) -> None:
         time.sleep(0.005)
 
 
+def _read_ready(worker: Worker, timeout: float) -> None:
+    """Wait for a held worker's "ready" stage (``Params.hold_forward``)."""
+    stage = worker.read(timeout)
+    if stage.get("stage") != "ready":
+        raise RuntimeError(f"session worker {worker.proc.pid}: expected the 'ready' line, got {stage}")
+
+
 def run_group(params: Params, workers: int, timeout: float, out: dict) -> None:
     """Creator with one follower started before READY, followers together, closes, one follower alone, the
     creator's close; results into ``out``."""
@@ -349,14 +363,23 @@ def run_group(params: Params, workers: int, timeout: float, out: dict) -> None:
     try:
         # The creator, and one follower started once the creator is elected: it builds its model while the
         # creator publishes, as a server's workers started together do.
-        creator, early = Worker("session", params), Worker("session", params)
+        # Their first forwards wait until both are ready: on this host they share one GPU's link, and the
+        # creator's forward (every streamed block over that link) would otherwise run under the follower's
+        # resident copy, which a host with a GPU per worker does not see.
+        held = Params(**{**asdict(params), "hold_forward": True})
+        creator, early = Worker("session", held), Worker("session", held)
         started += [creator, early]
         for w in (creator, early):
             w.read_stage(timeout)
         creator.send("go")
         wait_for_election(params.namespace, timeout)
         early.send("go")
-        out["creator"], out["early"] = creator.read(timeout), early.read(timeout)
+        for w in (creator, early):
+            _read_ready(w, timeout)
+        creator.send("forward")
+        out["creator"] = creator.read(timeout)
+        early.send("forward")
+        out["early"] = early.read(timeout)
         if out["creator"]["role"] != "creator":  # the early one was elected after all
             out["creator"], out["early"], creator, early = out["early"], out["creator"], early, creator
         (out["early"]["close_s"], out["early"]["exit_s"]), = close_together([early], timeout)
