@@ -287,7 +287,8 @@ def test_engine_staging_lifecycle_with_recorded_cudart(warmup, monkeypatch):
     assert same(reference(model, x), ref)
 
 
-def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(monkeypatch):
+@pytest.mark.parametrize("warmup", ["stream", "resident"])  # copies per trap call, or once before the first pass
+def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(warmup, monkeypatch):
     """From BACKGROUND_STAGING_BYTES on, offload() leaves the registration to a thread (in trap order) and
     returns; the first pass's copies wait for their own regions; outputs stay exact and every region is
     registered and unregistered once, from that thread."""
@@ -322,7 +323,7 @@ def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(monkeypatch
     inject_staging(monkeypatch, PinnedStaging(register=register, unregister=fake.unregister,
                                               synchronize=fake.synchronize, is_pinned=lambda s: False,
                                               policy=lambda cfg, dev: True))
-    om._warmup_override = "stream"
+    om._warmup_override = warmup
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
     assert fake.registers == [] and om.engine.warm.loader.non_blocking
     go_on.set()
