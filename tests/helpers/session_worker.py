@@ -85,7 +85,9 @@ def main() -> int:
 
         blocks.ARENA_PART_MIN_BYTES = args.arena_part_bytes
     if args.log:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+        # ms since the worker started beside each line: a test's failure message then shows where time went
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(relativeCreated)d ms %(levelname)s:%(name)s:%(message)s")
 
     def creator_factory() -> torch.nn.Module:
         _touch(args.marker)
