@@ -18,6 +18,7 @@ from torch import nn
 
 from flextensor.attach_prefetch import FollowerPrefetch
 from flextensor.shm.background_pin import BackgroundPinner, PinRange
+from flextensor.shm.blocks import SharedBlockAllocator
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.ftd_client import register_participant
 from flextensor.shm.names import lock_directory
@@ -158,8 +159,7 @@ def block_pinner(arenas: Sequence[Any], state: TensorManagerState, layout: Any, 
     starts it after adopting."""
     index_of = {b.label: b.index for b in state.blocks}
     order = [index_of[label] for label in state.schedule if label in index_of]
-    ranges = [PinRange(arenas[part], offset, size)
-              for offset, size, part in zip(layout.offsets, layout.sizes, layout.parts)]
+    ranges = [PinRange(*block) for block in SharedBlockAllocator.ranges(arenas, layout)]
     return BackgroundPinner(ranges, order, device=device_index(device), label=label)
 
 

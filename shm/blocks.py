@@ -165,9 +165,8 @@ class SharedBlockAllocator:
         """One zero-copy ``uint8`` tensor per block, at its offset in its part (``segments``: the parts in order)."""
         import torch
 
-        layout = as_layout(blocks)
-        return [segments[part].tensor(torch.uint8, (size,), offset=offset)
-                for offset, size, part in zip(layout.offsets, layout.sizes, layout.parts)]
+        return [segment.tensor(torch.uint8, (size,), offset=offset)
+                for segment, offset, size in SharedBlockAllocator.ranges(segments, blocks)]
 
     @staticmethod
     def ranges(segments: "Sequence[SharedSegment]", blocks: "Sequence[int] | ArenaLayout"
