@@ -80,6 +80,18 @@ def effective_blocks(requested: int, min_blocks: int, offloaded_traps: int) -> i
     return min(requested, max(min_blocks, offloaded_traps))
 
 
+def _lru_slot(sizes: Sequence[int], last_use: Sequence[int], nbytes: int) -> int:
+    """The placement rule (module docstring): the least recently used slot of ``sizes`` that holds ``nbytes``
+    (``last_use``: each slot's last placement counter, -1 for never); ``ValueError`` when none does."""
+    best = -1
+    for slot, size in enumerate(sizes):
+        if size >= nbytes and (best < 0 or last_use[slot] < last_use[best]):
+            best = slot
+    if best < 0:
+        raise ValueError(f"a block of {nbytes} bytes fits none of the device slots {list(sizes)}")
+    return best
+
+
 class SlotRing(Generic[Owner]):
     """Least-recently-used placement over fixed slots (module docstring), remembering each slot's last owner.
 
@@ -99,12 +111,7 @@ class SlotRing(Generic[Owner]):
     def place(self, nbytes: int, owner: Owner) -> tuple[int, Owner | None]:
         """Put a block of ``nbytes`` in the least recently used slot that holds it; returns that slot and the
         slot's previous owner (None for a fresh slot)."""
-        best = -1
-        for slot, size in enumerate(self.sizes):
-            if size >= nbytes and (best < 0 or self._last_use[slot] < self._last_use[best]):
-                best = slot
-        if best < 0:
-            raise ValueError(f"a block of {nbytes} bytes fits none of the device slots {list(self.sizes)}")
+        best = _lru_slot(self.sizes, self._last_use, nbytes)
         previous = self._owner[best]
         self._owner[best] = owner
         self._last_use[best] = self._placed
@@ -158,8 +165,8 @@ class SlotTrace:
 
     def _run(self, first: int, state: tuple[float, float, int, tuple[int, ...], tuple[float | None, ...]],
              per: Sequence[int], sizes: tuple[int, ...], record: bool, converge: bool = True) -> float:
-        """Simulate from trap ``first`` in ``state``: the placement of :class:`SlotRing` (least recently used slot
-        that holds the block) kept in plain lists, so that a state is cheap to save and compare.
+        """Simulate from trap ``first`` in ``state``: :class:`SlotRing`'s placement (``_lru_slot``) over plain
+        lists, so that a state is cheap to save and compare.
 
         A re-run (``record=False``) over the base run's slots (``converge``) that is back in the base run's state
         before some later trap (same clock, copy end and slot state) would repeat the base run from there: it
@@ -169,7 +176,6 @@ class SlotTrace:
         clock, last_end, placed, last_use_t, owner_t = state
         last_use, owner = list(last_use_t), list(owner_t)
         before = self.before
-        slots = range(len(sizes))
         for i in range(first, len(compute)):
             if record:
                 before.append((clock, last_end, placed, tuple(last_use), tuple(owner)))
@@ -180,12 +186,7 @@ class SlotTrace:
                     return self.overhead
             nbytes = per[i]
             if nbytes > 0:
-                best = -1
-                for slot in slots:
-                    if sizes[slot] >= nbytes and (best < 0 or last_use[slot] < last_use[best]):
-                        best = slot
-                if best < 0:
-                    raise ValueError(f"a block of {nbytes} bytes fits none of the device slots {list(sizes)}")
+                best = _lru_slot(sizes, last_use, nbytes)
                 release = owner[best]
                 last_use[best] = placed
                 placed += 1
