@@ -245,12 +245,7 @@ class PinnedStaging:
 
     def stage(self, tensors: Mapping[str, torch.Tensor], device: torch.device) -> int:
         """Register the storages of ``tensors`` (name -> tensor); returns the bytes registered (0 on fallback)."""
-        self.join()
-        if self._regions:
-            raise RuntimeError("PinnedStaging.stage called twice; release_all() first")
-        self._device = device
-        self.failed = False
-        regions = plan_regions(tensors, is_pinned=self._is_pinned)
+        regions = self._begin(tensors, device)
         done, errors = self._register_all(regions)
         if errors:
             exc = errors[0]
@@ -284,14 +279,8 @@ class PinnedStaging:
         stay registered and the rest are copied from pageable memory, which is safe: a copy from pageable memory
         returns only once the driver holds the bytes, whatever ``non_blocking`` says. Every other method joins
         the thread first (:meth:`join`; :meth:`release_all` cancels it after the region in flight)."""
-        self.join()
-        if self._regions:
-            raise RuntimeError("PinnedStaging.stage called twice; release_all() first")
-        self._device = device
-        self.failed = False
         rank = {name: i for i, name in enumerate(order)}
-        regions = sorted(plan_regions(tensors, is_pinned=self._is_pinned),
-                         key=lambda r: min(rank.get(n, len(rank)) for n in r.names))
+        regions = sorted(self._begin(tensors, device), key=lambda r: min(rank.get(n, len(rank)) for n in r.names))
         self._regions = {region.ptr: region for region in regions}
         self._region_of = {name: region for region in regions for name in region.names}
         self._by_storage = {int(st.data_ptr()): region for region in regions for st in region.storages}
@@ -307,14 +296,13 @@ class PinnedStaging:
                 done, errors = self._register_all(regions, self._cancel_staging)
             except BaseException as exc:  # noqa: BLE001 - reported below, like a failed registration
                 errors.append(exc)
-            if errors:
-                self.failed = True  # before the waiters below wake up
+            self.failed = bool(errors)  # before the waiters below wake up
             for region in regions:  # not tried (a failure, a cancel): nobody may wait for them
                 region.ready.set()
-            for error in errors:
-                if not isinstance(error, _REGISTER_ERRORS):  # a bug: its traceback, beside the fallback below
-                    logger.error("staging the warm-up weights on a thread failed unexpectedly", exc_info=error)
             if errors:
+                for error in errors:
+                    if not isinstance(error, _REGISTER_ERRORS):  # a bug: its traceback, beside the fallback below
+                        logger.error("staging the warm-up weights on a thread failed unexpectedly", exc_info=error)
                 clear_cuda_error()
                 logger.warning(
                     "pinned staging of the warm-up weights stopped after %d of %d bytes (%s); the rest is copied "
@@ -335,6 +323,15 @@ class PinnedStaging:
             return True
         region.ready.wait()
         return region.registered
+
+    def _begin(self, tensors: Mapping[str, torch.Tensor], device: torch.device) -> list[StagedRegion]:
+        """What both ways of staging start with: no staging in progress or left, then the regions to register."""
+        self.join()
+        if self._regions:
+            raise RuntimeError("PinnedStaging.stage called twice; release_all() first")
+        self._device = device
+        self.failed = False
+        return plan_regions(tensors, is_pinned=self._is_pinned)
 
     def _register_all(self, regions: list[StagedRegion], cancel: threading.Event | None = None
                       ) -> tuple[list[StagedRegion], list[BaseException]]:
