@@ -16,10 +16,10 @@ context), with the bench_session set-up (``models.BenchTransformer``, every ``De
    the host; the factory is not part of the publish) publishes, while one follower started once the creator was
    elected builds its model and waits (its time from READY to ready is what that wait did not hide; the two run
    their first forwards only once both are ready, one after the other, as workers on GPUs of their own would
-   not share a link); then the followers start together, after READY, so their whole time to ready is after READY; each runs one forward (checked against the reference), then all
-   ``close()`` at once and exit right after; then one more follower joins alone (the same measures without
-   contention), closes and exits; the creator closes last. Once every process is gone, ``/dev/shm`` must hold
-   nothing of the namespace.
+   not share a link); then the followers start together, after READY, so their whole time to ready is after
+   READY; each runs one forward (checked against the reference), then all ``close()`` at once and exit right
+   after; then one more follower joins alone (the same measures without contention), closes and exits; the
+   creator closes last. Once every process is gone, ``/dev/shm`` must hold nothing of the namespace.
 
 Reported per size, each cost also per GiB of the model, so growth faster than the bytes shows as a per-GiB
 column that rises with the size: ``offload()``, the passes, the overhead, the creator's publish (and its rate),

@@ -62,13 +62,12 @@ class PopulateAhead:
             raise ValueError(f"PopulateAhead: workers must be >= 1, got {workers!r}")
         self._ranges = [(segment, int(o), int(n)) for segment, o, n in ranges]
         self._window = int(window)
-        #: Threads each range is allocated from: the default for one file (``prefault.WRITE_THREADS_PER_FILE``)
-        #: for one worker; for several, a share of the cores among the ranges the window lets be in flight at once
-        #: (the first not written, and as many more as fit in the window), at most that default.
+        #: Threads each range is allocated from: a share of the cores among the ranges the window lets be in flight
+        #: at once (the first not written, and as many more as fit in the window, at most one per worker), at most
+        #: what one file can use (``prefault.WRITE_THREADS_PER_FILE``, all a single worker gets).
         largest = max((n for _s, _o, n in self._ranges), default=1)
         in_flight = max(1, min(workers, 1 + self._window // max(1, largest)))
-        self._threads = threads if threads is not None else (None if workers == 1 else max(1, min(
-            WRITE_THREADS_PER_FILE, (os.cpu_count() or 1) // in_flight)))
+        self._threads = threads or max(1, min(WRITE_THREADS_PER_FILE, (os.cpu_count() or 1) // in_flight))
         self._cond = threading.Condition()
         self._taken = 0  # ranges [0, _taken) were taken by a worker
         self._allocated = [False] * len(self._ranges)

@@ -437,8 +437,8 @@ class SharedSegment:
     def reserve_range(self, offset: int, nbytes: int, *, threads: int | None = None) -> None:
         """Allocate and map the pages of ``[offset, offset + nbytes)`` of a segment created with
         ``reserve=False``, before writing there, from up to ``threads`` threads (default
-        ``prefault.WRITE_THREADS_PER_FILE``: more only wait for the file's locks); a full ``/dev/shm`` is a :class:`ShmSpaceError` here rather than a SIGBUS in
-        the copy. A no-op on a segment reserved whole."""
+        ``prefault.WRITE_THREADS_PER_FILE``: more only wait for the file's locks); a full ``/dev/shm`` is a
+        :class:`ShmSpaceError` here rather than a SIGBUS in the copy. A no-op on a segment reserved whole."""
         if self.reserved or nbytes <= 0:
             return
         if offset < 0 or offset + nbytes > self.size:
