@@ -59,7 +59,7 @@ class WarmLoader:
         self.copy_stream: Any = None
         #: Called with each host tensor before its copy: waits for its staging registration when that runs on
         #: a thread (``PinnedStaging.wait_for``), so the copy is a DMA rather than a pageable one.
-        self.gate: Callable[[torch.Tensor], None] | None = None
+        self.gate: Callable[[torch.Tensor], object] | None = None
         self.copies = 0
         self.copied_bytes = 0
         self.fell_back = False
