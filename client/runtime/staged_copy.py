@@ -25,8 +25,9 @@ Workers and ring
 ``threads`` workers (the calling thread is one of them) share ``slots`` slots of ``chunk_bytes``, each worker
 owning its own (slot ``s`` belongs to worker ``s mod threads``). A worker claims the next chunk, waits until the
 device finished reading its slot (an event per slot), fills the slot, and queues the slot's copy to the device.
-No worker waits for another (there is no barrier per chunk), and the few calls per chunk that need the GIL (which
-a follower's model factory holds most of the time meanwhile) are spread over the workers. Chunks are claimed from
+No worker waits for another (there is no barrier per chunk), and a worker takes the GIL (which a follower's model
+factory holds most of the time meanwhile) once per chunk, after its read: the copy and the slot's event are
+queued without letting go of it (``flextensor.runtime.cuda_enqueue`` says why). Chunks are claimed from
 a start that depends on the process id, so followers attaching together read different pages at any one time
 (on Linux reading a shared page takes that page's lock).
 
@@ -70,6 +71,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from flextensor.runtime import cuda_enqueue
+from flextensor.runtime.cuda_enqueue import CopyEvents
 from flextensor.shm.prefault import MAX_THREADS, populate_read, populate_write_range
 
 __all__ = ["StagedCopy", "CopyReport", "CHUNK_BYTES", "SLOTS", "MIN_BYTES", "THREADS"]
@@ -178,7 +181,12 @@ class _Ring:
 
 
 class _Job:
-    """One copy's shared state for its workers: the chunks still to claim, the slots, the first error."""
+    """One copy's shared state for its workers: the chunks still to claim, the slots, the first error.
+
+    On a CUDA destination the copies and the slots' events go through :class:`CopyEvents` when PyTorch's CUDA
+    runtime can be bound (``flextensor.runtime.cuda_enqueue``: a worker then takes the GIL once per chunk, after
+    its read), else through PyTorch's calls. Claiming a chunk takes no lock: ``next`` on a list iterator is one
+    step under the GIL."""
 
     def __init__(self, dst: torch.Tensor, ring: _Ring, chunk: int, slots: int, fill: Callable[[int, int, int], None],
                  stream: "torch.cuda.Stream | None") -> None:
@@ -191,13 +199,20 @@ class _Job:
         assert ring.tensor is not None
         self.address = ring.address
         self.stages = [ring.tensor.narrow(0, s * chunk, chunk) for s in range(slots)]
-        self.events = [torch.cuda.Event() for _ in range(slots)] if stream is not None else []
+        self.copies: CopyEvents | None = None
+        self.events: list[torch.cuda.Event] = []
+        if stream is not None:
+            runtime = cuda_enqueue.load()
+            if runtime is not None:
+                with torch.cuda.device(stream.device):
+                    self.copies = CopyEvents(runtime, stream.cuda_stream, slots)
+            else:
+                self.events = [torch.cuda.Event() for _ in range(slots)]
         self.error: BaseException | None = None
 
     def claim(self) -> int | None:
         """The next chunk to copy; None when none is left or a worker failed."""
-        with self._lock:
-            return None if self.error is not None else next(self._order, None)
+        return None if self.error is not None else next(self._order, None)
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -207,6 +222,7 @@ class _Job:
         """Copy claimed chunks through the slots ``own`` until none is left; every copy queued from them is
         complete on return (also after an error, which is recorded for the caller)."""
         used: list[int] = []
+        copies, dst_ptr = self.copies, self.dst.data_ptr()
         try:
             with self._device_context():
                 for k in itertools.count():
@@ -215,10 +231,16 @@ class _Job:
                         return
                     slot = own[k % len(own)]
                     if slot in used:
-                        self.events[slot].synchronize()  # the device finished reading this slot
+                        self._wait(slot)  # the device finished reading this slot
                     offset = index * self.chunk
                     n = min(self.chunk, self.total - offset)
-                    self.fill(self.address + slot * self.chunk, offset, n)
+                    stage_ptr = self.address + slot * self.chunk
+                    self.fill(stage_ptr, offset, n)
+                    if slot not in used:
+                        used.append(slot)
+                    if copies is not None:
+                        copies.copy(slot, dst_ptr + offset, stage_ptr, n)
+                        continue
                     stage = self.stages[slot] if n == self.chunk else self.stages[slot].narrow(0, 0, n)
                     target = self.dst.narrow(0, offset, n)
                     if self.stream is None:
@@ -226,13 +248,26 @@ class _Job:
                         continue
                     target.copy_(stage, non_blocking=True)
                     self.events[slot].record(self.stream)
-                    if slot not in used:
-                        used.append(slot)
         except BaseException as exc:  # noqa: BLE001 - raised by the caller once every worker is done
             self.fail(exc)
         finally:
             for slot in used:  # also after an error: the ring is released next
-                self.events[slot].synchronize()
+                try:
+                    self._wait(slot)
+                except BaseException as exc:  # noqa: BLE001 - the first error is the caller's
+                    self.fail(exc)
+
+    def _wait(self, slot: int) -> None:
+        if self.copies is not None:
+            self.copies.wait(slot)
+        elif self.events:
+            self.events[slot].synchronize()
+
+    def close(self) -> None:
+        """Destroy the slots' events (every worker waited for its own)."""
+        if self.copies is not None:
+            with torch.cuda.device(self.dst.device):
+                self.copies.close()
 
     def _device_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.stream is None:
@@ -391,9 +426,14 @@ class StagedCopy:
             def fill(address: int, offset: int, nbytes: int) -> None:
                 ctypes.memmove(address, src_ptr + offset, nbytes)
 
-        job = _Job(dst, ring, self.chunk_bytes, self.slots, fill, stream)
         threads = min(self.threads, -(-src.numel() // self.chunk_bytes))
         owned = [[s for s in range(self.slots) if s % threads == w] for w in range(threads)]
+        try:
+            job = _Job(dst, ring, self.chunk_bytes, self.slots, fill, stream)
+        except BaseException:
+            if prefault is not None:
+                prefault.join()
+            raise
         helpers = [threading.Thread(target=job.work, args=(own,), name="ft-staged-copy", daemon=True)
                    for own in owned[1:]]
         try:
@@ -406,6 +446,7 @@ class StagedCopy:
                     helper.join()
             if prefault is not None:
                 prefault.join()
+            job.close()
         if job.error is not None:
             raise job.error
         return source, threads
