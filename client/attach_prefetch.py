@@ -18,8 +18,8 @@ Ordering and ownership
    another namespace or generation is refused), attaches the store, maps the arena, then, on a CUDA device,
    allocates and frees the loader's rotating device blocks, which leaves them in PyTorch's caching allocator
    for the adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks), and
-   last copies every store record to the device (:meth:`SharedTensorStore.copies_on`: one range) through a
-   small pinned ring (:class:`~flextensor.runtime.staged_copy.StagedCopy`: the store's mapping is not
+   last copies every store record to the device (:meth:`SharedTensorStore.copies_on`: one range per part of the
+   store) through a small pinned ring (:class:`~flextensor.runtime.staged_copy.StagedCopy`: the store's mapping is not
    registered, and a copy from it directly would run at pageable speed), reading the store's file with
    ``pread`` (no page of the store is faulted into this process), and synchronizes its own stream, so the
    copies are complete before anyone can read them, whatever stream the caller uses. The ring is mapped and
@@ -204,7 +204,7 @@ class FollowerPrefetch:
                 # (PyTorch's stream pool is not made here: the loader takes its copy stream at its first copy.)
                 # Last, the one long step (staged through pinned memory, read from the store's file).
                 with torch.cuda.stream(self._stream):
-                    self.device_copies = self.store.copies_on(self._device, buffer=resident, fill=copier)
+                    self.device_copies = self.store.copies_on(self._device, buffer=resident, fill=copier.copy_pieces)
                     done = torch.cuda.Event()
                     done.record(self._stream)
                 done.synchronize()  # the copies are complete before any stream reads them

@@ -60,11 +60,10 @@ from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator
 from flextensor.shm.manifest import DTYPE_SIZES
 from flextensor.shm.populate_ahead import PopulateAhead
-from flextensor.shm.sizes import align_up
-from flextensor.shm.tensor_store import ALIGNMENT, SharedTensorStore
+from flextensor.shm.tensor_store import SharedTensorStore, StoreLayout, store_layout
 from flextensor.state import ModelTensor, TensorManagerState
 
-__all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "populate_window", "arena_plan", "store_bytes",
+__all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "populate_window", "arena_plan", "plan_store_layout",
            "publish_store", "fill_blocks", "BlockReads", "read_queued", "BackgroundCall"]
 
 logger = logging.getLogger(__name__)
@@ -89,17 +88,17 @@ def arena_plan(state: TensorManagerState, names: Sequence[str], layout: ArenaLay
     return msgspec.structs.replace(state, blocks=blocks)
 
 
-def store_bytes(state: TensorManagerState) -> int:
-    """The size of the store that publishes ``state``'s resident tensors (``SharedTensorStore`` lays each out
-    densely at a multiple of its alignment), so it can be made ahead of the copy."""
-    total = 0
+def plan_store_layout(state: TensorManagerState) -> StoreLayout:
+    """The layout of the store that publishes ``state``'s resident tensors (``SharedTensorStore``'s, from the same
+    keys and sizes: ``flextensor.shm.tensor_store.store_layout``), so its parts can be made ahead of the copy."""
+    sizes = {}
     for t in state.tensors:
         if not t.offloaded:
             numel = 1
             for n in t.shape:
                 numel *= n
-            total = align_up(total + numel * DTYPE_SIZES.get(t.dtype, 1), ALIGNMENT)
-    return max(total, ALIGNMENT)
+            sizes[min((t.name, *t.aliases))] = numel * DTYPE_SIZES.get(t.dtype, 1)
+    return store_layout(sizes)
 
 
 def _weight(weights: Mapping[str, Any] | None, names: Sequence[str], dtype: torch.dtype,

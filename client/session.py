@@ -67,7 +67,7 @@ from flextensor.creator_source import CreatorSource
 from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
 from flextensor.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, BlockReads, arena_plan, fill_blocks,
-                                populate_window, publish_store, read_queued, store_bytes)
+                                plan_store_layout, populate_window, publish_store, read_queued)
 from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
@@ -78,7 +78,6 @@ from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
 from flextensor.share import (PLAN_KIND, ManagerShare, block_pinner, check_offloaded_metadata, device_index,
                               privatize_shared_views, read_published_plan, register_with_daemon,
                               run_factory_while_attaching, timed_step)
-from flextensor.shm.tensor_store import DATA_KIND
 from flextensor.state import TensorManagerState
 
 logger = logging.getLogger(__name__)
@@ -288,7 +287,8 @@ class SharedOffloadSession:
             layouts = layouts_from_state(state)  # checked: every block, placement and schedule entry
             layout = arena_layout([b.nbytes for b in state.blocks])
             resident = [t.name for t in state.tensors if not t.offloaded]
-            store_size = store_bytes(state)
+            store_parts = plan_store_layout(state)
+            store_size = sum(store_parts.part_sizes)
             check_shm_capacity(share.namespace, layout.total + store_size)
             device = compute_device(cfg)
             pin = cfg.pinned_memory and device.type == "cuda"
@@ -299,7 +299,7 @@ class SharedOffloadSession:
             # The segments are made while the model is built, without their pages: those come on a thread a window
             # ahead of the copy or the checkpoint read (flextensor.publish), so allocating tmpfs pages, the slow
             # part of publishing, overlaps the copy, and a model built in RAM is freed into them as they fill.
-            sizes = {DATA_KIND: store_size, **(layout.kinds if layouts else {})}
+            sizes = {**store_parts.kinds, **(layout.kinds if layouts else {})}
             owner.prepare_segments(sizes, reserve=False)
             with timed_step(steps, "factory"):
                 model = source.build()
@@ -383,7 +383,7 @@ class SharedOffloadSession:
         try:
             with timed_step(steps, "store"):
                 share.store = publish_store(share.namespace, model, resident, owner, source.weights,
-                                            window=populate_window(store_bytes(state)),
+                                            window=populate_window(sum(plan_store_layout(state).part_sizes)),
                                             stop=None if blocks_fill is None else blocks_fill.failure)
                 read_queued(source.weights)  # the resident tensors' checkpoint reads
             if pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.shm.segment import SharedSegment
 
 __all__ = ["ARENA_ALIGN", "ARENA_KIND", "ARENA_MAX_PARTS", "ARENA_PART_MIN_BYTES", "ArenaLayout",
-           "SharedBlockAllocator", "arena_kind", "arena_layout", "as_layout"]
+           "SharedBlockAllocator", "arena_kind", "arena_layout", "as_layout", "part_kind"]
 
 #: Resource kind of the arena's first part (``/{ns}.g{gen}.h``); part ``k`` is ``h{k}`` (:func:`arena_kind`).
 ARENA_KIND = "h"
@@ -57,9 +57,15 @@ ARENA_MAX_PARTS = 8
 ARENA_PART_MIN_BYTES = 256 << 20
 
 
+def part_kind(first: str, part: int) -> str:
+    """The resource kind of part ``part`` of a resource cut into parts whose first part is ``first``: ``first``,
+    then ``first`` + the part's number."""
+    return first if part == 0 else f"{first}{part}"
+
+
 def arena_kind(part: int) -> str:
     """The resource kind of arena part ``part``: ``h``, ``h1``, ``h2``, ..."""
-    return ARENA_KIND if part == 0 else f"{ARENA_KIND}{part}"
+    return part_kind(ARENA_KIND, part)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A manifest is a msgspec Struct encoded as msgpack (never pickle: a follower must be able to reject a hostile
 or corrupted manifest without executing anything). It describes where each published tensor lives inside the
-store's data segment:
+store's data segments (the store's parts, see ``tensor_store.py``):
 
 ``TensorRecord``
     name            registered name in the model (``layers.0.attn.weight``)
@@ -12,14 +12,16 @@ store's data segment:
     dtype           torch dtype name without the ``torch.`` prefix (``"bfloat16"``)
     shape, stride   in elements; ``len(shape) == len(stride)``
     storage_offset  in elements, counted from ``byte_offset``
-    byte_offset     where this tensor's storage span begins in the data segment (aligned to the element size)
+    part            which data segment (part) holds it: ``0 <= part < len(part_sizes)``
+    byte_offset     where this tensor's storage span begins in its part (aligned to the element size)
     nbytes          length of the span; it must cover the highest element the shape and stride address
     aliases         further registered names of the same tensor (tied weights), all of the same kind
 
-``StoreManifest`` adds the protocol version, library version, generation and the data segment's size.
+``StoreManifest`` adds the protocol version, library version, generation, the bytes of every part
+(``part_sizes``, in part order) and their sum (``data_size``).
 
 Validation (``validate_manifest``) trusts nothing: unknown dtypes, negative or mismatched dims, misaligned or
-out-of-range spans and duplicate names raise ``ShmProtocolError`` naming the tensor. This module does not
+out-of-range spans, parts that do not exist and duplicate names raise ``ShmProtocolError`` naming the tensor. This module does not
 import torch.
 """
 
@@ -31,7 +33,8 @@ import msgspec
 
 from flextensor.shm.errors import ShmProtocolError
 
-MANIFEST_PROTOCOL = 1
+#: 2: the data in parts (``part``, ``part_sizes``).
+MANIFEST_PROTOCOL = 2
 
 #: Element size in bytes of every dtype a manifest may name. Kept here (not derived from torch) so that the
 #: daemon and validation run without torch.
@@ -58,6 +61,7 @@ class TensorRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nbytes: int
     requires_grad: bool = False
     aliases: list[str] = []
+    part: int = 0
 
     @property
     def all_names(self) -> list[str]:
@@ -65,12 +69,13 @@ class TensorRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StoreManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything a follower needs to attach the store's data segment."""
+    """Everything a follower needs to attach the store's data segments."""
 
     protocol: int
     library_version: str
     generation: int
     data_size: int
+    part_sizes: list[int]
     tensors: list[TensorRecord]
 
 
@@ -92,8 +97,9 @@ def contiguous_stride(shape: Sequence[int]) -> list[int]:
     return list(reversed(stride))
 
 
-def validate_record(record: TensorRecord, data_size: int) -> None:
-    """Raise ``ShmProtocolError`` naming ``record.name`` when any field is impossible for ``data_size``."""
+def validate_record(record: TensorRecord, part_sizes: Sequence[int]) -> None:
+    """Raise ``ShmProtocolError`` naming ``record.name`` when any field is impossible for parts of
+    ``part_sizes`` bytes."""
 
     def bad(what: str) -> ShmProtocolError:
         return ShmProtocolError(
@@ -117,29 +123,38 @@ def validate_record(record: TensorRecord, data_size: int) -> None:
     needed = span_bytes(record.shape, record.stride, record.storage_offset, element_size)
     if needed > record.nbytes:
         raise bad(f"addresses {needed} bytes but its span is only {record.nbytes} bytes (bad stride or offset)")
-    if record.byte_offset + record.nbytes > data_size:
-        raise bad(
-            f"ends at byte {record.byte_offset + record.nbytes}, past the end of the {data_size}-byte data segment"
-        )
+    if not 0 <= record.part < len(part_sizes):
+        raise bad(f"lies in part {record.part}, but the store has {len(part_sizes)} part(s)")
+    if record.byte_offset + record.nbytes > part_sizes[record.part]:
+        raise bad(f"ends at byte {record.byte_offset + record.nbytes}, past the end of its part {record.part} "
+                  f"({part_sizes[record.part]} bytes)")
     if record.kind == "parameter" and not record.persistent:
         raise bad("is a parameter marked non-persistent")
 
 
-def validate_manifest(manifest: StoreManifest, data_size: int) -> None:
-    """Validate every record and the manifest's header fields against the real data segment size."""
+def validate_manifest(manifest: StoreManifest, segment_sizes: Sequence[int]) -> None:
+    """Validate every record and the manifest's header fields against the real sizes of the data segments (one
+    per part, in part order)."""
     if manifest.protocol != MANIFEST_PROTOCOL:
         raise ShmProtocolError(
             f"tensor store manifest has protocol {manifest.protocol}, this flextensor speaks {MANIFEST_PROTOCOL}: "
             "restart all workers with the same flextensor version"
         )
-    if manifest.data_size > data_size:
+    if manifest.data_size != sum(manifest.part_sizes) or len(segment_sizes) != len(manifest.part_sizes):
         raise ShmProtocolError(
-            f"tensor store manifest describes {manifest.data_size} bytes but the data segment holds {data_size}: "
-            "the segment is truncated; run cleanup for this namespace and restart the workers"
+            f"tensor store manifest describes {len(manifest.part_sizes)} part(s) of {manifest.part_sizes} bytes "
+            f"({manifest.data_size} in all) but {len(segment_sizes)} data segment(s) were opened: the store is "
+            "corrupted; run cleanup for this namespace and restart the workers"
         )
+    for part, (described, held) in enumerate(zip(manifest.part_sizes, segment_sizes)):
+        if described > held:
+            raise ShmProtocolError(
+                f"tensor store manifest describes {described} bytes in part {part} but its data segment holds "
+                f"{held}: the segment is truncated; run cleanup for this namespace and restart the workers"
+            )
     seen: set[str] = set()
     for record in manifest.tensors:
-        validate_record(record, data_size)
+        validate_record(record, manifest.part_sizes)
         for name in record.all_names:
             if name in seen:
                 raise ShmProtocolError(f"tensor store manifest names tensor {name!r} twice")

@@ -1,8 +1,8 @@
 """Publish a model's resident parameters and buffers once per host; attach and install them anywhere.
 
-The creator copies each selected tensor into one data segment (``/{ns}.g{gen}.sd``) and writes a msgpack
-manifest (``.sm``, see ``manifest.py``) through its ``ShmOwner``, *before* the coordinator turns READY, so a
-follower that sees READY finds complete bytes. Followers decode and validate the manifest against the real
+The creator copies each selected tensor into the store's data segments and writes a msgpack manifest (``.sm``,
+see ``manifest.py``) through its ``ShmOwner``, *before* the coordinator turns READY, so a follower that sees
+READY finds complete bytes. Followers decode and validate the manifest against the real
 segment size, then ``materialize`` checks every record against their own (usually ``meta``) model before
 touching it: a mismatched name, kind, dtype, shape or buffer persistence is refused with the tensor's name and
 the model is left unchanged.
@@ -11,6 +11,8 @@ Tied registrations (one tensor under several names) are stored once and restored
 name, so ``lm_head.weight is embed.weight`` holds again in the follower. On a CPU target device the installed
 tensors are zero-copy views of the shared segment (read-only by convention: writing to them changes every
 worker's copy); on a GPU target they are copied to the device.
+
+The data lies in parts (several segments), laid out by ``store_layout.py``, which says why.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.populate_ahead import PopulateAhead
 from flextensor.shm.sizes import align_up
+from flextensor.shm.store_layout import (ALIGNMENT, DATA_KIND, STORE_MAX_PARTS, STORE_PART_MIN_BYTES, StoreLayout,
+                                         data_kind, store_layout)
 from flextensor.shm.manifest import (
     MANIFEST_PROTOCOL,
     StoreManifest,
@@ -44,12 +48,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-DATA_KIND = "sd"
 MANIFEST_KIND = "sm"
-#: Alignment of every tensor span in the data segment: generous enough for vectorised copies and DMA.
-ALIGNMENT = 256
-
-
+__all__ = ["ALIGNMENT", "DATA_KIND", "MANIFEST_KIND", "STORE_MAX_PARTS", "STORE_PART_MIN_BYTES", "SharedTensorStore",
+           "StoreLayout", "data_kind", "model_registrations", "store_layout"]
 @dataclass(frozen=True)
 class _Registration:
     """Where a name lives in a model: ``module._parameters[attr]`` or ``module._buffers[attr]``."""
@@ -89,10 +90,11 @@ def _torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, name)
 
 
-def _plan_records(model: Any, names: Iterable[str] | None, *, allow_meta: bool = False
-                  ) -> tuple[list[TensorRecord], list[Any], int]:
-    """Group tied names, lay tensors out contiguously (aligned) and return records, sources and total size.
-    ``allow_meta``: a tensor on ``meta`` is laid out too (its bytes come from elsewhere)."""
+def _plan_records(model: Any, names: Iterable[str] | None, *, allow_meta: bool = False,
+                  part_min_bytes: int | None = None) -> tuple[list[TensorRecord], list[Any], StoreLayout]:
+    """Group tied names, lay the tensors out in parts (:func:`store_layout`) and return records and sources in
+    fill order, and the layout. ``allow_meta``: a tensor on ``meta`` is laid out too (its bytes come from
+    elsewhere)."""
     registrations = model_registrations(model)
     wanted = set(registrations) if names is None else set(names)
     unknown = sorted(wanted - set(registrations))
@@ -104,9 +106,7 @@ def _plan_records(model: Any, names: Iterable[str] | None, *, allow_meta: bool =
     for name, reg in registrations.items():
         if id(reg.tensor) in wanted_ids:
             groups.setdefault(id(reg.tensor), []).append(name)
-    records: list[TensorRecord] = []
-    sources: list[Any] = []
-    offset = 0
+    planned: dict[str, tuple[list[str], Any, str, list[int], list[int], int]] = {}
     for group in groups.values():
         first = registrations[group[0]]
         tensor = first.tensor
@@ -118,7 +118,14 @@ def _plan_records(model: Any, names: Iterable[str] | None, *, allow_meta: bool =
         dtype = _dtype_name(tensor.dtype)
         shape = list(tensor.shape)
         stride = contiguous_stride(shape)
-        nbytes = span_bytes(shape, stride, 0, DTYPE_SIZES[dtype])
+        planned[min(group)] = (group, tensor, dtype, shape, stride, span_bytes(shape, stride, 0, DTYPE_SIZES[dtype]))
+    layout = store_layout({key: entry[5] for key, entry in planned.items()}, part_min_bytes=part_min_bytes)
+    records: list[TensorRecord] = []
+    sources: list[Any] = []
+    for key in layout.order:
+        group, tensor, dtype, shape, stride, nbytes = planned[key]
+        first = registrations[group[0]]
+        part, offset = layout.places[key]
         records.append(
             TensorRecord(
                 name=group[0],
@@ -132,15 +139,15 @@ def _plan_records(model: Any, names: Iterable[str] | None, *, allow_meta: bool =
                 nbytes=nbytes,
                 requires_grad=bool(getattr(tensor, "requires_grad", False)),
                 aliases=group[1:],
+                part=part,
             )
         )
         sources.append(tensor)
-        offset = align_up(offset + nbytes, ALIGNMENT)
-    return records, sources, max(offset, ALIGNMENT)
+    return records, sources, layout
 
 
 class SharedTensorStore:
-    """A published set of tensors in one shared data segment plus its manifest.
+    """A published set of tensors in shared data segments (its parts) plus its manifest.
 
     Construct with :meth:`create_from_model` (creator) or :meth:`attach` (followers). Pass the coordinator's
     ``memory_owner`` as ``shm_owner`` so the store lives exactly as long as the sharing group; without one,
@@ -150,12 +157,12 @@ class SharedTensorStore:
     def __init__(
         self,
         manifest: StoreManifest,
-        segment: "SharedSegment",
+        segments: "list[SharedSegment]",
         owner: "ShmOwner",
         own_coordinator: "ShmCoordinator | None" = None,
     ) -> None:
         self.manifest = manifest
-        self._segment = segment
+        self._segments = list(segments)
         self._owner = owner
         self._own_coordinator = own_coordinator
         self._closed = False
@@ -172,30 +179,34 @@ class SharedTensorStore:
         lease_seconds: float = 30.0,
         fill: "Callable[[TensorRecord, torch.Tensor, torch.Tensor], None] | None" = None,
         window: int = 0,
+        part_min_bytes: int | None = None,
     ) -> "SharedTensorStore":
         """Copy ``model``'s selected parameters and buffers (all when ``names`` is None) into shared memory.
 
         ``fill(record, view, source)``, when given, writes each record's bytes into its ``view`` instead of
         ``view.copy_(source)`` (a source may then be on ``meta``: the fill supplies its bytes, e.g. from a
-        checkpoint; the fill may also point the model at the view). A segment the owner prepared without its
-        pages (``prepare_segments(..., reserve=False)``) gets them record by record, allocated on a thread up to
-        ``window`` bytes ahead of the copy (``populate_ahead.py``; 0: each just before its copy)."""
+        checkpoint; the fill may also point the model at the view). Parts the owner prepared without their pages
+        (``prepare_segments(..., reserve=False)``, sizes from :func:`store_layout`) get them record by record,
+        allocated up to ``window`` bytes ahead of the copy, a worker per part (``populate_ahead.py``; 0: each just
+        before its copy). ``part_min_bytes``: the least bytes per part (default :data:`STORE_PART_MIN_BYTES`)."""
         owner, coordinator = _resolve_owner(namespace, shm_owner, lease_seconds, creating=True)
-        segment = None
+        segments: list[SharedSegment] = []
         try:
-            records, sources, total = _plan_records(model, names, allow_meta=fill is not None)
-            segment = owner.create_segment(DATA_KIND, total)
-            segment.check_intact()
+            records, sources, layout = _plan_records(model, names, allow_meta=fill is not None,
+                                                     part_min_bytes=part_min_bytes)
+            for kind, size in layout.kinds.items():
+                segments.append(owner.create_segment(kind, size))
+                segments[-1].check_intact()
             populate = None
-            if not segment.reserved:
-                populate = PopulateAhead([(segment, r.byte_offset, r.nbytes) for r in records],
-                                         window=max(1, window)).start()
+            if not all(segment.reserved for segment in segments):
+                populate = PopulateAhead([(segments[r.part], r.byte_offset, r.nbytes) for r in records],
+                                         window=max(1, window), workers=len(segments)).start()
             try:
                 for index, (record, source) in enumerate(zip(records, sources)):
                     if populate is not None:
                         populate.wait(index)
-                    view = segment.tensor(_torch_dtype(record.dtype), record.shape, record.stride,
-                                          record.byte_offset)
+                    view = segments[record.part].tensor(_torch_dtype(record.dtype), record.shape, record.stride,
+                                                        record.byte_offset)
                     if fill is None:
                         view.copy_(source.detach())
                     else:
@@ -209,25 +220,27 @@ class SharedTensorStore:
                 protocol=MANIFEST_PROTOCOL,
                 library_version=_library_version(),
                 generation=owner.generation,
-                data_size=total,
+                data_size=sum(layout.part_sizes),
+                part_sizes=list(layout.part_sizes),
                 tensors=records,
             )
-            segment.check_intact()
+            for segment in segments:
+                segment.check_intact()
             owner.write_blob(MANIFEST_KIND, encode_manifest(manifest))
             logger.info(
-                "published %d tensors (%.1f MiB) to %s generation %d",
-                len(records), total / 2**20, owner.namespace, owner.generation,
+                "published %d tensors (%.1f MiB in %d part(s)) to %s generation %d",
+                len(records), manifest.data_size / 2**20, len(segments), owner.namespace, owner.generation,
             )
             if coordinator is not None:
                 coordinator.notify_ready()
         except BaseException as exc:
-            if segment is not None:
-                segment.close()  # the owner unlinks the name with the generation; drop our mapping now
+            for segment in segments:
+                segment.close()  # the owner unlinks the names with the generation; drop our mappings now
             if coordinator is not None:
                 coordinator.mark_failed(exc)
                 coordinator.close()
             raise
-        return cls(manifest, segment, owner, coordinator)
+        return cls(manifest, segments, owner, coordinator)
 
     @classmethod
     def attach(
@@ -249,13 +262,20 @@ class SharedTensorStore:
                     f"tensor store manifest of {namespace!r} is from generation {manifest.generation}, the "
                     f"coordinator is at {owner.generation}: run cleanup for this namespace and restart workers"
                 )
-            segment = owner.open_segment(DATA_KIND)
-            validate_manifest(manifest, segment.size)
+            segments: list[SharedSegment] = []
+            try:
+                for part in range(len(manifest.part_sizes)):
+                    segments.append(owner.open_segment(data_kind(part)))
+                validate_manifest(manifest, [segment.size for segment in segments])
+            except BaseException:
+                for segment in segments:
+                    segment.close()
+                raise
         except BaseException:
             if coordinator is not None:
                 coordinator.close()
             raise
-        return cls(manifest, segment, owner, coordinator)
+        return cls(manifest, segments, owner, coordinator)
 
     # ---------------------------------------------------------------------------------------------- reading
     @property
@@ -267,9 +287,9 @@ class SharedTensorStore:
         return self.manifest.data_size
 
     def tensor(self, record: TensorRecord) -> "torch.Tensor":
-        """Zero-copy view of one record in the shared segment."""
+        """Zero-copy view of one record in its shared segment."""
         self._check_open()
-        return self._segment.tensor(
+        return self._segments[record.part].tensor(
             _torch_dtype(record.dtype), record.shape, record.stride,
             record.byte_offset + record.storage_offset * DTYPE_SIZES[record.dtype],
         )
@@ -308,89 +328,104 @@ class SharedTensorStore:
                         f"{where} has shape {tuple(record.shape)} in the store but {tuple(reg.tensor.shape)} in this model"
                     )
 
-    def _record_spans(self) -> tuple[list[tuple[TensorRecord, int, int]], int, int]:
-        """(record, first byte, bytes spanned) per record, and the byte range covering all of them; the range
-        starts 256-aligned so each record keeps its alignment inside a copy of the range."""
-        spans = []
+    def _pieces(self) -> list[tuple[int, int, int, int, list[tuple[TensorRecord, int, int]]]]:
+        """Per part holding records: ``(part, low, high, at, spans)``: the byte range ``[low, high)`` of the part
+        covering its records (``low`` 256-aligned, so each record keeps its alignment inside a copy of the
+        range), where that range starts in one buffer holding every part's range (``at``, 256-aligned), and
+        ``(record, first byte, bytes spanned)`` per record."""
+        by_part: dict[int, list[tuple[TensorRecord, int, int]]] = {}
         for record in self.manifest.tensors:
             itemsize = DTYPE_SIZES[record.dtype]
             start = record.byte_offset + record.storage_offset * itemsize
-            spans.append((record, start, span_bytes(record.shape, record.stride, 0, itemsize)))
-        if not spans:
-            return spans, 0, 0
-        low = min(start for _, start, _ in spans)
-        low -= low % 256
-        return spans, low, max(start + nbytes for _, start, nbytes in spans)
+            by_part.setdefault(record.part, []).append(
+                (record, start, span_bytes(record.shape, record.stride, 0, itemsize)))
+        pieces = []
+        at = 0
+        for part in sorted(by_part):
+            spans = by_part[part]
+            low = min(start for _, start, _ in spans)
+            low -= low % 256
+            high = max(start + nbytes for _, start, nbytes in spans)
+            pieces.append((part, low, high, at, spans))
+            at = align_up(at + high - low, 256)
+        return pieces
 
     def device_buffer(self, device: Any) -> "torch.Tensor":
         """Uninitialised device memory for :meth:`copies_on` (allocate it early, fill it later: see there)."""
         import torch
 
         self._check_open()
-        _spans, low, high = self._record_spans()
-        return torch.empty(high - low, dtype=torch.uint8, device=torch.device(device))
+        pieces = self._pieces()
+        size = pieces[-1][3] + pieces[-1][2] - pieces[-1][1] if pieces else 0
+        return torch.empty(size, dtype=torch.uint8, device=torch.device(device))
 
     def copies_on(self, device: Any, *, buffer: "torch.Tensor | None" = None,
-                  fill: "Callable[[torch.Tensor, torch.Tensor, tuple[int, int] | None], None] | None" = None
-                  ) -> dict[str, "torch.Tensor"]:
+                  fill: "Callable[[list[Any]], None] | None" = None) -> dict[str, "torch.Tensor"]:
         """Every published record copied to ``device``, by record name: made ahead (e.g. on a thread while the
         model is built) and handed to :meth:`materialize`.
 
-        One copy of the bytes every record spans, then one view per record (same dtype, shape, strides and
-        relative placement as in the segment), rather than one copy per record: each copy from unregistered
-        memory makes the calling thread wait, and each call between them needs the GIL, which the model factory
-        running beside the attach thread holds most of the time. The records share that one device allocation,
-        so it is freed only when none of them is referenced any more. ``buffer`` (from :meth:`device_buffer`)
-        is filled instead of allocating: the attach thread allocates it before it warms PyTorch's cache with
-        the loader's device blocks, so that this allocation cannot be carved out of one of them. ``fill(dst,
-        src, file)`` makes the one copy instead of ``dst.copy_(src)`` (a follower's staged copy through pinned
-        memory, ``flextensor.runtime.staged_copy``); it returns once ``dst`` holds the bytes on the caller's
-        stream. ``file`` is ``(fd, offset)``: the data segment opened again, ``src``'s bytes from ``offset``, to
-        be read with ``pread`` so that no page of the mapping is faulted into this process (closed after the
-        fill); None when the segment's name is gone (read ``src`` then).
+        One copy per part of the bytes its records span, into one device buffer, then one view per record (same
+        dtype, shape, strides and relative placement as in its part), rather than one copy per record: each copy
+        from unregistered memory makes the calling thread wait, and each call between them needs the GIL, which
+        the model factory running beside the attach thread holds most of the time. The records share that one
+        device allocation, so it is freed only when none of them is referenced any more. ``buffer`` (from
+        :meth:`device_buffer`) is filled instead of allocating: the attach thread allocates it before it warms
+        PyTorch's cache with the loader's device blocks, so that this allocation cannot be carved out of one of
+        them. ``fill(pieces)`` makes the copies instead of ``dst.copy_(src)`` per part (a follower's staged copy
+        through pinned memory, ``flextensor.runtime.staged_copy``); it returns once every ``dst`` holds its bytes
+        on the caller's stream. Each piece is ``(dst, src, file)``, ``file`` being ``(fd, offset)``: the part's
+        segment opened again, ``src``'s bytes from ``offset``, to be read with ``pread`` so that no page of the
+        mapping is faulted into this process (closed after the fill); None when the segment's name is gone (read
+        ``src`` then).
         """
         import torch
 
         self._check_open()
         device = torch.device(device)
-        spans, low, high = self._record_spans()
-        if not spans:
+        pieces = self._pieces()
+        if not pieces:
             return {}
-        host = self._segment.tensor(torch.uint8, (high - low,), offset=low)
-        if buffer is None and fill is None:
-            whole = host.to(device, copy=True)
+        if buffer is None:
+            buffer = self.device_buffer(device)
+        size = pieces[-1][3] + pieces[-1][2] - pieces[-1][1]
+        if buffer.dtype != torch.uint8 or tuple(buffer.shape) != (size,) or buffer.device.type != device.type:
+            raise ValueError(f"copies_on: the buffer must be device_buffer({device}) of this store "
+                             f"({size} bytes), got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+        copies_from = [(buffer.narrow(0, at, high - low), self._segments[part].tensor(torch.uint8, (high - low,),
+                                                                                       offset=low), part, low)
+                       for part, low, high, at, _spans in pieces]
+        if fill is None:
+            for dst, src, _part, _low in copies_from:
+                dst.copy_(src)
         else:
-            if buffer is None:
-                buffer = self.device_buffer(device)
-            if buffer.dtype != torch.uint8 or tuple(buffer.shape) != (high - low,) or buffer.device.type != device.type:
-                raise ValueError(f"copies_on: the buffer must be device_buffer({device}) of this store "
-                                 f"({high - low} bytes), got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
-            if fill is None:
-                whole = buffer.copy_(host)
-            else:
-                fd = self._open_data_file()
-                try:
-                    fill(buffer, host, None if fd is None else (fd, low))
-                finally:
+            fds: list[int | None] = []
+            try:
+                for _dst, _src, part, _low in copies_from:
+                    fds.append(self._open_data_file(part))
+                fill([(dst, src, None if fd is None else (fd, low))
+                      for (dst, src, _part, low), fd in zip(copies_from, fds)])
+            finally:
+                for fd in fds:
                     if fd is not None:
                         os.close(fd)
-                whole = buffer
         copies = {}
-        for record, start, nbytes in spans:
-            itemsize = DTYPE_SIZES[record.dtype]
-            if (start - low) % itemsize:
-                raise ShmProtocolError(f"published tensor {record.name!r} starts at byte {start}, not aligned for "
-                                       f"{record.dtype}: the store's manifest is corrupt; restart the workers")
-            copies[record.name] = (whole.narrow(0, start - low, nbytes).view(_torch_dtype(record.dtype))
-                                   .as_strided(record.shape, record.stride))
+        for _part, low, _high, at, spans in pieces:
+            for record, start, nbytes in spans:
+                itemsize = DTYPE_SIZES[record.dtype]
+                if (start - low) % itemsize:
+                    raise ShmProtocolError(f"published tensor {record.name!r} starts at byte {start}, not aligned "
+                                           f"for {record.dtype}: the store's manifest is corrupt; restart the workers")
+                copies[record.name] = (buffer.narrow(0, at + start - low, nbytes).view(_torch_dtype(record.dtype))
+                                       .as_strided(record.shape, record.stride))
         return copies
 
-    def _open_data_file(self) -> int | None:
-        """The data segment's file, opened again (``SharedSegment.open_file``); None when its name is gone."""
+    def _open_data_file(self, part: int) -> int | None:
+        """Part ``part``'s segment file, opened again (``SharedSegment.open_file``); None when its name is gone."""
         try:
-            return self._segment.open_file()
+            return self._segments[part].open_file()
         except FileNotFoundError as exc:
-            logger.debug("reading the store of %s through its mapping: %s", self._owner.namespace, exc)
+            logger.debug("reading part %d of the store of %s through its mapping: %s", part, self._owner.namespace,
+                         exc)
             return None
 
     def materialize(self, model: Any, device: Any = "cpu", *, copies: dict[str, "torch.Tensor"] | None = None) -> None:
@@ -439,15 +474,21 @@ class SharedTensorStore:
 
     # ------------------------------------------------------------------------------------------- pinning
     def pin(self) -> None:
-        """Register this handle's mapping of the data segment with CUDA (read-only: the device only reads it),
-        so copies of the records to a device run at full speed (``SharedSegment.pin``; ``RuntimeError`` when
-        the driver refuses). Undone by :meth:`close`."""
+        """Register this handle's mappings of the data segments with CUDA (read-only: the device only reads
+        them), so copies of the records to a device run at full speed (``SharedSegment.pin``; ``RuntimeError``
+        when the driver refuses). Undone by :meth:`close`."""
         self._check_open()
-        self._segment.pin(read_only=True)
+        for segment in self._segments:
+            segment.pin(read_only=True)
 
     @property
     def pinned(self) -> bool:
-        return not self._closed and self._segment.pinned
+        return not self._closed and all(segment.pinned for segment in self._segments)
+
+    @property
+    def parts(self) -> int:
+        """How many data segments hold the records."""
+        return len(self._segments)
 
     # ------------------------------------------------------------------------------------------- lifetime
     def _check_open(self) -> None:
@@ -455,13 +496,14 @@ class SharedTensorStore:
             raise RuntimeError("SharedTensorStore is closed")
 
     def close(self, *, background: bool = False) -> None:
-        """Drop this handle's mapping (views handed out stay valid until they die) and its own coordinator.
+        """Drop this handle's mappings (views handed out stay valid until they die) and its own coordinator.
         ``background=True``: a pinned mapping is unregistered and unmapped on the release thread
         (``SharedSegment.close``)."""
         if self._closed:
             return
         self._closed = True
-        self._segment.close(background=background)
+        for segment in self._segments:
+            segment.close(background=background)
         if self._own_coordinator is not None:
             self._own_coordinator.close()
 

@@ -67,7 +67,7 @@ import mmap
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -75,7 +75,7 @@ from flextensor.runtime import cuda_enqueue
 from flextensor.runtime.cuda_enqueue import CopyEvents
 from flextensor.shm.prefault import MAX_THREADS, populate_read, populate_write_range
 
-__all__ = ["StagedCopy", "CopyReport", "CHUNK_BYTES", "SLOTS", "MIN_BYTES", "THREADS"]
+__all__ = ["StagedCopy", "Piece", "CopyReport", "CHUNK_BYTES", "SLOTS", "MIN_BYTES", "THREADS"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,15 @@ _warned = False
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
 _libc.pread.restype = ctypes.c_ssize_t
+
+
+class Piece(NamedTuple):
+    """One range of a copy: host ``src`` into ``dst`` (both contiguous 1-D ``uint8``, the same size); ``file``
+    is ``(fd, offset)`` of the file holding ``src``'s bytes from ``offset`` (read with ``pread``), or None."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    file: tuple[int, int] | None = None
 
 
 class CopyReport(NamedTuple):
@@ -188,13 +197,12 @@ class _Job:
     its read), else through PyTorch's calls. Claiming a chunk takes no lock: ``next`` on a list iterator is one
     step under the GIL."""
 
-    def __init__(self, dst: torch.Tensor, ring: _Ring, chunk: int, slots: int, fill: Callable[[int, int, int], None],
-                 stream: "torch.cuda.Stream | None") -> None:
-        self.dst, self.chunk, self.fill, self.stream = dst, chunk, fill, stream
-        self.total = dst.numel()
-        count = -(-self.total // chunk)
-        first = os.getpid() * _SPREAD % count
-        self._order: Iterator[int] = iter([(first + i) % count for i in range(count)])
+    def __init__(self, pieces: Sequence[Piece], ring: _Ring, chunk: int, slots: int,
+                 fill: Callable[[int, int, int, int], None], stream: "torch.cuda.Stream | None") -> None:
+        self.pieces, self.chunk, self.fill, self.stream = list(pieces), chunk, fill, stream
+        chunks = [(k, offset) for k, piece in enumerate(self.pieces) for offset in range(0, piece.dst.numel(), chunk)]
+        first = os.getpid() * _SPREAD % max(1, len(chunks))
+        self._order: Iterator[tuple[int, int]] = iter(chunks[first:] + chunks[:first])
         self._lock = threading.Lock()
         assert ring.tensor is not None
         self.address = ring.address
@@ -210,8 +218,8 @@ class _Job:
                 self.events = [torch.cuda.Event() for _ in range(slots)]
         self.error: BaseException | None = None
 
-    def claim(self) -> int | None:
-        """The next chunk to copy; None when none is left or a worker failed."""
+    def claim(self) -> tuple[int, int] | None:
+        """The next chunk to copy (its piece and offset there); None when none is left or a worker failed."""
         return None if self.error is not None else next(self._order, None)
 
     def fail(self, exc: BaseException) -> None:
@@ -222,27 +230,29 @@ class _Job:
         """Copy claimed chunks through the slots ``own`` until none is left; every copy queued from them is
         complete on return (also after an error, which is recorded for the caller)."""
         used: list[int] = []
-        copies, dst_ptr = self.copies, self.dst.data_ptr()
+        copies = self.copies
+        dst_ptrs = [piece.dst.data_ptr() for piece in self.pieces]
         try:
             with self._device_context():
                 for k in itertools.count():
-                    index = self.claim()
-                    if index is None:
+                    claimed = self.claim()
+                    if claimed is None:
                         return
+                    piece, offset = claimed
                     slot = own[k % len(own)]
                     if slot in used:
                         self._wait(slot)  # the device finished reading this slot
-                    offset = index * self.chunk
-                    n = min(self.chunk, self.total - offset)
+                    dst = self.pieces[piece].dst
+                    n = min(self.chunk, dst.numel() - offset)
                     stage_ptr = self.address + slot * self.chunk
-                    self.fill(stage_ptr, offset, n)
+                    self.fill(stage_ptr, piece, offset, n)
                     if slot not in used:
                         used.append(slot)
                     if copies is not None:
-                        copies.copy(slot, dst_ptr + offset, stage_ptr, n)
+                        copies.copy(slot, dst_ptrs[piece] + offset, stage_ptr, n)
                         continue
                     stage = self.stages[slot] if n == self.chunk else self.stages[slot].narrow(0, 0, n)
-                    target = self.dst.narrow(0, offset, n)
+                    target = dst.narrow(0, offset, n)
                     if self.stream is None:
                         target.copy_(stage)
                         continue
@@ -265,8 +275,8 @@ class _Job:
 
     def close(self) -> None:
         """Destroy the slots' events (every worker waited for its own)."""
-        if self.copies is not None:
-            with torch.cuda.device(self.dst.device):
+        if self.copies is not None and self.stream is not None:
+            with torch.cuda.device(self.stream.device):
                 self.copies.close()
 
     def _device_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -376,60 +386,71 @@ class StagedCopy:
     def __call__(self, dst: torch.Tensor, src: torch.Tensor, file: tuple[int, int] | None = None) -> None:
         """Copy ``src`` into ``dst``. ``file``: ``(fd, offset)`` of a file whose bytes from ``offset`` are
         ``src``'s (its mapping): read from there with ``pread`` (``EOFError`` when the file is shorter)."""
-        for t, what in ((dst, "destination"), (src, "source")):
-            if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
-                raise ValueError(f"StagedCopy: the {what} must be a contiguous 1-D uint8 tensor, got {t.dtype} "
-                                 f"{tuple(t.shape)}")
-        if dst.numel() != src.numel() or src.device.type != "cpu":
-            raise ValueError(f"StagedCopy copies a host range of {src.numel()} bytes on {src.device} into as many "
-                             f"bytes; got a destination of {dst.numel()} on {dst.device}")
+        self.copy_pieces([Piece(dst, src, file)])
+
+    def copy_pieces(self, pieces: Sequence[Piece]) -> None:
+        """Copy every piece's ``src`` into its ``dst`` (as :meth:`__call__` does one), all through one ring, their
+        chunks claimed by the workers from one list (a store in several segments is one copy). A piece may be a
+        plain ``(dst, src, file)`` tuple."""
+        pieces = [Piece(*piece) for piece in pieces]
+        for piece in pieces:
+            for t, what in ((piece.dst, "destination"), (piece.src, "source")):
+                if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+                    raise ValueError(f"StagedCopy: the {what} must be a contiguous 1-D uint8 tensor, got {t.dtype} "
+                                     f"{tuple(t.shape)}")
+            if piece.dst.numel() != piece.src.numel() or piece.src.device.type != "cpu":
+                raise ValueError(f"StagedCopy copies a host range of {piece.src.numel()} bytes on {piece.src.device} "
+                                 f"into as many bytes; got a destination of {piece.dst.numel()} on {piece.dst.device}")
+        total = sum(piece.src.numel() for piece in pieces)
         start = time.monotonic()
-        if src.numel() < self.min_bytes:
+        if total < self.min_bytes:
             self.close()
-            dst.copy_(src)
-            self.last = CopyReport(src.numel(), time.monotonic() - start, False)
+            for piece in pieces:
+                piece.dst.copy_(piece.src)
+            self.last = CopyReport(total, time.monotonic() - start, False)
             return
         waited = self._join_preparation()
         self.prepare()
         ring, self._ring = self._ring, None
         if ring is None:
-            dst.copy_(src)
-            self.last = CopyReport(src.numel(), time.monotonic() - start, False, ring_wait_s=waited)
+            for piece in pieces:
+                piece.dst.copy_(piece.src)
+            self.last = CopyReport(total, time.monotonic() - start, False, ring_wait_s=waited)
             return
         try:
-            source, threads = self._run(dst, src, ring, file)
+            source, threads = self._run(pieces, total, ring)
         finally:
             self._release(ring)
-        self.last = CopyReport(src.numel(), time.monotonic() - start, True, source, threads, ring.populate_s,
+        self.last = CopyReport(total, time.monotonic() - start, True, source, threads, ring.populate_s,
                                ring.register_s, waited)
 
-    def _run(self, dst: torch.Tensor, src: torch.Tensor, ring: _Ring, file: tuple[int, int] | None
-             ) -> tuple[str, int]:
+    def _run(self, pieces: Sequence[Piece], total: int, ring: _Ring) -> tuple[str, int]:
         """The workers' copy (see module docs); returns where the bytes were read and by how many workers."""
+        device = pieces[0].dst.device if pieces else torch.device("cpu")
         stream = None
-        if dst.device.type == "cuda":
-            stream = self._stream if self._stream is not None else torch.cuda.current_stream(dst.device)
-        prefault = None
-        if file is not None:
-            fd, base = file
-            source = "file"
+        if device.type == "cuda":
+            stream = self._stream if self._stream is not None else torch.cuda.current_stream(device)
+        reads = [piece.file for piece in pieces]
+        addresses = [piece.src.data_ptr() for piece in pieces]
 
-            def fill(address: int, offset: int, nbytes: int) -> None:
-                _read_file(fd, address, nbytes, base + offset)
-        else:
-            src_ptr = src.data_ptr()
-            source = "mapping"
-            prefault = threading.Thread(target=_prefault, args=(src_ptr, src.numel(), self.threads),
-                                        name="ft-staged-prefault", daemon=True)
-            prefault.start()
+        def fill(address: int, piece: int, offset: int, nbytes: int) -> None:
+            file = reads[piece]
+            if file is not None:
+                _read_file(file[0], address, nbytes, file[1] + offset)
+            else:
+                ctypes.memmove(address, addresses[piece] + offset, nbytes)
 
-            def fill(address: int, offset: int, nbytes: int) -> None:
-                ctypes.memmove(address, src_ptr + offset, nbytes)
-
-        threads = min(self.threads, -(-src.numel() // self.chunk_bytes))
+        mapped = [(addresses[k], piece.src.numel()) for k, piece in enumerate(pieces) if piece.file is None]
+        source = "mapping" if mapped and len(mapped) == len(pieces) else "file" if not mapped else "file+mapping"
+        threads = min(self.threads, -(-total // self.chunk_bytes))
         owned = [[s for s in range(self.slots) if s % threads == w] for w in range(threads)]
+        prefault = None
+        if mapped:
+            prefault = threading.Thread(target=_prefault, args=(mapped, self.threads), name="ft-staged-prefault",
+                                        daemon=True)
+            prefault.start()
         try:
-            job = _Job(dst, ring, self.chunk_bytes, self.slots, fill, stream)
+            job = _Job(pieces, ring, self.chunk_bytes, self.slots, fill, stream)
         except BaseException:
             if prefault is not None:
                 prefault.join()
@@ -468,9 +489,12 @@ def _read_file(fd: int, address: int, nbytes: int, offset: int) -> None:
         done += got
 
 
-def _prefault(address: int, nbytes: int, threads: int) -> None:
-    start = address - address % mmap.PAGESIZE  # madvise wants a page-aligned start
-    try:
-        populate_read(start, nbytes + address - start, threads=threads)
-    except OSError as exc:  # a speed-up only
-        logger.debug("pre-faulting the source of a staged copy failed: %s", exc)
+def _prefault(ranges: Sequence[tuple[int, int]], threads: int) -> None:
+    """Fault the mapped sources in, ahead of the workers' ``memmove`` (a speed-up only)."""
+    for address, nbytes in ranges:
+        start = address - address % mmap.PAGESIZE  # madvise wants a page-aligned start
+        try:
+            populate_read(start, nbytes + address - start, threads=threads)
+        except OSError as exc:
+            logger.debug("pre-faulting the source of a staged copy failed: %s", exc)
+            return

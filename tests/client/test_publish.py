@@ -11,6 +11,7 @@ import torch
 
 import flextensor as ft
 import flextensor.publish as publish_mod
+import flextensor.shm.store_layout as layout_mod
 import flextensor.shm.tensor_store as store_mod
 from flextensor.shm.blocks import ARENA_KIND
 from flextensor.shm.names import manager_namespace
@@ -81,6 +82,51 @@ def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(names
         report = session.report()[0]
         assert report["publish"]["gbps"] > 0 and {"store", "blocks", "adopt", "plan"} <= set(report["steps"])
         del model, state
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
+def test_a_store_in_parts_is_made_ahead_at_the_sizes_the_publish_takes(namespace, profile, monkeypatch):
+    """The creator sizes the store's parts from the plan before its model exists; the publish then takes exactly
+    those segments (none is made again), and every resident tensor's shared copy equals the model's."""
+    from flextensor.shm.owner import ShmOwner
+    from flextensor.shm.tensor_store import SharedTensorStore
+
+    monkeypatch.setattr(layout_mod, "STORE_PART_MIN_BYTES", 4096)
+    prepared: dict[str, int] = {}
+    created: dict[str, int] = {}
+    prepare, create = ShmOwner.prepare_segments, ShmOwner.create_segment
+
+    def recording_prepare(self, sizes, **kwargs):
+        prepared.update(sizes)
+        return prepare(self, sizes, **kwargs)
+
+    def recording_create(self, kind, size, **kwargs):
+        created[kind] = size
+        return create(self, kind, size, **kwargs)
+
+    monkeypatch.setattr(ShmOwner, "prepare_segments", recording_prepare)
+    monkeypatch.setattr(ShmOwner, "create_segment", recording_create)
+    plain = tiny_transformer(seed=0)
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                             creator_model_factory=lambda: tiny_transformer(seed=0),
+                                             follower_model_factory=_meta_model)
+        parts = sorted(kind for kind in created if kind.startswith("sd"))
+        assert len(parts) > 1 and {kind: created[kind] for kind in parts} == {kind: prepared[kind] for kind in parts}
+        with torch.no_grad():
+            assert same(model(token_ids().to(DEVICE)), reference(plain, token_ids()))
+        from flextensor.shm.coordinator import ShmCoordinator
+
+        with ShmCoordinator(manager_namespace(namespace, "model"), lease_seconds=LEASE) as follower:
+            store = SharedTensorStore.attach(follower.namespace, shm_owner=follower.memory_owner)
+            assert store.parts == len(parts)
+            values = {**dict(plain.named_parameters(remove_duplicate=False)),
+                      **dict(plain.named_buffers(remove_duplicate=False))}
+            for name, view in store.tensors().items():
+                assert torch.equal(view, values[name]), name
+            del view
+            store.close()
+        del model
     assert shm_names(manager_namespace(namespace, "model")) == []
 
 

@@ -14,10 +14,11 @@ from flextensor.shm import blocks as blocks_mod
 from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator, arena_layout
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.errors import ShmProtocolError
-from flextensor.shm.manifest import StoreManifest, TensorRecord, decode_manifest, validate_manifest
+from flextensor.shm.manifest import (MANIFEST_PROTOCOL, StoreManifest, TensorRecord, decode_manifest,
+                                     validate_manifest)
 from flextensor.shm.names import manager_namespace
 from flextensor.shm.segment import SharedSegment
-from flextensor.shm.tensor_store import DATA_KIND, MANIFEST_KIND, SharedTensorStore
+from flextensor.shm.tensor_store import DATA_KIND, MANIFEST_KIND, SharedTensorStore, data_kind, store_layout
 from tests.helpers.forkserver import run_code
 
 
@@ -163,13 +164,67 @@ def test_a_fill_supplies_the_bytes_and_a_segment_without_pages_gets_them_record_
         store.close()
 
 
+def test_the_layout_deals_records_to_parts_in_turn_by_key_at_aligned_offsets() -> None:
+    # aligned to 256: 256 + 512 + 256 + 256 + 768 = 2048 bytes, 2048 // 512 = 4 parts
+    layout = store_layout({"b": 300, "a": 100, "c": 50, "d": 10, "e": 600}, part_min_bytes=512)
+    assert layout.order == ("a", "b", "c", "d", "e")
+    assert layout.places == {"a": (0, 0), "b": (1, 0), "c": (2, 0), "d": (3, 0), "e": (0, 256)}
+    assert layout.part_sizes == (1024, 512, 256, 256)
+    assert layout.kinds == {"sd": 1024, "sd1": 512, "sd2": 256, "sd3": 256}
+    one = store_layout({"b": 300, "a": 100}, part_min_bytes=1 << 20)  # a small store stays one segment
+    assert one.places == {"a": (0, 0), "b": (0, 256)} and one.part_sizes == (768,)
+    assert store_layout({}).part_sizes == (256,)
+    many = store_layout({f"t{i:02}": 1 << 20 for i in range(20)}, part_min_bytes=1)
+    assert len(many.part_sizes) == 8  # never more than STORE_MAX_PARTS
+
+
+def test_a_store_in_parts_round_trips_and_hands_every_part_to_one_fill(ns: str) -> None:
+    """Six records in six parts (``.sd`` .. ``.sd5``): a follower maps them all, installs equal values with the
+    tie restored, and ``copies_on`` hands one fill a piece per part, each with its own file."""
+    source = _model()
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        owner = creator.memory_owner
+        store = SharedTensorStore.create_from_model(ns, source, shm_owner=owner, part_min_bytes=256)
+        assert store.parts == 6 and len(store.manifest.part_sizes) == 6
+        assert sorted({r.part for r in store.records}) == list(range(6))
+        for part in range(6):
+            assert os.path.exists(f"/dev/shm{owner.resource_name(data_kind(part))}")
+        creator.notify_ready()
+        with ShmCoordinator(ns, lease_seconds=2.0) as follower:
+            follower.wait_for_ready(timeout=5)
+            attached = SharedTensorStore.attach(ns, shm_owner=follower.memory_owner)
+            assert attached.parts == 6
+            target = _model(device="meta")
+            attached.materialize(target, "cpu")
+            assert target.head.weight is target.embed.weight
+            for name, value in source.state_dict().items():
+                assert torch.equal(target.state_dict()[name], value), name
+            pieces_seen = []
+
+            def fill(pieces: list) -> None:
+                for dst, src, (fd, offset) in pieces:
+                    assert os.pread(fd, src.numel(), offset) == src.numpy().tobytes()
+                    dst.copy_(src)
+                pieces_seen.append(len(pieces))
+
+            copies = attached.copies_on("cpu", fill=fill)
+            assert pieces_seen == [6]
+            for record in attached.records:
+                assert torch.equal(copies[record.name], attached.tensor(record)), record.name
+            del target, copies
+            attached.close()
+        store.close()
+
+
 def test_copies_on_hands_the_one_copy_to_a_fill_with_the_data_file(ns: str) -> None:
     """The fill gets the data segment's file, open for pread at the range's offset (closed after the fill), and
     None once the segment's name is gone (the mapping still serves)."""
     source = _model()
     calls = []
 
-    def fill(dst: torch.Tensor, src: torch.Tensor, file: tuple[int, int] | None) -> None:
+    def fill(pieces: list) -> None:
+        assert len(pieces) == 1  # a small store is one part
+        dst, src, file = pieces[0]
         calls.append((dst.numel(), src.numel(), file))
         if file is not None:
             fd, offset = file
@@ -262,24 +317,34 @@ def _record(**overrides) -> TensorRecord:
     ],
 )
 def test_corrupted_manifest_records_are_named(overrides: dict, message: str) -> None:
-    manifest = StoreManifest(protocol=1, library_version="x", generation=1, data_size=1024, tensors=[_record(**overrides)])
+    manifest = StoreManifest(protocol=MANIFEST_PROTOCOL, library_version="x", generation=1, data_size=1024,
+                             part_sizes=[1024], tensors=[_record(**overrides)])
     with pytest.raises(ShmProtocolError, match=rf"'layer\.weight'.*{message}"):
-        validate_manifest(manifest, 1024)
+        validate_manifest(manifest, [1024])
 
 
 def test_malformed_or_foreign_manifest_bytes_are_refused(ns: str) -> None:
     with pytest.raises(ShmProtocolError, match="malformed"):
         decode_manifest(b"\x93\x01\x02")
-    bad_protocol = StoreManifest(protocol=99, library_version="x", generation=1, data_size=0, tensors=[])
+    bad_protocol = StoreManifest(protocol=99, library_version="x", generation=1, data_size=0, part_sizes=[0],
+                                 tensors=[])
     with pytest.raises(ShmProtocolError, match="protocol 99"):
-        validate_manifest(bad_protocol, 0)
+        validate_manifest(bad_protocol, [0])
+    no_such_part = StoreManifest(protocol=MANIFEST_PROTOCOL, library_version="x", generation=1, data_size=2048,
+                                 part_sizes=[1024, 1024], tensors=[_record(part=2)])
+    with pytest.raises(ShmProtocolError, match=r"'layer\.weight' lies in part 2, but the store has 2 part"):
+        validate_manifest(no_such_part, [1024, 1024])
+    with pytest.raises(ShmProtocolError, match="2 part.*1 data segment"):
+        validate_manifest(no_such_part, [1024])
+    with pytest.raises(ShmProtocolError, match="1024 bytes in part 1 but its data segment holds 512"):
+        validate_manifest(no_such_part, [1024, 512])
     # a creator that publishes an out-of-range record: followers refuse it at attach
     with ShmCoordinator(ns, lease_seconds=2.0) as creator:
         owner = creator.memory_owner
         owner.create_segment("sd", 256).close()
         forged = StoreManifest(
-            protocol=1, library_version="x", generation=owner.generation, data_size=256,
-            tensors=[_record(byte_offset=512)],
+            protocol=MANIFEST_PROTOCOL, library_version="x", generation=owner.generation, data_size=256,
+            part_sizes=[256], tensors=[_record(byte_offset=512)],
         )
         owner.write_blob(MANIFEST_KIND, msgspec.msgpack.encode(forged))
         creator.notify_ready()

@@ -192,8 +192,9 @@ def test_a_staged_copy_from_a_segments_file_to_the_gpu_equals_it_on_a_side_strea
 
 
 def test_a_followers_resident_copies_through_the_ring_equal_the_store(namespace):
-    """The attach thread's path (``copies_on`` with a ``StagedCopy`` fill), on the CPU: every record's copy equals
-    its bytes in the store, with the record's dtype and shape."""
+    """The attach thread's path (``copies_on`` with a ``StagedCopy`` fill), on the CPU, from a store in five parts
+    (one piece each, read from its own file): every record's copy equals its bytes in the store, with the
+    record's dtype and shape, and the ring is registered once for all of them."""
     from torch import nn
 
     from flextensor.shm.coordinator import ShmCoordinator
@@ -204,10 +205,12 @@ def test_a_followers_resident_copies_through_the_ring_equal_the_store(namespace)
     ns = manager_namespace(namespace, "model")
     pin = FakePin()
     with ShmCoordinator(ns, lease_seconds=2.0) as creator:
-        store = SharedTensorStore.create_from_model(ns, model, shm_owner=creator.memory_owner)
+        store = SharedTensorStore.create_from_model(ns, model, shm_owner=creator.memory_owner,
+                                                    part_min_bytes=CHUNK)
+        assert store.parts == 5
         copier = StagedCopy(chunk_bytes=CHUNK, slots=3, min_bytes=0, register=pin.register, unregister=pin.unregister)
-        copies = store.copies_on("cpu", fill=copier)
-        assert copier.last.staged and copier.last.nbytes > 4 * CHUNK
+        copies = store.copies_on("cpu", fill=copier.copy_pieces)
+        assert copier.last.staged and copier.last.nbytes > 4 * CHUNK and copier.last.source == "file"
         for name, value in store.tensors().items():
             if name in copies:
                 assert copies[name].dtype == value.dtype and torch.equal(copies[name], value), name
