@@ -30,8 +30,7 @@ import logging
 import resource
 from typing import Any
 
-__all__ = ["host_register", "host_unregister", "cudart_available", "memlock_limit", "clear_cuda_error",
-           "loaded_cudart_path"]
+__all__ = ["host_register", "host_unregister", "cudart_available", "memlock_limit", "clear_cuda_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,17 +125,6 @@ def host_register(ptr: int, nbytes: int, *, read_only: bool = False) -> None:
 _cudart_lib: Any = None
 
 
-def loaded_cudart_path() -> str | None:
-    """The file of the CUDA runtime library this process already loaded (PyTorch's), from ``/proc/self/maps``;
-    None when none is loaded (no CUDA yet, or a platform without ``/proc``)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-            paths = {line.split()[-1] for line in fh if "libcudart" in line and "/" in line}
-    except OSError:
-        return None
-    return min(paths) if paths else None
-
-
 def _loaded_cudart() -> Any:
     """The CUDA runtime library this process already loaded (PyTorch's), through ctypes; None if not found.
 
@@ -145,14 +133,19 @@ def _loaded_cudart() -> Any:
     global _cudart_lib
     if _cudart_lib is None:
         _cudart_lib = False
-        path = loaded_cudart_path()
-        if path is not None:
-            try:
-                lib = ctypes.CDLL(path)
-                lib.cudaGetLastError.restype = ctypes.c_int
-                _cudart_lib = lib
-            except (OSError, AttributeError):
-                pass
+        try:
+            with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+                paths = {line.split()[-1] for line in fh if "libcudart" in line and "/" in line}
+            for path in sorted(paths):
+                try:
+                    lib = ctypes.CDLL(path)
+                    lib.cudaGetLastError.restype = ctypes.c_int
+                    _cudart_lib = lib
+                    break
+                except (OSError, AttributeError):
+                    continue
+        except OSError:
+            pass
     return _cudart_lib or None
 
 

@@ -25,9 +25,8 @@ Workers and ring
 ``threads`` workers (the calling thread is one of them) share ``slots`` slots of ``chunk_bytes``, each worker
 owning its own (slot ``s`` belongs to worker ``s mod threads``). A worker claims the next chunk, waits until the
 device finished reading its slot (an event per slot), fills the slot, and queues the slot's copy to the device.
-No worker waits for another (there is no barrier per chunk), and a worker takes the GIL (which a follower's model
-factory holds most of the time meanwhile) once per chunk, after its read: the copy and the slot's event are
-queued without letting go of it (``flextensor.runtime.cuda_enqueue`` says why). Chunks are claimed from
+No worker waits for another (there is no barrier per chunk), and the few calls per chunk that need the GIL (which
+a follower's model factory holds most of the time meanwhile) are spread over the workers. Chunks are claimed from
 a start that depends on the process id, so followers attaching together read different pages at any one time
 (on Linux reading a shared page takes that page's lock).
 
@@ -71,8 +70,6 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from flextensor.runtime import cuda_enqueue
-from flextensor.runtime.cuda_enqueue import CopyEvents
 from flextensor.shm.prefault import MAX_THREADS, populate_read, populate_write_range
 
 __all__ = ["StagedCopy", "Piece", "CopyReport", "CHUNK_BYTES", "SLOTS", "MIN_BYTES", "THREADS"]
@@ -190,12 +187,8 @@ class _Ring:
 
 
 class _Job:
-    """One copy's shared state for its workers: the chunks still to claim, the slots, the first error.
-
-    On a CUDA destination the copies and the slots' events go through :class:`CopyEvents` when PyTorch's CUDA
-    runtime can be bound (``flextensor.runtime.cuda_enqueue``: a worker then takes the GIL once per chunk, after
-    its read), else through PyTorch's calls. Claiming a chunk takes no lock: ``next`` on a list iterator is one
-    step under the GIL."""
+    """One copy's shared state for its workers: the chunks still to claim (of every piece), the slots, the first
+    error. Claiming a chunk takes no lock: ``next`` on a list iterator is one step under the GIL."""
 
     def __init__(self, pieces: Sequence[Piece], ring: _Ring, chunk: int, slots: int,
                  fill: Callable[[int, int, int, int], None], stream: "torch.cuda.Stream | None") -> None:
@@ -207,15 +200,7 @@ class _Job:
         assert ring.tensor is not None
         self.address = ring.address
         self.stages = [ring.tensor.narrow(0, s * chunk, chunk) for s in range(slots)]
-        self.copies: CopyEvents | None = None
-        self.events: list[torch.cuda.Event] = []
-        if stream is not None:
-            runtime = cuda_enqueue.load()
-            if runtime is not None:
-                with torch.cuda.device(stream.device):
-                    self.copies = CopyEvents(runtime, stream.cuda_stream, slots)
-            else:
-                self.events = [torch.cuda.Event() for _ in range(slots)]
+        self.events = [torch.cuda.Event() for _ in range(slots)] if stream is not None else []
         self.error: BaseException | None = None
 
     def claim(self) -> tuple[int, int] | None:
@@ -230,8 +215,6 @@ class _Job:
         """Copy claimed chunks through the slots ``own`` until none is left; every copy queued from them is
         complete on return (also after an error, which is recorded for the caller)."""
         used: list[int] = []
-        copies = self.copies
-        dst_ptrs = [piece.dst.data_ptr() for piece in self.pieces]
         try:
             with self._device_context():
                 for k in itertools.count():
@@ -241,16 +224,10 @@ class _Job:
                     piece, offset = claimed
                     slot = own[k % len(own)]
                     if slot in used:
-                        self._wait(slot)  # the device finished reading this slot
+                        self.events[slot].synchronize()  # the device finished reading this slot
                     dst = self.pieces[piece].dst
                     n = min(self.chunk, dst.numel() - offset)
-                    stage_ptr = self.address + slot * self.chunk
-                    self.fill(stage_ptr, piece, offset, n)
-                    if slot not in used:
-                        used.append(slot)
-                    if copies is not None:
-                        copies.copy(slot, dst_ptrs[piece] + offset, stage_ptr, n)
-                        continue
+                    self.fill(self.address + slot * self.chunk, piece, offset, n)
                     stage = self.stages[slot] if n == self.chunk else self.stages[slot].narrow(0, 0, n)
                     target = dst.narrow(0, offset, n)
                     if self.stream is None:
@@ -258,26 +235,13 @@ class _Job:
                         continue
                     target.copy_(stage, non_blocking=True)
                     self.events[slot].record(self.stream)
+                    if slot not in used:
+                        used.append(slot)
         except BaseException as exc:  # noqa: BLE001 - raised by the caller once every worker is done
             self.fail(exc)
         finally:
             for slot in used:  # also after an error: the ring is released next
-                try:
-                    self._wait(slot)
-                except BaseException as exc:  # noqa: BLE001 - the first error is the caller's
-                    self.fail(exc)
-
-    def _wait(self, slot: int) -> None:
-        if self.copies is not None:
-            self.copies.wait(slot)
-        elif self.events:
-            self.events[slot].synchronize()
-
-    def close(self) -> None:
-        """Destroy the slots' events (every worker waited for its own)."""
-        if self.copies is not None and self.stream is not None:
-            with torch.cuda.device(self.stream.device):
-                self.copies.close()
+                self.events[slot].synchronize()
 
     def _device_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.stream is None:
@@ -449,12 +413,7 @@ class StagedCopy:
             prefault = threading.Thread(target=_prefault, args=(mapped, self.threads), name="ft-staged-prefault",
                                         daemon=True)
             prefault.start()
-        try:
-            job = _Job(pieces, ring, self.chunk_bytes, self.slots, fill, stream)
-        except BaseException:
-            if prefault is not None:
-                prefault.join()
-            raise
+        job = _Job(pieces, ring, self.chunk_bytes, self.slots, fill, stream)
         helpers = [threading.Thread(target=job.work, args=(own,), name="ft-staged-copy", daemon=True)
                    for own in owned[1:]]
         try:
@@ -467,7 +426,6 @@ class StagedCopy:
                     helper.join()
             if prefault is not None:
                 prefault.join()
-            job.close()
         if job.error is not None:
             raise job.error
         return source, threads
