@@ -190,7 +190,8 @@ def test_creator_killed_before_publishing_is_seen_as_dead_within_the_lease(names
     marker = tmp_path / "creator-started"
     creator = spawn(namespace, profile, "--mode", "hang", "--marker", str(marker))
     wait_for_file(marker)
-    follower = spawn(namespace, profile, "--log")
+    stacks = tmp_path / "follower-stacks.txt"  # its threads' stacks, each second: where a slow wait spent its time
+    follower = spawn(namespace, profile, "--log", "--stacks-file", str(stacks))
     wait_for_joined(follower)
     creator.send_signal(signal.SIGKILL)
     killed = time.monotonic()
@@ -202,7 +203,8 @@ def test_creator_killed_before_publishing_is_seen_as_dead_within_the_lease(names
     finish(creator)
     assert result["error"] == "ShmCreatorDiedError", result
     assert elapsed < LEASE + 2.0, \
-        f"follower noticed the dead creator after {elapsed:.2f} s (lease {LEASE} s); its log:\n{log}"
+        f"follower noticed the dead creator after {elapsed:.2f} s (lease {LEASE} s); its log:\n{log}\n" \
+        f"its threads, each second:\n{stacks.read_text()}"
     # the dead creator's generation is still on the host until someone reclaims it
     SharedOffloadSession = ft.SharedOffloadSession
     SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)

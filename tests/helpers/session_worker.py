@@ -10,6 +10,7 @@ With ``--hold`` the worker keeps its session open until a line arrives on stdin.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import sys
@@ -77,9 +78,14 @@ def main() -> int:
     parser.add_argument("--slow-seconds", type=float, default=1.0, help="how long mode slow's factory sleeps")
     parser.add_argument("--factory-marker", help="the follower factory touches this file when it starts")
     parser.add_argument("--follower-fails", action="store_true", help="the follower factory raises")
+    parser.add_argument("--stacks-file",
+                        help="append every thread's stack to this file each second (a slow test shows where time went)")
     parser.add_argument("--arena-part-bytes", type=int,
                         help="cut the host-block arena into parts of this many bytes (as a large model's is)")
     args = parser.parse_args()
+    if args.stacks_file:
+        stacks = open(args.stacks_file, "a")  # noqa: SIM115 - open until the process ends, for faulthandler
+        faulthandler.dump_traceback_later(1.0, repeat=True, file=stacks)
     if args.arena_part_bytes:  # every participant must lay the arena out alike: each worker gets the option
         from flextensor.shm import blocks
 
