@@ -49,6 +49,28 @@ def test_every_byte_arrives_through_the_ring(nbytes):
     assert register == "register" and size == 2 * CHUNK and unregister == ("unregister", ptr)
 
 
+def test_pieces_from_a_file_and_from_memory_arrive_through_one_ring(tmp_path):
+    """Three pieces in one copy (one read from a file with pread at an offset, two from memory, one of them
+    shorter than a chunk): every byte lands in its own destination, and the ring is registered once."""
+    pin = FakePin()
+    sizes = [3 * CHUNK + 5, CHUNK - 7, 2 * CHUNK]
+    sources = [_source(n) for n in sizes]
+    path = tmp_path / "piece0"
+    path.write_bytes(b"\0" * 100 + sources[0].numpy().tobytes())
+    dsts = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    copier = StagedCopy(chunk_bytes=CHUNK, slots=4, threads=2, min_bytes=0, register=pin.register,
+                        unregister=pin.unregister)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        copier.copy_pieces([(dsts[0], sources[0], (fd, 100)), (dsts[1], sources[1], None), (dsts[2], sources[2])])
+    finally:
+        os.close(fd)
+    for dst, src in zip(dsts, sources):
+        assert torch.equal(dst, src)
+    assert copier.last.staged and copier.last.nbytes == sum(sizes) and copier.last.source == "file+mapping"
+    assert [c[0] for c in pin.calls] == ["register", "unregister"]
+
+
 def test_a_small_range_is_copied_directly_without_a_ring():
     pin = FakePin()
     copier = StagedCopy(chunk_bytes=CHUNK, slots=2, min_bytes=4 * CHUNK, register=pin.register,
