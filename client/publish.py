@@ -60,7 +60,8 @@ from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator
 from flextensor.shm.manifest import DTYPE_SIZES
 from flextensor.shm.populate_ahead import PopulateAhead
-from flextensor.shm.tensor_store import SharedTensorStore, StoreLayout, store_layout
+from flextensor.shm.store_layout import StoreLayout, record_key, store_layout
+from flextensor.shm.tensor_store import SharedTensorStore
 from flextensor.state import ModelTensor, TensorManagerState
 
 __all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "populate_window", "arena_plan", "plan_store_layout",
@@ -97,7 +98,7 @@ def plan_store_layout(state: TensorManagerState) -> StoreLayout:
             numel = 1
             for n in t.shape:
                 numel *= n
-            sizes[min((t.name, *t.aliases))] = numel * DTYPE_SIZES.get(t.dtype, 1)
+            sizes[record_key((t.name, *t.aliases))] = numel * DTYPE_SIZES.get(t.dtype, 1)
     return store_layout(sizes)
 
 

@@ -308,7 +308,7 @@ class SharedOffloadSession:
             reads: BlockReads | None = None  # a checkpoint's block reads, running beside the adoption
             try:
                 model, reads = self._fill_shared(share, model, state, layouts, layout, resident, cfg, device, pin,
-                                                 source)
+                                                 source, store_window=populate_window(store_size))
                 published_plan = arena_plan(state, SharedBlockAllocator(owner).names(layout), layout)
                 gate: Callable[[int], None] | None = None
                 if pin and layouts:
@@ -355,7 +355,8 @@ class SharedOffloadSession:
 
     def _fill_shared(self, share: ManagerShare, model: nn.Module, state: TensorManagerState,
                      layouts: list[Any], layout: ArenaLayout, resident: list[str], cfg: OffloadConfig,
-                     device: torch.device, pin: bool, source: CreatorSource) -> tuple[nn.Module, BlockReads | None]:
+                     device: torch.device, pin: bool, source: CreatorSource, *, store_window: int
+                     ) -> tuple[nn.Module, BlockReads | None]:
         """The store and the arena filled from the model (together, from a model in RAM), or the store then the
         arena from its checkpoint, and the model pointed at them; on CUDA the store's mapping is registered once it
         is filled, while the arena fills (see ``flextensor.publish``). A checkpoint's block reads
@@ -383,7 +384,7 @@ class SharedOffloadSession:
         try:
             with timed_step(steps, "store"):
                 share.store = publish_store(share.namespace, model, resident, owner, source.weights,
-                                            window=populate_window(sum(plan_store_layout(state).part_sizes)),
+                                            window=store_window,
                                             stop=None if blocks_fill is None else blocks_fill.failure)
                 read_queued(source.weights)  # the resident tensors' checkpoint reads
             if pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:

@@ -21,8 +21,8 @@ store's data segments (the store's parts, see ``tensor_store.py``):
 (``part_sizes``, in part order) and their sum (``data_size``).
 
 Validation (``validate_manifest``) trusts nothing: unknown dtypes, negative or mismatched dims, misaligned or
-out-of-range spans, parts that do not exist and duplicate names raise ``ShmProtocolError`` naming the tensor. This module does not
-import torch.
+out-of-range spans, parts that do not exist and duplicate names raise ``ShmProtocolError`` naming the tensor.
+This module does not import torch.
 """
 
 from __future__ import annotations

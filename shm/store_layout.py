@@ -9,8 +9,9 @@ parallel: ``flextensor.shm.blocks`` gives the numbers). So the data is cut into 
 
 Layout
 ------
-A pure function of the records' keys and sizes (a record's key is its tie group's smallest name), so a creator
-can size the parts from its plan before it has the model, and gets the same parts from the model later::
+A pure function of the records' keys and sizes (a record's key is its tie group's smallest name:
+:func:`record_key`), so a creator can size the parts from its plan before it has the model, and gets the same
+parts from the model later::
 
     records sorted by key: record i in part i % parts
     parts = min(STORE_MAX_PARTS, records, total // STORE_PART_MIN_BYTES), at least 1
@@ -25,12 +26,13 @@ allocated in parallel, a worker per part (``populate_ahead.py``). Each record na
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from flextensor.shm.blocks import ARENA_MAX_PARTS, ARENA_PART_MIN_BYTES, part_kind
 from flextensor.shm.sizes import align_up
 
 __all__ = ["ALIGNMENT", "DATA_KIND", "STORE_MAX_PARTS", "STORE_PART_MIN_BYTES", "StoreLayout", "data_kind",
-           "store_layout"]
+           "record_key", "store_layout"]
 
 #: Resource kind of the data's first part (``/{ns}.g{gen}.sd``); part ``k`` is ``sd{k}`` (:func:`data_kind`).
 DATA_KIND = "sd"
@@ -39,6 +41,12 @@ ALIGNMENT = 256
 #: The most parts, and the least bytes of a part (a small store stays one segment): the arena's, for its reasons.
 STORE_MAX_PARTS = ARENA_MAX_PARTS
 STORE_PART_MIN_BYTES = ARENA_PART_MIN_BYTES
+
+
+def record_key(names: Iterable[str]) -> str:
+    """A record's key in the layout: the smallest of its tie group's names (the same for a model's
+    registrations and for a plan's tensor with its aliases)."""
+    return min(names)
 
 
 def data_kind(part: int) -> str:
@@ -76,5 +84,3 @@ def store_layout(sizes: dict[str, int], *, part_min_bytes: int | None = None) ->
         places[key] = (part, ends[part])
         ends[part] = align_up(ends[part] + sizes[key], ALIGNMENT)
     return StoreLayout(order, places, tuple(max(end, ALIGNMENT) for end in ends))
-
-

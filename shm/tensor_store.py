@@ -3,7 +3,7 @@
 The creator copies each selected tensor into the store's data segments and writes a msgpack manifest (``.sm``,
 see ``manifest.py``) through its ``ShmOwner``, *before* the coordinator turns READY, so a follower that sees
 READY finds complete bytes. Followers decode and validate the manifest against the real
-segment size, then ``materialize`` checks every record against their own (usually ``meta``) model before
+segment sizes, then ``materialize`` checks every record against their own (usually ``meta``) model before
 touching it: a mismatched name, kind, dtype, shape or buffer persistence is refused with the tensor's name and
 the model is left unchanged.
 
@@ -26,7 +26,7 @@ from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.populate_ahead import PopulateAhead
 from flextensor.shm.sizes import align_up
 from flextensor.shm.store_layout import (ALIGNMENT, DATA_KIND, STORE_MAX_PARTS, STORE_PART_MIN_BYTES, StoreLayout,
-                                         data_kind, store_layout)
+                                         data_kind, record_key, store_layout)
 from flextensor.shm.manifest import (
     MANIFEST_PROTOCOL,
     StoreManifest,
@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 MANIFEST_KIND = "sm"
 __all__ = ["ALIGNMENT", "DATA_KIND", "MANIFEST_KIND", "STORE_MAX_PARTS", "STORE_PART_MIN_BYTES", "SharedTensorStore",
            "StoreLayout", "data_kind", "model_registrations", "store_layout"]
+
+
 @dataclass(frozen=True)
 class _Registration:
     """Where a name lives in a model: ``module._parameters[attr]`` or ``module._buffers[attr]``."""
@@ -118,7 +120,8 @@ def _plan_records(model: Any, names: Iterable[str] | None, *, allow_meta: bool =
         dtype = _dtype_name(tensor.dtype)
         shape = list(tensor.shape)
         stride = contiguous_stride(shape)
-        planned[min(group)] = (group, tensor, dtype, shape, stride, span_bytes(shape, stride, 0, DTYPE_SIZES[dtype]))
+        nbytes = span_bytes(shape, stride, 0, DTYPE_SIZES[dtype])
+        planned[record_key(group)] = (group, tensor, dtype, shape, stride, nbytes)
     layout = store_layout({key: entry[5] for key, entry in planned.items()}, part_min_bytes=part_min_bytes)
     records: list[TensorRecord] = []
     sources: list[Any] = []
