@@ -38,7 +38,9 @@ Joining on the thread
 ---------------------
 A follower that joined a generation not READY yet waits for READY on the thread too (``elect`` waits, then reads
 the plan), so its model is built while the creator publishes, and the attach starts the moment READY comes; a
-factory that fails, or an interrupt, cancels that wait (:meth:`FollowerPrefetch.cancel`). When a READY
+factory that fails, or an interrupt, cancels that wait (:meth:`FollowerPrefetch.cancel`). The other way round,
+an error the thread meets while the factory runs (the creator died or failed) is raised once the factory
+returns: the factory is the caller's code and is never interrupted. When a READY
 generation already exists (``peek_ready``, read without the coordinator lock), the caller is
 almost certainly a follower, so the session starts the factory at once and lets the thread join the generation
 first (``elect``: the election under the coordinator lock, the daemon registration, the plan), then do the

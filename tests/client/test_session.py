@@ -187,27 +187,36 @@ def test_creator_factory_failure_reaches_every_follower(namespace: str, profile:
 
 def test_creator_killed_before_publishing_is_seen_as_dead_within_the_lease(namespace: str, profile: str,
                                                                           tmp_path: Path) -> None:
-    marker = tmp_path / "creator-started"
+    """Killed once the follower waits with its model built: its error comes within the lease. (While the
+    follower's factory still runs, the death is raised when the factory returns: the caller's code is never
+    interrupted, and a first model built on ``meta`` imports torch._dynamo, seconds on a GPU host.)"""
+    marker, built = tmp_path / "creator-started", tmp_path / "follower-built"
     creator = spawn(namespace, profile, "--mode", "hang", "--marker", str(marker))
-    wait_for_file(marker)
-    stacks = tmp_path / "follower-stacks.txt"  # its threads' stacks, each second: where a slow wait spent its time
-    follower = spawn(namespace, profile, "--log", "--stacks-file", str(stacks))
-    wait_for_joined(follower)
-    creator.send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    result = read_result(follower)
-    elapsed = time.monotonic() - killed
-    follower.wait(timeout=60)
-    log = follower.stderr.read()  # its log lines, each with the ms since it started
-    finish(follower)
-    finish(creator)
+    stacks = tmp_path / "follower-stacks.txt"  # its threads' stacks, 5 times a second: where a slow wait spent its time
+    follower = None
+    try:
+        wait_for_file(marker)
+        follower = spawn(namespace, profile, "--log", "--stacks-file", str(stacks), "--built-marker", str(built))
+        wait_for_joined(follower)
+        wait_for_file(built)
+        creator.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        result = read_result(follower)
+        elapsed = time.monotonic() - killed
+        follower.wait(timeout=60)
+        log = follower.stderr.read()  # its log lines, each with the ms since it started
+    finally:
+        if creator.poll() is None:  # the test failed before the kill: its factory would sleep for an hour
+            creator.kill()
+        for proc in [follower, creator]:
+            if proc is not None:
+                finish(proc)
+        # the dead creator's generation is still on the host until someone reclaims it
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
     assert result["error"] == "ShmCreatorDiedError", result
     assert elapsed < LEASE + 2.0, \
         f"follower noticed the dead creator after {elapsed:.2f} s (lease {LEASE} s); its log:\n{log}\n" \
-        f"its threads, each second:\n{stacks.read_text()}"
-    # the dead creator's generation is still on the host until someone reclaims it
-    SharedOffloadSession = ft.SharedOffloadSession
-    SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+        f"its threads' stacks are in {stacks}"
 
 
 def test_a_follower_that_arrives_before_ready_builds_its_model_while_the_creator_publishes(

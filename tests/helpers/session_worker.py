@@ -10,10 +10,10 @@ With ``--hold`` the worker keeps its session open until a line arrives on stdin.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +21,47 @@ import torch
 
 import flextensor as ft
 from tests.helpers.models import TinyTransformer, tiny_transformer, token_ids
+
+
+def _frame_lines(frame, depth: int) -> list[str]:
+    """The innermost ``depth`` frames as file:line function, read from the frames alone (no source lookup,
+    which takes import locks that the sampled threads may hold)."""
+    lines = []
+    while frame is not None and len(lines) < depth:
+        lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back
+    return lines
+
+
+def _sample_stacks(path: str, every: float = 0.2) -> None:
+    """Append every thread's Python stack to ``path`` each ``every`` seconds, with the ms since start.
+
+    A Python thread (not faulthandler's watchdog, which reads other threads' frames without the GIL and can
+    crash the process): a gap between two samples longer than ``every`` shows that some thread held the GIL."""
+    start = time.monotonic()
+
+    def run() -> None:
+        try:
+            _loop()
+        except BaseException as exc:  # noqa: BLE001 - written down, never raised in the worker
+            with open(path, "a") as out:
+                out.write(f"sampler stopped: {exc!r}\n")
+
+    def _loop() -> None:
+        with open(path, "a") as out:
+            while True:
+                names = {t.ident: t.name for t in threading.enumerate()}
+                lines = [f"--- {1000 * (time.monotonic() - start):.0f} ms"]
+                for ident, frame in sys._current_frames().items():
+                    if ident == threading.get_ident():
+                        continue
+                    lines.append(f"thread {names.get(ident, ident)}:")
+                    lines.extend(_frame_lines(frame, depth=8))
+                out.write("\n".join(lines) + "\n")
+                out.flush()
+                time.sleep(every)
+
+    threading.Thread(target=run, name="stack-sampler", daemon=True).start()
 
 
 def _touch(path: str | None) -> None:
@@ -77,15 +118,15 @@ def main() -> int:
     parser.add_argument("--checkpoint", help="the creator reads this safetensors checkpoint (no creator factory)")
     parser.add_argument("--slow-seconds", type=float, default=1.0, help="how long mode slow's factory sleeps")
     parser.add_argument("--factory-marker", help="the follower factory touches this file when it starts")
+    parser.add_argument("--built-marker", help="the follower factory touches this file when it returns")
     parser.add_argument("--follower-fails", action="store_true", help="the follower factory raises")
     parser.add_argument("--stacks-file",
-                        help="append every thread's stack to this file each second (a slow test shows where time went)")
+                        help="append every thread's stack to this file 5 times a second (a slow test shows where time went)")
     parser.add_argument("--arena-part-bytes", type=int,
                         help="cut the host-block arena into parts of this many bytes (as a large model's is)")
     args = parser.parse_args()
     if args.stacks_file:
-        stacks = open(args.stacks_file, "a")  # noqa: SIM115 - open until the process ends, for faulthandler
-        faulthandler.dump_traceback_later(1.0, repeat=True, file=stacks)
+        _sample_stacks(args.stacks_file)
     if args.arena_part_bytes:  # every participant must lay the arena out alike: each worker gets the option
         from flextensor.shm import blocks
 
@@ -113,9 +154,12 @@ def main() -> int:
             raise RuntimeError("the follower's factory failed: config.json is missing")
         if args.checkpoint:  # the creator builds with this factory too: buffers stay real, parameters go meta
             with ft.init_empty_weights():
-                return TinyTransformer()
-        with torch.device("meta"):
-            return TinyTransformer(d=48) if args.mode == "mismatch" else TinyTransformer()
+                model = TinyTransformer()
+        else:
+            with torch.device("meta"):
+                model = TinyTransformer(d=48) if args.mode == "mismatch" else TinyTransformer()
+        _touch(args.built_marker)
+        return model
 
     config = ft.OffloadConfig(pinned_memory=torch.cuda.is_available(), num_blocks=2, min_blocks=2)
     session = ft.SharedOffloadSession(args.ns, wait_timeout=args.wait_timeout, lease_seconds=args.lease)
