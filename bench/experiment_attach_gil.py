@@ -11,6 +11,10 @@ takes 0.07 s alone and 0.27-0.29 s beside the copy, which takes 0.19 s alone and
 each chunk's copy and event with the GIL kept (a ctypes binding of PyTorch's CUDA runtime: one GIL hand-over per
 chunk instead of four) made the copy beside the factory about 12% faster and left the factory's time as it was,
 so the library queues through PyTorch's own calls: the hand-overs per chunk are not what slows the factory.
+Workers and switch interval (same host, 13:30 UTC, one sample each of the last repeat): with 8 workers the factory
+keeps its 0.07-0.08 s beside the copy (copy 0.27-0.29 s, 8 or 32 MiB chunks); with 16 it takes 0.20-0.26 s and the
+copy 0.21-0.24 s (0.19-0.21 s alone); a 0.5 ms switch interval changes neither. The factory loses CPU time to the
+copy's workers (16 on 16 cores), not GIL hand-overs; 16 workers still end both soonest in one process.
 
     scripts/gpu-suite.sh bench experiment_attach_gil --gib 6 --threads 4 8 16 --switch-interval 0.0005
 """
@@ -111,7 +115,7 @@ def main() -> None:
     print("| switch interval | chunk | workers | runs | copy s (GB/s) | factory s | both s |")
     print("|---|---|---|---|---|---|---|")
     for (interval, chunk, threads, copy, factory), rs in rows.items():
-        med = {k: statistics.median(r[k]) for k in ("copy_s", "factory_s", "both_s") if k in rs[0]}
+        med = {k: statistics.median(r[k] for r in rs) for k in ("copy_s", "factory_s", "both_s") if k in rs[0]}
         what = " + ".join(w for w, on in (("copy", copy), ("factory", factory)) if on)
         copy_text = f"{med['copy_s']:.3f} ({nbytes / med['copy_s'] / 1e9:.1f})" if "copy_s" in med else "-"
         factory_text = f"{med['factory_s']:.3f}" if "factory_s" in med else "-"
