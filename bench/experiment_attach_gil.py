@@ -11,10 +11,12 @@ takes 0.07 s alone and 0.27-0.29 s beside the copy, which takes 0.19 s alone and
 each chunk's copy and event with the GIL kept (a ctypes binding of PyTorch's CUDA runtime: one GIL hand-over per
 chunk instead of four) made the copy beside the factory about 12% faster and left the factory's time as it was,
 so the library queues through PyTorch's own calls: the hand-overs per chunk are not what slows the factory.
-Workers and switch interval (same host, 13:30 UTC, one sample each of the last repeat): with 8 workers the factory
-keeps its 0.07-0.08 s beside the copy (copy 0.27-0.29 s, 8 or 32 MiB chunks); with 16 it takes 0.20-0.26 s and the
-copy 0.21-0.24 s (0.19-0.21 s alone); a 0.5 ms switch interval changes neither. The factory loses CPU time to the
-copy's workers (16 on 16 cores), not GIL hand-overs; 16 workers still end both soonest in one process.
+Workers and switch interval (same host, 13:25 UTC, the last of 3 runs): with 8 workers the factory keeps its
+0.07-0.08 s beside the copy (copy 0.27-0.29 s, 8 or 32 MiB chunks); with 16 it takes 0.20-0.26 s and the copy
+0.21-0.24 s (0.19-0.21 s alone); a 0.5 ms switch interval changes neither. Lowering the helper workers' priority
+(nice 5 and 10 per thread, tried at 13:27 UTC, medians of 3, then removed) left the factory at 0.24-0.26 s beside
+16 workers and brought it to 0.13-0.15 s beside 12: not a plain share of the cores either. 16 workers still end
+both soonest in one process (0.21-0.24 s).
 
     scripts/gpu-suite.sh bench experiment_attach_gil --gib 6 --threads 4 8 16 --switch-interval 0.0005
 """
