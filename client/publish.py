@@ -47,25 +47,27 @@ import errno
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import msgspec
 import torch
 
 from flextensor.checkpoint import populate_pages
+from flextensor.engine.adoption import layouts_from_state
 from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
 from flextensor.runtime.thread_join import join_through_interrupts
-from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator
+from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.manifest import DTYPE_SIZES
 from flextensor.shm.populate_ahead import PopulateAhead
 from flextensor.shm.store_layout import StoreLayout, record_key, store_layout
 from flextensor.shm.tensor_store import SharedTensorStore
 from flextensor.state import ModelTensor, TensorManagerState
 
-__all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "populate_window", "arena_plan", "plan_store_layout",
-           "publish_store", "fill_blocks", "BlockReads", "read_queued", "BackgroundCall"]
+__all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "PublishPlan", "plan_publish", "populate_window",
+           "arena_plan", "plan_store_layout", "publish_store", "fill_blocks", "BlockReads", "read_queued", "BackgroundCall"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,43 @@ def plan_store_layout(state: TensorManagerState) -> StoreLayout:
                 numel *= n
             sizes[record_key((t.name, *t.aliases))] = numel * DTYPE_SIZES.get(t.dtype, 1)
     return store_layout(sizes)
+
+
+@dataclass(frozen=True)
+class PublishPlan:
+    """What a creator derives from its profile before its model is built, once: the arena's blocks and their
+    layout, the resident tensors and the store's parts (so both are sized and made ahead of the copy), where the
+    engine computes and whether the shared memory is registered with CUDA there."""
+
+    state: TensorManagerState
+    layouts: list[BlockLayout]  # per host block: where each tensor lies in it (checked against the plan)
+    arena: ArenaLayout
+    resident: list[str]
+    store: StoreLayout
+    device: torch.device
+    pin: bool
+
+    @property
+    def store_bytes(self) -> int:
+        return sum(self.store.part_sizes)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of /dev/shm the publication takes (arena and store)."""
+        return self.arena.total + self.store_bytes
+
+    @property
+    def segment_sizes(self) -> dict[str, int]:
+        """Every segment to make ahead, by kind (``SharedMemoryOwner.prepare_segments``)."""
+        return {**self.store.kinds, **(self.arena.kinds if self.layouts else {})}
+
+
+def plan_publish(state: TensorManagerState, device: torch.device, *, pinned_memory: bool) -> PublishPlan:
+    """The :class:`PublishPlan` of a profile ``state`` (its blocks, placements and schedule checked)."""
+    return PublishPlan(state=state, layouts=layouts_from_state(state),
+                       arena=arena_layout([b.nbytes for b in state.blocks]),
+                       resident=[t.name for t in state.tensors if not t.offloaded], store=plan_store_layout(state),
+                       device=device, pin=pinned_memory and device.type == "cuda")
 
 
 def _weight(weights: Mapping[str, Any] | None, names: Sequence[str], dtype: torch.dtype,

@@ -59,16 +59,16 @@ from torch import nn
 
 # The engine modules a follower needs are imported with the session (adoption among them), not on its first
 # attach: a fresh worker's time to ready should not include module imports.
-from flextensor.engine.adoption import check_state, layouts_from_state
+from flextensor.engine.adoption import check_state
 from flextensor.api import get_offload_manager
 from flextensor.attach_prefetch import ELECT_LOCK_WAIT_S, FollowerPrefetch
 from flextensor.config import OffloadConfig
 from flextensor.creator_source import CreatorSource
 from flextensor.manager import compute_device
 from flextensor.profiles import read_profile
-from flextensor.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, BlockReads, arena_plan, fill_blocks,
-                                plan_store_layout, populate_window, publish_store, read_queued)
-from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator, arena_layout
+from flextensor.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, BlockReads, PublishPlan, arena_plan,
+                                fill_blocks, plan_publish, populate_window, publish_store, read_queued)
+from flextensor.shm.blocks import SharedBlockAllocator
 from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator, peek_ready
@@ -283,36 +283,28 @@ class SharedOffloadSession:
         owner = coordinator.memory_owner
         steps = share.steps
         try:
-            state = read_profile(profile_dir)
-            layouts = layouts_from_state(state)  # checked: every block, placement and schedule entry
-            layout = arena_layout([b.nbytes for b in state.blocks])
-            resident = [t.name for t in state.tensors if not t.offloaded]
-            store_parts = plan_store_layout(state)
-            store_size = sum(store_parts.part_sizes)
-            check_shm_capacity(share.namespace, layout.total + store_size)
             device = compute_device(cfg)
-            pin = cfg.pinned_memory and device.type == "cuda"
-            if pin:
-                shortfall = memlock_shortfall(layout.total + store_size)
+            plan = plan_publish(read_profile(profile_dir), device, pinned_memory=cfg.pinned_memory)
+            check_shm_capacity(share.namespace, plan.shared_bytes)
+            if plan.pin:
+                shortfall = memlock_shortfall(plan.shared_bytes)
                 if shortfall:  # a warning: the NVIDIA driver does not charge cudaHostRegister to this limit
                     logger.warning("session %s: %s", share.namespace, shortfall)
             # The segments are made while the model is built, without their pages: those come on a thread a window
             # ahead of the copy or the checkpoint read (flextensor.publish), so allocating tmpfs pages, the slow
             # part of publishing, overlaps the copy, and a model built in RAM is freed into them as they fill.
-            sizes = {**store_parts.kinds, **(layout.kinds if layouts else {})}
-            owner.prepare_segments(sizes, reserve=False)
+            owner.prepare_segments(plan.segment_sizes, reserve=False)
             with timed_step(steps, "factory"):
                 model = source.build()
             logger.info("session %s: model built in %.2f s", share.namespace, steps["factory"])
             begin = time.monotonic()
             reads: BlockReads | None = None  # a checkpoint's block reads, running beside the adoption
             try:
-                model, reads = self._fill_shared(share, model, state, layouts, layout, resident, cfg, device, pin,
-                                                 source, store_window=populate_window(store_size))
-                published_plan = arena_plan(state, SharedBlockAllocator(owner).names(layout), layout)
+                model, reads = self._fill_shared(share, model, plan, cfg, source)
+                published_plan = arena_plan(plan.state, SharedBlockAllocator(owner).names(plan.arena), plan.arena)
                 gate: Callable[[int], None] | None = None
-                if pin and layouts:
-                    share.pinner = block_pinner(share.segments, published_plan, layout, device,
+                if plan.pin and plan.layouts:
+                    share.pinner = block_pinner(share.segments, published_plan, plan.arena, device,
                                                 label=f"session {share.namespace}")
                     gate = share.pinner.wait
                 if reads is not None:
@@ -323,7 +315,7 @@ class SharedOffloadSession:
                                                        shm_owner=owner, weights=source.weights)
                 with timed_step(steps, "plan"):
                     published = manager.export_state()
-                    if sorted(t.name for t in published.tensors if not t.offloaded) != sorted(resident):
+                    if sorted(t.name for t in published.tensors if not t.offloaded) != sorted(plan.resident):
                         raise RuntimeError(
                             f"internal error in session {self.namespace!r}: the adopted plan keeps other tensors "
                             "resident than the profile says; please report it (re-profiling may avoid it)")
@@ -338,11 +330,11 @@ class SharedOffloadSession:
             if share.pinner is not None:
                 share.pinner.start()  # after the adoption's device allocations and the reads (see _adopt_published)
             assert share.store is not None  # _fill_shared published it
-            share.shared_bytes = layout.total + share.store.nbytes
+            share.shared_bytes = plan.arena.total + share.store.nbytes
             elapsed = max(time.monotonic() - begin, 1e-9)
             share.publish.update(seconds=elapsed, gbps=share.shared_bytes / elapsed / 1e9)
             logger.info("session %s: published %.1f MiB (%d blocks, %d resident tensors) in %.2f s (%.2f GB/s)",
-                        share.namespace, share.shared_bytes / 2**20, len(published.blocks), len(resident),
+                        share.namespace, share.shared_bytes / 2**20, len(published.blocks), len(plan.resident),
                         elapsed, share.shared_bytes / elapsed / 1e9)
             coordinator.notify_ready()
         except BaseException as exc:
@@ -353,10 +345,8 @@ class SharedOffloadSession:
             raise
         return proxy
 
-    def _fill_shared(self, share: ManagerShare, model: nn.Module, state: TensorManagerState,
-                     layouts: list[Any], layout: ArenaLayout, resident: list[str], cfg: OffloadConfig,
-                     device: torch.device, pin: bool, source: CreatorSource, *, store_window: int
-                     ) -> tuple[nn.Module, BlockReads | None]:
+    def _fill_shared(self, share: ManagerShare, model: nn.Module, plan: PublishPlan, cfg: OffloadConfig,
+                     source: CreatorSource) -> tuple[nn.Module, BlockReads | None]:
         """The store and the arena filled from the model (together, from a model in RAM), or the store then the
         arena from its checkpoint, and the model pointed at them; on CUDA the store's mapping is registered once it
         is filled, while the arena fills (see ``flextensor.publish``). A checkpoint's block reads
@@ -364,13 +354,14 @@ class SharedOffloadSession:
         share at once, so a failure is cleaned up by the caller's cleanup."""
         owner = share.coordinator.memory_owner
         steps = share.steps
+        layouts, layout = plan.layouts, plan.arena
         views = []
         if layouts:
             share.segments.extend(SharedBlockAllocator(owner).create(layout))
             views = SharedBlockAllocator.views(share.segments, layout)
         share.block_views = views
         # Refuse a model that does not match the profile before anything of it changes.
-        checked = check_state(model, state, cfg, host_blocks=views, weights=source.weights)
+        checked = check_state(model, plan.state, cfg, host_blocks=views, weights=source.weights)
         # A model in RAM fills the arena on a thread while the store fills here: their pages are different files,
         # which tmpfs allocates in parallel (see flextensor.shm.blocks), and allocating them is the slow part.
         blocks_fill = None
@@ -383,12 +374,12 @@ class SharedOffloadSession:
         reads = None
         try:
             with timed_step(steps, "store"):
-                share.store = publish_store(share.namespace, model, resident, owner, source.weights,
-                                            window=store_window,
+                share.store = publish_store(share.namespace, model, plan.resident, owner, source.weights,
+                                            window=populate_window(plan.store_bytes),
                                             stop=None if blocks_fill is None else blocks_fill.failure)
                 read_queued(source.weights)  # the resident tensors' checkpoint reads
-            if pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
-                store_pin = BackgroundCall(share.store.pin, device=device_index(device))
+            if plan.pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
+                store_pin = BackgroundCall(share.store.pin, device=device_index(plan.device))
             with timed_step(steps, "blocks"):  # from a model in RAM: what the arena's fill took beyond the store's
                 if layouts and source.weights is not None:
                     reads = BlockReads(checked.tensors, layouts, views, share.segments, layout,
