@@ -219,6 +219,31 @@ def test_creator_killed_before_publishing_is_seen_as_dead_within_the_lease(names
         f"its threads' stacks are in {stacks}"
 
 
+def test_a_creator_killed_while_the_follower_builds_is_reported_once_its_factory_returns(
+        namespace: str, profile: str, tmp_path: Path) -> None:
+    """The follower's factory (the caller's code) is never interrupted: the death its thread saw meanwhile is
+    raised when the factory has returned, and nothing of the generation stays mapped by the follower."""
+    marker, building, built = tmp_path / "creator-started", tmp_path / "follower-building", tmp_path / "built"
+    creator = spawn(namespace, profile, "--mode", "hang", "--marker", str(marker))
+    follower = None
+    try:
+        wait_for_file(marker)
+        follower = spawn(namespace, profile, "--factory-marker", str(building), "--built-marker", str(built),
+                         "--follower-sleep", "2")
+        wait_for_file(building)
+        creator.send_signal(signal.SIGKILL)
+        result = read_result(follower)
+        assert built.exists()  # the model was built before the error came
+    finally:
+        if creator.poll() is None:
+            creator.kill()
+        for proc in [follower, creator]:
+            if proc is not None:
+                finish(proc)
+        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+    assert result["error"] == "ShmCreatorDiedError", result
+
+
 def test_a_follower_that_arrives_before_ready_builds_its_model_while_the_creator_publishes(
         namespace: str, profile: str, tmp_path: Path) -> None:
     """The follower's factory runs while a thread waits for READY, not after it: its model is built before the

@@ -119,6 +119,7 @@ def main() -> int:
     parser.add_argument("--slow-seconds", type=float, default=1.0, help="how long mode slow's factory sleeps")
     parser.add_argument("--factory-marker", help="the follower factory touches this file when it starts")
     parser.add_argument("--built-marker", help="the follower factory touches this file when it returns")
+    parser.add_argument("--follower-sleep", type=float, default=0.0, help="the follower factory sleeps this long")
     parser.add_argument("--follower-fails", action="store_true", help="the follower factory raises")
     parser.add_argument("--stacks-file",
                         help="append every thread's stack to this file 5 times a second (a slow test shows where time went)")
@@ -150,6 +151,7 @@ def main() -> int:
 
     def follower_factory() -> torch.nn.Module:
         _touch(args.factory_marker)
+        time.sleep(args.follower_sleep)
         if args.follower_fails:
             raise RuntimeError("the follower's factory failed: config.json is missing")
         if args.checkpoint:  # the creator builds with this factory too: buffers stay real, parameters go meta
