@@ -18,7 +18,7 @@ Workers and switch interval (same host, 13:25 UTC, the last of 3 runs): with 8 w
 16 workers and brought it to 0.13-0.15 s beside 12: not a plain share of the cores either. 16 workers still end
 both soonest in one process (0.21-0.24 s).
 
-    scripts/gpu-suite.sh bench experiment_attach_gil --gib 6 --threads 4 8 16 --switch-interval 0.0005
+    scripts/gpu-suite.sh bench experiment_attach_gil --gib 6 --threads 8 16 --parts 1 8
 """
 
 from __future__ import annotations
@@ -38,20 +38,25 @@ from flextensor.shm.segment import SharedSegment
 from models import ModelSpec, build_meta_model
 
 
-def run(copy: bool, factory: bool, chunk: int, threads: int, seg: SharedSegment, nbytes: int, spec: ModelSpec,
+def run(copy: bool, factory: bool, chunk: int, threads: int, segs: list[SharedSegment], spec: ModelSpec,
         dst: torch.Tensor) -> dict:
-    """One run: the staged copy on a thread and/or the factory on this one; seconds of each and of both."""
-    result: dict = {"chunk_mib": chunk >> 20, "threads": threads, "copy": copy, "factory": factory,
-                    "switch_interval": sys.getswitchinterval()}
+    """One run: the staged copy of every segment (one piece each, as a store in parts is copied) on a thread
+    and/or the factory on this one; seconds of each and of both."""
+    result: dict = {"chunk_mib": chunk >> 20, "threads": threads, "parts": len(segs), "copy": copy,
+                    "factory": factory, "switch_interval": sys.getswitchinterval()}
     copier = StagedCopy(chunk_bytes=chunk, slots=max(2 * threads, (256 << 20) // chunk), threads=threads,
                         stream=torch.cuda.Stream())
     copier.prepare()
-    fd = seg.open_file()
+    fds = [seg.open_file() for seg in segs]
 
     def do_copy() -> None:
         torch.cuda.set_device(dst.device)
+        pieces, at = [], 0
+        for seg, fd in zip(segs, fds):
+            pieces.append((dst.narrow(0, at, seg.size), seg.tensor(torch.uint8, (seg.size,)), (fd, 0)))
+            at += seg.size
         begin = time.perf_counter()
-        copier(dst, seg.tensor(torch.uint8, (nbytes,)), (fd, 0))
+        copier.copy_pieces(pieces)
         result["copy_s"] = time.perf_counter() - begin
 
     try:
@@ -67,9 +72,33 @@ def run(copy: bool, factory: bool, chunk: int, threads: int, seg: SharedSegment,
             thread.join()
         result["both_s"] = time.perf_counter() - start
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
         copier.close()
     return result
+
+
+def make_segments(nbytes: int, parts: int) -> list[SharedSegment]:
+    """``parts`` segments of about ``nbytes / parts`` each (whole pages), every byte 7."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    size = -(-nbytes // parts // page) * page
+    segs: list[SharedSegment] = []
+    try:
+        for k in range(parts):
+            seg = SharedSegment.create(f"/ftexp-gil-{os.getpid()}-{k}", min(size, nbytes - k * size))
+            segs.append(seg)
+            seg.tensor(torch.uint8, (seg.size,)).fill_(7)
+    except BaseException:
+        drop_segments(segs)
+        raise
+    return segs
+
+
+def drop_segments(segs: list[SharedSegment]) -> None:
+    for seg in segs:
+        name = seg.name
+        seg.close()
+        SharedSegment.unlink_name(name)
 
 
 def main() -> None:
@@ -79,6 +108,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--chunks", type=int, nargs="+", default=[8, 16], help="chunk sizes in MiB")
     p.add_argument("--threads", type=int, nargs="+", default=[16], help="copy workers")
+    p.add_argument("--parts", type=int, nargs="+", default=[1],
+                   help="copy from this many segments (as a follower copies a store in parts)")
     p.add_argument("--switch-interval", type=float, nargs="*", default=[],
                    help="also run every configuration at these sys.setswitchinterval values (seconds)")
     args = p.parse_args()
@@ -87,42 +118,41 @@ def main() -> None:
     spec = ModelSpec(hidden=4096, layers=args.layers, vocab=32000)
     build_meta_model(ModelSpec(hidden=128, layers=1, vocab=16, head_dim=128), torch.bfloat16)
     nbytes = int(args.gib * 2**30)
-    name = f"/ftexp-gil-{os.getpid()}"
-    seg = SharedSegment.create(name, nbytes)
     rows: dict[tuple, list[dict]] = {}
     default_interval = sys.getswitchinterval()
-    try:
-        seg.tensor(torch.uint8, (nbytes,)).fill_(7)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        for _ in range(args.repeat):
-            r = run(False, True, 8 << 20, 1, seg, nbytes, spec, dst)
-            print(json.dumps(r), flush=True)
-            rows.setdefault((default_interval, 0, 0, False, True), []).append(r)
-            for interval in [default_interval, *args.switch_interval]:
-                sys.setswitchinterval(interval)
-                try:
-                    for chunk in args.chunks:
-                        for threads in args.threads:
-                            for copy, factory in ((True, False), (True, True)):
-                                r = run(copy, factory, chunk << 20, threads, seg, nbytes, spec, dst)
-                                print(json.dumps(r), flush=True)
-                                rows.setdefault((interval, chunk, threads, copy, factory), []).append(r)
-                finally:
-                    sys.setswitchinterval(default_interval)
-        assert bool((dst[:: 1 << 20] == 7).all())
-    finally:
-        seg.close()
-        SharedSegment.unlink_name(name)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    for r in (run(False, True, 8 << 20, 1, [], spec, dst) for _ in range(args.repeat)):
+        print(json.dumps(r), flush=True)
+        rows.setdefault((default_interval, 0, 0, 0, False, True), []).append(r)
+    for parts in args.parts:
+        segs = make_segments(nbytes, parts)
+        try:
+            dst.zero_()
+            for _ in range(args.repeat):
+                for interval in [default_interval, *args.switch_interval]:
+                    sys.setswitchinterval(interval)
+                    try:
+                        for chunk in args.chunks:
+                            for threads in args.threads:
+                                for copy, factory in ((True, False), (True, True)):
+                                    r = run(copy, factory, chunk << 20, threads, segs, spec, dst)
+                                    print(json.dumps(r), flush=True)
+                                    rows.setdefault((interval, chunk, threads, parts, copy, factory), []).append(r)
+                    finally:
+                        sys.setswitchinterval(default_interval)
+            assert bool((dst[:: 1 << 20] == 7).all())
+        finally:
+            drop_segments(segs)
     print(f"\n{args.gib} GiB copy, {args.layers}-layer meta factory; medians of {args.repeat}")
-    print("| switch interval | chunk | workers | runs | copy s (GB/s) | factory s | both s |")
-    print("|---|---|---|---|---|---|---|")
-    for (interval, chunk, threads, copy, factory), rs in rows.items():
+    print("| switch interval | chunk | workers | parts | runs | copy s (GB/s) | factory s | both s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (interval, chunk, threads, parts, copy, factory), rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("copy_s", "factory_s", "both_s") if k in rs[0]}
         what = " + ".join(w for w, on in (("copy", copy), ("factory", factory)) if on)
         copy_text = f"{med['copy_s']:.3f} ({nbytes / med['copy_s'] / 1e9:.1f})" if "copy_s" in med else "-"
         factory_text = f"{med['factory_s']:.3f}" if "factory_s" in med else "-"
-        print(f"| {interval * 1e3:g} ms | {chunk or '-'} MiB | {threads or '-'} | {what} | {copy_text} | "
-              f"{factory_text} | {med['both_s']:.3f} |")
+        print(f"| {interval * 1e3:g} ms | {chunk or '-'} MiB | {threads or '-'} | {parts or '-'} | {what} | "
+              f"{copy_text} | {factory_text} | {med['both_s']:.3f} |")
 
 
 if __name__ == "__main__":
