@@ -67,7 +67,8 @@ from flextensor.shm.tensor_store import SharedTensorStore
 from flextensor.state import ModelTensor, TensorManagerState
 
 __all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "PublishPlan", "plan_publish", "populate_window",
-           "arena_plan", "plan_store_layout", "publish_store", "fill_blocks", "BlockReads", "read_queued", "BackgroundCall"]
+           "arena_plan", "plan_store_layout", "publish_store", "fill_blocks", "BlockReads", "read_queued",
+           "BackgroundCall"]
 
 logger = logging.getLogger(__name__)
 
