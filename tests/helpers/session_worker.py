@@ -122,7 +122,7 @@ def main() -> int:
     parser.add_argument("--follower-sleep", type=float, default=0.0, help="the follower factory sleeps this long")
     parser.add_argument("--follower-fails", action="store_true", help="the follower factory raises")
     parser.add_argument("--stacks-file",
-                        help="append every thread's stack to this file 5 times a second (where a slow test's time went)")
+                        help="append every thread's stack to this file 5 times a second (where a slow test waited)")
     parser.add_argument("--arena-part-bytes", type=int,
                         help="cut the host-block arena into parts of this many bytes (as a large model's is)")
     args = parser.parse_args()
