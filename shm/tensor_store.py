@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.populate_ahead import PopulateAhead
@@ -147,6 +147,23 @@ def _plan_records(model: Any, names: Iterable[str] | None, *, allow_meta: bool =
         )
         sources.append(tensor)
     return records, sources, layout
+
+
+class _PartRange(NamedTuple):
+    """The bytes ``[low, high)`` of part ``part`` that cover its records (``low`` 256-aligned, so each record keeps
+    its alignment inside a copy of the range), where the range starts in one buffer holding every part's range
+    (``at``, 256-aligned), and ``(record, first byte, bytes spanned)`` per record."""
+
+    part: int
+    low: int
+    high: int
+    at: int
+    spans: list[tuple[TensorRecord, int, int]]
+
+    @property
+    def end(self) -> int:
+        """Where the range ends in the buffer."""
+        return self.at + self.high - self.low
 
 
 class SharedTensorStore:
@@ -331,36 +348,32 @@ class SharedTensorStore:
                         f"{where} has shape {tuple(record.shape)} in the store but {tuple(reg.tensor.shape)} in this model"
                     )
 
-    def _pieces(self) -> list[tuple[int, int, int, int, list[tuple[TensorRecord, int, int]]]]:
-        """Per part holding records: ``(part, low, high, at, spans)``: the byte range ``[low, high)`` of the part
-        covering its records (``low`` 256-aligned, so each record keeps its alignment inside a copy of the
-        range), where that range starts in one buffer holding every part's range (``at``, 256-aligned), and
-        ``(record, first byte, bytes spanned)`` per record."""
+    def _part_ranges(self) -> list[_PartRange]:
+        """One :class:`_PartRange` per part holding records, in part order."""
         by_part: dict[int, list[tuple[TensorRecord, int, int]]] = {}
         for record in self.manifest.tensors:
             itemsize = DTYPE_SIZES[record.dtype]
             start = record.byte_offset + record.storage_offset * itemsize
             by_part.setdefault(record.part, []).append(
                 (record, start, span_bytes(record.shape, record.stride, 0, itemsize)))
-        pieces = []
+        ranges = []
         at = 0
         for part in sorted(by_part):
             spans = by_part[part]
             low = min(start for _, start, _ in spans)
             low -= low % 256
             high = max(start + nbytes for _, start, nbytes in spans)
-            pieces.append((part, low, high, at, spans))
-            at = align_up(at + high - low, 256)
-        return pieces
+            ranges.append(_PartRange(part, low, high, at, spans))
+            at = align_up(ranges[-1].end, 256)
+        return ranges
 
     def device_buffer(self, device: Any) -> "torch.Tensor":
         """Uninitialised device memory for :meth:`copies_on` (allocate it early, fill it later: see there)."""
         import torch
 
         self._check_open()
-        pieces = self._pieces()
-        size = pieces[-1][3] + pieces[-1][2] - pieces[-1][1] if pieces else 0
-        return torch.empty(size, dtype=torch.uint8, device=torch.device(device))
+        ranges = self._part_ranges()
+        return torch.empty(ranges[-1].end if ranges else 0, dtype=torch.uint8, device=torch.device(device))
 
     def copies_on(self, device: Any, *, buffer: "torch.Tensor | None" = None,
                   fill: "Callable[[list[Any]], None] | None" = None) -> dict[str, "torch.Tensor"]:
@@ -385,18 +398,18 @@ class SharedTensorStore:
 
         self._check_open()
         device = torch.device(device)
-        pieces = self._pieces()
-        if not pieces:
+        ranges = self._part_ranges()
+        if not ranges:
             return {}
         if buffer is None:
             buffer = self.device_buffer(device)
-        size = pieces[-1][3] + pieces[-1][2] - pieces[-1][1]
+        size = ranges[-1].end
         if buffer.dtype != torch.uint8 or tuple(buffer.shape) != (size,) or buffer.device.type != device.type:
             raise ValueError(f"copies_on: the buffer must be device_buffer({device}) of this store "
                              f"({size} bytes), got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
         copies_from = [(buffer.narrow(0, at, high - low), self._segments[part].tensor(torch.uint8, (high - low,),
                                                                                        offset=low), part, low)
-                       for part, low, high, at, _spans in pieces]
+                       for part, low, high, at, _spans in ranges]
         if fill is None:
             for dst, src, _part, _low in copies_from:
                 dst.copy_(src)
@@ -412,7 +425,7 @@ class SharedTensorStore:
                     if fd is not None:
                         os.close(fd)
         copies = {}
-        for _part, low, _high, at, spans in pieces:
+        for _part, low, _high, at, spans in ranges:
             for record, start, nbytes in spans:
                 itemsize = DTYPE_SIZES[record.dtype]
                 if (start - low) % itemsize:
