@@ -185,6 +185,18 @@ def test_creator_factory_failure_reaches_every_follower(namespace: str, profile:
         assert "shard 3 is truncated" in r["message"]
 
 
+def finish_after_creator_kill(namespace: str, creator: subprocess.Popen, follower: subprocess.Popen | None) -> None:
+    """Reap a hanging creator (killed here when the test failed before its kill: its factory would sleep for an
+    hour) and its follower, and reclaim the dead creator's generation, which stays on the host until someone
+    does."""
+    if creator.poll() is None:
+        creator.kill()
+    for proc in [follower, creator]:
+        if proc is not None:
+            finish(proc)
+    ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+
+
 def test_creator_killed_before_publishing_is_seen_as_dead_within_the_lease(namespace: str, profile: str,
                                                                           tmp_path: Path) -> None:
     """Killed once the follower waits with its model built: its error comes within the lease. (While the
@@ -206,13 +218,7 @@ def test_creator_killed_before_publishing_is_seen_as_dead_within_the_lease(names
         follower.wait(timeout=60)
         log = follower.stderr.read()  # its log lines, each with the ms since it started
     finally:
-        if creator.poll() is None:  # the test failed before the kill: its factory would sleep for an hour
-            creator.kill()
-        for proc in [follower, creator]:
-            if proc is not None:
-                finish(proc)
-        # the dead creator's generation is still on the host until someone reclaims it
-        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+        finish_after_creator_kill(namespace, creator, follower)
     assert result["error"] == "ShmCreatorDiedError", result
     assert elapsed < LEASE + 2.0, \
         f"follower noticed the dead creator after {elapsed:.2f} s (lease {LEASE} s); its log:\n{log}\n" \
@@ -222,7 +228,7 @@ def test_creator_killed_before_publishing_is_seen_as_dead_within_the_lease(names
 def test_a_creator_killed_while_the_follower_builds_is_reported_once_its_factory_returns(
         namespace: str, profile: str, tmp_path: Path) -> None:
     """The follower's factory (the caller's code) is never interrupted: the death its thread saw meanwhile is
-    raised when the factory has returned, and nothing of the generation stays mapped by the follower."""
+    raised as ShmCreatorDiedError once the factory has returned."""
     marker, building, built = tmp_path / "creator-started", tmp_path / "follower-building", tmp_path / "built"
     creator = spawn(namespace, profile, "--mode", "hang", "--marker", str(marker))
     follower = None
@@ -235,12 +241,7 @@ def test_a_creator_killed_while_the_follower_builds_is_reported_once_its_factory
         result = read_result(follower)
         assert built.exists()  # the model was built before the error came
     finally:
-        if creator.poll() is None:
-            creator.kill()
-        for proc in [follower, creator]:
-            if proc is not None:
-                finish(proc)
-        ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=10)
+        finish_after_creator_kill(namespace, creator, follower)
     assert result["error"] == "ShmCreatorDiedError", result
 
 
