@@ -15,18 +15,21 @@ runs is time the factory waits for the GIL.
 Ordering and ownership
 ----------------------
 1. ``start()``: the thread checks that every host block of the plan names this generation's arena (a plan from
-   another namespace or generation is refused), attaches the store, maps the arena, then, on a CUDA device,
-   allocates and frees the loader's rotating device blocks, which leaves them in PyTorch's caching allocator
-   for the adoption to take (``cudaMalloc`` calls are slow while other followers register their blocks), and
-   last copies every store record to the device (:meth:`SharedTensorStore.copies_on`: one range per part of the
-   store) through a small pinned ring (:class:`~flextensor.runtime.staged_copy.StagedCopy`: the store's mapping is not
-   registered, and a copy from it directly would run at pageable speed), reading the store's file with
-   ``pread`` (no page of the store is faulted into this process), and synchronizes its own stream, so the
-   copies are complete before anyone can read them, whatever stream the caller uses. The ring is mapped and
-   registered on a thread of its own (``ft-staged-ring``) from the store's attach on, beside the arena and the
-   device blocks, and handed to the release thread after the copy; a ring not used (an error came first) is
-   released before the thread ends. It does not make PyTorch's stream pool (the loader takes its copy stream
-   at its first copy).
+   another namespace or generation is refused) and attaches the store. On a CUDA device it then allocates the
+   device buffer of the resident tensors and copies every store record into it
+   (:meth:`SharedTensorStore.copies_on`: one range per part of the store) through a small pinned ring
+   (:class:`~flextensor.runtime.staged_copy.StagedCopy`: the store's mapping is not registered, and a copy from
+   it directly would run at pageable speed), reading the store's file with ``pread`` (no page of the store is
+   faulted into this process), and synchronizes its own stream, so the copies are complete before anyone can
+   read them, whatever stream the caller uses. Beside the copy, which needs neither, a thread of its own
+   (``ft-attach-blocks``) maps the arena, then allocates and frees the loader's rotating device blocks, which
+   leaves them in PyTorch's caching allocator for the adoption to take (``cudaMalloc`` calls are slow while
+   other followers register their blocks; on the H200 host the two take about 60 ms for a 24 GiB model, which
+   would otherwise come before the copy). The copy's thread joins that one before it ends, and raises
+   its error after its own. The ring is mapped and registered on a thread of its own too (``ft-staged-ring``)
+   from the store's attach on, and handed to the release thread after the copy; a ring not used (an error came
+   first) is released before the thread ends. On a CPU device there is no copy, and the thread maps the arena
+   itself. PyTorch's stream pool is not made (the loader takes its copy stream at its first copy).
 2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
    everything it opened, *also when it failed or the factory failed*: the caller (``SharedOffloadSession``'s
    ``_attach``, or ``_join_while_building`` for the coordinator too) puts it into the manager's share first, so
@@ -60,10 +63,10 @@ that wait up, and a creator killed meanwhile was reported 4-5 s after the SIGKIL
 lease was 1 s. A server whose workers pick their device first (``torch.cuda.set_device``, as under
 ``torchrun``) has CUDA up already, and the thread copies on the caller's current stream.
 
-``timings`` reports seconds per part on the thread, in order (``store``, ``blocks``, ``slots``, ``resident``), for
-``session.report()``. The join is not among them: ``elect`` times its own parts (the session reports ``join``,
-``daemon`` and ``plan``), and a part spanning those would count their time twice in a sum. The ring's parts run
-on its own thread and are not among them either: ``copy_report`` (a
+``timings`` reports seconds per part: ``store`` and ``resident`` on the thread, ``blocks`` and ``slots`` beside
+``resident`` (on ``ft-attach-blocks``), for ``session.report()``; so the parts overlap and are not to be summed.
+The join is not among them: ``elect`` times its own parts (the session reports ``join``, ``daemon`` and
+``plan``). The ring's parts run on its own thread and are not among them either: ``copy_report`` (a
 :class:`~flextensor.runtime.staged_copy.CopyReport`) gives them, with where the bytes were read, the rate, and
 the part of ``resident`` spent waiting for the ring.
 
@@ -136,6 +139,7 @@ class FollowerPrefetch:
         self.device_copies: dict[str, torch.Tensor] | None = None  # record name -> copy (CUDA device only)
         self.copy_report: CopyReport | None = None  # how the resident copy went (CUDA device only)
         self.error: BaseException | None = None
+        self._side_error: BaseException | None = None  # from the thread beside the copy (``ft-attach-blocks``)
         self.timings: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="ft-attach", daemon=True)
         self._done = threading.Event()  # set as _run ends (see flextensor.runtime.thread_join)
@@ -187,31 +191,36 @@ class FollowerPrefetch:
             self.store = SharedTensorStore.attach(self._namespace, shm_owner=self._owner)
             opened = time.monotonic()
             self.timings["store"] = opened - start
-            if self._stream is not None:
-                torch.cuda.set_device(self._device)
-                copier = StagedCopy(stream=self._stream, background_release=True)
-                if self.store.nbytes >= copier.min_bytes:  # the ring's pages and registration, beside the steps below
-                    copier.prepare_in_background(self._device)
-            self._open_blocks(self._owner)
-            blocks_done = time.monotonic()
-            self.timings["blocks"] = blocks_done - opened
-            if copier is not None:  # a CUDA device
-                with torch.cuda.stream(self._stream):
-                    # The resident copies' buffer first: allocated after the cached device blocks, it could be
-                    # carved out of one of them, and the loader would have to allocate that block again.
-                    resident = self.store.device_buffer(self._device)
-                    self._warm_device_cache(max((b.nbytes for b in self._blocks), default=0))
-                slotted = time.monotonic()
-                self.timings["slots"] = slotted - blocks_done
-                # (PyTorch's stream pool is not made here: the loader takes its copy stream at its first copy.)
-                # Last, the one long step (staged through pinned memory, read from the store's file).
+            if self._stream is None:  # no device copy: the arena is all that is left
+                self._open_blocks(self._owner)
+                self.timings["blocks"] = time.monotonic() - opened
+                return
+            torch.cuda.set_device(self._device)
+            copier = StagedCopy(stream=self._stream, background_release=True)
+            if self.store.nbytes >= copier.min_bytes:  # the ring's pages and registration, beside the steps below
+                copier.prepare_in_background(self._device)
+            with torch.cuda.stream(self._stream):
+                # The resident copies' buffer first: allocated after the cached device blocks, it could be carved
+                # out of one of them, and the loader would have to allocate that block again.
+                resident = self.store.device_buffer(self._device)
+            # The arena and the device blocks are not needed by the copy: they open beside it (see "Ordering").
+            side = threading.Thread(target=self._blocks_and_slots, args=(self._owner,), name="ft-attach-blocks",
+                                    daemon=True)
+            side.start()
+            try:
+                copying = time.monotonic()
+                # PyTorch's stream pool is not made here: the loader takes its copy stream at its first copy.
                 with torch.cuda.stream(self._stream):
                     self.device_copies = self.store.copies_on(self._device, buffer=resident, fill=copier.copy_pieces)
                     done = torch.cuda.Event()
                     done.record(self._stream)
                 done.synchronize()  # the copies are complete before any stream reads them
-                self.timings["resident"] = time.monotonic() - slotted
+                self.timings["resident"] = time.monotonic() - copying
                 self.copy_report = copier.last
+            finally:
+                side.join()  # never left running: the caller takes over what it opened
+            if self._side_error is not None:
+                raise self._side_error
         except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()
             self.error = exc
         finally:
@@ -220,6 +229,21 @@ class FollowerPrefetch:
                     copier.close()  # a ring prepared and not used (an error came first) is released too
             finally:
                 self._done.set()
+
+    def _blocks_and_slots(self, owner: "ShmOwner") -> None:
+        """Beside the resident copy (thread ``ft-attach-blocks``): map the arena, then leave the loader's device
+        blocks in the cache; an error is kept for :meth:`_run` to raise once the copy is done."""
+        try:
+            start = time.monotonic()
+            self._open_blocks(owner)
+            opened = time.monotonic()
+            self.timings["blocks"] = opened - start
+            torch.cuda.set_device(self._device)
+            with torch.cuda.stream(self._stream):
+                self._warm_device_cache(max((b.nbytes for b in self._blocks), default=0))
+            self.timings["slots"] = time.monotonic() - opened
+        except BaseException as exc:  # noqa: BLE001 - raised by _run after the copy
+            self._side_error = exc
 
     def _warm_device_cache(self, slot_bytes: int) -> None:
         """Allocate the loader's rotating device blocks and free them together, into PyTorch's cache, where the
