@@ -30,7 +30,8 @@ import logging
 import resource
 from typing import Any
 
-__all__ = ["host_register", "host_unregister", "cudart_available", "memlock_limit", "clear_cuda_error"]
+__all__ = ["host_register", "host_unregister", "cudart_available", "memlock_limit", "clear_cuda_error",
+           "loaded_cudart_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,23 @@ def host_register(ptr: int, nbytes: int, *, read_only: bool = False) -> None:
 _cudart_lib: Any = None
 
 
+def loaded_cudart_path() -> str | None:
+    """The file of the CUDA runtime library this process already loaded (PyTorch's), or None: code that calls the
+    runtime through ctypes must use that one (a second copy of the runtime would have contexts of its own)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            paths = {line.split()[-1] for line in fh if "libcudart" in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            ctypes.CDLL(path).cudaGetLastError  # noqa: B018 - a runtime: it has this symbol
+        except (OSError, AttributeError):
+            continue
+        return path
+    return None
+
+
 def _loaded_cudart() -> Any:
     """The CUDA runtime library this process already loaded (PyTorch's), through ctypes; None if not found.
 
@@ -132,20 +150,10 @@ def _loaded_cudart() -> Any:
     """
     global _cudart_lib
     if _cudart_lib is None:
-        _cudart_lib = False
-        try:
-            with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
-                paths = {line.split()[-1] for line in fh if "libcudart" in line and "/" in line}
-            for path in sorted(paths):
-                try:
-                    lib = ctypes.CDLL(path)
-                    lib.cudaGetLastError.restype = ctypes.c_int
-                    _cudart_lib = lib
-                    break
-                except (OSError, AttributeError):
-                    continue
-        except OSError:
-            pass
+        path = loaded_cudart_path()
+        _cudart_lib = False if path is None else ctypes.CDLL(path)
+        if _cudart_lib:
+            _cudart_lib.cudaGetLastError.restype = ctypes.c_int
     return _cudart_lib or None
 
 

@@ -25,8 +25,9 @@ Workers and ring
 ``threads`` workers (the calling thread is one of them) share ``slots`` slots of ``chunk_bytes``, each worker
 owning its own (slot ``s`` belongs to worker ``s mod threads``). A worker claims the next chunk, waits until the
 device finished reading its slot (an event per slot), fills the slot, and queues the slot's copy to the device.
-No worker waits for another (there is no barrier per chunk), and the few calls per chunk that need the GIL (which
-a follower's model factory holds most of the time meanwhile) are spread over the workers. Chunks are claimed from
+No worker waits for another (there is no barrier per chunk), and a chunk needs the GIL (which a follower's model
+factory holds most of the time meanwhile) about once, to queue its copy and event with the GIL kept
+(:mod:`flextensor.runtime.chunk_queue`). Chunks are claimed from
 a start that depends on the process id, so followers attaching together read different pages at any one time
 (on Linux reading a shared page takes that page's lock).
 
@@ -70,6 +71,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
+from flextensor.runtime.chunk_queue import chunk_queue
 from flextensor.shm.prefault import MAX_THREADS, populate_read, populate_write_range
 
 __all__ = ["StagedCopy", "Piece", "CopyReport", "CHUNK_BYTES", "SLOTS", "MIN_BYTES", "THREADS"]
@@ -79,13 +81,16 @@ logger = logging.getLogger(__name__)
 #: Bytes per slot of the pinned ring: large enough that a chunk's few GIL-holding calls stay small against its
 #: copy, small enough that the ring (``SLOTS`` of them) is cheap to map and register.
 CHUNK_BYTES = 8 << 20
-#: Workers copying into the ring: one per core, at most 16. A worker spends its time in ``pread`` (the kernel's
-#: copy out of the shared pages), which one core does at 2-3 GB/s on the H200 host: one follower copying 6 GiB
-#: there reached 17.7 GB/s with 8 workers, 36.6 with 12 and 40.4 with 16 (2026-12-02). Workers blocked in the
-#: kernel do not spin, so followers attaching together share the cores without the OpenMP penalty above.
-THREADS = max(1, min(16, os.cpu_count() or 1))
-#: Slots of the ring: two per worker, so a worker fills one while the device reads the other (256 MiB of pinned
-#: ring with 16 workers, held by a follower only while it copies its resident tensors).
+#: Workers copying into the ring: three per four cores, at most 12. A worker spends its time in ``pread`` (the
+#: kernel's copy out of the shared pages), which one core does at 2-3 GB/s on the H200 host: one follower copying
+#: 6 GiB there reached 17.7 GB/s with 8 workers, 36.6 with 12 and 40.4 with 16 (2026-12-02). The cores left over
+#: are the caller's: beside a follower's model factory (a 94-layer model on ``meta``, 0.07 s alone) 12 workers
+#: finished the copy and the factory in 0.22 s, 16 in 0.27 s, the factory then slowed to 0.27 s by the workers'
+#: GIL hand-overs (``bench/experiment_attach_gil.py``, H200 host, 2026-12-02). Workers blocked in the kernel do
+#: not spin, so followers attaching together share the cores without the OpenMP penalty above.
+THREADS = max(1, min(12, (os.cpu_count() or 1) * 3 // 4))
+#: Slots of the ring: two per worker, so a worker fills one while the device reads the other (192 MiB of pinned
+#: ring with 12 workers, held by a follower only while it copies its resident tensors).
 SLOTS = 2 * THREADS
 #: Smaller ranges are copied directly.
 MIN_BYTES = 64 << 20
@@ -187,8 +192,9 @@ class _Ring:
 
 
 class _Job:
-    """One copy's shared state for its workers: the chunks still to claim (of every piece), the slots, the first
-    error. Claiming a chunk takes no lock: ``next`` on a list iterator is one step under the GIL."""
+    """One copy's shared state for its workers: the chunks still to claim (of every piece), the slots and how their
+    chunks reach the device (:mod:`flextensor.runtime.chunk_queue`), the first error. Claiming a chunk takes no
+    lock: ``next`` on a list iterator is one step under the GIL."""
 
     def __init__(self, pieces: Sequence[Piece], ring: _Ring, chunk: int, slots: int,
                  fill: Callable[[int, int, int, int], None], stream: "torch.cuda.Stream | None") -> None:
@@ -199,8 +205,8 @@ class _Job:
         self._lock = threading.Lock()
         assert ring.tensor is not None
         self.address = ring.address
-        self.stages = [ring.tensor.narrow(0, s * chunk, chunk) for s in range(slots)]
-        self.events = [torch.cuda.Event() for _ in range(slots)] if stream is not None else []
+        stages = [ring.tensor.narrow(0, s * chunk, chunk) for s in range(slots)]
+        self.queue = chunk_queue([piece.dst for piece in self.pieces], stages, stream)
         self.error: BaseException | None = None
 
     def claim(self) -> tuple[int, int] | None:
@@ -224,24 +230,20 @@ class _Job:
                     piece, offset = claimed
                     slot = own[k % len(own)]
                     if slot in used:
-                        self.events[slot].synchronize()  # the device finished reading this slot
-                    dst = self.pieces[piece].dst
-                    n = min(self.chunk, dst.numel() - offset)
+                        self.queue.wait(slot)  # the device finished reading this slot
+                    n = min(self.chunk, self.pieces[piece].dst.numel() - offset)
                     self.fill(self.address + slot * self.chunk, piece, offset, n)
-                    stage = self.stages[slot] if n == self.chunk else self.stages[slot].narrow(0, 0, n)
-                    target = dst.narrow(0, offset, n)
-                    if self.stream is None:
-                        target.copy_(stage)
-                        continue
-                    target.copy_(stage, non_blocking=True)
-                    self.events[slot].record(self.stream)
+                    self.queue.put(slot, piece, offset, n)
                     if slot not in used:
                         used.append(slot)
         except BaseException as exc:  # noqa: BLE001 - raised by the caller once every worker is done
             self.fail(exc)
         finally:
             for slot in used:  # also after an error: the ring is released next
-                self.events[slot].synchronize()
+                try:
+                    self.queue.wait(slot)
+                except BaseException as exc:  # noqa: BLE001 - the first error is the one raised
+                    self.fail(exc)
 
     def _device_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.stream is None:
@@ -408,15 +410,15 @@ class StagedCopy:
         source = "mapping" if mapped and len(mapped) == len(pieces) else "file" if not mapped else "file+mapping"
         threads = min(self.threads, -(-total // self.chunk_bytes))
         owned = [[s for s in range(self.slots) if s % threads == w] for w in range(threads)]
-        prefault = None
-        if mapped:
-            prefault = threading.Thread(target=_prefault, args=(mapped, self.threads), name="ft-staged-prefault",
-                                        daemon=True)
-            prefault.start()
         job = _Job(pieces, ring, self.chunk_bytes, self.slots, fill, stream)
         helpers = [threading.Thread(target=job.work, args=(own,), name="ft-staged-copy", daemon=True)
                    for own in owned[1:]]
+        prefault = None
         try:
+            if mapped:
+                prefault = threading.Thread(target=_prefault, args=(mapped, self.threads), name="ft-staged-prefault",
+                                            daemon=True)
+                prefault.start()
             for helper in helpers:
                 helper.start()
             job.work(owned[0])
@@ -424,8 +426,9 @@ class StagedCopy:
             for helper in helpers:
                 if helper.ident is not None:
                     helper.join()
-            if prefault is not None:
+            if prefault is not None and prefault.ident is not None:
                 prefault.join()
+            job.queue.close()
         if job.error is not None:
             raise job.error
         return source, threads

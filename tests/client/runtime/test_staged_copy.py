@@ -239,3 +239,54 @@ def test_a_followers_resident_copies_through_the_ring_equal_the_store(namespace)
         assert [c[0] for c in pin.calls] == ["register", "unregister"]
         del copies
         store.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("through", ["runtime", "torch"])
+def test_chunks_reach_the_gpu_through_the_runtime_or_through_torch(through, monkeypatch):
+    """On CUDA the chunks are queued through the CUDA runtime PyTorch loaded (with the GIL kept); where that
+    runtime is not found, through PyTorch's calls. Either way every byte arrives, in several pieces, by several
+    workers reusing their slots."""
+    import flextensor.runtime.chunk_queue as queue_mod
+
+    if through == "torch":
+        monkeypatch.setattr(queue_mod, "_runtime", lambda: None)
+    made: list[str] = []
+    original = queue_mod.chunk_queue
+
+    def spy(*args):
+        queue = original(*args)
+        made.append(type(queue).__name__)
+        return queue
+
+    monkeypatch.setattr(staged_mod, "chunk_queue", spy)
+    sizes = [7 * CHUNK + 3, 2 * CHUNK, 11]
+    sources = [_source(n) for n in sizes]
+    dsts = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    copier = StagedCopy(chunk_bytes=CHUNK, slots=4, min_bytes=0, threads=2)
+    copier.copy_pieces(list(zip(dsts, sources)))
+    assert made == ["RuntimeChunkQueue" if through == "runtime" else "TorchChunkQueue"]
+    for dst, src in zip(dsts, sources):
+        assert torch.equal(dst.cpu(), src)
+
+
+@pytest.mark.cuda
+def test_a_refused_runtime_call_is_a_runtime_error_naming_it_and_leaves_no_error_for_torch():
+    """A copy the runtime refuses (here: to an address that is no device memory) raises ``RuntimeError`` naming
+    the call and the runtime's error; the runtime's last error is cleared, so PyTorch's next call does not fail."""
+    from flextensor.runtime.chunk_queue import RuntimeChunkQueue, _runtime
+
+    class NoDeviceMemory:
+        def data_ptr(self) -> int:
+            return 16
+
+    runtime = _runtime()
+    assert runtime is not None, "PyTorch's CUDA runtime was not found in this process's mappings"
+    stage = torch.empty(CHUNK, dtype=torch.uint8).pin_memory()
+    queue = RuntimeChunkQueue(runtime, [NoDeviceMemory()], [stage], torch.cuda.current_stream())
+    try:
+        with pytest.raises(RuntimeError, match=r"cudaMemcpyAsync of a staged chunk failed: cudaError\w+ \(\d+\)"):
+            queue.put(0, 0, 0, CHUNK)
+    finally:
+        queue.close()
+    assert torch.equal((torch.ones(4, device="cuda") * 2).cpu(), torch.full((4,), 2.0))
