@@ -24,15 +24,18 @@ both soonest in one process (0.21-0.24 s).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
 
 import torch
 
+import flextensor.runtime.chunk_queue as chunk_queue_mod
 from flextensor.runtime.staged_copy import StagedCopy
 from flextensor.shm.segment import SharedSegment
 from models import ModelSpec, build_meta_model
@@ -78,6 +81,54 @@ def run(copy: bool, factory: bool, chunk: int, threads: int, segs: list[SharedSe
     return result
 
 
+def copy_in_child(chunk: int, threads: int, segs: list[SharedSegment], spec: ModelSpec, factory: bool) -> dict:
+    """The same copy in another process (its own CUDA context, device buffer and ring, set up before the clock),
+    the factory (if asked) in this one: what the pair costs without a GIL in common."""
+    result: dict = {"chunk_mib": chunk >> 20, "threads": threads, "parts": len(segs), "copy": True,
+                    "factory": factory, "process": True, "switch_interval": sys.getswitchinterval()}
+    child = subprocess.Popen([sys.executable, __file__, "--child", str(chunk), str(threads),
+                              *[seg.name for seg in segs]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError("the copying child did not start")
+        start = time.perf_counter()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        if factory:
+            begin = time.perf_counter()
+            build_meta_model(spec, torch.bfloat16)
+            result["factory_s"] = time.perf_counter() - begin
+        result["copy_s"] = float(child.stdout.readline())
+        result["both_s"] = time.perf_counter() - start
+    finally:
+        child.kill()
+        child.wait()
+    return result
+
+
+def child_main(chunk: int, threads: int, names: list[str]) -> None:
+    """The child of :func:`copy_in_child`: set up, say ``ready``, copy at ``go``, print the copy's seconds."""
+    torch.cuda.set_device(0)
+    segs = [SharedSegment.open(name) for name in names]
+    dst = torch.empty(sum(seg.size for seg in segs), dtype=torch.uint8, device="cuda")
+    copier = StagedCopy(chunk_bytes=chunk, slots=max(2 * threads, (256 << 20) // chunk), threads=threads,
+                        stream=torch.cuda.Stream())
+    copier.prepare()
+    fds = [seg.open_file() for seg in segs]
+    pieces, at = [], 0
+    for seg, fd in zip(segs, fds):
+        pieces.append((dst.narrow(0, at, seg.size), seg.tensor(torch.uint8, (seg.size,)), (fd, 0)))
+        at += seg.size
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    begin = time.perf_counter()
+    copier.copy_pieces(pieces)
+    print(time.perf_counter() - begin, flush=True)
+    copier.close()
+
+
 def make_segments(nbytes: int, parts: int) -> list[SharedSegment]:
     """``parts`` segments of about ``nbytes / parts`` each (whole pages), every byte 7."""
     page = os.sysconf("SC_PAGE_SIZE")
@@ -110,6 +161,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, nargs="+", default=[16], help="copy workers")
     p.add_argument("--parts", type=int, nargs="+", default=[1],
                    help="copy from this many segments (as a follower copies a store in parts)")
+    p.add_argument("--queues", nargs="+", default=["runtime"], choices=["runtime", "torch"],
+                   help="how chunks are queued in process: the CUDA runtime with the GIL kept, or PyTorch's calls")
+    p.add_argument("--process", action="store_true",
+                   help="also run the copy in a child process beside the factory (no GIL in common)")
     p.add_argument("--switch-interval", type=float, nargs="*", default=[],
                    help="also run every configuration at these sys.setswitchinterval values (seconds)")
     args = p.parse_args()
@@ -119,11 +174,12 @@ def main() -> None:
     build_meta_model(ModelSpec(hidden=128, layers=1, vocab=16, head_dim=128), torch.bfloat16)
     nbytes = int(args.gib * 2**30)
     rows: dict[tuple, list[dict]] = {}
+    runtime = chunk_queue_mod._runtime
     default_interval = sys.getswitchinterval()
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     for r in (run(False, True, 8 << 20, 1, [], spec, dst) for _ in range(args.repeat)):
         print(json.dumps(r), flush=True)
-        rows.setdefault((default_interval, 0, 0, 0, False, True), []).append(r)
+        rows.setdefault(("-", 0, 0, 0, False, True), []).append(r)
     for parts in args.parts:
         segs = make_segments(nbytes, parts)
         try:
@@ -132,28 +188,40 @@ def main() -> None:
                 for interval in [default_interval, *args.switch_interval]:
                     sys.setswitchinterval(interval)
                     try:
-                        for chunk in args.chunks:
-                            for threads in args.threads:
-                                for copy, factory in ((True, False), (True, True)):
-                                    r = run(copy, factory, chunk << 20, threads, segs, spec, dst)
-                                    print(json.dumps(r), flush=True)
-                                    rows.setdefault((interval, chunk, threads, parts, copy, factory), []).append(r)
+                        for queue, chunk, threads in itertools.product(args.queues, args.chunks, args.threads):
+                            chunk_queue_mod._runtime = runtime if queue == "runtime" else lambda: None
+                            for copy, factory in ((True, False), (True, True)):
+                                r = {**run(copy, factory, chunk << 20, threads, segs, spec, dst), "queue": queue}
+                                print(json.dumps(r), flush=True)
+                                key = (f"{interval * 1e3:g} ms, {queue}", chunk, threads, parts, copy, factory)
+                                rows.setdefault(key, []).append(r)
                     finally:
                         sys.setswitchinterval(default_interval)
+                        chunk_queue_mod._runtime = runtime
+                if args.process:
+                    for chunk in args.chunks:
+                        for threads in args.threads:
+                            for factory in (False, True):
+                                r = copy_in_child(chunk << 20, threads, segs, spec, factory)
+                                print(json.dumps(r), flush=True)
+                                rows.setdefault(("process", chunk, threads, parts, True, factory), []).append(r)
             assert bool((dst[:: 1 << 20] == 7).all())
         finally:
             drop_segments(segs)
     print(f"\n{args.gib} GiB copy, {args.layers}-layer meta factory; medians of {args.repeat}")
-    print("| switch interval | chunk | workers | parts | runs | copy s (GB/s) | factory s | both s |")
+    print("| switch interval, queue (or: copy in another process) | chunk | workers | parts | runs | copy s (GB/s) | factory s | both s |")
     print("|---|---|---|---|---|---|---|---|")
     for (interval, chunk, threads, parts, copy, factory), rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("copy_s", "factory_s", "both_s") if k in rs[0]}
         what = " + ".join(w for w, on in (("copy", copy), ("factory", factory)) if on)
         copy_text = f"{med['copy_s']:.3f} ({nbytes / med['copy_s'] / 1e9:.1f})" if "copy_s" in med else "-"
         factory_text = f"{med['factory_s']:.3f}" if "factory_s" in med else "-"
-        print(f"| {interval * 1e3:g} ms | {chunk or '-'} MiB | {threads or '-'} | {parts or '-'} | {what} | "
+        print(f"| {interval} | {chunk or '-'} MiB | {threads or '-'} | {parts or '-'} | {what} | "
               f"{copy_text} | {factory_text} | {med['both_s']:.3f} |")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    else:
+        main()
