@@ -126,20 +126,22 @@ class _Runtime:
 
 
 _runtime_lock = threading.Lock()
-_runtime_bound: "_Runtime | bool | None" = None
+_runtime_bound: "_Runtime | None" = None
+_runtime_looked = False
 
 
 def _runtime() -> "_Runtime | None":
     """The runtime PyTorch loaded, bound once per process; None where it is not found."""
-    global _runtime_bound
+    global _runtime_bound, _runtime_looked
     with _runtime_lock:
-        if _runtime_bound is None:
+        if not _runtime_looked:
+            _runtime_looked = True
             path = loaded_cudart_path()
             try:
-                _runtime_bound = _Runtime(path) if path is not None else False
+                _runtime_bound = _Runtime(path) if path is not None else None
             except (OSError, AttributeError):
-                _runtime_bound = False
-        return _runtime_bound or None
+                _runtime_bound = None
+        return _runtime_bound
 
 
 class RuntimeChunkQueue:
