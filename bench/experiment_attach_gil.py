@@ -6,19 +6,20 @@ the caller's thread. This measures, in one process on a CUDA host, with a segmen
 the factory alone, the copy alone, and both together, at a few chunk sizes and worker counts, and optionally with
 a shorter GIL switch interval. Prints one JSON line per run and a table of medians.
 
-Measured on the H200 host (2026-12-02, 6 GiB, 94 layers, 16 workers, 8 MiB chunks, medians of 3): the factory
-takes 0.07 s alone and 0.27-0.29 s beside the copy, which takes 0.19 s alone and 0.25-0.27 s beside it. Queueing
-each chunk's copy and event with the GIL kept (a ctypes binding of PyTorch's CUDA runtime: one GIL hand-over per
-chunk instead of four) made the copy beside the factory about 12% faster and left the factory's time as it was,
-so the library queues through PyTorch's own calls: the hand-overs per chunk are not what slows the factory.
-Workers and switch interval (same host, 13:25 UTC, the last of 3 runs): with 8 workers the factory keeps its
-0.07-0.08 s beside the copy (copy 0.27-0.29 s, 8 or 32 MiB chunks); with 16 it takes 0.20-0.26 s and the copy
-0.21-0.24 s (0.19-0.21 s alone); a 0.5 ms switch interval changes neither. Lowering the helper workers' priority
-(nice 5 and 10 per thread, tried at 13:27 UTC, medians of 3, then removed) left the factory at 0.24-0.26 s beside
-16 workers and brought it to 0.13-0.15 s beside 12: not a plain share of the cores either. 16 workers still end
-both soonest in one process (0.21-0.24 s).
+``--queues`` compares how chunks are queued (the CUDA runtime with the GIL kept, or PyTorch's calls);
+``--process`` also runs the copy in a child process beside the factory, so that the two share the cores and the
+memory but no GIL.
 
-    scripts/gpu-suite.sh bench experiment_attach_gil --gib 6 --threads 8 16 --parts 1 8
+Measured on the H200 host (2026-12-02 15:05 UTC, 6 GiB, 94 layers, medians of 3): the factory takes 0.07 s
+alone. Beside the copy, with the runtime queue: 12 workers and 8 MiB chunks end both in 0.22 s (factory 0.13 s),
+16 MiB chunks in 0.23 s (factory 0.09 s), 16 workers in 0.26-0.27 s (factory 0.26-0.27 s); with PyTorch's calls
+0.23-0.25 s (factory 0.12-0.16 s) with 12 and 0.25-0.30 s with 16. The copy in another process: 12 workers leave
+the factory at 0.07-0.09 s (both 0.20-0.22 s), 16 workers at 0.08 s (both 0.18-0.20 s); in an earlier run
+(14:52 UTC) 16 workers in another process slowed it to 0.29 s while 12 did not. The store in 8 parts copies as
+fast as one segment. Neither a 0.5 ms switch interval nor lower-priority workers (nice 5 and 10 per thread; tried
+and removed) kept the factory's time beside 16 workers in one process.
+
+    scripts/gpu-suite.sh bench experiment_attach_gil --gib 6 --threads 12 16 --queues runtime torch --process
 """
 
 from __future__ import annotations
