@@ -121,8 +121,8 @@ class _Runtime:
         if code != 0:
             self.quick.cudaGetLastError()
             name = self.quick.cudaGetErrorName(code) or b"unknown error"
-            raise RuntimeError(f"{what} failed: {name.decode()} ({code}); the staged copy stopped, and the caller "
-                               "reports the error")
+            raise RuntimeError(f"{what} failed: {name.decode()} ({code}): the staged copy to the device stopped; "
+                               "check the GPU (nvidia-smi) and restart this process if it reports errors")
 
 
 _runtime_lock = threading.Lock()

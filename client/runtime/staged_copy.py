@@ -206,7 +206,8 @@ class _Job:
         assert ring.tensor is not None
         self.address = ring.address
         stages = [ring.tensor.narrow(0, s * chunk, chunk) for s in range(slots)]
-        self.queue = chunk_queue([piece.dst for piece in self.pieces], stages, stream)
+        with self._device_context():  # the queue's events belong to the stream's device, whichever is current here
+            self.queue = chunk_queue([piece.dst for piece in self.pieces], stages, stream)
         self.error: BaseException | None = None
 
     def claim(self) -> tuple[int, int] | None:
