@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from flextensor.attach_prefetch import FollowerPrefetch
+from flextensor.lazy_init import skip_init_on_meta
 from flextensor.shm.background_pin import BackgroundPinner, PinRange
 from flextensor.shm.blocks import SharedBlockAllocator
 from flextensor.shm.coordinator import ShmCoordinator
@@ -52,7 +53,7 @@ def run_factory_while_attaching(prefetch: FollowerPrefetch, factory: Callable[[]
     the thread's error, then the factory's result is checked."""
     model = None
     try:
-        with timed_step(steps, "factory"):
+        with timed_step(steps, "factory"), skip_init_on_meta():  # its weights come from the publication
             model = factory()
     except BaseException:
         prefetch.cancel()

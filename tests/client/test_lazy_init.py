@@ -199,3 +199,85 @@ def test_every_checkpoint_byte_is_read_exactly_once(tmp_path: Path, profile: str
     assert any(t.offloaded for t in state.tensors) and any(not t.offloaded for t in state.tensors)
     manager.offload_from_state(model, state, weights=weights)
     assert weights.bytes_read == checkpoint.nbytes
+
+
+# ------------------------------------------------------------------------------------------ initialisers on meta
+def _counting(monkeypatch, name: str) -> list[tuple[str, str]]:
+    """Replace ``torch.nn.init.<name>`` with a counting pass-through; the calls it sees (name, device type)."""
+    seen: list[tuple[str, str]] = []
+    original = getattr(torch.nn.init, name)
+
+    def counted(tensor, *args, **kwargs):
+        seen.append((name, tensor.device.type))
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, name, counted)
+    return seen
+
+
+def test_initialisers_pass_over_meta_tensors_and_initialise_real_ones(monkeypatch) -> None:
+    """Inside ``skip_init_on_meta`` a module built on meta calls no initialiser, one built on the CPU gets its
+    usual initialisation (the same values as outside, from the same seed), and afterwards every initialiser is
+    the one that was there before."""
+    from flextensor.lazy_init import skip_init_on_meta
+
+    seen = _counting(monkeypatch, "kaiming_uniform_") + _counting(monkeypatch, "uniform_")
+    before = {name: getattr(torch.nn.init, name) for name in ("kaiming_uniform_", "uniform_", "normal_", "zeros_")}
+    torch.manual_seed(3)
+    expected = torch.nn.Linear(8, 4)
+    seen.clear()
+    with skip_init_on_meta():
+        with torch.device("meta"):
+            meta = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Embedding(5, 3), torch.nn.LayerNorm(3))
+        calls_on_meta = len(seen)
+        torch.manual_seed(3)
+        real = torch.nn.Linear(8, 4)
+    assert meta[0].weight.is_meta and meta[1].weight.shape == (5, 3)
+    assert calls_on_meta == 0
+    assert torch.equal(real.weight, expected.weight) and torch.equal(real.bias, expected.bias)
+    assert {name: getattr(torch.nn.init, name) for name in before} == before
+
+
+def test_nested_and_concurrent_contexts_restore_the_initialisers_once_the_last_ends() -> None:
+    """Two threads in the context at once, one of them nesting it: the initialisers stay wrapped until the last
+    one leaves, then each is exactly the original again."""
+    import threading
+
+    from flextensor.lazy_init import skip_init_on_meta
+
+    originals = {name: getattr(torch.nn.init, name) for name in ("uniform_", "kaiming_normal_", "orthogonal_")}
+    first_in, second_out = threading.Event(), threading.Event()
+    wrapped_while_other_inside: list[bool] = []
+
+    def other() -> None:
+        with skip_init_on_meta():
+            first_in.set()
+            second_out.wait(10)
+            wrapped_while_other_inside.append(torch.nn.init.uniform_ is not originals["uniform_"])
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert first_in.wait(10)
+    with skip_init_on_meta(), skip_init_on_meta():
+        assert all(getattr(torch.nn.init, name) is not fn for name, fn in originals.items())
+    second_out.set()
+    thread.join(10)
+    assert wrapped_while_other_inside == [True]
+    assert {name: getattr(torch.nn.init, name) for name in originals} == originals
+
+
+def test_a_patch_made_inside_the_context_is_left_in_place() -> None:
+    """Code that replaces an initialiser while the context is open (another library's own context) keeps its
+    replacement when the context ends: only the context's own wrappers are undone."""
+    from flextensor.lazy_init import skip_init_on_meta
+
+    def theirs(tensor, *args, **kwargs):
+        return tensor
+
+    original = torch.nn.init.normal_
+    try:
+        with skip_init_on_meta():
+            torch.nn.init.normal_ = theirs
+        assert torch.nn.init.normal_ is theirs
+    finally:
+        torch.nn.init.normal_ = original
