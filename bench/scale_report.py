@@ -33,9 +33,10 @@ def _rate(nbytes: float, seconds: float | None) -> str:
     return "-" if not seconds else f"{nbytes / seconds / 1e9:.2f} GB/s"
 
 
-#: A follower's steps as reported (``session.report()``), by the name the tables give them, in order: the join
-#: (election, daemon, plan), then the attach thread's (map the store, map the arena, device blocks, resident
-#: copy), then the caller's after the factory (validate, install the resident tensors, adopt the plan).
+#: A follower's steps as reported (``session.report()``), by the name the tables give them: the join (election,
+#: daemon, plan), then the attach thread's (map the store, then the resident copy with the arena and the device
+#: blocks beside it on a CUDA device), then the caller's after the factory (validate, install the resident
+#: tensors, adopt the plan).
 PHASES = {"join": "join", "daemon": "daemon", "wait": "wait", "plan": "plan", "map store": "prefetch_store",
           "map arena": "prefetch_blocks", "device blocks": "prefetch_slots", "copy": "prefetch_resident",
           "factory": "factory", "validate": "validate", "install": "resident", "adopt": "adopt"}

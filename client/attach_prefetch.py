@@ -8,9 +8,9 @@ more when several followers attach at once), and copying the resident tensors (e
 the store to the device. The factory, on the other hand (normally a model built on ``meta``), is pure Python
 and touches neither. So once the published plan is read, :class:`FollowerPrefetch` does the former on a thread
 (``ft-attach``) while the caller's thread runs the factory; the session joins it before it validates the model
-against the publication. The system calls and the device copy release the GIL, so the two really overlap; the
-thread keeps its own Python work small (one arena instead of a segment per block), because every bytecode it
-runs is time the factory waits for the GIL.
+against the publication. The system calls and the reads of the copy release the GIL, so the two really overlap;
+the thread keeps its own Python work small (one arena instead of a segment per block, about one GIL hand-over
+per chunk of the copy), because every bytecode it runs is time the factory waits for the GIL.
 
 Ordering and ownership
 ----------------------
@@ -63,8 +63,9 @@ that wait up, and a creator killed meanwhile was reported 4-5 s after the SIGKIL
 lease was 1 s. A server whose workers pick their device first (``torch.cuda.set_device``, as under
 ``torchrun``) has CUDA up already, and the thread copies on the caller's current stream.
 
-``timings`` reports seconds per part: ``store`` and ``resident`` on the thread, ``blocks`` and ``slots`` beside
-``resident`` (on ``ft-attach-blocks``), for ``session.report()``; so the parts overlap and are not to be summed.
+``timings`` reports seconds per part, for ``session.report()``: ``store`` and ``resident`` on the thread, and on a
+CUDA device ``blocks`` and ``slots`` beside ``resident`` (on ``ft-attach-blocks``), so those parts overlap and are
+not to be summed (on a CPU device ``blocks`` runs on the thread, after ``store``).
 The join is not among them: ``elect`` times its own parts (the session reports ``join``, ``daemon`` and
 ``plan``). The ring's parts run on its own thread and are not among them either: ``copy_report`` (a
 :class:`~flextensor.runtime.staged_copy.CopyReport`) gives them, with where the bytes were read, the rate, and
@@ -77,6 +78,7 @@ block sizes: the thread checks the plan's block names and maps the arena's parts
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -97,6 +99,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from flextensor.state import TensorManagerState
 
 __all__ = ["FollowerPrefetch", "ELECT_LOCK_WAIT_S"]
+
+logger = logging.getLogger(__name__)
 
 #: How long the thread waits for the coordinator lock before it leaves the join to the caller's thread.
 ELECT_LOCK_WAIT_S = 2.0
@@ -217,8 +221,13 @@ class FollowerPrefetch:
                 done.synchronize()  # the copies are complete before any stream reads them
                 self.timings["resident"] = time.monotonic() - copying
                 self.copy_report = copier.last
-            finally:
+            except BaseException:
                 side.join()  # never left running: the caller takes over what it opened
+                if self._side_error is not None:  # the copy's error is raised; this one would be lost
+                    logger.warning("session %s: opening the arena beside the failed resident copy failed too: %r",
+                                   self._namespace, self._side_error)
+                raise
+            side.join()
             if self._side_error is not None:
                 raise self._side_error
         except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()

@@ -24,10 +24,10 @@ follower
     its model built by then; checks the published metadata against the model (naming the offending
     tensor), installs the resident tensors and adopts the plan over the creator's host blocks, views of the
     arena (laid out once, on the thread): no private copy. ``session.report()["steps"]`` times each step, the
-    thread's parts included. No step contains another, so the steps of one thread add up to at most that
-    thread's time: the caller's to at most ``ready_s``; the attach thread's (``wait`` and ``plan``, or ``join``,
-    ``daemon`` and ``plan`` when it joined, and every ``prefetch_*`` but ``prefetch_wait``) run beside
-    ``factory`` and ``prefetch_wait``.
+    thread's parts included. No step of the caller contains another, so they add up to at most ``ready_s``; the
+    attach thread's (``wait`` and ``plan``, or ``join``, ``daemon`` and ``plan`` when it joined, and every
+    ``prefetch_*`` but ``prefetch_wait``) run beside ``factory`` and ``prefetch_wait``, and on a CUDA device
+    ``prefetch_blocks`` and ``prefetch_slots`` run beside ``prefetch_resident`` (``flextensor.attach_prefetch``).
     With pinning on CUDA the follower registers its mappings of the blocks in the background, in schedule order
     (``flextensor.shm.background_pin``): it is ready as soon as the plan is adopted, and a copy from a block
     waits only until that block is registered.

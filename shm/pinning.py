@@ -151,9 +151,12 @@ def _loaded_cudart() -> Any:
     global _cudart_lib
     if _cudart_lib is None:
         path = loaded_cudart_path()
-        _cudart_lib = False if path is None else ctypes.CDLL(path)
-        if _cudart_lib:
-            _cudart_lib.cudaGetLastError.restype = ctypes.c_int
+        try:
+            _cudart_lib = False if path is None else ctypes.CDLL(path)
+            if _cudart_lib:
+                _cudart_lib.cudaGetLastError.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _cudart_lib = False
     return _cudart_lib or None
 
 

@@ -15,10 +15,18 @@ still running (``cudaEventSynchronize``, which may block, goes through ``ctypes.
 Where that runtime is not found (a PyTorch linked statically against it), :class:`TorchChunkQueue` makes the same
 calls through PyTorch; on a CPU destination :class:`CpuChunkQueue` copies synchronously.
 
-The three share one interface: ``put(slot, piece, offset, nbytes)`` queues the slot's first ``nbytes`` into the
-destination of piece ``piece`` at ``offset`` and records the slot's event; ``wait(slot)`` returns once the device
-finished reading the slot; ``close()`` frees the events. A queue is used by the workers of one copy at once
-(each worker only puts and waits on its own slots) and closed by the copy once every worker is done.
+The three share one interface: ``bind()`` makes the destination's device current for the calling thread (each
+worker calls it first); ``put(slot, piece, offset, nbytes)`` queues the slot's first ``nbytes`` into the
+destination of piece ``piece`` at ``offset`` and records the slot's event, and when it raises nothing it queued
+is still running; ``wait(slot)`` returns once the device finished reading the slot; ``close()`` frees the events.
+A queue is used by the workers of one copy at once (each worker only puts and waits on its own slots) and closed
+by the copy once every worker is done.
+
+The runtime is found among the libraries the process mapped; should it be another copy than PyTorch's, it still
+works on the same primary context of each device (the runtime's contexts are the driver's), and ``bind`` sets
+its current device itself rather than trusting PyTorch's. Keeping the GIL has one cost: a queueing call that
+waits for a driver lock another thread holds (a ``cudaMalloc`` that has to free cached blocks, a registration)
+holds every Python thread for that long; none of those holders needs the GIL, so it cannot deadlock.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ _NOT_READY = 600  # cudaErrorNotReady: what cudaEventQuery returns while the wor
 
 
 class ChunkQueue(Protocol):
+    def bind(self) -> None: ...
     def put(self, slot: int, piece: int, offset: int, nbytes: int) -> None: ...
     def wait(self, slot: int) -> None: ...
     def close(self) -> None: ...
@@ -63,6 +72,9 @@ class CpuChunkQueue:
     def __init__(self, destinations: Sequence[torch.Tensor], stages: Sequence[torch.Tensor]) -> None:
         self._destinations, self._stages = list(destinations), list(stages)
 
+    def bind(self) -> None:
+        pass
+
     def put(self, slot: int, piece: int, offset: int, nbytes: int) -> None:
         self._destinations[piece].narrow(0, offset, nbytes).copy_(self._stages[slot].narrow(0, 0, nbytes))
 
@@ -80,6 +92,9 @@ class TorchChunkQueue:
                  stream: "torch.cuda.Stream") -> None:
         self._destinations, self._stages, self._stream = list(destinations), list(stages), stream
         self._events = [torch.cuda.Event() for _ in stages]
+
+    def bind(self) -> None:
+        pass  # the workers run inside torch.cuda.device(...) already
 
     def put(self, slot: int, piece: int, offset: int, nbytes: int) -> None:
         stage = self._stages[slot]
@@ -109,10 +124,13 @@ class _Runtime:
             lib.cudaEventQuery.argtypes = [vp]
             lib.cudaEventSynchronize.argtypes = [vp]
             lib.cudaEventDestroy.argtypes = [vp]
+            lib.cudaSetDevice.argtypes = [i]
+            lib.cudaStreamSynchronize.argtypes = [vp]
             lib.cudaGetErrorName.argtypes = [i]
             lib.cudaGetErrorName.restype = ctypes.c_char_p
             for name in ("cudaMemcpyAsync", "cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery",
-                         "cudaEventSynchronize", "cudaEventDestroy", "cudaGetLastError"):
+                         "cudaEventSynchronize", "cudaEventDestroy", "cudaGetLastError", "cudaSetDevice",
+                         "cudaStreamSynchronize"):
                 getattr(lib, name).restype = i
 
     def check(self, code: int, what: str) -> None:
@@ -150,11 +168,13 @@ class RuntimeChunkQueue:
     def __init__(self, runtime: _Runtime, destinations: Sequence[torch.Tensor], stages: Sequence[torch.Tensor],
                  stream: "torch.cuda.Stream") -> None:
         self._rt = runtime
+        self._device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
         self._destinations = [t.data_ptr() for t in destinations]
         self._stages = [t.data_ptr() for t in stages]
         self._stream = ctypes.c_void_p(stream.cuda_stream)
         self._events: list[ctypes.c_void_p] = []
         try:
+            self.bind()
             for _ in stages:
                 event = ctypes.c_void_p()
                 runtime.check(runtime.quick.cudaEventCreateWithFlags(ctypes.byref(event), _DISABLE_TIMING),
@@ -164,11 +184,17 @@ class RuntimeChunkQueue:
             self.close()
             raise
 
+    def bind(self) -> None:
+        self._rt.check(self._rt.quick.cudaSetDevice(self._device), f"cudaSetDevice({self._device})")
+
     def put(self, slot: int, piece: int, offset: int, nbytes: int) -> None:
         quick = self._rt.quick
         self._rt.check(quick.cudaMemcpyAsync(self._destinations[piece] + offset, self._stages[slot], nbytes,
                                              _HOST_TO_DEVICE, self._stream), "cudaMemcpyAsync of a staged chunk")
-        self._rt.check(quick.cudaEventRecord(self._events[slot], self._stream), "cudaEventRecord")
+        recorded = quick.cudaEventRecord(self._events[slot], self._stream)
+        if recorded != 0:  # the copy is queued but no event follows it: wait for it here, the slot is reused next
+            self._rt.blocking.cudaStreamSynchronize(self._stream)
+        self._rt.check(recorded, "cudaEventRecord")
 
     def wait(self, slot: int) -> None:
         code = self._rt.quick.cudaEventQuery(self._events[slot])
@@ -179,5 +205,7 @@ class RuntimeChunkQueue:
 
     def close(self) -> None:
         events, self._events = self._events, []
+        if events:
+            self._rt.quick.cudaSetDevice(self._device)  # not another device's context, in a thread that has none
         for event in events:
             self._rt.quick.cudaEventDestroy(event)

@@ -26,8 +26,9 @@ Workers and ring
 owning its own (slot ``s`` belongs to worker ``s mod threads``). A worker claims the next chunk, waits until the
 device finished reading its slot (an event per slot), fills the slot, and queues the slot's copy to the device.
 No worker waits for another (there is no barrier per chunk), and a chunk needs the GIL (which a follower's model
-factory holds most of the time meanwhile) about once, to queue its copy and event with the GIL kept
-(:mod:`flextensor.runtime.chunk_queue`). Chunks are claimed from
+factory holds most of the time meanwhile) about once, to queue its copy and event with the GIL kept, where the
+CUDA runtime PyTorch loaded is found (:mod:`flextensor.runtime.chunk_queue`; through PyTorch's calls otherwise,
+about six hand-overs per chunk). Chunks are claimed from
 a start that depends on the process id, so followers attaching together read different pages at any one time
 (on Linux reading a shared page takes that page's lock).
 
@@ -85,10 +86,13 @@ CHUNK_BYTES = 8 << 20
 #: kernel's copy out of the shared pages), which one core does at 2-3 GB/s on the H200 host: one follower copying
 #: 6 GiB there reached 17.7 GB/s with 8 workers, 36.6 with 12 and 40.4 with 16 (2026-12-02). The cores left over
 #: are the caller's: beside a follower's model factory (a 94-layer model on ``meta``, 0.07 s alone) 12 workers
-#: finished the copy and the factory in 0.22 s, 16 in 0.27 s, the factory then slowed to 0.27 s by the workers'
-#: GIL hand-overs (``bench/experiment_attach_gil.py``, H200 host, 2026-12-02). Workers blocked in the kernel do
-#: not spin, so followers attaching together share the cores without the OpenMP penalty above.
-THREADS = max(1, min(12, (os.cpu_count() or 1) * 3 // 4))
+#: finished the copy and the factory in 0.22 s, 16 in 0.27 s, the factory then slowed to 0.27 s
+#: (``bench/experiment_attach_gil.py``, H200 host, 2026-12-02; 12 workers in another process left the factory
+#: at 0.07-0.09 s, 16 did in one run of two). The cores counted are those this process may run on. Workers
+#: blocked in the kernel do not spin, so followers attaching together share the cores without the OpenMP
+#: penalty above.
+THREADS = max(1, min(12, len(os.sched_getaffinity(0)) * 3 // 4 if hasattr(os, "sched_getaffinity")
+                     else (os.cpu_count() or 1) * 3 // 4))
 #: Slots of the ring: two per worker, so a worker fills one while the device reads the other (192 MiB of pinned
 #: ring with 12 workers, held by a follower only while it copies its resident tensors).
 SLOTS = 2 * THREADS
@@ -224,6 +228,7 @@ class _Job:
         used: list[int] = []
         try:
             with self._device_context():
+                self.queue.bind()
                 for k in itertools.count():
                     claimed = self.claim()
                     if claimed is None:
@@ -234,9 +239,9 @@ class _Job:
                         self.queue.wait(slot)  # the device finished reading this slot
                     n = min(self.chunk, self.pieces[piece].dst.numel() - offset)
                     self.fill(self.address + slot * self.chunk, piece, offset, n)
-                    self.queue.put(slot, piece, offset, n)
                     if slot not in used:
-                        used.append(slot)
+                        used.append(slot)  # before the put: after a failed put, the finally still waits for the slot
+                    self.queue.put(slot, piece, offset, n)
         except BaseException as exc:  # noqa: BLE001 - raised by the caller once every worker is done
             self.fail(exc)
         finally:

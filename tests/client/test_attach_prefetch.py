@@ -140,6 +140,32 @@ def test_blocks_are_opened_on_a_thread_while_the_factory_runs(held_ns: str, prof
     assert threads and all(name.startswith("ft-attach") for name in threads)
 
 
+def test_the_follower_factory_runs_no_initialiser_on_meta(held_ns: str, profile: str, monkeypatch):
+    """The follower's weights come from the publication, so its factory's initialisers on ``meta`` (which compute
+    nothing) are passed over; the same model built outside the session calls them."""
+    calls: list[str] = []
+    original = torch.nn.init.kaiming_uniform_
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.device.type)
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", counted)
+    _meta_model()
+    assert calls and set(calls) == {"meta"}  # the control: built outside the session, they run
+    calls.clear()
+    during: list[int] = []
+
+    def factory():
+        model = _meta_model()
+        during.append(len(calls))
+        return model
+
+    _follow_and_check(held_ns, profile, factory)
+    assert during == [0]
+    assert torch.nn.init.kaiming_uniform_ is counted
+
+
 def test_factory_failure_closes_what_the_thread_opened(held_ns: str, profile: str, join_path):
     def factory():
         raise RuntimeError("checkpoint config not found")
@@ -369,8 +395,9 @@ def test_a_follower_lays_out_the_arena_once(held_ns: str, profile: str, monkeypa
 
 def test_the_steps_of_each_thread_add_up_to_at_most_its_time(held_ns: str, profile: str, monkeypatch,
                                                              join_path):
-    """No reported step contains another, so sums do not count time twice: the attach thread's steps add up to at
-    most the thread's run, the caller's to at most the time to ready."""
+    """Sums of the reported steps do not count time twice: the attach thread's steps add up to at most the
+    thread's run (on a CUDA device the arena and the device blocks, which open beside the copy, add up to at most
+    it on their own), the caller's to at most the time to ready."""
     runs: list[float] = []
     original = FollowerPrefetch._run
 
@@ -490,3 +517,24 @@ def test_a_cuda_follower_maps_the_arena_while_it_copies_the_resident_tensors(hel
     assert seen == {"arena thread": "ft-attach-blocks", "copy had started": True, "arena opened meanwhile": True}
     assert {"prefetch_blocks", "prefetch_slots", "prefetch_resident"} <= set(steps)
     assert not _running("ft-attach-blocks")
+
+
+@pytest.mark.cuda
+def test_a_failed_resident_copy_still_hands_over_the_arena_opened_beside_it(held_ns: str, profile: str,
+                                                                           monkeypatch):
+    """The copy fails while the arena opens beside it: the copy's error reaches the caller once that thread is
+    done, and nothing either of them opened stays mapped."""
+    from flextensor.runtime.staged_copy import StagedCopy
+
+    def failing_copy(self, pieces):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(StagedCopy, "copy_pieces", failing_copy)
+    session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
+    with pytest.raises(OSError, match="Input/output error"):
+        session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                     creator_model_factory=_unused_creator_factory,
+                                     follower_model_factory=_meta_model)
+    assert not _running("ft-attach-blocks")
+    assert _mapped(held_ns) == []
+    session.close()
