@@ -17,8 +17,8 @@ calls through PyTorch; on a CPU destination :class:`CpuChunkQueue` copies synchr
 
 The three share one interface: ``bind()`` makes the destination's device current for the calling thread (each
 worker calls it first); ``put(slot, piece, offset, nbytes)`` queues the slot's first ``nbytes`` into the
-destination of piece ``piece`` at ``offset`` and records the slot's event, and when it raises nothing it queued
-is still running; ``wait(slot)`` returns once the device finished reading the slot; ``close()`` frees the events.
+destination of piece ``piece`` at ``offset`` and records the slot's event (if it raises, nothing it queued is
+left running); ``wait(slot)`` returns once the device finished reading the slot; ``close()`` frees the events.
 A queue is used by the workers of one copy at once (each worker only puts and waits on its own slots) and closed
 by the copy once every worker is done.
 
