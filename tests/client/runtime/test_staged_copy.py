@@ -290,3 +290,30 @@ def test_a_refused_runtime_call_is_a_runtime_error_naming_it_and_leaves_no_error
     finally:
         queue.close()
     assert torch.equal((torch.ones(4, device="cuda") * 2).cpu(), torch.full((4,), 2.0))
+
+
+def test_the_queue_follows_the_destination_and_the_runtime_found(monkeypatch):
+    """A CPU destination (no stream) gets synchronous copies; a CUDA stream gets the runtime's queue where
+    PyTorch's runtime is mapped, PyTorch's calls where it is not (here faked: no CUDA is needed to choose)."""
+    import flextensor.runtime.chunk_queue as queue_mod
+
+    stages = [torch.zeros(CHUNK, dtype=torch.uint8) for _ in range(2)]
+    dsts = [torch.zeros(3 * CHUNK, dtype=torch.uint8)]
+    cpu = queue_mod.chunk_queue(dsts, stages, None)
+    assert isinstance(cpu, queue_mod.CpuChunkQueue)
+    stages[1].fill_(7)
+    cpu.bind()
+    cpu.put(1, 0, CHUNK, CHUNK - 5)
+    cpu.wait(1)
+    cpu.close()
+    assert int(dsts[0][CHUNK:2 * CHUNK - 5].min()) == 7 and int(dsts[0][2 * CHUNK - 5:].max()) == 0
+    assert int(dsts[0][:CHUNK].max()) == 0
+
+    made: list[str] = []
+    monkeypatch.setattr(queue_mod, "TorchChunkQueue", lambda *args: made.append("torch") or "torch queue")
+    monkeypatch.setattr(queue_mod, "RuntimeChunkQueue", lambda *args: made.append("runtime") or "runtime queue")
+    monkeypatch.setattr(queue_mod, "_runtime", lambda: None)
+    assert queue_mod.chunk_queue(dsts, stages, object()) == "torch queue"
+    monkeypatch.setattr(queue_mod, "_runtime", lambda: object())
+    assert queue_mod.chunk_queue(dsts, stages, object()) == "runtime queue"
+    assert made == ["torch", "runtime"]
