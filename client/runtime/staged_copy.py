@@ -210,7 +210,7 @@ class _Job:
         assert ring.tensor is not None
         self.address = ring.address
         stages = [ring.tensor.narrow(0, s * chunk, chunk) for s in range(slots)]
-        with self._device_context():  # the queue's events belong to the stream's device, whichever is current here
+        with self.device_context():  # the queue's events belong to the stream's device, whichever is current here
             self.queue = chunk_queue([piece.dst for piece in self.pieces], stages, stream)
         self.error: BaseException | None = None
 
@@ -227,7 +227,7 @@ class _Job:
         complete on return (also after an error, which is recorded for the caller)."""
         used: list[int] = []
         try:
-            with self._device_context():
+            with self.device_context():
                 self.queue.bind()
                 for k in itertools.count():
                     claimed = self.claim()
@@ -251,7 +251,7 @@ class _Job:
                 except BaseException as exc:  # noqa: BLE001 - the first error is the one raised
                     self.fail(exc)
 
-    def _device_context(self) -> contextlib.AbstractContextManager[Any]:
+    def device_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.stream is None:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
@@ -434,7 +434,8 @@ class StagedCopy:
                     helper.join()
             if prefault is not None and prefault.ident is not None:
                 prefault.join()
-            job.queue.close()
+            with job.device_context():  # the events' device; the caller's current device is restored after
+                job.queue.close()
         if job.error is not None:
             raise job.error
         return source, threads
