@@ -143,6 +143,8 @@ class FollowerPrefetch:
         self.device_copies: dict[str, torch.Tensor] | None = None  # record name -> copy (CUDA device only)
         self.copy_report: CopyReport | None = None  # how the resident copy went (CUDA device only)
         self.error: BaseException | None = None
+        #: Set by :meth:`factory_returned`: the resident copy then adds the workers it held back (see StagedCopy).
+        self.caller_free = threading.Event()
         self._side_error: BaseException | None = None  # from the thread beside the copy (``ft-attach-blocks``)
         self.timings: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="ft-attach", daemon=True)
@@ -151,6 +153,10 @@ class FollowerPrefetch:
     def start(self) -> "FollowerPrefetch":
         self._thread.start()
         return self
+
+    def factory_returned(self) -> None:
+        """The caller's thread stopped running the model factory: the copy may use every core now."""
+        self.caller_free.set()
 
     def cancel(self) -> None:
         """Tell an ``elect`` still waiting (for READY) to give up; the thread's other steps are bounded anyway."""
@@ -200,7 +206,7 @@ class FollowerPrefetch:
                 self.timings["blocks"] = time.monotonic() - opened
                 return
             torch.cuda.set_device(self._device)
-            copier = StagedCopy(stream=self._stream, background_release=True)
+            copier = StagedCopy(stream=self._stream, background_release=True, caller_free=self.caller_free)
             if self.store.nbytes >= copier.min_bytes:  # the ring's pages and registration, beside the steps below
                 copier.prepare_in_background(self._device)
             with torch.cuda.stream(self._stream):

@@ -59,6 +59,7 @@ def run_factory_while_attaching(prefetch: FollowerPrefetch, factory: Callable[[]
         prefetch.cancel()
         raise
     finally:
+        prefetch.factory_returned()  # the copy's held-back workers start (see flextensor.runtime.staged_copy)
         try:
             with timed_step(steps, "prefetch_wait"):
                 prefetch.join()  # waits for the thread even when interrupted

@@ -28,7 +28,10 @@ device finished reading its slot (an event per slot), fills the slot, and queues
 No worker waits for another (there is no barrier per chunk), and a chunk needs the GIL (which a follower's model
 factory holds most of the time meanwhile) about once, to queue its copy and event with the GIL kept, where the
 CUDA runtime PyTorch loaded is found (:mod:`flextensor.runtime.chunk_queue`; through PyTorch's calls otherwise,
-about six hand-overs per chunk). Chunks are claimed from
+about six hand-overs per chunk). While the caller's other thread runs Python beside the copy (``caller_free``
+not set: a follower's factory), only ``threads_beside`` of the workers copy, because each GIL hand-over to a
+worker is time that thread waits; a thread of the copy's own (``ft-staged-ramp``) starts the others once it is
+set. Chunks are claimed from
 a start that depends on the process id, so followers attaching together read different pages at any one time
 (on Linux reading a shared page takes that page's lock).
 
@@ -75,26 +78,27 @@ import torch
 from flextensor.runtime.chunk_queue import chunk_queue
 from flextensor.shm.prefault import MAX_THREADS, populate_read, populate_write_range
 
-__all__ = ["StagedCopy", "Piece", "CopyReport", "CHUNK_BYTES", "SLOTS", "MIN_BYTES", "THREADS"]
+__all__ = ["StagedCopy", "Piece", "CopyReport", "CHUNK_BYTES", "SLOTS", "MIN_BYTES", "THREADS", "THREADS_BESIDE"]
 
 logger = logging.getLogger(__name__)
 
 #: Bytes per slot of the pinned ring: large enough that a chunk's few GIL-holding calls stay small against its
 #: copy, small enough that the ring (``SLOTS`` of them) is cheap to map and register.
 CHUNK_BYTES = 8 << 20
-#: Workers copying into the ring: three per four cores, at most 12. A worker spends its time in ``pread`` (the
-#: kernel's copy out of the shared pages), which one core does at 2-3 GB/s on the H200 host: one follower copying
-#: 6 GiB there reached 17.7 GB/s with 8 workers, 36.6 with 12 and 40.4 with 16 (2026-12-02). The cores left over
-#: are the caller's: beside a follower's model factory (a 94-layer model on ``meta``, 0.07 s alone) 12 workers
-#: finished the copy and the factory in 0.22 s, 16 in 0.27 s, the factory then slowed to 0.27 s
-#: (``bench/experiment_attach_gil.py``, H200 host, 2026-12-02; 12 workers in another process left the factory
-#: at 0.07-0.09 s, 16 did in one run of two). The cores counted are those this process may run on. Workers
-#: blocked in the kernel do not spin, so followers attaching together share the cores without the OpenMP
+#: Workers copying into the ring: one per core this process may run on, at most 16. A worker spends its time in
+#: ``pread`` (the kernel's copy out of the shared pages), which one core does at 2-3 GB/s on the H200 host: one
+#: follower copying 6 GiB there reached 17.7 GB/s with 8 workers, 36.6 with 12 and 40.4 with 16 (2026-12-02).
+#: Workers blocked in the kernel do not spin, so followers attaching together share the cores without the OpenMP
 #: penalty above.
-THREADS = max(1, min(12, len(os.sched_getaffinity(0)) * 3 // 4 if hasattr(os, "sched_getaffinity")
-                     else (os.cpu_count() or 1) * 3 // 4))
-#: Slots of the ring: two per worker, so a worker fills one while the device reads the other (192 MiB of pinned
-#: ring with 12 workers, held by a follower only while it copies its resident tensors).
+THREADS = max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+#: Workers while the caller's thread runs Python beside the copy (``caller_free`` not set yet: a follower's model
+#: factory): three per four cores, at most 12; the others start once it is set. Beside a 94-layer model built on
+#: ``meta`` (0.07 s alone) 12 workers finished the copy and the factory in 0.22 s, 16 in 0.27 s, the factory then
+#: slowed to 0.27 s (``bench/experiment_attach_gil.py``, H200 host, 2026-12-02; 12 workers in another process
+#: left the factory at 0.07-0.09 s); with nothing beside it, 16 copy fastest.
+THREADS_BESIDE = max(1, min(12, THREADS * 3 // 4))
+#: Slots of the ring: two per worker, so a worker fills one while the device reads the other (256 MiB of pinned
+#: ring with 16 workers, held by a follower only while it copies its resident tensors).
 SLOTS = 2 * THREADS
 #: Smaller ranges are copied directly.
 MIN_BYTES = 64 << 20
@@ -213,10 +217,14 @@ class _Job:
         with self.device_context():  # the queue's events belong to the stream's device, whichever is current here
             self.queue = chunk_queue([piece.dst for piece in self.pieces], stages, stream)
         self.error: BaseException | None = None
+        self.exhausted = threading.Event()  # set once a worker found no chunk left (or an error stopped them)
 
     def claim(self) -> tuple[int, int] | None:
         """The next chunk to copy (its piece and offset there); None when none is left or a worker failed."""
-        return None if self.error is not None else next(self._order, None)
+        claimed = None if self.error is not None else next(self._order, None)
+        if claimed is None:
+            self.exhausted.set()
+        return claimed
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -267,13 +275,16 @@ class StagedCopy:
     ``register(ptr, nbytes)`` / ``unregister(ptr)`` pin and unpin the ring (CUDA's by default; tests pass
     recording fakes). ``stream``: where the device copies are queued (default: the current stream of ``dst``'s
     device). ``background_release``: release the ring on the release thread after the copy instead of before
-    returning. ``last`` is the report of the latest copy.
+    returning. ``caller_free``: set once the caller's other thread stops running Python beside the copy (a
+    follower's factory returned); until then only ``threads_beside`` workers copy, and the others start when it
+    is set (None: all ``threads`` at once). ``last`` is the report of the latest copy.
     """
 
     def __init__(self, *, chunk_bytes: int = CHUNK_BYTES, slots: int = SLOTS, min_bytes: int = MIN_BYTES,
-                 threads: int = THREADS, register: Callable[[int, int], None] | None = None,
+                 threads: int = THREADS, threads_beside: int = THREADS_BESIDE,
+                 register: Callable[[int, int], None] | None = None,
                  unregister: Callable[[int], None] | None = None, stream: "torch.cuda.Stream | None" = None,
-                 background_release: bool = False) -> None:
+                 background_release: bool = False, caller_free: threading.Event | None = None) -> None:
         if chunk_bytes <= 0 or slots < 2 or threads < 1:
             raise ValueError(f"StagedCopy needs chunk_bytes > 0, at least 2 slots and 1 thread, got {chunk_bytes}, "
                              f"{slots} and {threads}")
@@ -281,6 +292,8 @@ class StagedCopy:
         self.slots = int(slots)
         self.min_bytes = int(min_bytes)
         self.threads = min(int(threads), self.slots)
+        self.threads_beside = max(1, min(int(threads_beside), self.threads))
+        self._caller_free = caller_free
         self._register = register
         self._unregister = unregister
         self._stream = stream
@@ -419,19 +432,29 @@ class StagedCopy:
         job = _Job(pieces, ring, self.chunk_bytes, self.slots, fill, stream)
         helpers = [threading.Thread(target=job.work, args=(own,), name="ft-staged-copy", daemon=True)
                    for own in owned[1:]]
+        waiting = self._caller_free is not None and not self._caller_free.is_set()
+        first = min(self.threads_beside, threads) if waiting else threads  # workers started at once
+        ramp = threading.Thread(target=_start_when_free, args=(self._caller_free, job, helpers[first - 1:]),
+                                name="ft-staged-ramp", daemon=True) if waiting and first < threads else None
         prefault = None
         try:
             if mapped:
                 prefault = threading.Thread(target=_prefault, args=(mapped, self.threads), name="ft-staged-prefault",
                                             daemon=True)
                 prefault.start()
-            for helper in helpers:
+            for helper in helpers[:first - 1]:
                 helper.start()
+            if ramp is not None:
+                ramp.start()
             job.work(owned[0])
         finally:
+            job.exhausted.set()  # also after an error in this thread: the ramp starts no one any more
+            if ramp is not None and ramp.ident is not None:
+                ramp.join()
             for helper in helpers:
                 if helper.ident is not None:
                     helper.join()
+            threads = 1 + sum(helper.ident is not None for helper in helpers)
             if prefault is not None and prefault.ident is not None:
                 prefault.join()
             with job.device_context():  # the events' device; the caller's current device is restored after
@@ -439,6 +462,17 @@ class StagedCopy:
         if job.error is not None:
             raise job.error
         return source, threads
+
+
+def _start_when_free(caller_free: threading.Event, job: _Job, helpers: Sequence[threading.Thread]) -> None:
+    """Start ``helpers`` once ``caller_free`` is set, unless the chunks ran out first (thread ``ft-staged-ramp``)."""
+    while not job.exhausted.is_set():
+        if caller_free.wait(0.005):
+            for helper in helpers:
+                if job.exhausted.is_set():
+                    return
+                helper.start()
+            return
 
 
 def _read_file(fd: int, address: int, nbytes: int, offset: int) -> None:

@@ -166,6 +166,40 @@ def test_the_follower_factory_runs_no_initialiser_on_meta(held_ns: str, profile:
     assert torch.nn.init.kaiming_uniform_ is counted
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_copy_hears_the_factory_returned_before_the_session_waits_for_it(fails):
+    """The attach thread's copy holds some workers back while the factory runs; it is told the factory returned
+    (also when it raised) before the session waits for the thread, then the session takes over what it opened."""
+    from flextensor.share import run_factory_while_attaching
+
+    events: list[str] = []
+
+    class Prefetch:  # the interface run_factory_while_attaching uses
+        error = None
+
+        def cancel(self):
+            events.append("cancel")
+
+        def factory_returned(self):
+            events.append("factory returned")
+
+        def join(self):
+            events.append("join")
+
+    def factory():
+        events.append("factory")
+        if fails:
+            raise RuntimeError("config not found")
+        return torch.nn.Linear(2, 2)
+
+    if fails:
+        with pytest.raises(RuntimeError, match="config not found"):
+            run_factory_while_attaching(Prefetch(), factory, {}, lambda: events.append("take over"))
+    else:
+        run_factory_while_attaching(Prefetch(), factory, {}, lambda: events.append("take over"))
+    assert events == ["factory", *(["cancel"] if fails else []), "factory returned", "join", "take over"]
+
+
 def test_factory_failure_closes_what_the_thread_opened(held_ns: str, profile: str, join_path):
     def factory():
         raise RuntimeError("checkpoint config not found")

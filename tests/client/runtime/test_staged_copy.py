@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -317,3 +318,59 @@ def test_the_queue_follows_the_destination_and_the_runtime_found(monkeypatch):
     monkeypatch.setattr(queue_mod, "_runtime", lambda: object())
     assert queue_mod.chunk_queue(dsts, stages, object()) == "runtime queue"
     assert made == ["torch", "runtime"]
+
+
+def _ramped_copy(tmp_path, monkeypatch, caller_free, *, set_after: int | None = None):
+    """A 48-chunk copy read from a file (each read 5 ms longer), ``threads=4``, ``threads_beside=2``; returns the
+    distinct worker threads that read and whether every byte arrived. ``set_after``: set ``caller_free`` once
+    that many chunks were read."""
+    import threading
+
+    nbytes = 48 * CHUNK
+    src = _source(nbytes)
+    path = tmp_path / "ramp"
+    path.write_bytes(src.numpy().tobytes())
+    readers: set[int] = set()
+    reads: list[int] = []
+    original = staged_mod._read_file
+
+    def slow_read(fd, address, n, offset):
+        readers.add(threading.get_ident())
+        reads.append(offset)
+        if set_after is not None and len(reads) == set_after:
+            caller_free.set()
+        time.sleep(0.005)
+        return original(fd, address, n, offset)
+
+    monkeypatch.setattr(staged_mod, "_read_file", slow_read)
+    pin = FakePin()
+    copier = StagedCopy(chunk_bytes=CHUNK, slots=8, min_bytes=0, threads=4, threads_beside=2,
+                        register=pin.register, unregister=pin.unregister, caller_free=caller_free)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        copier(dst, src, (fd, 0))
+    finally:
+        os.close(fd)
+    return readers, torch.equal(dst, src), copier.last.threads
+
+
+def test_workers_held_back_while_the_caller_is_busy_start_once_it_is_free(tmp_path, monkeypatch):
+    """While ``caller_free`` is not set only ``threads_beside`` workers copy; set midway, the others join in;
+    set before, or not given, every worker copies from the start. Every byte arrives each time, and no thread
+    of the copy is left running."""
+    import threading
+
+    never = threading.Event()
+    readers, equal, reported = _ramped_copy(tmp_path, monkeypatch, never)
+    assert (len(readers), equal, reported) == (2, True, 2)
+
+    midway = threading.Event()
+    readers, equal, reported = _ramped_copy(tmp_path, monkeypatch, midway, set_after=6)
+    assert (len(readers), equal, reported) == (4, True, 4)
+
+    already = threading.Event()
+    already.set()
+    assert len(_ramped_copy(tmp_path, monkeypatch, already)[0]) == 4
+    assert len(_ramped_copy(tmp_path, monkeypatch, None)[0]) == 4
+    assert not [t for t in threading.enumerate() if t.name in ("ft-staged-copy", "ft-staged-ramp")]
