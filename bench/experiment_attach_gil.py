@@ -8,7 +8,9 @@ a shorter GIL switch interval. Prints one JSON line per run and a table of media
 
 ``--queues`` compares how chunks are queued (the CUDA runtime with the GIL kept, or PyTorch's calls);
 ``--process`` also runs the copy in a child process beside the factory, so that the two share the cores and the
-memory but no GIL.
+memory but no GIL; ``--beside N`` also runs copy + factory with N workers until the factory returns and the
+others after (what a follower does). The factory passes over initialisers on meta, as a follower's does
+(``--run-init``: it runs them; the measurements below ran them, before followers skipped them).
 
 Measured on the H200 host (2026-12-02 15:05 UTC, 6 GiB, 94 layers, medians of 3): the factory takes 0.07 s
 alone. Beside the copy, with the runtime queue: 12 workers and 8 MiB chunks end both in 0.22 s (factory 0.13 s),
@@ -19,12 +21,13 @@ the factory at 0.07-0.09 s (both 0.20-0.22 s), 16 workers at 0.08 s (both 0.18-0
 fast as one segment. Neither a 0.5 ms switch interval nor lower-priority workers (nice 5 and 10 per thread; tried
 and removed) kept the factory's time beside 16 workers in one process.
 
-    scripts/gpu-suite.sh bench experiment_attach_gil --gib 6 --threads 12 16 --queues runtime torch --process
+    scripts/gpu-suite.sh bench experiment_attach_gil --gib 6 --threads 16 --beside 12 --queues runtime --process
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -37,19 +40,26 @@ import time
 import torch
 
 import flextensor.runtime.chunk_queue as chunk_queue_mod
+from flextensor.lazy_init import skip_init_on_meta
 from flextensor.runtime.staged_copy import StagedCopy
 from flextensor.shm.segment import SharedSegment
 from models import ModelSpec, build_meta_model
 
 
+#: Whether the factory passes over initialisers on meta, as a follower's does (``--run-init``: it does not).
+SKIP_INIT = True
+
+
 def run(copy: bool, factory: bool, chunk: int, threads: int, segs: list[SharedSegment], spec: ModelSpec,
-        dst: torch.Tensor) -> dict:
+        dst: torch.Tensor, beside: int | None = None) -> dict:
     """One run: the staged copy of every segment (one piece each, as a store in parts is copied) on a thread
-    and/or the factory on this one; seconds of each and of both."""
+    and/or the factory on this one; seconds of each and of both. ``beside``: only that many workers copy until
+    the factory returns, as in a follower (``caller_free``)."""
     result: dict = {"chunk_mib": chunk >> 20, "threads": threads, "parts": len(segs), "copy": copy,
-                    "factory": factory, "switch_interval": sys.getswitchinterval()}
+                    "factory": factory, "switch_interval": sys.getswitchinterval(), "beside": beside}
+    caller_free = threading.Event() if beside is not None and factory else None
     copier = StagedCopy(chunk_bytes=chunk, slots=max(2 * threads, (256 << 20) // chunk), threads=threads,
-                        stream=torch.cuda.Stream())
+                        threads_beside=beside or threads, stream=torch.cuda.Stream(), caller_free=caller_free)
     copier.prepare()
     fds = [seg.open_file() for seg in segs]
 
@@ -70,8 +80,11 @@ def run(copy: bool, factory: bool, chunk: int, threads: int, segs: list[SharedSe
             thread.start()
         if factory:
             begin = time.perf_counter()
-            build_meta_model(spec, torch.bfloat16)
+            with skip_init_on_meta() if SKIP_INIT else contextlib.nullcontext():  # as a follower's factory runs
+                build_meta_model(spec, torch.bfloat16)
             result["factory_s"] = time.perf_counter() - begin
+            if caller_free is not None:
+                caller_free.set()
         if thread is not None:
             thread.join()
         result["both_s"] = time.perf_counter() - start
@@ -98,7 +111,8 @@ def copy_in_child(chunk: int, threads: int, segs: list[SharedSegment], spec: Mod
         child.stdin.flush()
         if factory:
             begin = time.perf_counter()
-            build_meta_model(spec, torch.bfloat16)
+            with skip_init_on_meta() if SKIP_INIT else contextlib.nullcontext():  # as a follower's factory runs
+                build_meta_model(spec, torch.bfloat16)
             result["factory_s"] = time.perf_counter() - begin
         result["copy_s"] = float(child.stdout.readline())
         result["both_s"] = time.perf_counter() - start
@@ -164,11 +178,17 @@ def main() -> None:
                    help="copy from this many segments (as a follower copies a store in parts)")
     p.add_argument("--queues", nargs="+", default=["runtime"], choices=["runtime", "torch"],
                    help="how chunks are queued in process: the CUDA runtime with the GIL kept, or PyTorch's calls")
+    p.add_argument("--run-init", action="store_true",
+                   help="run the factory's initialisers on meta (a follower passes over them)")
+    p.add_argument("--beside", type=int, nargs="*", default=[],
+                   help="also run copy + factory with only this many workers until the factory returns")
     p.add_argument("--process", action="store_true",
                    help="also run the copy in a child process beside the factory (no GIL in common)")
     p.add_argument("--switch-interval", type=float, nargs="*", default=[],
                    help="also run every configuration at these sys.setswitchinterval values (seconds)")
     args = p.parse_args()
+    global SKIP_INIT
+    SKIP_INIT = not args.run_init
     torch.cuda.set_device(0)
     torch.empty(1, device="cuda")
     spec = ModelSpec(hidden=4096, layers=args.layers, vocab=32000)
@@ -191,11 +211,13 @@ def main() -> None:
                     try:
                         for queue, chunk, threads in itertools.product(args.queues, args.chunks, args.threads):
                             chunk_queue_mod._runtime = runtime if queue == "runtime" else lambda: None
-                            for copy, factory in ((True, False), (True, True)):
-                                r = {**run(copy, factory, chunk << 20, threads, segs, spec, dst), "queue": queue}
+                            runs = [(True, False, None), (True, True, None), *((True, True, b) for b in args.beside)]
+                            for copy, factory, beside in runs:
+                                r = {**run(copy, factory, chunk << 20, threads, segs, spec, dst, beside),
+                                     "queue": queue}
                                 print(json.dumps(r), flush=True)
-                                key = (f"{interval * 1e3:g} ms, {queue}", chunk, threads, parts, copy, factory)
-                                rows.setdefault(key, []).append(r)
+                                where = f"{interval * 1e3:g} ms, {queue}" + (f", {beside} beside" if beside else "")
+                                rows.setdefault((where, chunk, threads, parts, copy, factory), []).append(r)
                     finally:
                         sys.setswitchinterval(default_interval)
                         chunk_queue_mod._runtime = runtime
