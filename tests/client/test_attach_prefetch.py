@@ -98,12 +98,16 @@ def _unused_creator_factory():
     raise AssertionError("the creator process publishes; this follower never creates")
 
 
+def _offload_as_follower(session: ft.SharedOffloadSession, profile: str, factory) -> torch.nn.Module:
+    """``session`` joins the module's generation as a follower whose model ``factory`` builds (CPU config)."""
+    return session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                        creator_model_factory=_unused_creator_factory, follower_model_factory=factory)
+
+
 def _follow_and_check(namespace: str, profile: str, factory) -> dict:
     """Attach as a follower with ``factory``, check the output, close; the session's report of the manager."""
     with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
-        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                             creator_model_factory=_unused_creator_factory,
-                                             follower_model_factory=factory)
+        model = _offload_as_follower(session, profile, factory)
         assert session.role("model") == "follower"
         with torch.no_grad():
             assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
@@ -206,8 +210,7 @@ def test_factory_failure_closes_what_the_thread_opened(held_ns: str, profile: st
 
     session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with pytest.raises(RuntimeError, match="checkpoint config not found"):
-        session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                     creator_model_factory=_unused_creator_factory, follower_model_factory=factory)
+        _offload_as_follower(session, profile, factory)
     assert _mapped(held_ns) == []
     assert session.report() == []
     session.close()
@@ -221,16 +224,12 @@ def test_thread_failure_is_raised_and_nothing_stays_mapped(held_ns: str, profile
     session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with monkeypatch.context() as patch, pytest.raises(OSError, match="Too many open files"):
         patch.setattr(SharedBlockAllocator, "attach", open_arena)
-        session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                     creator_model_factory=_unused_creator_factory,
-                                     follower_model_factory=_meta_model)
+        _offload_as_follower(session, profile, _meta_model)
     assert _mapped(held_ns) == []
     session.close()
     # the generation is intact: the next follower attaches as if nothing happened
     with ft.SharedOffloadSession(held_ns, lease_seconds=LEASE) as again:
-        model = again.offload_from_profile(profile, config=cpu_config(), name="model",
-                                           creator_model_factory=_unused_creator_factory,
-                                           follower_model_factory=_meta_model)
+        model = _offload_as_follower(again, profile, _meta_model)
         with torch.no_grad():
             assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
     del model
@@ -265,9 +264,7 @@ def test_interrupt_while_waiting_for_the_thread_still_hands_everything_over(held
     with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
         patch.setattr(SharedBlockAllocator, "attach", slow_open_arena)
         patch.setattr(FollowerPrefetch, "join", join)
-        session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                     creator_model_factory=_unused_creator_factory,
-                                     follower_model_factory=_meta_model)
+        _offload_as_follower(session, profile, _meta_model)
     raised = time.monotonic()
     assert opened and opened[0] < raised  # the interrupt went on only once the thread had opened everything
     assert not _running("ft-attach")
@@ -346,9 +343,7 @@ def test_a_failure_after_the_join_on_the_thread_leaves_the_generation(held_ns: s
     monkeypatch.setattr(session_mod, "register_with_daemon", refuse)
     session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with pytest.raises(RuntimeError, match="refused the participant"):
-        session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                     creator_model_factory=_unused_creator_factory,
-                                     follower_model_factory=_meta_model)
+        _offload_as_follower(session, profile, _meta_model)
     table = LeaseTable.open(manager_namespace(held_ns, "model"))
     try:
         assert table.live_count() == 1  # the creator alone: the follower's lease was given back
@@ -390,9 +385,7 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(held_ns: 
 
     try:
         with ft.SharedOffloadSession(held_ns, lease_seconds=LEASE) as session:
-            model = session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                                 creator_model_factory=_unused_creator_factory,
-                                                 follower_model_factory=factory)
+            model = _offload_as_follower(session, profile, factory)
             assert session.role("model") == "follower" and builds == [1]
             steps = session.report()[0]["steps"]
             assert joined_on_main_thread == [True]  # the thread gave up its join: this thread joined
@@ -566,9 +559,7 @@ def test_a_failed_resident_copy_still_hands_over_the_arena_opened_beside_it(held
     monkeypatch.setattr(StagedCopy, "copy_pieces", failing_copy)
     session = ft.SharedOffloadSession(held_ns, lease_seconds=LEASE)
     with pytest.raises(OSError, match="Input/output error"):
-        session.offload_from_profile(profile, config=cpu_config(), name="model",
-                                     creator_model_factory=_unused_creator_factory,
-                                     follower_model_factory=_meta_model)
+        _offload_as_follower(session, profile, _meta_model)
     assert not _running("ft-attach-blocks")
     assert _mapped(held_ns) == []
     session.close()
