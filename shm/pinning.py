@@ -127,8 +127,9 @@ _cudart_lib: Any = None
 
 
 def loaded_cudart_path() -> str | None:
-    """The file of the CUDA runtime library this process already loaded (PyTorch's), or None: code that calls the
-    runtime through ctypes must use that one (a second copy of the runtime would have contexts of its own)."""
+    """The file of a CUDA runtime library this process already loaded (normally PyTorch's; the first by path if
+    there are several), or None: code that calls the runtime through ctypes uses it rather than loading another
+    copy, whose per-thread state (current device, last error) PyTorch would not see."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
             paths = {line.split()[-1] for line in fh if "libcudart" in line and "/" in line}
