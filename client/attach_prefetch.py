@@ -81,6 +81,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -237,6 +238,10 @@ class FollowerPrefetch:
             if self._side_error is not None:
                 raise self._side_error
         except BaseException as exc:  # noqa: BLE001 - raised on the session's thread after join()
+            # The frames the error carries from this thread (copies_on's, the fill's) hold views of the store's
+            # mapping: kept, they would keep it mapped after the session closes the store, for as long as the
+            # caller keeps the error. Their locals are dropped (this frame's own, still running, are kept).
+            traceback.clear_frames(exc.__traceback__)
             self.error = exc
         finally:
             try:
