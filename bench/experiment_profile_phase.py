@@ -54,6 +54,10 @@ def worker(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     manager = ft.get_offload_manager("phase")
+    if args.no_turns:  # registrations and launches no longer take turns (flextensor.runtime.launch_turns)
+        from flextensor.runtime.launch_turns import LaunchTurns
+
+        LaunchTurns.take = lambda self: None  # type: ignore[method-assign]
     if args.cpu:  # the GPU path on the CPU: stream through the loader, "copy" the warm-up's weights
         from flextensor.manager import OffloadManager
 
@@ -105,8 +109,8 @@ def summary(r: dict) -> str:
     overhead = r["offload_s"] + sum(passes) - len(passes) * median
     gib = r["model_bytes"] / GIB
     return (f"{r['gib']:g} GiB ({r['warmup']} warm-up, {r['streamed_bytes'] / GIB:.2f} GiB streamed): "
-            f"offload {r['offload_s']:.3f} s + {len(passes)} passes {sum(passes):.3f} s (median {median:.3f}, last "
-            f"{passes[-1]:.3f}) -> overhead beyond the passes {overhead:.3f} s = {overhead / gib * 1e3:.0f} ms/GiB; "
+            f"offload {r['offload_s']:.3f} s + {len(passes)} passes {sum(passes):.3f} s (first {passes[0]:.3f}, median "
+            f"{median:.3f}, last {passes[-1]:.3f}) -> overhead beyond the passes {overhead:.3f} s = {overhead / gib * 1e3:.0f} ms/GiB; "
             f"after the switch {', '.join(f'{s:.3f}' for s in r['after_switch_s'])} s; host blocks "
             f"{'in the background' if r['built_in_background'] else 'built at the switch'} "
             f"(build {r['host_build_s'] or 0:.2f} s, wait {r['host_blocks_wait_s']:.3f} s); streamed pass "
@@ -124,6 +128,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--cpu", action="store_true", help="emulate the GPU path on the CPU")
     p.add_argument("--warmup", choices=["stream", "resident"], default="stream", help="--cpu: the warm-up mode")
+    p.add_argument("--no-turns", action="store_true",
+                   help="the first pass's launches do not take turns with the registrations still running")
     p.add_argument("--worker", type=float, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.hidden = args.hidden or (1024 if args.cpu else 4096)
@@ -136,7 +142,7 @@ def main() -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(size), "--fraction", str(args.fraction),
                "--profiling-iters", str(args.profiling_iters), "--hidden", str(args.hidden), "--vocab",
                str(args.vocab), "--seq", str(args.seq), "--warmup", args.warmup]
-        cmd += ["--cpu"] * args.cpu + ["--no-discovery"] * args.no_discovery
+        cmd += ["--cpu"] * args.cpu + ["--no-discovery"] * args.no_discovery + ["--no-turns"] * args.no_turns
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{size:g} GiB FAILED:\n{out.stderr[-3000:]}", flush=True)

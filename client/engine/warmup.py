@@ -106,6 +106,7 @@ def stage(ctx: EngineContext, candidates: set[str], *, background: bool = False)
         order = [n for trap in ctx.traps.values() for n in trap.candidates if n in tensors]
         staging.stage_in_background(tensors, ctx.device, order)
         ctx.warm.loader.gate = staging.wait_for
+        ctx.warm.loader.turns = staging.turns
         ctx.warm.loader.non_blocking = True  # a region the thread could not pin is copied from pageable memory:
         return  # safe with non_blocking too (the copy returns once the driver holds the bytes)
     staging.stage(tensors, ctx.device)

@@ -46,6 +46,7 @@ every failure handled here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -56,6 +57,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from flextensor.runtime.heap import return_free_heap
+from flextensor.runtime.launch_turns import LaunchTurns
 from flextensor.shm.pinning import clear_cuda_error
 
 __all__ = [
@@ -213,6 +215,9 @@ class PinnedStaging:
         self._cancel_staging = threading.Event()
         self._join_lock = threading.Lock()
         self._by_storage: dict[int, StagedRegion] = {}  # storage address -> region (stage_in_background's waits)
+        #: While stage_in_background registers, its calls and the warm-up's launches take turns (the loader
+        #: takes the turn for a trap's copies and compute; see flextensor.runtime.launch_turns).
+        self.turns = LaunchTurns()
         self.failed = False
 
     @staticmethod
@@ -293,9 +298,11 @@ class PinnedStaging:
             try:  # this thread's current device first: never a context on another GPU (cuda:0 by default)
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
-                done, errors = self._register_all(regions, self._cancel_staging)
+                done, errors = self._register_all(regions, self._cancel_staging, self.turns)
             except BaseException as exc:  # noqa: BLE001 - reported below, like a failed registration
                 errors.append(exc)
+            finally:
+                self.turns.close()  # registering is over: launches no longer wait for a turn
             self.failed = bool(errors)  # before the waiters below wake up
             for region in regions:  # not tried (a failure, a cancel): nobody may wait for them
                 region.ready.set()
@@ -311,6 +318,7 @@ class PinnedStaging:
                     sum(r.nbytes for r in done), total, errors[0])
 
         if regions:
+            self.turns.open()
             self._staging = threading.Thread(target=run, name="ft-stage", daemon=True)
             self._staging.start()
         return total
@@ -321,7 +329,9 @@ class PinnedStaging:
         region = self._by_storage.get(int(tensor.untyped_storage().data_ptr())) if self._by_storage else None
         if region is None:
             return True
-        region.ready.wait()
+        if not region.ready.is_set():
+            self.turns.give()  # a turn held while waiting would hold up the registration waited for
+            region.ready.wait()
         return region.registered
 
     def _begin(self, tensors: Mapping[str, torch.Tensor], device: torch.device) -> list[StagedRegion]:
@@ -333,14 +343,15 @@ class PinnedStaging:
         self.failed = False
         return plan_regions(tensors, is_pinned=self._is_pinned)
 
-    def _register_all(self, regions: list[StagedRegion], cancel: threading.Event | None = None
-                      ) -> tuple[list[StagedRegion], list[BaseException]]:
+    def _register_all(self, regions: list[StagedRegion], cancel: threading.Event | None = None,
+                      turns: LaunchTurns | None = None) -> tuple[list[StagedRegion], list[BaseException]]:
         """Register ``regions`` on up to :data:`REGISTER_THREADS` threads; ``(registered, errors)``.
 
         Why threads: pinning populated anonymous memory runs faster side by side (H200 host, read-only: 61 ms/GiB
         on one thread, 46-48 on four or more). Each thread makes the staging's device current first, so no
         thread creates a context on another GPU. Every region is tried, so the caller can undo exactly the ones
-        that were registered; after a failure no new registration starts."""
+        that were registered; after a failure no new registration starts. With ``turns``, each call waits for
+        its turn (flextensor.runtime.launch_turns)."""
         device = self._device
         errors: list[BaseException] = []
 
@@ -350,7 +361,10 @@ class PinnedStaging:
                     return None
                 if device is not None and device.type == "cuda" and threading.current_thread() is not main:
                     torch.cuda.set_device(device)
-                self._register(region.ptr, region.nbytes)
+                with turns.registration() if turns is not None else contextlib.nullcontext():
+                    if errors or (cancel is not None and cancel.is_set()):  # again: the turn may have been long
+                        return None
+                    self._register(region.ptr, region.nbytes)
                 region.registered = True
                 return region
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, which undoes and reports
@@ -408,6 +422,7 @@ class PinnedStaging:
         or on its own thread). After a staging thread, the regions it did not register leave the table."""
         staging = self._staging
         if staging is not None and staging is not threading.current_thread():
+            self.turns.give()  # a turn held while waiting would hold up the registrations waited for
             staging.join()
             with self._join_lock:  # the build thread and the caller's may both get here
                 if self._staging is staging:

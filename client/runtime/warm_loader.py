@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from flextensor.runtime.launch_turns import LaunchTurns
 from flextensor.state import tensor_nbytes
 
 __all__ = ["WarmLoader"]
@@ -60,6 +61,9 @@ class WarmLoader:
         #: Called with each host tensor before its copy: waits for its staging registration when that runs on
         #: a thread (``PinnedStaging.wait_for``), so the copy is a DMA rather than a pageable one.
         self.gate: Callable[[torch.Tensor], object] | None = None
+        #: Set with ``gate``: a copy takes the launches' turn, :meth:`unload` (the trap's exit) gives it back, so
+        #: the registrations still running do not hold up the trap's launches (flextensor.runtime.launch_turns).
+        self.turns: LaunchTurns | None = None
         self.copies = 0
         self.copied_bytes = 0
         self.fell_back = False
@@ -77,6 +81,8 @@ class WarmLoader:
         """One warm-up copy of ``host`` on the compute device (a subclass may wrap it, e.g. to count or fail)."""
         if self.gate is not None:
             self.gate(host)
+        if self.turns is not None:
+            self.turns.take()
         if host.device == self.device:  # same_device_copies: a clone keeps dtype, shape and strides
             return host.clone()
         if self.copy_stream is None:
@@ -130,6 +136,8 @@ class WarmLoader:
         while self._saved:
             tensor, host = self._saved.pop()
             tensor.data = host
+        if self.turns is not None:
+            self.turns.give()
 
     # ------------------------------------------------------------------------------------------------ kept copies
     def _take(self, tensors: Iterable[torch.Tensor] | None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -195,6 +195,52 @@ def test_background_staging_failure_keeps_what_it_registered_and_warns_once(capl
     assert staging.release_all() == 2 and not fake.live
 
 
+def test_background_registrations_wait_while_a_copy_holds_the_turn_and_a_wait_gives_it_back():
+    """A copy takes the launches' turn after the registration in flight; no registration starts until it is given
+    back (the trap's exit), and waiting for a region not registered yet gives it back first, so the wait cannot
+    hold up what it waits for."""
+    tensors = {name: torch.randn(16) for name in ("a", "b", "c")}
+    fake = FakeCudart()
+    a_in, release_a, taken = threading.Event(), threading.Event(), threading.Event()
+
+    def register(ptr: int, nbytes: int) -> None:
+        if ptr == _ptr(tensors["a"]):
+            a_in.set()
+            assert release_a.wait(10)
+        fake.register(ptr, nbytes)
+
+    staging = PinnedStaging(register=register, unregister=fake.unregister, synchronize=fake.synchronize,
+                            is_pinned=lambda s: False)
+    staging.stage_in_background(tensors, torch.device("cpu"), ["a", "b", "c"])
+    assert a_in.wait(10)
+    taker = threading.Thread(target=lambda: (staging.turns.take(), taken.set()), name="test-launch")
+    taker.start()
+    assert not taken.wait(0.2)  # "a" is in flight: it ends first
+    release_a.set()
+    assert taken.wait(10)
+    taker.join(10)
+    time.sleep(0.2)
+    assert [p for _, p, _ in fake.registers] == [_ptr(tensors["a"])]  # "b" waits for the turn
+    assert staging.wait_for(tensors["c"])  # gives the turn back: "b" and "c" go on
+    assert not staging.turns.held
+    staging.turns.take()  # free once the thread is done
+    staging.join()
+    assert [p for _, p, _ in fake.registers] == [_ptr(tensors[n]) for n in ("a", "b", "c")]
+    assert staging.turns.closed and not staging.turns.held
+    assert staging.release_all() == 3 and not fake.live
+
+
+def test_joining_a_background_staging_with_the_turn_held_does_not_wait_forever():
+    tensors = {f"t{i}": torch.randn(8) for i in range(4)}
+    fake = FakeCudart()
+    staging = fake.staging()
+    staging.stage_in_background(tensors, torch.device("cpu"), sorted(tensors))
+    staging.turns.take()
+    staging.join()
+    assert staging.registered_bytes == 4 * 32 and staging.turns.closed
+    assert staging.release_all() == 4 and not fake.live
+
+
 def test_release_all_stops_a_background_staging_after_the_region_in_flight():
     tensors = {f"t{i}": torch.randn(8) for i in range(6)}
     fake = FakeCudart()
@@ -335,6 +381,52 @@ def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(warmup, mon
     assert copied_pinned and all(copied_pinned)
     ft.release()
     assert sorted(fake.unregisters) == sorted(ptrs.values()) and not fake.live
+
+
+def test_the_first_pass_copies_and_computes_only_between_registrations(monkeypatch):
+    """While the registration runs on its thread, no warm-up copy is made (nor the trap's compute launched after
+    it) while a registration call is in flight: the copies take the launches' turn, and a trap's exit gives it
+    back. Outputs stay exact and every region is registered once."""
+    import flextensor.engine.warmup as warmup_mod
+
+    monkeypatch.setattr(warmup_mod, "BACKGROUND_STAGING_BYTES", 0)
+    model = mlp_stack()
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    fake = FakeCudart()
+    lock = threading.Lock()
+    in_flight = [0]
+
+    def register(ptr: int, nbytes: int) -> None:
+        with lock:
+            in_flight[0] += 1
+        time.sleep(0.003)  # long enough for a copy to come in between, were the two not taking turns
+        fake.register(ptr, nbytes)
+        with lock:
+            in_flight[0] -= 1
+
+    seen: list[int] = []
+    real_copy = WarmLoader._copy
+
+    def copy(loader, host):
+        copied = real_copy(loader, host)
+        seen.append(in_flight[0])
+        return copied
+
+    monkeypatch.setattr(WarmLoader, "_copy", copy)
+    om = ft.get_offload_manager()
+    inject_staging(monkeypatch, PinnedStaging(register=register, unregister=fake.unregister,
+                                              synchronize=fake.synchronize, is_pinned=lambda s: False,
+                                              policy=lambda cfg, dev: True))
+    om._warmup_override = "stream"
+    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference + 1):
+            assert same(model(x), ref)
+    assert seen and set(seen) == {0}
+    assert len(fake.registers) == len({p for _, p, _ in fake.registers}) == len(_param_ptrs(model))
+    ft.release()
+    assert not fake.live
 
 
 class _KeepResident:
