@@ -13,6 +13,12 @@ the host blocks are installed, when they build in the background), then ``wait_f
 streamed pass; every output is checked against the plain model's. One line per size on stdout, the raw numbers
 as JSON lines after it.
 
+Variants of the first pass, which waits for the model's storages to be page-locked on a thread:
+``--no-turns`` (its launches do not take turns with the registrations, ``flextensor.runtime.launch_turns``),
+``--turn copies`` (the turn covers a trap's copies only), ``--register-threads N``; run with
+``THP_MEM_ALLOC_ENABLE=1`` in the environment for a model in transparent huge pages. docs/benchmarks.md has the
+results.
+
 Run: ``scripts/gpu-suite.sh bench experiment_profile_phase --sizes 6 24`` (H200 host, about 2 minutes), or
 ``python bench/experiment_profile_phase.py --cpu`` (CPU: the GPU's stream-mode warm-up emulated by copying on the
 CPU; checks the paths and shows the Python work, not the GPU's costs).
@@ -58,6 +64,21 @@ def worker(args: argparse.Namespace) -> dict:
         from flextensor.runtime.launch_turns import LaunchTurns
 
         LaunchTurns.take = lambda self: None  # type: ignore[method-assign]
+    if args.turn == "copies":  # the turn is given back once a trap's copies are queued, before its compute
+        from flextensor.runtime.warm_loader import WarmLoader
+
+        load = WarmLoader.load
+
+        def load_then_give(self, tensors):
+            load(self, tensors)
+            if self.turns is not None:
+                self.turns.give()
+
+        WarmLoader.load = load_then_give  # type: ignore[method-assign]
+    if args.register_threads:
+        import flextensor.runtime.staging as staging_mod
+
+        staging_mod.REGISTER_THREADS = args.register_threads
     if args.cpu:  # the GPU path on the CPU: stream through the loader, "copy" the warm-up's weights
         from flextensor.manager import OffloadManager
 
@@ -130,6 +151,10 @@ def main() -> None:
     p.add_argument("--warmup", choices=["stream", "resident"], default="stream", help="--cpu: the warm-up mode")
     p.add_argument("--no-turns", action="store_true",
                    help="the first pass's launches do not take turns with the registrations still running")
+    p.add_argument("--turn", choices=["trap", "copies"], default="trap",
+                   help="what the launches' turn covers in the first pass: the trap (as flextensor does) or only "
+                        "its copies")
+    p.add_argument("--register-threads", type=int, help="threads that register the model's storages")
     p.add_argument("--worker", type=float, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.hidden = args.hidden or (1024 if args.cpu else 4096)
@@ -143,6 +168,8 @@ def main() -> None:
                "--profiling-iters", str(args.profiling_iters), "--hidden", str(args.hidden), "--vocab",
                str(args.vocab), "--seq", str(args.seq), "--warmup", args.warmup]
         cmd += ["--cpu"] * args.cpu + ["--no-discovery"] * args.no_discovery + ["--no-turns"] * args.no_turns
+        cmd += ["--turn", args.turn] + (["--register-threads", str(args.register_threads)] if args.register_threads
+                                        else [])
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{size:g} GiB FAILED:\n{out.stderr[-3000:]}", flush=True)

@@ -241,6 +241,30 @@ def test_joining_a_background_staging_with_the_turn_held_does_not_wait_forever()
     assert staging.release_all() == 4 and not fake.live
 
 
+def test_the_huge_page_hint_names_the_setting_only_where_it_helps(caplog, monkeypatch):
+    """The hint names THP_MEM_ALLOC_ENABLE=1 where the kernel gives huge pages on request and the setting is
+    not there; a background staging logs it once, at INFO."""
+    from flextensor.runtime.staging import huge_page_hint
+
+    hint = huge_page_hint(3 << 30, env={}, thp_mode="madvise")
+    assert hint is not None and "3.0 GiB" in hint and "THP_MEM_ALLOC_ENABLE=1" in hint
+    assert huge_page_hint(3 << 30, env={"THP_MEM_ALLOC_ENABLE": "1"}, thp_mode="madvise") is None
+    assert huge_page_hint(3 << 30, env={}, thp_mode="always") is None
+    assert huge_page_hint(3 << 30, env={}, thp_mode="never") is None
+
+    import flextensor.runtime.staging as staging_mod
+
+    monkeypatch.setattr(staging_mod, "huge_page_hint", lambda nbytes: f"hint for {nbytes} bytes")
+    tensors = {f"t{i}": torch.randn(8) for i in range(3)}
+    fake = FakeCudart()
+    staging = fake.staging()
+    with caplog.at_level(logging.INFO, logger="flextensor"):
+        staging.stage_in_background(tensors, torch.device("cpu"), sorted(tensors))
+        staging.join()
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("hint")] == ["hint for 96 bytes"]
+    assert staging.release_all() == 3 and not fake.live
+
+
 def test_release_all_stops_a_background_staging_after_the_region_in_flight():
     tensors = {f"t{i}": torch.randn(8) for i in range(6)}
     fake = FakeCudart()
