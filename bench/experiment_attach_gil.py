@@ -21,6 +21,10 @@ the factory at 0.07-0.09 s (both 0.20-0.22 s), 16 workers at 0.08 s (both 0.18-0
 fast as one segment. Neither a 0.5 ms switch interval nor lower-priority workers (nice 5 and 10 per thread; tried
 and removed) kept the factory's time beside 16 workers in one process.
 
+With the factory's initialisers skipped on meta (2026-12-02 21:35 UTC, runtime queue, medians of 3): the factory
+alone 0.03 s; the copy alone 0.18-0.19 s with 16 workers; beside the factory, 12 workers until it returns and 16
+after end both in 0.21 s (the factory 0.07-0.09 s), 16 from the start in 0.20-0.21 s (the factory 0.15-0.20 s).
+
     scripts/gpu-suite.sh bench experiment_attach_gil --gib 6 --threads 16 --beside 12 --queues runtime --process
 """
 

@@ -129,6 +129,9 @@ class WarmLoader:
         except torch.OutOfMemoryError as exc:
             self._fall_back(exc)
             return False
+        finally:
+            if self.turns is not None:  # no trap's exit follows a preload to give the turn back
+                self.turns.give()
         return True
 
     def unload(self) -> None:

@@ -75,3 +75,26 @@ def test_closing_frees_every_waiter_and_makes_both_sides_free():
     turns.take()
     assert turns.closed and not turns.held
     turns.give()  # not held: nothing to do
+
+
+def test_the_warm_loader_holds_the_turn_from_a_trap_s_copy_to_its_exit_and_not_past_a_preload():
+    """A stream-mode copy takes the turn and the trap's exit (unload) gives it back; a resident preload, which no
+    trap's exit follows, gives it back itself."""
+    import torch
+
+    from flextensor.runtime.warm_loader import WarmLoader
+
+    turns = LaunchTurns()
+    turns.open()
+    weights = [torch.randn(4), torch.randn(4)]
+    loader = WarmLoader(torch.device("cpu"), same_device_copies=weights)
+    loader.turns = turns
+    loader.load(weights)
+    assert turns.held and loader.copies == 2
+    loader.unload()
+    assert not turns.held
+    resident = WarmLoader(torch.device("cpu"), keep=True, same_device_copies=weights)
+    resident.turns = turns
+    assert resident.preload(weights) and resident.copies == 2
+    assert not turns.held
+    turns.close()
