@@ -162,6 +162,7 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
     # engine's device, and the scope's exit never creates a context on another one (cuda:0 of a process that
     # never chose a device).
     scope = torch.cuda.device(ctx.device) if stream is not compute else contextlib.nullcontext()
+    turns = ctx.warm.loader.turns  # registrations still running on a thread take turns with these copies
     pinned = True  # every copy so far came from registered memory: its events time a DMA (the samples' premise)
     last: Any = None  # the last group's end event
     try:
@@ -171,6 +172,8 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
             tensors = ctx.tensor_objs(group)
             if ctx.warm.loader.gate is not None:  # staged on a thread: before the timing, not inside it
                 pinned = all([ctx.warm.staging.wait_for(t.data) for t in tensors]) and pinned
+            if turns is not None:  # before the start event: waiting for the registrations in flight is no copy time
+                turns.take()
             start = end = None
             if timed:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -196,6 +199,8 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
             ctx.warm.last = last
             ordered = True
     finally:
+        if turns is not None:  # after the last end event, which would otherwise queue behind a registration
+            turns.give()
         ctx.warm.loader.copy_stream = None
         if not ordered:  # out of memory, or an error part-way: copies already made stay; order them now
             assert compute is not None and stream is not None

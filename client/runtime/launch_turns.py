@@ -46,6 +46,7 @@ class LaunchTurns:
         self._closed = True
 
     def open(self) -> None:
+        """A background registration starts (none may be in flight: the staging joined the last one first)."""
         with self._cond:
             self._closed, self._launching, self._registering = False, False, 0
 
@@ -66,14 +67,19 @@ class LaunchTurns:
 
     def take(self) -> None:
         """Hold the turn for launching: no registration starts until :meth:`give`, and those in flight end first.
-        Taking it again while held returns at once."""
-        if self._closed or self._launching:  # unlocked read: a stale value errs towards the locked path below
+        Taking it again while held returns at once.
+
+        Any thread may give the turn back (one that waits for the registration gives it so that it cannot wait
+        for itself), also while this waits: the turn is then asked for again, so that this returns once the
+        calls in flight end rather than once the registration has run out."""
+        if self._closed or self._launching:  # unlocked fast path: only the launching thread sets it True
             return
         with self._cond:
-            if self._closed:
-                return
-            self._launching = True  # first: no new registration starts while the ones in flight end
-            self._cond.wait_for(lambda: self._registering == 0 or self._closed)
+            while not self._closed:
+                self._launching = True  # first: no new registration starts while the ones in flight end
+                if self._registering == 0:
+                    return
+                self._cond.wait()
 
     def give(self) -> None:
         """Give the turn back (no-op when not held): registrations go on."""

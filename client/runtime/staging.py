@@ -164,10 +164,10 @@ def huge_page_hint(nbytes: int, *, env: Mapping[str, str] | None = None, thp_mod
         thp_mode = text[text.index("[") + 1:text.index("]")] if "[" in text and "]" in text else ""
     if thp_mode != "madvise":
         return None
-    return (f"page-locking {nbytes / (1 << 30):.1f} GiB of the model's host memory in 4 KiB pages (about 50 ms/GiB; "
-            "the first warm-up pass waits for it): set THP_MEM_ALLOC_ENABLE=1 in the environment before the model is "
-            "loaded, so that PyTorch puts large CPU tensors in transparent huge pages, which page-lock about twice as "
-            "fast")
+    return (f"page-locking {nbytes / (1 << 30):.1f} GiB of the model's host memory in 4 KiB pages (about 50 ms/GiB on 4 "
+            "threads; the first warm-up pass waits for it): set THP_MEM_ALLOC_ENABLE=1 in the environment before the "
+            "model is loaded, so that PyTorch puts large CPU tensors in transparent huge pages, which page-lock "
+            "faster (a 48 GiB model's first pass on an H200 host: 1.7 s instead of 3.3 s)")
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA glue
@@ -313,7 +313,9 @@ class PinnedStaging:
         of preceding it. A failure stops the thread (one warning, ``failed``); the regions registered before it
         stay registered and the rest are copied from pageable memory, which is safe: a copy from pageable memory
         returns only once the driver holds the bytes, whatever ``non_blocking`` says. Every other method joins
-        the thread first (:meth:`join`; :meth:`release_all` cancels it after the region in flight)."""
+        the thread first (:meth:`join`; :meth:`release_all` cancels it after the region in flight). While it
+        runs, its calls and the warm-up's launches take turns (:attr:`turns`): a copy also waits for the
+        registrations already in flight."""
         rank = {name: i for i, name in enumerate(order)}
         regions = sorted(self._begin(tensors, device), key=lambda r: min(rank.get(n, len(rank)) for n in r.names))
         self._regions = {region.ptr: region for region in regions}
@@ -353,7 +355,12 @@ class PinnedStaging:
                 logger.info(hint)
             self.turns.open()
             self._staging = threading.Thread(target=run, name="ft-stage", daemon=True)
-            self._staging.start()
+            try:
+                self._staging.start()
+            except BaseException:
+                self.turns.close()
+                self._staging = None
+                raise
         return total
 
     def wait_for(self, tensor: torch.Tensor) -> bool:

@@ -63,6 +63,7 @@ class WarmLoader:
         self.gate: Callable[[torch.Tensor], object] | None = None
         #: Set with ``gate``: a copy takes the launches' turn, :meth:`unload` (the trap's exit) gives it back, so
         #: the registrations still running do not hold up the trap's launches (flextensor.runtime.launch_turns).
+        #: :meth:`preload`'s caller gives it back itself, after the events that time the copies.
         self.turns: LaunchTurns | None = None
         self.copies = 0
         self.copied_bytes = 0
@@ -129,9 +130,6 @@ class WarmLoader:
         except torch.OutOfMemoryError as exc:
             self._fall_back(exc)
             return False
-        finally:
-            if self.turns is not None:  # no trap's exit follows a preload to give the turn back
-                self.turns.give()
         return True
 
     def unload(self) -> None:

@@ -1,22 +1,31 @@
 """Registration calls and a launching thread take turns (flextensor.runtime.launch_turns): real threads, with
-each side's progress observed through events."""
+each side's progress observed through events. Every helper thread is a daemon and every wait is bounded, so a
+broken turn fails the test instead of hanging it."""
 
 from __future__ import annotations
 
 import threading
 
+import torch
+
 from flextensor.runtime.launch_turns import LaunchTurns
+from flextensor.runtime.warm_loader import WarmLoader
 
 
-def _register_on_a_thread(turns: LaunchTurns, inside: threading.Event, leave: threading.Event) -> threading.Thread:
+def _on_a_thread(target, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _register_on_a_thread(turns: LaunchTurns, inside: threading.Event, leave: threading.Event,
+                          outcome: list[str]) -> threading.Thread:
     def run() -> None:
         with turns.registration():
             inside.set()
-            assert leave.wait(10)
+            outcome.append("left" if leave.wait(10) else "never told to leave")
 
-    thread = threading.Thread(target=run, name="test-register")
-    thread.start()
-    return thread
+    return _on_a_thread(run, "test-register")
 
 
 def test_no_registration_starts_while_the_turn_is_held_and_one_starts_once_it_is_given_back():
@@ -24,38 +33,74 @@ def test_no_registration_starts_while_the_turn_is_held_and_one_starts_once_it_is
     turns.open()
     turns.take()
     turns.take()  # held already: returns at once
-    inside, leave = threading.Event(), threading.Event()
+    inside, leave, outcome = threading.Event(), threading.Event(), []
     leave.set()
-    thread = _register_on_a_thread(turns, inside, leave)
-    assert not inside.wait(0.2) and turns.held
-    turns.give()
-    assert inside.wait(10)
-    thread.join(10)
-    assert not thread.is_alive() and not turns.held
+    thread = _register_on_a_thread(turns, inside, leave, outcome)
+    try:
+        assert not inside.wait(0.2) and turns.held
+        turns.give()
+        assert inside.wait(10)
+        thread.join(10)
+        assert not thread.is_alive() and outcome == ["left"] and not turns.held
+    finally:
+        turns.close()
 
 
-def test_taking_the_turn_waits_for_the_registration_in_flight():
+def test_taking_the_turn_waits_for_the_registration_in_flight_and_then_holds_it():
     turns = LaunchTurns()
     turns.open()
-    inside, leave = threading.Event(), threading.Event()
-    thread = _register_on_a_thread(turns, inside, leave)
-    assert inside.wait(10)
-    taken = threading.Event()
-    taker = threading.Thread(target=lambda: (turns.take(), taken.set()), name="test-launch")
-    taker.start()
-    assert not taken.wait(0.2)  # the registration in flight ends first
-    leave.set()
-    assert taken.wait(10)
-    taker.join(10)
-    thread.join(10)
-    # Held by the launching side now: the next registration waits for it.
-    inside2, leave2 = threading.Event(), threading.Event()
-    leave2.set()
-    second = _register_on_a_thread(turns, inside2, leave2)
-    assert not inside2.wait(0.2)
-    turns.give()
-    assert inside2.wait(10)
-    second.join(10)
+    inside, leave, outcome = threading.Event(), threading.Event(), []
+    thread = _register_on_a_thread(turns, inside, leave, outcome)
+    try:
+        assert inside.wait(10)
+        taken = threading.Event()
+        taker = _on_a_thread(lambda: (turns.take(), taken.set()), "test-launch")
+        assert not taken.wait(0.2)  # the registration in flight ends first
+        leave.set()
+        assert taken.wait(10) and turns.held
+        taker.join(10)
+        thread.join(10)
+        assert outcome == ["left"]
+        inside2, leave2, outcome2 = threading.Event(), threading.Event(), []
+        leave2.set()
+        second = _register_on_a_thread(turns, inside2, leave2, outcome2)
+        assert not inside2.wait(0.2)  # held by the launching side now
+        turns.give()
+        assert inside2.wait(10)
+        second.join(10)
+        assert outcome2 == ["left"]
+    finally:
+        turns.close()
+
+
+def test_a_turn_given_back_by_another_thread_while_it_is_taken_is_asked_for_again():
+    """A thread that waits for the registration gives the turn back, possibly while the launching thread is
+    still waiting in take(): take() asks again, so it returns once the call in flight ends, holding the turn
+    (had it not, registrations starting back to back could keep it waiting to the end)."""
+    turns = LaunchTurns()
+    turns.open()
+    inside, leave, outcome = threading.Event(), threading.Event(), []
+    first = _register_on_a_thread(turns, inside, leave, outcome)
+    try:
+        assert inside.wait(10)
+        taken = threading.Event()
+        taker = _on_a_thread(lambda: (turns.take(), taken.set()), "test-launch")
+        assert not taken.wait(0.1)
+        turns.give()  # e.g. the host-block build joining the staging thread
+        assert not taken.wait(0.1)  # the call in flight still runs
+        leave.set()
+        assert taken.wait(10) and turns.held
+        inside2, leave2, outcome2 = threading.Event(), threading.Event(), []
+        leave2.set()
+        second = _register_on_a_thread(turns, inside2, leave2, outcome2)
+        assert not inside2.wait(0.2)  # held: no registration starts
+        turns.give()
+        assert inside2.wait(10)
+        for thread in (first, second, taker):
+            thread.join(10)
+        assert outcome == outcome2 == ["left"]
+    finally:
+        turns.close()
 
 
 def test_closing_frees_every_waiter_and_makes_both_sides_free():
@@ -65,25 +110,22 @@ def test_closing_frees_every_waiter_and_makes_both_sides_free():
     assert not turns.held
     turns.open()
     turns.take()
-    inside, leave = threading.Event(), threading.Event()
+    inside, leave, outcome = threading.Event(), threading.Event(), []
     leave.set()
-    thread = _register_on_a_thread(turns, inside, leave)
+    thread = _register_on_a_thread(turns, inside, leave, outcome)
     assert not inside.wait(0.2)
     turns.close()  # e.g. the staging thread was cancelled while a launch held the turn
     assert inside.wait(10)
     thread.join(10)
+    assert outcome == ["left"]
     turns.take()
     assert turns.closed and not turns.held
     turns.give()  # not held: nothing to do
 
 
-def test_the_warm_loader_holds_the_turn_from_a_trap_s_copy_to_its_exit_and_not_past_a_preload():
-    """A stream-mode copy takes the turn and the trap's exit (unload) gives it back; a resident preload, which no
-    trap's exit follows, gives it back itself."""
-    import torch
-
-    from flextensor.runtime.warm_loader import WarmLoader
-
+def test_the_warm_loader_holds_the_turn_from_a_trap_s_copy_to_its_exit():
+    """A stream-mode copy takes the turn and the trap's exit (unload) gives it back; a preload takes it too and
+    leaves it to its caller, which gives it back after the events that time the copies."""
     turns = LaunchTurns()
     turns.open()
     weights = [torch.randn(4), torch.randn(4)]
@@ -95,6 +137,6 @@ def test_the_warm_loader_holds_the_turn_from_a_trap_s_copy_to_its_exit_and_not_p
     assert not turns.held
     resident = WarmLoader(torch.device("cpu"), keep=True, same_device_copies=weights)
     resident.turns = turns
-    assert resident.preload(weights) and resident.copies == 2
-    assert not turns.held
+    assert resident.preload(weights) and resident.copies == 2 and turns.held
+    turns.give()
     turns.close()

@@ -195,50 +195,87 @@ def test_background_staging_failure_keeps_what_it_registered_and_warns_once(capl
     assert staging.release_all() == 2 and not fake.live
 
 
+def _in_time(call, timeout: float = 10.0) -> list:
+    """Run ``call`` on a daemon thread and wait for it at most ``timeout`` s: a wait that never ends fails the test
+    instead of hanging it. Returns ``[result]``, or ``[]`` when it did not return in time."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()), name="test-waiter", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return out
+
+
+def _held_after_first(tensors: dict[str, torch.Tensor], first: str):
+    """A staging whose registration of ``first`` blocks until told, and a turn taken (on a thread) while it is
+    in flight: returns (staging, fake cudart, release_first, taken)."""
+    fake = FakeCudart()
+    first_in, release_first = threading.Event(), threading.Event()
+
+    def register(ptr: int, nbytes: int) -> None:
+        if ptr == _ptr(tensors[first]):
+            first_in.set()
+            assert release_first.wait(10)
+        fake.register(ptr, nbytes)
+
+    staging = PinnedStaging(register=register, unregister=fake.unregister, synchronize=fake.synchronize,
+                            is_pinned=lambda s: False)
+    staging.stage_in_background(tensors, torch.device("cpu"), sorted(tensors))
+    assert first_in.wait(10)
+    taken = threading.Event()
+    threading.Thread(target=lambda: (staging.turns.take(), taken.set()), name="test-launch", daemon=True).start()
+    return staging, fake, release_first, taken
+
+
 def test_background_registrations_wait_while_a_copy_holds_the_turn_and_a_wait_gives_it_back():
     """A copy takes the launches' turn after the registration in flight; no registration starts until it is given
     back (the trap's exit), and waiting for a region not registered yet gives it back first, so the wait cannot
     hold up what it waits for."""
     tensors = {name: torch.randn(16) for name in ("a", "b", "c")}
-    fake = FakeCudart()
-    a_in, release_a, taken = threading.Event(), threading.Event(), threading.Event()
-
-    def register(ptr: int, nbytes: int) -> None:
-        if ptr == _ptr(tensors["a"]):
-            a_in.set()
-            assert release_a.wait(10)
-        fake.register(ptr, nbytes)
-
-    staging = PinnedStaging(register=register, unregister=fake.unregister, synchronize=fake.synchronize,
-                            is_pinned=lambda s: False)
-    staging.stage_in_background(tensors, torch.device("cpu"), ["a", "b", "c"])
-    assert a_in.wait(10)
-    taker = threading.Thread(target=lambda: (staging.turns.take(), taken.set()), name="test-launch")
-    taker.start()
-    assert not taken.wait(0.2)  # "a" is in flight: it ends first
-    release_a.set()
-    assert taken.wait(10)
-    taker.join(10)
-    time.sleep(0.2)
-    assert [p for _, p, _ in fake.registers] == [_ptr(tensors["a"])]  # "b" waits for the turn
-    assert staging.wait_for(tensors["c"])  # gives the turn back: "b" and "c" go on
-    assert not staging.turns.held
-    staging.turns.take()  # free once the thread is done
-    staging.join()
-    assert [p for _, p, _ in fake.registers] == [_ptr(tensors[n]) for n in ("a", "b", "c")]
-    assert staging.turns.closed and not staging.turns.held
-    assert staging.release_all() == 3 and not fake.live
+    staging, fake, release_a, taken = _held_after_first(tensors, "a")
+    try:
+        assert not taken.wait(0.2)  # "a" is in flight: it ends first
+        release_a.set()
+        assert taken.wait(10)
+        time.sleep(0.2)
+        assert [p for _, p, _ in fake.registers] == [_ptr(tensors["a"])]  # "b" waits for the turn
+        assert _in_time(lambda: staging.wait_for(tensors["c"])) == [True]  # gave the turn back: "b", "c" went on
+        staging.join()
+        assert [p for _, p, _ in fake.registers] == [_ptr(tensors[n]) for n in ("a", "b", "c")]
+        assert staging.turns.closed and not staging.turns.held
+        assert staging.release_all() == 3 and not fake.live
+    finally:
+        release_a.set()
+        staging.turns.close()  # a failed assert above leaves no thread waiting for the turn
 
 
-def test_joining_a_background_staging_with_the_turn_held_does_not_wait_forever():
+def test_joining_a_background_staging_with_the_turn_held_gives_it_back():
     tensors = {f"t{i}": torch.randn(8) for i in range(4)}
-    fake = FakeCudart()
-    staging = fake.staging()
-    staging.stage_in_background(tensors, torch.device("cpu"), sorted(tensors))
-    staging.turns.take()
-    staging.join()
-    assert staging.registered_bytes == 4 * 32 and staging.turns.closed
-    assert staging.release_all() == 4 and not fake.live
+    staging, fake, release_first, taken = _held_after_first(tensors, "t0")
+    try:
+        release_first.set()
+        assert taken.wait(10) and staging.turns.held  # the other registrations now wait for the turn
+        assert _in_time(lambda: staging.join()) == [None]
+        assert staging.registered_bytes == 4 * 32 and staging.turns.closed and not staging.turns.held
+        assert staging.release_all() == 4 and not fake.live
+    finally:
+        release_first.set()
+        staging.turns.close()
+
+
+def test_release_all_while_registrations_wait_for_the_turn_registers_none_of_them():
+    """Registrations waiting for the turn when release_all() cancels the staging look at the cancel again once
+    they get the turn, and register nothing more."""
+    tensors = {f"t{i}": torch.randn(8) for i in range(6)}
+    staging, fake, release_first, taken = _held_after_first(tensors, "t0")
+    try:
+        release_first.set()
+        assert taken.wait(10)
+        time.sleep(0.1)  # the pool's threads reach the turn and wait there
+        assert _in_time(staging.release_all) == [1]  # only the first was registered; it is undone
+        assert len(fake.registers) == 1 and not fake.live and staging.regions == []
+    finally:
+        release_first.set()
+        staging.turns.close()
 
 
 def test_the_huge_page_hint_names_the_setting_only_where_it_helps(caplog, monkeypatch):
@@ -407,7 +444,8 @@ def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(warmup, mon
     assert sorted(fake.unregisters) == sorted(ptrs.values()) and not fake.live
 
 
-def test_the_first_pass_copies_and_computes_only_between_registrations(monkeypatch):
+@pytest.mark.parametrize("mode", ["stream", "resident"])
+def test_the_first_pass_copies_and_computes_only_between_registrations(mode, monkeypatch):
     """While the registration runs on its thread, no warm-up copy is made (nor the trap's compute launched after
     it) while a registration call is in flight: the copies take the launches' turn, and a trap's exit gives it
     back. Outputs stay exact and every region is registered once."""
@@ -442,11 +480,13 @@ def test_the_first_pass_copies_and_computes_only_between_registrations(monkeypat
     inject_staging(monkeypatch, PinnedStaging(register=register, unregister=fake.unregister,
                                               synchronize=fake.synchronize, is_pinned=lambda s: False,
                                               policy=lambda cfg, dev: True))
-    om._warmup_override = "stream"
+    om._warmup_override = mode
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
+    turns = om.engine.warm.staging.turns
     with torch.no_grad():
         for _ in range(om.iters_before_inference + 1):
             assert same(model(x), ref)
+            assert not turns.held  # given back at each trap's exit and after a preload
     assert seen and set(seen) == {0}
     assert len(fake.registers) == len({p for _, p, _ in fake.registers}) == len(_param_ptrs(model))
     ft.release()
