@@ -397,12 +397,11 @@ class PinnedStaging:
 
         def register(region: StagedRegion) -> StagedRegion | None:
             try:
-                if errors or (cancel is not None and cancel.is_set()):  # a failure ends the staging: pin no more
-                    return None
                 if device is not None and device.type == "cuda" and threading.current_thread() is not main:
                     torch.cuda.set_device(device)
                 with turns.registration() if turns is not None else contextlib.nullcontext():
-                    if errors or (cancel is not None and cancel.is_set()):  # again: the turn may have been long
+                    # Checked once the turn came (it may have been long): a failure or a cancel pins no more.
+                    if errors or (cancel is not None and cancel.is_set()):
                         return None
                     self._register(region.ptr, region.nbytes)
                 region.registered = True

@@ -28,20 +28,32 @@ def _register_on_a_thread(turns: LaunchTurns, inside: threading.Event, leave: th
     return _on_a_thread(run, "test-register")
 
 
+def _take_on_a_thread(turns: LaunchTurns) -> threading.Event:
+    """take() on a launching thread of its own; the event is set once it returned."""
+    taken = threading.Event()
+    _on_a_thread(lambda: (turns.take(), taken.set()), "test-launch")
+    return taken
+
+
+def _a_registration_waits_for_the_turn_given_back(turns: LaunchTurns) -> None:
+    """With the turn held: a registration does not start until the turn is given back, then it runs through."""
+    inside, leave, outcome = threading.Event(), threading.Event(), []
+    leave.set()
+    thread = _register_on_a_thread(turns, inside, leave, outcome)
+    assert not inside.wait(0.2) and turns.held
+    turns.give()
+    assert inside.wait(10)
+    thread.join(10)
+    assert not thread.is_alive() and outcome == ["left"] and not turns.held
+
+
 def test_no_registration_starts_while_the_turn_is_held_and_one_starts_once_it_is_given_back():
     turns = LaunchTurns()
     turns.open()
     turns.take()
     turns.take()  # held already: returns at once
-    inside, leave, outcome = threading.Event(), threading.Event(), []
-    leave.set()
-    thread = _register_on_a_thread(turns, inside, leave, outcome)
     try:
-        assert not inside.wait(0.2) and turns.held
-        turns.give()
-        assert inside.wait(10)
-        thread.join(10)
-        assert not thread.is_alive() and outcome == ["left"] and not turns.held
+        _a_registration_waits_for_the_turn_given_back(turns)
     finally:
         turns.close()
 
@@ -53,22 +65,13 @@ def test_taking_the_turn_waits_for_the_registration_in_flight_and_then_holds_it(
     thread = _register_on_a_thread(turns, inside, leave, outcome)
     try:
         assert inside.wait(10)
-        taken = threading.Event()
-        taker = _on_a_thread(lambda: (turns.take(), taken.set()), "test-launch")
+        taken = _take_on_a_thread(turns)
         assert not taken.wait(0.2)  # the registration in flight ends first
         leave.set()
         assert taken.wait(10) and turns.held
-        taker.join(10)
         thread.join(10)
         assert outcome == ["left"]
-        inside2, leave2, outcome2 = threading.Event(), threading.Event(), []
-        leave2.set()
-        second = _register_on_a_thread(turns, inside2, leave2, outcome2)
-        assert not inside2.wait(0.2)  # held by the launching side now
-        turns.give()
-        assert inside2.wait(10)
-        second.join(10)
-        assert outcome2 == ["left"]
+        _a_registration_waits_for_the_turn_given_back(turns)  # held by the launching side now
     finally:
         turns.close()
 
@@ -83,22 +86,15 @@ def test_a_turn_given_back_by_another_thread_while_it_is_taken_is_asked_for_agai
     first = _register_on_a_thread(turns, inside, leave, outcome)
     try:
         assert inside.wait(10)
-        taken = threading.Event()
-        taker = _on_a_thread(lambda: (turns.take(), taken.set()), "test-launch")
+        taken = _take_on_a_thread(turns)
         assert not taken.wait(0.1)
         turns.give()  # e.g. the host-block build joining the staging thread
         assert not taken.wait(0.1)  # the call in flight still runs
         leave.set()
         assert taken.wait(10) and turns.held
-        inside2, leave2, outcome2 = threading.Event(), threading.Event(), []
-        leave2.set()
-        second = _register_on_a_thread(turns, inside2, leave2, outcome2)
-        assert not inside2.wait(0.2)  # held: no registration starts
-        turns.give()
-        assert inside2.wait(10)
-        for thread in (first, second, taker):
-            thread.join(10)
-        assert outcome == outcome2 == ["left"]
+        first.join(10)
+        assert outcome == ["left"]
+        _a_registration_waits_for_the_turn_given_back(turns)  # held: no registration starts
     finally:
         turns.close()
 

@@ -394,14 +394,35 @@ def test_engine_staging_lifecycle_with_recorded_cudart(warmup, monkeypatch):
     assert same(reference(model, x), ref)
 
 
+def _offload_staging_on_a_thread(monkeypatch, model: nn.Module, warmup: str, register, fake: FakeCudart,
+                                 after_copy) -> "ft.OffloadManager":
+    """ft.offload() of ``model`` whose warm-up weights are registered on a thread by ``register`` (any size),
+    undone through ``fake``; ``after_copy(host)`` is called after each warm-up copy. Returns the manager."""
+    import flextensor.engine.warmup as warmup_mod
+
+    monkeypatch.setattr(warmup_mod, "BACKGROUND_STAGING_BYTES", 0)
+    real_copy = WarmLoader._copy
+
+    def copy(loader, host):
+        copied = real_copy(loader, host)
+        after_copy(host)
+        return copied
+
+    monkeypatch.setattr(WarmLoader, "_copy", copy)
+    om = ft.get_offload_manager()
+    inject_staging(monkeypatch, PinnedStaging(register=register, unregister=fake.unregister,
+                                              synchronize=fake.synchronize, is_pinned=lambda s: False,
+                                              policy=lambda cfg, dev: True))
+    om._warmup_override = warmup
+    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
+    return om
+
+
 @pytest.mark.parametrize("warmup", ["stream", "resident"])  # copies per trap call, or once before the first pass
 def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(warmup, monkeypatch):
     """From BACKGROUND_STAGING_BYTES on, offload() leaves the registration to a thread (in trap order) and
     returns; the first pass's copies wait for their own regions; outputs stay exact and every region is
     registered and unregistered once, from that thread."""
-    import flextensor.engine.warmup as warmup_mod
-
-    monkeypatch.setattr(warmup_mod, "BACKGROUND_STAGING_BYTES", 0)
     model = mlp_stack()
     x = torch.randn(3, 16, device=DEVICE)
     ref = reference(model, x)
@@ -416,22 +437,9 @@ def test_a_large_warm_up_is_staged_on_a_thread_while_offload_returns(warmup, mon
         time.sleep(0.005)  # slower than the pass's copies: without their waits, a copy would come first
         fake.register(ptr, nbytes)
 
-    copied_pinned: list[bool] = []
-    real_copy = WarmLoader._copy
-
-    def copy(loader, host):
-        copied = real_copy(loader, host)
-        copied_pinned.append(_ptr(host) in fake.live)  # its region was registered before the copy
-        return copied
-
-    monkeypatch.setattr(WarmLoader, "_copy", copy)
-
-    om = ft.get_offload_manager()
-    inject_staging(monkeypatch, PinnedStaging(register=register, unregister=fake.unregister,
-                                              synchronize=fake.synchronize, is_pinned=lambda s: False,
-                                              policy=lambda cfg, dev: True))
-    om._warmup_override = warmup
-    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
+    copied_pinned: list[bool] = []  # per copy: its region was registered before it
+    om = _offload_staging_on_a_thread(monkeypatch, model, warmup, register, fake,
+                                      lambda host: copied_pinned.append(_ptr(host) in fake.live))
     assert fake.registers == [] and om.engine.warm.loader.non_blocking
     go_on.set()
     with torch.no_grad():
@@ -449,9 +457,6 @@ def test_the_first_pass_copies_and_computes_only_between_registrations(mode, mon
     """While the registration runs on its thread, no warm-up copy is made (nor the trap's compute launched after
     it) while a registration call is in flight: the copies take the launches' turn, and a trap's exit gives it
     back. Outputs stay exact and every region is registered once."""
-    import flextensor.engine.warmup as warmup_mod
-
-    monkeypatch.setattr(warmup_mod, "BACKGROUND_STAGING_BYTES", 0)
     model = mlp_stack()
     x = torch.randn(3, 16, device=DEVICE)
     ref = reference(model, x)
@@ -467,21 +472,9 @@ def test_the_first_pass_copies_and_computes_only_between_registrations(mode, mon
         with lock:
             in_flight[0] -= 1
 
-    seen: list[int] = []
-    real_copy = WarmLoader._copy
-
-    def copy(loader, host):
-        copied = real_copy(loader, host)
-        seen.append(in_flight[0])
-        return copied
-
-    monkeypatch.setattr(WarmLoader, "_copy", copy)
-    om = ft.get_offload_manager()
-    inject_staging(monkeypatch, PinnedStaging(register=register, unregister=fake.unregister,
-                                              synchronize=fake.synchronize, is_pinned=lambda s: False,
-                                              policy=lambda cfg, dev: True))
-    om._warmup_override = mode
-    ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
+    seen: list[int] = []  # per copy: registration calls in flight right after it
+    om = _offload_staging_on_a_thread(monkeypatch, model, mode, register, fake,
+                                      lambda host: seen.append(in_flight[0]))
     turns = om.engine.warm.staging.turns
     with torch.no_grad():
         for _ in range(om.iters_before_inference + 1):
