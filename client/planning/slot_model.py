@@ -25,6 +25,21 @@ this is ``e % num_blocks``, the rotation of equal slots.
 
 Ordering: a copy into a slot waits for the slot's previous entry to finish computing. That is enough: traps
 compute in entry order, so every earlier reader of the slot finished before the previous entry did.
+
+Resuming a changed run
+----------------------
+BudgetFill's polish asks "what if trap i carried other bytes?" thousands of times at the switch to INFERENCE,
+inside the last PROFILING pass. A trace (:class:`PipelineTrace`, :class:`SlotTrace`) remembers its state before
+every trap, so a changed run starts at trap i instead of time 0, and it ends early once its state before a later
+trap j is the base run's state there *shifted by a constant* ``d`` (every time in it ``d`` later or earlier, the
+counts and placements equal). The simulation only adds durations and takes maxima of times, and both commute
+with a shift (``max(a + d, b + d) = max(a, b) + d``), so from j on the changed run is the base run ``d`` later:
+its overhead is the base run's final clock ``+ d``. ``d = 0`` is the base run itself. Without the shift a copy
+bound pipeline never ends early (a changed copy moves every later time by its difference), and each question
+cost a walk to the last trap: planning time grew with the square of the layers. With it, a question walks the
+few traps until the pipeline is back in step, so planning a 190-layer model takes about as long per question as
+a 22-layer one. The times compared were computed in another order, so they are equal up to rounding:
+:data:`SHIFT_TOLERANCE` of the clock's magnitude.
 """
 
 from __future__ import annotations
@@ -41,6 +56,22 @@ Owner = TypeVar("Owner")
 
 #: The fewest slots that may include a small one: two large slots keep the large blocks pipelined.
 MIN_SLOTS_WITH_SMALL = 3
+
+#: Relative rounding allowed between a changed run's times and the base run's shifted ones (module docstring,
+#: "Resuming a changed run"): the same sums taken in another order differ by a few ulps per trap.
+SHIFT_TOLERANCE = 1e-12
+
+
+def _overhead(clock: float, total_compute_s: float) -> float:
+    """A run's overhead from its final clock; differences this small are float noise from summing in another
+    order, not waiting."""
+    overhead = clock - total_compute_s
+    return 0.0 if overhead <= 1e-9 * max(total_compute_s, 1e-12) else overhead
+
+
+def _same_shift(d: float, now: float, base: float, tolerance: float) -> bool:
+    """Whether time ``now`` is ``base`` shifted by ``d`` (up to ``tolerance``)."""
+    return abs(now - base - d) <= tolerance
 
 
 def small_slot_for(largest: int, slots: int, small_slot: int) -> int:
@@ -136,9 +167,15 @@ class SlotTrace:
             raise ValueError(f"simulate_overhead: num_blocks must be >= 1, got {num_blocks}")
         self.inp, self.per_trap, self.num_blocks, self.small_slot = inp, list(per_trap), num_blocks, small_slot
         self._sizes = self._slots(self.per_trap)
+        # What sizes the slots is the largest block and whether any block fits the small slot: kept as the two
+        # largest blocks (by trap) and a count, so that with_change sizes a change without a pass over every trap.
+        ranked = sorted(range(len(self.per_trap)), key=lambda j: -self.per_trap[j])[:2]
+        self._largest = [(self.per_trap[j], j) for j in ranked]
+        self._fitting = sum(1 for nbytes in self.per_trap if 0 < nbytes <= small_slot)
         # Per trap, the state before it: (clock, last copy end, placements so far, each slot's last placement,
         # each slot's owner's compute end), so that with_change can resume there (see _run).
         self.before: list[tuple[float, float, int, tuple[int, ...], tuple[float | None, ...]]] = []
+        self.final_clock = 0.0  # the base run's clock after the last trap (a shifted re-run ends from it)
         self.overhead = self._run(0, self._start(), self.per_trap, self._sizes, record=True)
 
     def with_change(self, trap: int, nbytes: int) -> float:
@@ -148,12 +185,21 @@ class SlotTrace:
         per = self.per_trap
         saved, per[trap] = per[trap], nbytes
         try:
-            sizes = self._slots(per)
+            sizes = self._slots_after(trap, saved, nbytes)
             if sizes != self._sizes:  # other slots: no state of the base run is this run's, so no early end
                 return self._run(0, self._start(), per, sizes, record=False, converge=False)
             return self._run(trap, self.before[trap], per, sizes, record=False)
         finally:
             per[trap] = saved
+
+    def _slots_after(self, trap: int, was: int, nbytes: int) -> tuple[int, ...]:
+        """``_slots`` of the base run's blocks with trap ``trap`` carrying ``nbytes`` instead of ``was``."""
+        others = next((size for size, j in self._largest if j != trap), 0)
+        largest = nbytes if nbytes > others else others
+        small = self.small_slot
+        fitting = self._fitting - (0 < was <= small) + (0 < nbytes <= small)
+        used = small_slot_for(largest, self.num_blocks, small) if fitting else 0
+        return slot_sizes(largest, self.num_blocks, used) or (0,)
 
     def _slots(self, per: Sequence[int]) -> tuple[int, ...]:
         largest = max(per, default=0)
@@ -168,9 +214,10 @@ class SlotTrace:
         """Simulate from trap ``first`` in ``state``: :class:`SlotRing`'s placement (``_lru_slot``) over plain
         lists, so that a state is cheap to save and compare.
 
-        A re-run (``record=False``) over the base run's slots (``converge``) that is back in the base run's state
-        before some later trap (same clock, copy end and slot state) would repeat the base run from there: it
-        returns the base run's overhead."""
+        A re-run (``record=False``) over the base run's slots (``converge``) ends early once its state before some
+        later trap is the base run's there, shifted (module docstring, "Resuming a changed run"): same copy
+        counter and slot placements, and the clock, last copy end and every slot owner's compute end moved by
+        one ``d``."""
         inp = self.inp
         transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
         clock, last_end, placed, last_use_t, owner_t = state
@@ -181,9 +228,13 @@ class SlotTrace:
                 before.append((clock, last_end, placed, tuple(last_use), tuple(owner)))
             elif converge and i > first:
                 b_clock, b_last, b_placed, b_use, b_owner = before[i]
-                if (clock == b_clock and last_end == b_last and placed == b_placed
-                        and tuple(last_use) == b_use and tuple(owner) == b_owner):
-                    return self.overhead
+                if placed == b_placed and tuple(last_use) == b_use:
+                    d = clock - b_clock
+                    tolerance = SHIFT_TOLERANCE * (abs(b_clock) + abs(d))
+                    if _same_shift(d, last_end, b_last, tolerance) and all(
+                            (o is None) == (b is None) and (o is None or _same_shift(d, o, b, tolerance))
+                            for o, b in zip(owner, b_owner)):
+                        return self.overhead if d == 0.0 else _overhead(self.final_clock + d, inp.total_compute_s)
             nbytes = per[i]
             if nbytes > 0:
                 best = _lru_slot(sizes, last_use, nbytes)
@@ -198,8 +249,9 @@ class SlotTrace:
                 owner[best] = clock
             else:
                 clock += compute[i]
-        overhead = clock - inp.total_compute_s
-        return 0.0 if overhead <= 1e-9 * max(inp.total_compute_s, 1e-12) else overhead
+        if record:
+            self.final_clock = clock
+        return _overhead(clock, inp.total_compute_s)
 
 
 class PipelineTrace:
@@ -217,6 +269,7 @@ class PipelineTrace:
         self.inp, self.per_trap, self.num_blocks = inp, list(per_trap), num_blocks
         self.used_until: list[float] = []  # compute end of the j-th offloaded trap (releases its block slot)
         self.before: list[tuple[float, int, float]] = []  # per trap: (clock, copies so far, last copy end)
+        self.final_clock = 0.0  # the base run's clock after the last trap (a shifted re-run ends from it)
         self.overhead = self._run(0, (0.0, 0, 0.0), self.per_trap, self.used_until, record=True)
 
     def with_change(self, trap: int, nbytes: int) -> float:
@@ -237,10 +290,11 @@ class PipelineTrace:
         and a copy takes ``(latency + n / bandwidth) / scale`` as ``transfer.seconds(n) / scale`` does (the
         bound method is called instead when a subclass overrides ``seconds``).
 
-        A re-run (``record=False``, from ``with_change``) stops early once it is back in the base run's state
-        before some later trap: same clock, copies and last copy end, and the same compute ends for every block
-        slot a later copy may still wait for. The traps after it are unchanged, so from there it would repeat
-        the base run's operations exactly and end with the base run's overhead, which it returns.
+        A re-run (``record=False``, from ``with_change``) ends early once its state before some later trap is the
+        base run's there, shifted (module docstring, "Resuming a changed run"): same copy count, and the clock,
+        last copy end and the compute end of every block slot a later copy may still wait for moved by one
+        ``d``. Compute ends from before ``first`` are the base run's own (not kept in ``used``): a window that
+        reaches them ends early only unshifted.
         """
         inp, blocks = self.inp, self.num_blocks
         transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
@@ -255,9 +309,14 @@ class PipelineTrace:
                 before.append((clock, copies, last_end))
             elif i > first:
                 b_clock, b_copies, b_last = before[i]
-                if (clock == b_clock and copies == b_copies and last_end == b_last
-                        and all(used[k - base] == shared[k] for k in range(max(base, copies - blocks), copies))):
-                    return self.overhead
+                if copies == b_copies:
+                    d = clock - b_clock
+                    tolerance = SHIFT_TOLERANCE * (abs(b_clock) + abs(d))
+                    if (_same_shift(d, last_end, b_last, tolerance)
+                            and (d == 0.0 or copies - blocks >= base)
+                            and all(_same_shift(d, used[k - base], shared[k], tolerance)
+                                    for k in range(max(base, copies - blocks), copies))):
+                        return self.overhead if d == 0.0 else _overhead(self.final_clock + d, inp.total_compute_s)
             nbytes = per[i]
             if nbytes > 0:
                 start = last_end
@@ -274,6 +333,6 @@ class PipelineTrace:
                 used.append(clock)
             else:
                 clock += compute[i]
-        overhead = clock - inp.total_compute_s
-        # Differences this small are float noise from summing in another order, not waiting.
-        return 0.0 if overhead <= 1e-9 * max(inp.total_compute_s, 1e-12) else overhead
+        if record:
+            self.final_clock = clock
+        return _overhead(clock, inp.total_compute_s)

@@ -150,10 +150,11 @@ class BudgetFillStrategy(Strategy):
         hidden_top = max((b for b, _ in hidden), default=0)
         grid = set(_spread(feasible, self.max_levels)) | {floor_level} | ({hidden_top} if hidden_top else set())
         windows = _gap_windows(inp)
+        scores: dict[tuple[int, int, int], float] = {}
         found: list[tuple[tuple[float, int, int], int, int, int, list[int]]] = []
         for count in blocks:
             for level in sorted(grid):
-                masks = self._fill(inp, tables, hidden, windows, count, level)
+                masks = self._fill(inp, tables, hidden, windows, scores, count, level)
                 if masks is not None:
                     found.append((_key(inp, masks, count), count, level, 0, masks))
         assert found, "the floor level fits with the fewest blocks, so some candidate fits"
@@ -161,7 +162,7 @@ class BudgetFillStrategy(Strategy):
         # A small last slot, tried where slots of one size did best (each try is a fill: kept to a few).
         for _, count, level, _, masks in found[: self.polish_candidates]:
             for small in self._small_slots(inp, levels, count, level, _per_trap(inp, masks)):
-                masks = self._fill(inp, tables, hidden, windows, count, level, small)
+                masks = self._fill(inp, tables, hidden, windows, scores, count, level, small)
                 if masks is not None:
                     found.append((_key(inp, masks, count, small), count, level, small, masks))
         found.sort(key=lambda f: f[:3])
@@ -198,9 +199,11 @@ class BudgetFillStrategy(Strategy):
         return list(dict.fromkeys(partial[: self.small_slot_sizes] + spread))
 
     def _fill(self, inp: PlanInput, tables: list[_SubsetSums | None], hidden: list[tuple[int, int]],
-              windows: list[float], count: int, level: int, small: int = 0) -> list[int] | None:
+              windows: list[float], scores: dict[tuple[int, int, int], float], count: int, level: int,
+              small: int = 0) -> list[int] | None:
         """Masks meeting the budget with per-trap bytes <= level, or None when this (count, level) cannot;
-        ``small``: the bytes of a small last slot (``flextensor.planning.slot_model``), 0 for none."""
+        ``small``: the bytes of a small last slot (``flextensor.planning.slot_model``), 0 for none; ``scores``:
+        the ranking of (trap, its offloaded bytes, a tensor's bytes), kept across the fills of one plan."""
         budget = inp.budget_bytes
         assert budget is not None
         masks, cur = [], []
@@ -223,8 +226,12 @@ class BudgetFillStrategy(Strategy):
             return max(0.0, transfer.seconds(nbytes) / scale - windows[i])
 
         def score(i: int, nbytes: int) -> float:  # exposed seconds per byte saved (a first tensor: + the trap's cost)
-            extra = inp.traps[i].stream_cost_s if cur[i] == 0 else 0.0
-            return (exposed(i, cur[i] + nbytes) - exposed(i, cur[i]) + extra) / nbytes
+            key = (i, cur[i], nbytes)
+            value = scores.get(key)
+            if value is None:  # the fills of one plan share their scores: most traps start every fill alike
+                extra = inp.traps[i].stream_cost_s if cur[i] == 0 else 0.0
+                value = scores[key] = (exposed(i, cur[i] + nbytes) - exposed(i, cur[i]) + extra) / nbytes
+            return value
 
         version = [0] * len(cur)
         heap = [
@@ -304,9 +311,10 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
     overshoot the budget or offload a big tensor where a smaller one of the same trap would do (the first
     trap's copy, for one, is always exposed). Moves: drop an offloaded tensor, or swap it for a smaller
     resident tensor of the same trap (one candidate per distinct size: equal sizes are interchangeable). Each
-    round applies the move that keeps the budget and lowers the simulated overhead most (ties: the move that
-    offloads fewer bytes). Every move offloads fewer bytes and is taken only when it does not lengthen the
-    simulated pipeline, so the search only improves and ends; ``evaluations`` bounds the number of simulations.
+    round applies the move that keeps the budget and lowers the simulated overhead most (ties, overheads within
+    float noise: the move that offloads fewer bytes). Every move offloads fewer bytes and is taken only when it
+    does not lengthen the simulated pipeline beyond that noise, so the search only improves and ends;
+    ``evaluations`` bounds the number of simulations.
     With an arena a move may also shrink the arena (the budget check recomputes it) and move later blocks in it
     (the simulation re-places them).
     """
@@ -317,9 +325,11 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
     min_blocks, traps, arena = inp.min_blocks, inp.traps, inp.arena
     # The search runs at the switch to INFERENCE (inside the last PROFILING pass), so its loops are kept lean
     # without changing a single decision: a trap's move list is rebuilt only when its mask changed (one trap per
-    # round), the two block counts a move can lead to are computed once per round, and the loops stop as soon as
-    # the evaluations are spent (the remaining iterations could only ``continue``).
+    # round), the two block counts a move can lead to are computed once per round (the slots' bytes once per
+    # distinct outcome), and the loops stop as soon as the evaluations are spent (the remaining iterations could
+    # only ``continue``).
     move_cache: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
+    noise = 1e-9 * max(inp.total_compute_s, 1e-12)  # the simulator's own "no waiting" threshold
 
     def moves(i: int) -> list[tuple[int, int, int]]:
         """Trap i's moves as (gain, tensor given back, tensor taken instead or -1), in the search's order."""
@@ -348,7 +358,8 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
         room = budget - base_total + off  # integers: "base_total - off + gain + peak_blocks > budget" rearranged
         order = sorted(range(len(per)), key=lambda j: -per[j])
         in_small = sum(1 for b in per if 0 < b <= small) if small else 0  # blocks the small slot could hold
-        best: tuple[tuple[float, int], int, int, int] | None = None
+        rotating_after: dict[tuple[int, int, int, bool], int] = {}
+        best: tuple[float, int, int, int, int] | None = None  # (overhead, gain, trap, tensor, taken)
         for i in range(len(traps)):
             if evaluations <= 0:
                 break
@@ -368,9 +379,12 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
                 else:
                     now_blocks = fewer_blocks if left == 0 else kept_blocks
                     if small and now_blocks:  # exact: whether a block still fits the small slot may change
-                        rotating = _slots_after_move(n_off - (per_i > 0) + (left > 0), now_blocks, min_blocks,
-                                                     others_max if others_max >= left else left, small,
-                                                     in_small - (0 < per_i <= small) + (0 < left <= small))
+                        args = (n_off - (per_i > 0) + (left > 0), now_blocks, others_max if others_max >= left
+                                else left, in_small - (0 < per_i <= small) + (0 < left <= small) > 0)
+                        rotating = rotating_after.get(args, -1)
+                        if rotating < 0:  # a handful of distinct arguments per round: computed once each
+                            rotating = rotating_after[args] = _slots_after_move(*args[:2], min_blocks, args[2],
+                                                                                small, args[3])
                     else:
                         rotating = now_blocks * (others_max if others_max >= left else left)
                     if gain + rotating > room:
@@ -384,12 +398,16 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
                     per[i] = left
                     overhead = simulate_bytes(inp, per, max(now_blocks, 1), small)
                     per[i] += gain
-                key = (overhead, -gain)
-                if overhead <= current and (best is None or key < best[0]):
-                    best = (key, i, k, other)
+                # Overheads within float noise of each other are ties (a resumed run's overhead is equal to a
+                # full simulation's up to rounding: slot_model, "Resuming a changed run"), so that rounding
+                # never decides between two moves: ties go to the larger gain, then the earlier move.
+                if overhead <= current + noise and (best is None or overhead < best[0] - noise or (
+                        overhead <= best[0] + noise and gain > best[1])):
+                    best = (overhead, gain, i, k, other)
         if best is None:
             break
-        (_, neg_gain), i, k, other = best
+        _, gain, i, k, other = best
+        neg_gain = -gain
         masks[i] &= ~(1 << k)
         if other >= 0:
             masks[i] |= 1 << other

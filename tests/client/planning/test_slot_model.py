@@ -106,6 +106,25 @@ def test_slot_trace_resumes_like_a_full_simulation():
         assert trace.per_trap == per  # probing leaves the base untouched
 
 
+def test_a_long_slot_trace_resumes_like_a_full_simulation():
+    """The same over long, mostly copy-bound runs, where a changed copy moves every later time and the re-run
+    ends as the base run shifted (``flextensor.planning.slot_model``, "Resuming a changed run")."""
+    rng = random.Random(12)
+    for _ in range(12):
+        n = rng.randint(30, 60)
+        traps = tuple(TrapCost(f"t{i}", rng.choice([0.1, 0.3, 2.5]), (TensorCost(f"t{i}.w", 900),),
+                               rng.choice([0.0, 0.01])) for i in range(n))
+        inp = PlanInput(traps, TransferModel(500.0, rng.choice([0.0, 0.05])), None, 4, 2)
+        per = [rng.choice([0, 100, 300, 600, 900]) for _ in traps]
+        blocks, small = rng.randint(3, 5), rng.choice([300, 600])
+        trace = SlotTrace(inp, per, blocks, small)
+        for i in range(n):
+            for nbytes in (0, 100, 600, 900, 1200):
+                changed = per[:i] + [nbytes] + per[i + 1:]
+                assert trace.with_change(i, nbytes) == pytest.approx(
+                    _ring_overhead(inp, changed, blocks, small), rel=1e-9, abs=1e-12)
+
+
 def test_memory_mode_sizes_the_last_slot_to_the_partly_streamed_trap():
     """At a budget of 2057 MiB (1.5% of the H200's memory) with the default 4 blocks: four whole-layer slots
     leave room for 4 resident layers (5.0 GiB stream); three whole-layer slots and one of a tensor leave room

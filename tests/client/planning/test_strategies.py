@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import re
 from unittest import mock
 
@@ -198,6 +199,83 @@ def test_pipeline_trace_resumes_like_a_full_simulation(cost):
                 changed = per[:i] + [nbytes] + per[i + 1:]
                 assert trace.with_change(i, nbytes) == pytest.approx(simulate_bytes(plan_in, changed, blocks))
         assert trace.per_trap == per  # probing leaves the base untouched
+
+
+def test_a_changed_copy_bound_run_ends_as_the_base_run_shifted():
+    """In a copy-bound pipeline a changed copy moves every later time by its difference; the re-run ends early
+    with the base run's overhead moved by as much, which equals a full simulation (compute times drawn, some
+    traps compute-bound, so runs fall in and out of step)."""
+    rng = random.Random(5)
+    for _ in range(30):
+        n = rng.randint(20, 60)
+        traps = [TrapCost(f"t{i}", rng.choice([0.1, 0.2, 0.5, 3.0]), (TensorCost(f"t{i}.0", 9),),
+                          rng.choice([0.0, 0.05])) for i in range(n)]
+        plan_in = PlanInput(tuple(traps), TransferModel(2.0, rng.choice([0.0, 0.25])), None, 2)
+        per = [rng.choice([0, 1, 3, 9]) for _ in range(n)]
+        for blocks in (2, 3, 4):
+            trace = PipelineTrace(plan_in, per, blocks)
+            for i in range(n):
+                for nbytes in (0, 2, 9):
+                    changed = per[:i] + [nbytes] + per[i + 1:]
+                    assert trace.with_change(i, nbytes) == pytest.approx(simulate_bytes(plan_in, changed, blocks),
+                                                                         rel=1e-9, abs=1e-12)
+
+
+def _random_layers(rng: random.Random, jitter: float = 0.0, spec=None):
+    """Up to ten traps of one to four small tensors and mixed compute (a shape where moves often tie)."""
+    spec = spec or [(rng.choice([0.5, 1.0, 2.0, rng.uniform(0.1, 3)]),
+                     [rng.choice([1, 2, 3, 4, 6]) for _ in range(rng.randint(1, 4))], rng.choice([0, 0.1]))
+                    for _ in range(rng.randint(3, 10))]
+    traps = tuple(TrapCost(f"l{i}", c * (1 + jitter * rng.random()),
+                           tuple(TensorCost(f"l{i}.{k}", b) for k, b in enumerate(sizes)), cost)
+                  for i, (c, sizes, cost) in enumerate(spec))
+    return spec, traps
+
+
+def test_the_polish_does_not_let_rounding_choose_between_moves():
+    """Compute times moved by a relative 1e-13 (what summing in another order does) leave the polish's result
+    unchanged: overheads within float noise are ties, and ties go to the larger gain, then the earlier move."""
+    from flextensor.planning.strategies import _polish
+
+    rng = random.Random(7)
+    for _ in range(600):
+        spec, traps = _random_layers(rng)
+        blocks = rng.choice([2, 3, 4])
+        transfer = TransferModel(rng.choice([1.0, 2.0, 4.0]), rng.choice([0, 0.1]))
+        budget = int(sum(t.total_bytes for t in traps) * rng.uniform(0.3, 1.0))
+        everything = [(1 << len(t.tensors)) - 1 for t in traps]
+        exact = _polish(PlanInput(traps, transfer, budget, blocks, 2), list(everything), blocks, 4000)
+        _, jittered = _random_layers(rng, 1e-13, spec)
+        assert _polish(PlanInput(jittered, transfer, budget, blocks, 2), list(everything), blocks, 4000) == exact
+
+
+class _Forgetful(dict):
+    """A score table that keeps nothing: every score computed afresh."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def test_a_fill_ranks_alike_whatever_fills_came_before():
+    """The fills of one plan share their tensors' scores; each fill's selection is the one it makes with every
+    score computed afresh (a trap starts fills at different caps with different hidden bytes, and gains bytes
+    within a fill, and its tensors' scores depend on them)."""
+    from flextensor.planning.basic_strategies import _gap_windows, _hidden_chain, _tables
+
+    rng = random.Random(8)
+    strategy = BudgetFillStrategy()
+    for _ in range(300):
+        _, traps = _random_layers(rng)
+        plan_in = PlanInput(traps, TransferModel(rng.choice([1.0, 2.0, 4.0]), rng.choice([0, 0.1])),
+                            int(sum(t.total_bytes for t in traps) * rng.uniform(0.2, 0.9)), 4, 2)
+        tables = _tables(plan_in, strategy.knapsack.resolution, strategy.knapsack.max_states)
+        hidden, windows = _hidden_chain(plan_in, tables), _gap_windows(plan_in)
+        levels = sorted({s for t in tables if t is not None for s in t.sums if s > 0})
+        shared: dict = {}
+        for level in levels:
+            for count in (2, 4):
+                alone = strategy._fill(plan_in, tables, hidden, windows, _Forgetful(), count, level)
+                assert strategy._fill(plan_in, tables, hidden, windows, shared, count, level) == alone
 
 
 # ---------------------------------------------------------------------------------------------------- strategies
