@@ -84,6 +84,7 @@ def worker(args: argparse.Namespace) -> dict:
 
         OffloadManager._stream_on_cpu = True
         manager._warmup_override = args.warmup
+    switch_s = _time_the_switch(args.worker)
     config = ft.OffloadConfig(include_patterns=[BLOCK_PATTERN], pinned_memory=device.type == "cuda",
                               skip_discovery=args.no_discovery, profiling_iters=args.profiling_iters,
                               max_gpu_mem_fraction=None if args.cpu else args.fraction)
@@ -118,10 +119,45 @@ def worker(args: argparse.Namespace) -> dict:
         "offload_s": offload_s, "passes_s": phase, "after_switch_s": passes[len(phase):],
         "built_in_background": building, "host_blocks_wait_s": wait_s, "host_build_s": engine.inference.host_build_s,
         "streamed_pass_s": streamed_s, "streamed_bytes": sum(layout.nbytes for layout in engine.inference.layouts),
-        "max_abs_diff": diff,
+        "max_abs_diff": diff, "switch_s": switch_s,
     }
     ft.release("phase", preserve_model=False)
     return info
+
+
+def _time_the_switch(gib: float) -> dict[str, float]:
+    """Wrap the last PROFILING pass's steps (the window reads, the plan and its strategy, entering INFERENCE) to
+    add up their seconds, and write the strategy's input to ``plan-input-<gib>.json`` in the results folder
+    (a planner's speed can then be measured anywhere, on the very input of this model)."""
+    import dataclasses
+
+    import flextensor.engine.profiling as profiling
+    from flextensor.planning.strategies import AdaptiveStrategy
+
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn):
+        def run(*a, **k):
+            begin = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - begin
+        return run
+
+    for name in ("resolve_windows", "plan_switch", "enter_inference"):
+        setattr(profiling, name, timed(name, getattr(profiling, name)))
+    plan = AdaptiveStrategy.plan
+
+    def plan_and_keep(self, inp):
+        folder = os.environ.get("FLEXTENSOR_BENCH_OUT")
+        if folder:
+            with open(os.path.join(folder, f"plan-input-{gib:g}.json"), "w") as f:
+                json.dump(dataclasses.asdict(inp), f)
+        return plan(self, inp)
+
+    AdaptiveStrategy.plan = timed("strategy", plan_and_keep)  # type: ignore[method-assign]
+    return spent
 
 
 def summary(r: dict) -> str:
@@ -135,7 +171,8 @@ def summary(r: dict) -> str:
             f"after the switch {', '.join(f'{s:.3f}' for s in r['after_switch_s'])} s; host blocks "
             f"{'in the background' if r['built_in_background'] else 'built at the switch'} "
             f"(build {r['host_build_s'] or 0:.2f} s, wait {r['host_blocks_wait_s']:.3f} s); streamed pass "
-            f"{r['streamed_pass_s']:.3f} s; max |diff| {r['max_abs_diff']:.3g}")
+            f"{r['streamed_pass_s']:.3f} s; max |diff| {r['max_abs_diff']:.3g}; the switch (s): "
+            f"{', '.join(f'{k} {v:.3f}' for k, v in r['switch_s'].items())}")
 
 
 def main() -> None:

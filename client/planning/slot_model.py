@@ -232,7 +232,7 @@ class SlotTrace:
                     d = clock - b_clock
                     tolerance = SHIFT_TOLERANCE * (abs(b_clock) + abs(d))
                     if _same_shift(d, last_end, b_last, tolerance) and all(
-                            (o is None) == (b is None) and (o is None or _same_shift(d, o, b, tolerance))
+                            o is b is None or (o is not None and b is not None and _same_shift(d, o, b, tolerance))
                             for o, b in zip(owner, b_owner)):
                         return self.overhead if d == 0.0 else _overhead(self.final_clock + d, inp.total_compute_s)
             nbytes = per[i]
