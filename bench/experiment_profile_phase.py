@@ -15,7 +15,8 @@ as JSON lines after it.
 
 Variants of the first pass, which waits for the model's storages to be page-locked on a thread:
 ``--no-turns`` (its launches do not take turns with the registrations, ``flextensor.runtime.launch_turns``),
-``--turn copies`` (the turn covers a trap's copies only), ``--register-threads N``; run with
+``--turn copies`` (the turn covers a trap's copies only), ``--register-threads N``, ``--timeline`` (every turn and
+registration call written to ``timeline-<gib>.json``); run with
 ``THP_MEM_ALLOC_ENABLE=1`` in the environment for a model in transparent huge pages. docs/benchmarks.md has the
 results.
 
@@ -85,6 +86,7 @@ def worker(args: argparse.Namespace) -> dict:
         OffloadManager._stream_on_cpu = True
         manager._warmup_override = args.warmup
     switch_s = _time_the_switch(args.worker)
+    timeline = _record_the_turns() if args.timeline else None
     config = ft.OffloadConfig(include_patterns=[BLOCK_PATTERN], pinned_memory=device.type == "cuda",
                               skip_discovery=args.no_discovery, profiling_iters=args.profiling_iters,
                               max_gpu_mem_fraction=None if args.cpu else args.fraction)
@@ -96,8 +98,10 @@ def worker(args: argparse.Namespace) -> dict:
     count = manager.iters_before_inference
     building = False
     with torch.no_grad():
+        pass_begins = []
         for i in range(count + 2):
             begin = time.perf_counter()
+            pass_begins.append(begin)
             outputs.append(proxy(tokens))
             sync()
             passes.append(time.perf_counter() - begin)
@@ -122,6 +126,10 @@ def worker(args: argparse.Namespace) -> dict:
         "max_abs_diff": diff, "switch_s": switch_s,
     }
     ft.release("phase", preserve_model=False)
+    folder = os.environ.get("FLEXTENSOR_BENCH_OUT")
+    if timeline is not None and folder:
+        with open(os.path.join(folder, f"timeline-{args.worker:g}.json"), "w") as f:
+            json.dump({"start": start, "pass_begins": pass_begins, "events": timeline}, f)
     return info
 
 
@@ -160,6 +168,43 @@ def _time_the_switch(gib: float) -> dict[str, float]:
     return spent
 
 
+def _record_the_turns() -> list:
+    """Record every turn taken and given and every registration call (waited from, started, ended: perf_counter
+    seconds, with the thread's name), for ``timeline-<gib>.json``: where the first pass waits."""
+    import contextlib
+    import threading
+
+    from flextensor.runtime.launch_turns import LaunchTurns
+
+    events: list = []
+    take, give, registration = LaunchTurns.take, LaunchTurns.give, LaunchTurns.registration
+
+    def timed_take(self):
+        begin = time.perf_counter()
+        take(self)
+        events.append(("take", threading.current_thread().name, begin, time.perf_counter()))
+
+    def timed_give(self):
+        held = self._launching
+        give(self)
+        if held:
+            events.append(("give", threading.current_thread().name, time.perf_counter(), time.perf_counter()))
+
+    @contextlib.contextmanager
+    def timed_registration(self):
+        begin = time.perf_counter()
+        with registration(self):
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                events.append(("register", threading.current_thread().name, begin, started, time.perf_counter()))
+
+    LaunchTurns.take, LaunchTurns.give = timed_take, timed_give  # type: ignore[method-assign]
+    LaunchTurns.registration = timed_registration  # type: ignore[method-assign]
+    return events
+
+
 def summary(r: dict) -> str:
     passes = r["passes_s"]
     median = statistics.median(passes)
@@ -192,6 +237,8 @@ def main() -> None:
                    help="what the launches' turn covers in the first pass: the trap (as flextensor does) or only "
                         "its copies")
     p.add_argument("--register-threads", type=int, help="threads that register the model's storages")
+    p.add_argument("--timeline", action="store_true",
+                   help="write timeline-<gib>.json: every turn and registration call of the phase")
     p.add_argument("--worker", type=float, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.hidden = args.hidden or (1024 if args.cpu else 4096)
@@ -206,7 +253,7 @@ def main() -> None:
                str(args.vocab), "--seq", str(args.seq), "--warmup", args.warmup]
         cmd += ["--cpu"] * args.cpu + ["--no-discovery"] * args.no_discovery + ["--no-turns"] * args.no_turns
         cmd += ["--turn", args.turn] + (["--register-threads", str(args.register_threads)] if args.register_threads
-                                        else [])
+                                        else []) + ["--timeline"] * args.timeline
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{size:g} GiB FAILED:\n{out.stderr[-3000:]}", flush=True)

@@ -273,6 +273,7 @@ class OffloadManager:
         if self._active is not None:  # an exception escaped a trap without its exit (should not happen)
             self._active = self._active_handler = None
             self._ctx.warm.loader.unload()
+        self._ctx.warm.loader.pass_ended()
         self._handler = self._handler.end_pass(ok)
 
     def _trap_enter(self, trap: Trap) -> None:

@@ -12,14 +12,21 @@ first warm-up pass of a large model, whose storages are page-locked on a thread 
 the registration's time *plus* its own (48 GiB streamed: 3.5 s against 0.95 s for a later pass).
 
 The two sides now take turns. A trap's warm-up copies take the turn (:meth:`take`) once their regions are
-registered, and hold it until the trap's compute is launched (the loader's ``unload`` at the trap's exit gives
-it back, :meth:`give`); new registrations wait meanwhile, and the ones in flight (one per registering thread)
-finish before :meth:`take` returns. Launching takes a fraction of a millisecond per trap, so registration
-loses little, and what is launched runs on the GPU while the next regions are registered. Measured on the H200
-host (48 GiB, 42 GiB streamed, 4 KiB pages): the first pass took 3.3 s instead of 3.8 s. It still takes longer
-than the registration alone (about 2 s), as each trap waits for the calls in flight while the GPU may have run
-out of work; handing the turn back once a trap's copies were queued, before its compute, measured 3.7 s, and two
-registering threads instead of four 3.4 s (``bench/experiment_profile_phase.py``).
+registered, and hold it until the trap's compute is launched; new registrations wait meanwhile, and the ones in
+flight (one per registering thread) finish before :meth:`take` returns. Launching takes a fraction of a
+millisecond per trap, so registration loses little, and what is launched runs on the GPU while the next regions
+are registered. Measured on the H200 host (48 GiB, 42 GiB streamed, 4 KiB pages): the first pass took 3.3 s
+instead of 3.8 s; handing the turn back once a trap's copies were queued, before its compute, measured 3.7 s,
+and two registering threads instead of four 3.4 s (``bench/experiment_profile_phase.py``).
+
+Every take drains the calls in flight: the registering threads that finish meanwhile start nothing, so each
+take costs the registration about half a call on every thread (a call pins one storage: 5-20 ms on four
+threads). A timeline of that pass showed the cost: with the turn given back at every trap's exit, the pass took
+the turn 257 times, and registration ran with fewer than four calls in flight for a quarter of its 4.1 s. So the
+turn is kept across traps: at a trap's exit it goes back only once it was held for :data:`LAUNCH_SLICE_S`
+(:meth:`give_between_traps`); a copy that must wait for its region gives it back first, as before, and so does
+the end of the pass. The pass, which trails the registration, then launches every trap whose regions the drain
+finished in one turn instead of taking a turn per trap.
 
 States: ``launching`` (a launching thread holds the turn: no registration starts), ``registering`` (registration
 calls in flight), ``closed`` (the staging thread ended: :meth:`take` and :meth:`registration` are free). Anyone
@@ -31,9 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Iterator
 
-__all__ = ["LaunchTurns"]
+__all__ = ["LAUNCH_SLICE_S", "LaunchTurns"]
+
+#: How long a launching thread may keep the turn across traps before a trap's exit gives it back (module docs):
+#: several traps' launches (a fraction of a millisecond each), short against one registration call.
+LAUNCH_SLICE_S = 0.010
 
 
 class LaunchTurns:
@@ -47,6 +59,7 @@ class LaunchTurns:
         self._launching = False
         self._registering = 0
         self._closed = True
+        self._taken_at = 0.0  # perf_counter() when the turn was last taken
 
     def open(self) -> None:
         """A background registration starts (none may be in flight: the staging joined the last one first)."""
@@ -81,6 +94,7 @@ class LaunchTurns:
             while not self._closed:
                 self._launching = True  # first: no new registration starts while the ones in flight end
                 if self._registering == 0:
+                    self._taken_at = time.perf_counter()
                     return
                 self._cond.wait()
 
@@ -91,6 +105,12 @@ class LaunchTurns:
         with self._cond:
             self._launching = False
             self._cond.notify_all()
+
+    def give_between_traps(self) -> None:
+        """At a trap's exit: give the turn back if it was held for :data:`LAUNCH_SLICE_S` or longer, else keep it
+        for the next trap's launches (module docs: each take drains the registration calls in flight)."""
+        if self._launching and time.perf_counter() - self._taken_at >= LAUNCH_SLICE_S:
+            self.give()
 
     @contextlib.contextmanager
     def registration(self) -> Iterator[None]:

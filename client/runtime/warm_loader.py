@@ -61,9 +61,10 @@ class WarmLoader:
         #: Called with each host tensor before its copy: waits for its staging registration when that runs on
         #: a thread (``PinnedStaging.wait_for``), so the copy is a DMA rather than a pageable one.
         self.gate: Callable[[torch.Tensor], object] | None = None
-        #: Set with ``gate``: a copy takes the launches' turn, :meth:`unload` (the trap's exit) gives it back, so
-        #: the registrations still running do not hold up the trap's launches (flextensor.runtime.launch_turns).
-        #: :meth:`preload`'s caller gives it back itself, after the events that time the copies.
+        #: Set with ``gate``: a copy takes the launches' turn, :meth:`unload` (the trap's exit) gives it back once
+        #: held long enough and :meth:`pass_ended` always, so the registrations still running do not hold up the
+        #: traps' launches (flextensor.runtime.launch_turns). :meth:`preload`'s caller gives it back itself,
+        #: after the events that time the copies.
         self.turns: LaunchTurns | None = None
         self.copies = 0
         self.copied_bytes = 0
@@ -137,6 +138,11 @@ class WarmLoader:
         while self._saved:
             tensor, host = self._saved.pop()
             tensor.data = host
+        if self.turns is not None:
+            self.turns.give_between_traps()
+
+    def pass_ended(self) -> None:
+        """After a forward pass: the launches' turn goes back to the registrations, held or not."""
         if self.turns is not None:
             self.turns.give()
 

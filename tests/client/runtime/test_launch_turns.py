@@ -5,6 +5,7 @@ broken turn fails the test instead of hanging it."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -119,9 +120,14 @@ def test_closing_frees_every_waiter_and_makes_both_sides_free():
     turns.give()  # not held: nothing to do
 
 
-def test_the_warm_loader_holds_the_turn_from_a_trap_s_copy_to_its_exit():
-    """A stream-mode copy takes the turn and the trap's exit (unload) gives it back; a preload takes it too and
-    leaves it to its caller, which gives it back after the events that time the copies."""
+def test_the_warm_loader_holds_the_turn_from_a_trap_s_copy_past_its_exit_for_a_slice(monkeypatch):
+    """A stream-mode copy takes the turn; the trap's exit (unload) keeps it for the next trap's launches until it
+    was held for LAUNCH_SLICE_S, then gives it back; the end of the pass gives it back whatever the time. A
+    preload takes it too and leaves it to its caller, which gives it back after the events that time the
+    copies."""
+    import flextensor.runtime.launch_turns as launch_turns
+
+    monkeypatch.setattr(launch_turns, "LAUNCH_SLICE_S", 0.05)
     turns = LaunchTurns()
     turns.open()
     weights = [torch.randn(4), torch.randn(4)]
@@ -130,9 +136,51 @@ def test_the_warm_loader_holds_the_turn_from_a_trap_s_copy_to_its_exit():
     loader.load(weights)
     assert turns.held and loader.copies == 2
     loader.unload()
+    assert turns.held  # within the slice: the next trap launches in the same turn
+    loader.load(weights)
+    loader.unload()
+    loader.pass_ended()
     assert not turns.held
+    loader.load(weights)
+    time.sleep(0.06)
+    loader.unload()
+    assert not turns.held  # held past the slice: given back at the trap's exit
     resident = WarmLoader(torch.device("cpu"), keep=True, same_device_copies=weights)
     resident.turns = turns
     assert resident.preload(weights) and resident.copies == 2 and turns.held
     turns.give()
     turns.close()
+
+
+def test_traps_launch_in_one_turn_while_a_registration_waits_and_it_runs_once_the_turn_is_given(monkeypatch):
+    """A registration waiting for the turn does not start between two traps inside the slice; it starts once the
+    slice is over at a trap's exit, or at the end of the pass."""
+    import flextensor.runtime.launch_turns as launch_turns
+
+    weights = [torch.randn(4)]
+    for end in ("slice", "pass"):
+        turns = LaunchTurns()
+        turns.open()
+        loader = WarmLoader(torch.device("cpu"), same_device_copies=weights)
+        loader.turns = turns
+        monkeypatch.setattr(launch_turns, "LAUNCH_SLICE_S", 0.3 if end == "slice" else 60.0)
+        try:
+            loader.load(weights)
+            inside, leave, outcome = threading.Event(), threading.Event(), []
+            leave.set()
+            thread = _register_on_a_thread(turns, inside, leave, outcome)
+            loader.unload()
+            loader.load(weights)  # the next trap: the turn is still held, no drain
+            assert not inside.wait(0.1) and turns.held
+            if end == "slice":
+                time.sleep(0.3)
+                loader.unload()
+            else:
+                loader.unload()
+                assert not inside.wait(0.1)
+                loader.pass_ended()
+            assert inside.wait(10)
+            thread.join(10)
+            assert not thread.is_alive() and outcome == ["left"] and not turns.held
+        finally:
+            turns.close()  # a failed assert above leaves no thread waiting for the turn

@@ -486,6 +486,31 @@ def test_the_first_pass_copies_and_computes_only_between_registrations(mode, mon
     assert not fake.live
 
 
+def test_a_first_pass_that_fails_in_a_trap_leaves_the_registration_going(monkeypatch):
+    """The turn a trap's copies took is kept past the trap's exit for the next trap's launches; a pass that ends
+    there (the model raised inside that trap) gives it back, so the registrations left finish without another
+    pass or a join."""
+    model = mlp_stack()
+    fake = FakeCudart()
+    started = threading.Event()
+
+    def register(ptr: int, nbytes: int) -> None:
+        started.set()
+        time.sleep(0.003)
+        fake.register(ptr, nbytes)
+
+    om = _offload_staging_on_a_thread(monkeypatch, model, "stream", register, fake, lambda host: None)
+    assert started.wait(10)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        model(torch.randn(3, 5))  # the first layer's matmul refuses a width of 5 after its copies
+    deadline = time.monotonic() + 10
+    while len(fake.registers) < len(_param_ptrs(model)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(fake.registers) == len(_param_ptrs(model)) and not om.engine.warm.staging.turns.held
+    ft.release()
+    assert not fake.live
+
+
 class _KeepResident:
     """A plan that streams nothing: every weight stays on the device."""
 
