@@ -217,3 +217,33 @@ def test_the_switch_costs_a_gap_trap_its_compute_only_and_a_streamed_trap_its_me
         assert traps[label].stream_cost_s > 0.0  # at least the device part of the per-call cost
     om.wait_for_host_blocks()
     _passes(model, x, ref, 2)
+
+
+def test_while_the_device_still_runs_the_last_pass_the_switch_plans_from_the_passes_before_it(monkeypatch):
+    """A device that has not reached the last PROFILING pass's end (a copy-bound pass) would keep the host waiting
+    to read it: the plan is made from the passes before it meanwhile, and the last pass is read after the plan
+    and kept with the others."""
+    torch.manual_seed(0)
+    model, x = GapModel().eval(), torch.randn(4, 16).to(DEVICE)
+    ref = reference(model, x)
+    strategy = Recording()
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:Linear", "class:GELU"], load_strategy=strategy,
+                                 profiling_iters=4, skip_discovery=True))
+    clock = om.engine.clock
+    monkeypatch.setattr(clock, "done", lambda mark: False)  # the device is never past a pass's marks
+    seen_at_plan: dict[str, list[float]] = {}
+    plan = strategy.plan
+
+    def plan_and_look(inp):
+        seen_at_plan.update({label: list(s) for label, s in om.engine.profile.durations.items()})
+        return plan(inp)
+
+    monkeypatch.setattr(strategy, "plan", plan_and_look)
+    _passes(model, x, ref, om.iters_before_inference)  # the last one switches
+    for trap in strategy.input.traps:
+        durations = om.engine.profile.durations[trap.label]
+        assert len(durations) == 4 and seen_at_plan[trap.label] == durations[:3]
+        assert trap.compute_s == statistics.median(durations[:3]) > 0.0
+    om.wait_for_host_blocks()
+    _passes(model, x, ref, 2)
