@@ -111,8 +111,10 @@ class ProfilingHandler(PhaseHandler):
                 and not ctx.clock.done(last.end)):
             # The device still runs this pass (a copy-bound one, by up to half a second at 48 GiB on the H200
             # host) and the host would only wait for it: plan from the passes before it meanwhile (module docs).
-            plan = plan_switch(ctx)
-            resolve_windows(ctx, keep_last=0, last_span=False)
+            try:
+                plan = plan_switch(ctx)
+            finally:  # read even if the strategy raised: the next pass's switch finds every sample as before
+                resolve_windows(ctx, keep_last=0, last_span=False)
         else:
             resolve_windows(ctx, keep_last=0, last_span=False)  # no pass follows for the span check to steer
             plan = plan_switch(ctx)

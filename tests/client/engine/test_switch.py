@@ -247,3 +247,33 @@ def test_while_the_device_still_runs_the_last_pass_the_switch_plans_from_the_pas
         assert trap.compute_s == statistics.median(durations[:3]) > 0.0
     om.wait_for_host_blocks()
     _passes(model, x, ref, 2)
+
+
+def test_a_strategy_that_raises_while_the_device_runs_the_last_pass_leaves_that_pass_read(monkeypatch):
+    """The last pass is read even when the plan made meanwhile raises: the next pass finds nothing left to read
+    (so it marks its traps on the host's clock) and its switch plans from every pass, its own included."""
+    torch.manual_seed(0)
+    model, x = GapModel().eval(), torch.randn(4, 16).to(DEVICE)
+    ref = reference(model, x)
+    strategy = Recording()
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:Linear", "class:GELU"], load_strategy=strategy,
+                                 profiling_iters=4, skip_discovery=True))
+    monkeypatch.setattr(om.engine.clock, "done", lambda mark: False)  # the device is never past a pass's marks
+    seen_at_plan: list[int] = []
+    plan = strategy.plan
+
+    def fail_once(inp):
+        seen_at_plan.append(len(om.engine.profile.durations["first"]))
+        if len(seen_at_plan) == 1:
+            raise ValueError("this strategy fails once")
+        return plan(inp)
+
+    monkeypatch.setattr(strategy, "plan", fail_once)
+    _passes(model, x, ref, om.iters_before_inference - 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="fails once"):
+        model(x)
+    _passes(model, x, ref, 1)  # the switch again, now planned
+    assert seen_at_plan == [3, 5] and len(om.engine.profile.durations["first"]) == 5
+    om.wait_for_host_blocks()
+    _passes(model, x, ref, 2)
