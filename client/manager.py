@@ -291,6 +291,7 @@ class OffloadManager:
         except BaseException:
             self._ctx.warm.loader.unload()
             self._active = self._active_handler = None
+            self._end_of_a_trap_outside_a_pass()
             raise
 
     def _trap_exit(self, trap: Trap) -> None:
@@ -302,6 +303,13 @@ class OffloadManager:
             handler.exit(trap)
         finally:
             self._active = self._active_handler = None
+            self._end_of_a_trap_outside_a_pass()
+
+    def _end_of_a_trap_outside_a_pass(self) -> None:
+        """A trap called outside the model's forward (a submodule called directly, as ``generate`` calls an
+        encoder) has no pass end to give the launches' turn back: its exit does."""
+        if self._ctx is not None and (self._root is None or not self._root.depth):
+            self._ctx.warm.loader.pass_ended()
 
     @contextmanager
     def offload_block(self, block_name: str) -> Iterator[None]:

@@ -26,8 +26,10 @@ device still runs that pass; after the last, the switch plans and the INFERENCE 
 still running the last pass by then (its marks are per entry and its end not reached: a streaming warm-up's
 copy-bound pass leaves the host idle for 0.2-0.4 s at 24-48 GiB on the H200 host), the plan is made from the
 passes before it while the device finishes, instead of after reading it: the planner's 0.1-0.4 s of Python at
-that size then costs the phase nothing. The medians lose one sample of ten; the last pass's are still read and
-kept with the others.
+that size then costs the phase nothing. Only where every trap of the pass has two samples or more before it (a
+trap first entered in the last pass, or one pass before it, waits for the last pass's reading as before). The
+medians lose one sample of ten (``ctx.plan.compute_s`` holds the ones the plan used); the last pass's are still
+read and kept with the others.
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ class ProfilingHandler(PhaseHandler):
                 prepare_switch(ctx)
             return self
         last = profile.pending[-1] if profile.pending else None
-        if (last is not None and profile.durations and ctx.clock is not None and last.on_device
-                and not ctx.clock.done(last.end)):
+        durations = profile.durations
+        if (last is not None and ctx.clock is not None and last.on_device and not ctx.clock.done(last.end)
+                and all(len(durations.get(label, ())) >= 2 for label in ctx.sequence)):
             # The device still runs this pass (a copy-bound one, by up to half a second at 48 GiB on the H200
             # host) and the host would only wait for it: plan from the passes before it meanwhile (module docs).
             try:

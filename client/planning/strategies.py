@@ -14,6 +14,7 @@ memory mode (the peak device bytes must stay within the budget). ``resolve_budge
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from collections.abc import Sequence
@@ -313,8 +314,8 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
     resident tensor of the same trap (one candidate per distinct size: equal sizes are interchangeable). Each
     round applies the move that keeps the budget and lowers the simulated overhead most (ties, overheads within
     float noise: the move that offloads fewer bytes). Every move offloads fewer bytes and is taken only when it
-    does not lengthen the simulated pipeline beyond that noise, so the search only improves and ends;
-    ``evaluations`` bounds the number of simulations.
+    does not lengthen the simulated pipeline by more than that noise (1e-9 of the compute per move), so the
+    search ends and never gets worse by more than that; ``evaluations`` bounds the number of simulations.
     With an arena a move may also shrink the arena (the budget check recomputes it) and move later blocks in it
     (the simulation re-places them).
     """
@@ -326,8 +327,8 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
     # The search runs at the switch to INFERENCE (inside the last PROFILING pass), so its loops are kept lean
     # without changing a single decision: a trap's move list is rebuilt only when its mask changed (one trap per
     # round), the two block counts a move can lead to are computed once per round (the slots' bytes once per
-    # distinct outcome), and the loops stop as soon as the evaluations are spent (the remaining iterations could
-    # only ``continue``).
+    # distinct outcome, by _slots_after_move's cache), and the loops stop as soon as the evaluations are spent
+    # (the remaining iterations could only ``continue``).
     move_cache: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
     noise = 1e-9 * max(inp.total_compute_s, 1e-12)  # the simulator's own "no waiting" threshold
 
@@ -358,7 +359,6 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
         room = budget - base_total + off  # integers: "base_total - off + gain + peak_blocks > budget" rearranged
         order = sorted(range(len(per)), key=lambda j: -per[j])
         in_small = sum(1 for b in per if 0 < b <= small) if small else 0  # blocks the small slot could hold
-        rotating_after: dict[tuple[int, int, int, bool], int] = {}
         best: tuple[float, int, int, int, int] | None = None  # (overhead, gain, trap, tensor, taken)
         for i in range(len(traps)):
             if evaluations <= 0:
@@ -379,12 +379,9 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
                 else:
                     now_blocks = fewer_blocks if left == 0 else kept_blocks
                     if small and now_blocks:  # exact: whether a block still fits the small slot may change
-                        args = (n_off - (per_i > 0) + (left > 0), now_blocks, others_max if others_max >= left
-                                else left, in_small - (0 < per_i <= small) + (0 < left <= small) > 0)
-                        rotating = rotating_after.get(args, -1)
-                        if rotating < 0:  # a handful of distinct arguments per round: computed once each
-                            rotating = rotating_after[args] = _slots_after_move(*args[:2], min_blocks, args[2],
-                                                                                small, args[3])
+                        rotating = _slots_after_move(n_off - (per_i > 0) + (left > 0), now_blocks, min_blocks,
+                                                     others_max if others_max >= left else left, small,
+                                                     in_small - (0 < per_i <= small) + (0 < left <= small) > 0)
                     else:
                         rotating = now_blocks * (others_max if others_max >= left else left)
                     if gain + rotating > room:
@@ -415,11 +412,13 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
     return masks
 
 
+@functools.lru_cache(maxsize=4096)
 def _slots_after_move(offloaded: int, num_blocks: int, min_blocks: int, largest: int, small: int,
                       in_small: int) -> int:
     """``rotating_bytes`` of a slot plan after one polish move, from the running totals instead of a pass over
-    every trap (the polish asks this for every move of every round): ``offloaded`` streamed traps, the
-    ``largest`` block, and ``in_small`` streamed blocks that fit the ``small`` slot."""
+    every trap (the polish asks this for every move of every round, with a handful of distinct arguments per
+    round: hence the cache): ``offloaded`` streamed traps, the ``largest`` block, and ``in_small`` streamed
+    blocks that fit the ``small`` slot (only whether there are any counts)."""
     if not offloaded:
         return 0
     slots = effective_blocks(num_blocks, min_blocks, offloaded)

@@ -277,3 +277,42 @@ def test_a_strategy_that_raises_while_the_device_runs_the_last_pass_leaves_that_
     assert seen_at_plan == [3, 5] and len(om.engine.profile.durations["first"]) == 5
     om.wait_for_host_blocks()
     _passes(model, x, ref, 2)
+
+
+class LateBranchModel(GapModel):
+    """GapModel with one more Linear that runs only once ``late`` is set (a branch taken from some pass on)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__(d)
+        self.branch = torch.nn.Linear(d, d)
+        self.late = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        return self.branch(y) if self.late else y
+
+
+def test_a_trap_first_entered_in_the_last_pass_is_planned_from_its_reading(monkeypatch):
+    """The plan is made ahead of the last pass's reading only when every trap of that pass has two samples or
+    more before it: a branch first taken in the last pass is timed from that pass, not planned at zero."""
+    torch.manual_seed(0)
+    model, x = LateBranchModel().eval(), torch.randn(4, 16).to(DEVICE)
+    model.late = True
+    ref = reference(model, x)
+    model.late = False
+    strategy = Recording()
+    om = ft.get_offload_manager()
+    ft.offload(model, cpu_config(include_patterns=["class:Linear", "class:GELU"], load_strategy=strategy,
+                                 profiling_iters=4, skip_discovery=True))
+    monkeypatch.setattr(om.engine.clock, "done", lambda mark: False)  # the device is never past a pass's marks
+    with torch.no_grad():
+        for _ in range(om.iters_before_inference - 1):
+            model(x)
+        model.late = True
+        assert same(model(x), ref)  # the last PROFILING pass: the switch
+    traps = {t.label: t for t in strategy.input.traps}
+    assert list(traps) == ["first", "gap", "last", "branch"]
+    assert len(om.engine.profile.durations["branch"]) == 1 and traps["branch"].compute_s > 0.0
+    assert traps["first"].compute_s == statistics.median(om.engine.profile.durations["first"])  # all 4 read
+    om.wait_for_host_blocks()
+    _passes(model, x, ref, 2)

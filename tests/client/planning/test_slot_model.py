@@ -125,6 +125,22 @@ def test_a_long_slot_trace_resumes_like_a_full_simulation():
                     _ring_overhead(inp, changed, blocks, small), rel=1e-9, abs=1e-12)
 
 
+def test_a_change_sizes_the_slots_as_the_changed_blocks_do():
+    """with_change sizes the slots of a change from running totals (the two largest blocks, how many fit the
+    small slot): equal to sizing the changed blocks afresh, the largest one shrunk or grown included."""
+    rng = random.Random(13)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        inp = PlanInput(tuple(TrapCost(f"t{i}", 1.0, (TensorCost(f"t{i}.w", 1200),)) for i in range(n)),
+                        TransferModel(500.0), None, 4, 2)
+        per = [rng.choice([0, 100, 300, 600, 900]) for _ in range(n)]
+        trace = SlotTrace(inp, per, rng.randint(3, 5), rng.choice([300, 600]))
+        for i in range(n):
+            for nbytes in (0, 100, 300, 600, 900, 1200):
+                changed = per[:i] + [nbytes] + per[i + 1:]
+                assert trace._slots_after(i, per[i], nbytes) == trace._slots(changed)
+
+
 def test_memory_mode_sizes_the_last_slot_to_the_partly_streamed_trap():
     """At a budget of 2057 MiB (1.5% of the H200's memory) with the default 4 blocks: four whole-layer slots
     leave room for 4 resident layers (5.0 GiB stream); three whole-layer slots and one of a tensor leave room

@@ -10,6 +10,7 @@ weights that were already pinned.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
@@ -488,8 +489,24 @@ def test_the_first_pass_copies_and_computes_only_between_registrations(mode, mon
 
 def test_a_first_pass_that_fails_in_a_trap_leaves_the_registration_going(monkeypatch):
     """The turn a trap's copies took is kept past the trap's exit for the next trap's launches; a pass that ends
-    there (the model raised inside that trap) gives it back, so the registrations left finish without another
-    pass or a join."""
+    there (the model raised inside that trap: the first layer's matmul refuses a width of 5 after its copies)
+    gives it back, so the registrations left finish without another pass or a join."""
+    _the_registration_goes_on_after(monkeypatch, lambda model: model(torch.randn(3, 5)), RuntimeError)
+
+
+def test_a_trap_called_outside_the_forward_gives_the_turn_back_at_its_exit(monkeypatch):
+    """A trap called directly (no pass around it, as ``generate`` calls an encoder) keeps no turn past its exit:
+    the registrations left finish without a pass."""
+    _the_registration_goes_on_after(monkeypatch, lambda model: model[0](torch.randn(3, 16)))
+
+
+def _the_registration_goes_on_after(monkeypatch, call, raises: type[BaseException] | None = None) -> None:
+    """Offload with the registration on a thread and a launch slice far longer than any trap, ``call(model)``
+    once the registration started (expecting ``raises``), then wait (bounded) for every region to be registered
+    without another pass or a join."""
+    import flextensor.runtime.launch_turns as launch_turns
+
+    monkeypatch.setattr(launch_turns, "LAUNCH_SLICE_S", 60.0)  # a trap's exit alone never gives the turn back
     model = mlp_stack()
     fake = FakeCudart()
     started = threading.Event()
@@ -501,8 +518,8 @@ def test_a_first_pass_that_fails_in_a_trap_leaves_the_registration_going(monkeyp
 
     om = _offload_staging_on_a_thread(monkeypatch, model, "stream", register, fake, lambda host: None)
     assert started.wait(10)
-    with torch.no_grad(), pytest.raises(RuntimeError):
-        model(torch.randn(3, 5))  # the first layer's matmul refuses a width of 5 after its copies
+    with torch.no_grad(), (pytest.raises(raises) if raises else contextlib.nullcontext()):
+        call(model)
     deadline = time.monotonic() + 10
     while len(fake.registers) < len(_param_ptrs(model)) and time.monotonic() < deadline:
         time.sleep(0.01)
