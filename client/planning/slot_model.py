@@ -32,9 +32,10 @@ BudgetFill's polish asks "what if trap i carried other bytes?" thousands of time
 inside the last PROFILING pass. A trace (:class:`PipelineTrace`, :class:`SlotTrace`) remembers its state before
 every trap, so a changed run starts at trap i instead of time 0, and it ends early once its state before a later
 trap j is the base run's state there *shifted by a constant* ``d`` (every time in it ``d`` later or earlier, the
-counts and placements equal). The simulation only adds durations and takes maxima of times, and both commute
-with a shift (``max(a + d, b + d) = max(a, b) + d``), so from j on the changed run is the base run ``d`` later:
-its overhead is the base run's final clock ``+ d``. ``d = 0`` is the base run itself. Without the shift a copy
+counts and placements equal, or numbered one off all along where the change streams one trap more or less). The
+simulation only adds durations and takes maxima of times, and both commute with a shift
+(``max(a + d, b + d) = max(a, b) + d``), so from j on the changed run is the base run ``d`` later: its overhead
+is the base run's final clock ``+ d``. ``d = 0`` is the base run itself. Without the shift a copy
 bound pipeline never ends early (a changed copy moves every later time by its difference), and each question
 cost a walk to the last trap: planning time grew with the square of the layers. With it, a question walks the
 few traps until the pipeline is back in step, so planning a 190-layer model takes about as long per question as
@@ -215,9 +216,10 @@ class SlotTrace:
         lists, so that a state is cheap to save and compare.
 
         A re-run (``record=False``) over the base run's slots (``converge``) ends early once its state before some
-        later trap is the base run's there, shifted (module docstring, "Resuming a changed run"): same copy
-        counter and slot placements, and the clock, last copy end and every slot owner's compute end moved by
-        one ``d``."""
+        later trap is the base run's there, shifted (module docstring, "Resuming a changed run"): the clock,
+        last copy end and every slot owner's compute end moved by one ``d``, and the placements numbered alike
+        (each slot's last placement the base run's, or one off from it all along when the change streams one
+        trap more or less: least recently used is an order, which the offset keeps)."""
         inp = self.inp
         transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
         clock, last_end, placed, last_use_t, owner_t = state
@@ -228,7 +230,9 @@ class SlotTrace:
                 before.append((clock, last_end, placed, tuple(last_use), tuple(owner)))
             elif converge and i > first:
                 b_clock, b_last, b_placed, b_use, b_owner = before[i]
-                if placed == b_placed and tuple(last_use) == b_use:
+                offset = b_placed - placed  # one placement more (-1) or less (1) than the base run, or as many
+                if -1 <= offset <= 1 and all(u == b == -1 or u >= 0 and u + offset == b
+                                             for u, b in zip(last_use, b_use)):
                     d = clock - b_clock
                     tolerance = SHIFT_TOLERANCE * (abs(b_clock) + abs(d))
                     if _same_shift(d, last_end, b_last, tolerance) and all(
@@ -291,10 +295,12 @@ class PipelineTrace:
         bound method is called instead when a subclass overrides ``seconds``).
 
         A re-run (``record=False``, from ``with_change``) ends early once its state before some later trap is the
-        base run's there, shifted (module docstring, "Resuming a changed run"): same copy count, and the clock,
-        last copy end and the compute end of every block slot a later copy may still wait for moved by one
-        ``d``. Compute ends from before ``first`` are the base run's own (not kept in ``used``): a window that
-        reaches them ends early only unshifted.
+        base run's there, shifted (module docstring, "Resuming a changed run"): the clock, last copy end and the
+        compute end of every block slot a later copy may still wait for moved by one ``d``. A change that streams
+        one trap more or less numbers the later copies one off from the base run's (``offset``): its copy ``c``
+        is the base run's ``c + offset``, waiting for the slot of ``c - blocks`` as that one waits for the slot
+        of ``c + offset - blocks``. Compute ends from before ``first`` are the base run's own (not kept in
+        ``used``): a window that reaches them ends early only unshifted.
         """
         inp, blocks = self.inp, self.num_blocks
         transfer, scale, compute, cost = inp.transfer, inp.scale, inp.compute, inp.stream_costs
@@ -309,14 +315,15 @@ class PipelineTrace:
                 before.append((clock, copies, last_end))
             elif i > first:
                 b_clock, b_copies, b_last = before[i]
-                if copies == b_copies:
-                    d = clock - b_clock
-                    tolerance = SHIFT_TOLERANCE * (abs(b_clock) + abs(d))
-                    if (_same_shift(d, last_end, b_last, tolerance)
-                            and (d == 0.0 or copies - blocks >= base)
-                            and all(_same_shift(d, used[k - base], shared[k], tolerance)
-                                    for k in range(max(base, copies - blocks), copies))):
-                        return self.overhead if d == 0.0 else _overhead(self.final_clock + d, inp.total_compute_s)
+                offset = b_copies - copies  # the change streams one trap more (-1) or less (1), or as many
+                d = clock - b_clock
+                tolerance = SHIFT_TOLERANCE * (abs(b_clock) + abs(d))
+                shifted = d != 0.0 or offset != 0
+                if (-1 <= offset <= 1 and _same_shift(d, last_end, b_last, tolerance)
+                        and (not shifted or copies - blocks >= base and copies - blocks + offset >= 0)
+                        and all(_same_shift(d, used[k - base], shared[k + offset], tolerance)
+                                for k in range(max(base, copies - blocks), copies))):
+                    return self.overhead if d == 0.0 else _overhead(self.final_clock + d, inp.total_compute_s)
             nbytes = per[i]
             if nbytes > 0:
                 start = last_end

@@ -219,6 +219,52 @@ def test_a_changed_copy_bound_run_ends_as_the_base_run_shifted():
                     changed = per[:i] + [nbytes] + per[i + 1:]
                     assert trace.with_change(i, nbytes) == pytest.approx(simulate_bytes(plan_in, changed, blocks),
                                                                          rel=1e-9, abs=1e-12)
+    for _ in range(300):  # short runs, free traps and few blocks: a copy added or dropped near the start
+        n = rng.randint(2, 6)
+        traps = [TrapCost(f"t{i}", rng.choice([0.0, 0.5, 1.0, 2.0]), (TensorCost(f"t{i}.0", 9),)) for i in range(n)]
+        plan_in = PlanInput(tuple(traps), TransferModel(1.0), None, 2)
+        per = [rng.choice([0, 0, 1, 2, 3]) for _ in range(n)]
+        for blocks in (1, 2, 3):
+            trace = PipelineTrace(plan_in, per, blocks)
+            for i in range(n):
+                for nbytes in (0, 1, 3):
+                    changed = per[:i] + [nbytes] + per[i + 1:]
+                    assert trace.with_change(i, nbytes) == pytest.approx(simulate_bytes(plan_in, changed, blocks),
+                                                                         rel=1e-9, abs=1e-12)
+
+
+class _CountingTransfer(TransferModel):
+    """UNIT's copy times, counting the copies a simulation prices (one per streamed trap it walks)."""
+
+    priced = [0]
+
+    def seconds(self, nbytes: int) -> float:
+        _CountingTransfer.priced[0] += 1
+        return super().seconds(nbytes)
+
+
+@pytest.mark.parametrize("small, changes", [
+    (0, ((5, 3), (10, 0), (20, 4), (40, 2), (60, 5))),  # slots of one size (PipelineTrace): a copy shorter,
+    # dropped, added (trap 20 streams nothing in the base run), longer
+    (2, ((5, 3), (40, 3))),  # a small slot (SlotTrace): changes that place every block as before
+])
+def test_a_changed_copy_bound_run_walks_a_few_traps_not_the_rest_of_the_pass(small, changes):
+    """200 copy-bound traps: a change near the start is back in step (shifted, its copies numbered one off when
+    it drops a trap's copy) within a few traps, so the re-run prices a handful of copies instead of the ~190
+    after it, and still equals a full simulation."""
+    from flextensor.planning.plan_model import simulation
+
+    traps = tuple(TrapCost(f"t{i}", 0.5, (TensorCost(f"t{i}.0", 4),)) for i in range(200))
+    plan_in = PlanInput(traps, _CountingTransfer(1.0), None, 4, 2)
+    per = [4] * 200
+    per[20], per[100] = 0, 1  # a resident trap; a block that fits the small slot, where there is one
+    trace = simulation(plan_in, per, 4, small)
+    for i, nbytes in changes:
+        _CountingTransfer.priced[0] = 0
+        changed = trace.with_change(i, nbytes)
+        assert _CountingTransfer.priced[0] <= 10
+        assert changed == pytest.approx(simulate_bytes(plan_in, per[:i] + [nbytes] + per[i + 1:], 4, small),
+                                        rel=1e-9)
 
 
 def _random_layers(rng: random.Random, jitter: float = 0.0, spec=None):
