@@ -26,7 +26,9 @@ the turn 257 times, and registration ran with fewer than four calls in flight fo
 turn is kept across traps: at a trap's exit it goes back only once it was held for :data:`LAUNCH_SLICE_S`
 (:meth:`give_between_traps`); a copy that must wait for its region gives it back first, as before, and so does
 the end of the pass. The pass, which trails the registration, then launches every trap whose regions the drain
-finished in one turn instead of taking a turn per trap.
+finished in one turn instead of taking a turn per trap. A trap called outside a pass gives it back at its exit.
+The price: host work between two traps that blocks (a ``.item()``, a synchronize) keeps the turn meanwhile, as
+it kept it inside a trap before; only the first pass of a large model registers while it runs.
 
 States: ``launching`` (a launching thread holds the turn: no registration starts), ``registering`` (registration
 calls in flight), ``closed`` (the staging thread ended: :meth:`take` and :meth:`registration` are free). Anyone
