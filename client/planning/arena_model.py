@@ -48,6 +48,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
+from flextensor.planning.slot_model import overhead_noise
+
 __all__ = ["ArenaMap", "ArenaTrace", "window_bytes"]
 
 Owner = TypeVar("Owner")
@@ -194,4 +196,4 @@ class ArenaTrace:
             else:
                 clock += compute[i]
         overhead = clock - inp.total_compute_s
-        return 0.0 if overhead <= 1e-9 * max(inp.total_compute_s, 1e-12) else overhead
+        return 0.0 if overhead <= overhead_noise(inp.total_compute_s) else overhead

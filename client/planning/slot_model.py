@@ -50,8 +50,8 @@ from typing import Any, Generic, TypeVar
 
 from flextensor.planning.transfer_model import TransferModel
 
-__all__ = ["PipelineTrace", "SlotRing", "SlotTrace", "effective_blocks", "slot_sizes", "small_slot_for",
-           "small_slot_used"]
+__all__ = ["PipelineTrace", "SlotRing", "SlotTrace", "effective_blocks", "overhead_noise", "slot_sizes",
+           "small_slot_for", "small_slot_used"]
 
 Owner = TypeVar("Owner")
 
@@ -63,11 +63,16 @@ MIN_SLOTS_WITH_SMALL = 3
 SHIFT_TOLERANCE = 1e-12
 
 
+def overhead_noise(total_compute_s: float) -> float:
+    """Overhead this small is float noise from summing in another order, not waiting: what the simulators round
+    to 0 and what the planner's searches count as a tie."""
+    return 1e-9 * max(total_compute_s, 1e-12)
+
+
 def _overhead(clock: float, total_compute_s: float) -> float:
-    """A run's overhead from its final clock; differences this small are float noise from summing in another
-    order, not waiting."""
+    """A run's overhead from its final clock (0 within :func:`overhead_noise`)."""
     overhead = clock - total_compute_s
-    return 0.0 if overhead <= 1e-9 * max(total_compute_s, 1e-12) else overhead
+    return 0.0 if overhead <= overhead_noise(total_compute_s) else overhead
 
 
 def _same_shift(d: float, now: float, base: float, tolerance: float) -> bool:

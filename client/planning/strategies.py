@@ -50,7 +50,7 @@ from flextensor.planning.basic_strategies import (  # noqa: F401 - the basic str
     _SubsetSums,
     _tables,
 )
-from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL, slot_sizes, small_slot_for
+from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL, overhead_noise, slot_sizes, small_slot_for
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
     # distinct outcome, by _slots_after_move's cache), and the loops stop as soon as the evaluations are spent
     # (the remaining iterations could only ``continue``).
     move_cache: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}
-    noise = 1e-9 * max(inp.total_compute_s, 1e-12)  # the simulator's own "no waiting" threshold
+    noise = overhead_noise(inp.total_compute_s)
 
     def moves(i: int) -> list[tuple[int, int, int]]:
         """Trap i's moves as (gain, tensor given back, tensor taken instead or -1), in the search's order."""
@@ -404,11 +404,10 @@ def _polish(inp: PlanInput, masks: list[int], count: int, evaluations: int, smal
         if best is None:
             break
         _, gain, i, k, other = best
-        neg_gain = -gain
         masks[i] &= ~(1 << k)
         if other >= 0:
             masks[i] |= 1 << other
-        per[i] += neg_gain
+        per[i] -= gain
     return masks
 
 

@@ -197,14 +197,24 @@ class GapModel(torch.nn.Module):
         return self.last(self.gap(self.first(x)))
 
 
-def test_the_switch_costs_a_gap_trap_its_compute_only_and_a_streamed_trap_its_median_and_stream_cost():
-    torch.manual_seed(0)
-    model, x = GapModel().eval(), torch.randn(4, 16).to(DEVICE)
-    ref = reference(model, x)
+def _offload_recorded(model, monkeypatch=None):
+    """Offload ``model`` by its Linear and GELU traps, 4 PROFILING passes, planned by a ``Recording`` strategy;
+    returns (strategy, manager). With ``monkeypatch`` the device is never past a pass's marks (as when a
+    copy-bound pass still runs at the switch)."""
     strategy = Recording()
     om = ft.get_offload_manager()
     ft.offload(model, cpu_config(include_patterns=["class:Linear", "class:GELU"], load_strategy=strategy,
                                  profiling_iters=4, skip_discovery=True))
+    if monkeypatch is not None:
+        monkeypatch.setattr(om.engine.clock, "done", lambda mark: False)
+    return strategy, om
+
+
+def test_the_switch_costs_a_gap_trap_its_compute_only_and_a_streamed_trap_its_median_and_stream_cost():
+    torch.manual_seed(0)
+    model, x = GapModel().eval(), torch.randn(4, 16).to(DEVICE)
+    ref = reference(model, x)
+    strategy, om = _offload_recorded(model)
     _passes(model, x, ref, om.iters_before_inference)  # the last one switches
     traps = {t.label: t for t in strategy.input.traps}
     assert [t.label for t in strategy.input.traps] == ["first", "gap", "last"]
@@ -226,12 +236,7 @@ def test_while_the_device_still_runs_the_last_pass_the_switch_plans_from_the_pas
     torch.manual_seed(0)
     model, x = GapModel().eval(), torch.randn(4, 16).to(DEVICE)
     ref = reference(model, x)
-    strategy = Recording()
-    om = ft.get_offload_manager()
-    ft.offload(model, cpu_config(include_patterns=["class:Linear", "class:GELU"], load_strategy=strategy,
-                                 profiling_iters=4, skip_discovery=True))
-    clock = om.engine.clock
-    monkeypatch.setattr(clock, "done", lambda mark: False)  # the device is never past a pass's marks
+    strategy, om = _offload_recorded(model, monkeypatch)
     seen_at_plan: dict[str, list[float]] = {}
     plan = strategy.plan
 
@@ -255,11 +260,7 @@ def test_a_strategy_that_raises_while_the_device_runs_the_last_pass_leaves_that_
     torch.manual_seed(0)
     model, x = GapModel().eval(), torch.randn(4, 16).to(DEVICE)
     ref = reference(model, x)
-    strategy = Recording()
-    om = ft.get_offload_manager()
-    ft.offload(model, cpu_config(include_patterns=["class:Linear", "class:GELU"], load_strategy=strategy,
-                                 profiling_iters=4, skip_discovery=True))
-    monkeypatch.setattr(om.engine.clock, "done", lambda mark: False)  # the device is never past a pass's marks
+    strategy, om = _offload_recorded(model, monkeypatch)
     seen_at_plan: list[int] = []
     plan = strategy.plan
 
@@ -300,11 +301,7 @@ def test_a_trap_first_entered_in_the_last_pass_is_planned_from_its_reading(monke
     model.late = True
     ref = reference(model, x)
     model.late = False
-    strategy = Recording()
-    om = ft.get_offload_manager()
-    ft.offload(model, cpu_config(include_patterns=["class:Linear", "class:GELU"], load_strategy=strategy,
-                                 profiling_iters=4, skip_discovery=True))
-    monkeypatch.setattr(om.engine.clock, "done", lambda mark: False)  # the device is never past a pass's marks
+    strategy, om = _offload_recorded(model, monkeypatch)
     with torch.no_grad():
         for _ in range(om.iters_before_inference - 1):
             model(x)

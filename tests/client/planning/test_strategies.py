@@ -201,6 +201,18 @@ def test_pipeline_trace_resumes_like_a_full_simulation(cost):
         assert trace.per_trap == per  # probing leaves the base untouched
 
 
+def _every_change_resumes_like_a_full_run(plan_in, per, block_counts, sizes) -> None:
+    """For each block count: every trap changed to each of ``sizes`` bytes, resumed from the base run, equals a
+    full simulation of the changed blocks."""
+    for blocks in block_counts:
+        trace = PipelineTrace(plan_in, per, blocks)
+        for i in range(len(per)):
+            for nbytes in sizes:
+                changed = per[:i] + [nbytes] + per[i + 1:]
+                assert trace.with_change(i, nbytes) == pytest.approx(simulate_bytes(plan_in, changed, blocks),
+                                                                     rel=1e-9, abs=1e-12)
+
+
 def test_a_changed_copy_bound_run_ends_as_the_base_run_shifted():
     """In a copy-bound pipeline a changed copy moves every later time by its difference; the re-run ends early
     with the base run's overhead moved by as much, which equals a full simulation (compute times drawn, some
@@ -212,25 +224,13 @@ def test_a_changed_copy_bound_run_ends_as_the_base_run_shifted():
                           rng.choice([0.0, 0.05])) for i in range(n)]
         plan_in = PlanInput(tuple(traps), TransferModel(2.0, rng.choice([0.0, 0.25])), None, 2)
         per = [rng.choice([0, 1, 3, 9]) for _ in range(n)]
-        for blocks in (2, 3, 4):
-            trace = PipelineTrace(plan_in, per, blocks)
-            for i in range(n):
-                for nbytes in (0, 2, 9):
-                    changed = per[:i] + [nbytes] + per[i + 1:]
-                    assert trace.with_change(i, nbytes) == pytest.approx(simulate_bytes(plan_in, changed, blocks),
-                                                                         rel=1e-9, abs=1e-12)
+        _every_change_resumes_like_a_full_run(plan_in, per, (2, 3, 4), (0, 2, 9))
     for _ in range(300):  # short runs, free traps and few blocks: a copy added or dropped near the start
         n = rng.randint(2, 6)
         traps = [TrapCost(f"t{i}", rng.choice([0.0, 0.5, 1.0, 2.0]), (TensorCost(f"t{i}.0", 9),)) for i in range(n)]
         plan_in = PlanInput(tuple(traps), TransferModel(1.0), None, 2)
         per = [rng.choice([0, 0, 1, 2, 3]) for _ in range(n)]
-        for blocks in (1, 2, 3):
-            trace = PipelineTrace(plan_in, per, blocks)
-            for i in range(n):
-                for nbytes in (0, 1, 3):
-                    changed = per[:i] + [nbytes] + per[i + 1:]
-                    assert trace.with_change(i, nbytes) == pytest.approx(simulate_bytes(plan_in, changed, blocks),
-                                                                         rel=1e-9, abs=1e-12)
+        _every_change_resumes_like_a_full_run(plan_in, per, (1, 2, 3), (0, 1, 3))
 
 
 class _CountingTransfer(TransferModel):
