@@ -167,9 +167,27 @@ def _prepare_trap(ctx: EngineContext, trap: Trap) -> None:
     if warm.ready:  # the first pass after an overlapped preload: wait for this trap's copy
         wait_copy(ctx, trap.label)
     if unsettled:
-        loader.load(ctx.tensor_objs(names))
+        if _times_stream_copies(ctx):
+            timed = loader.load_timed(ctx.tensor_objs(names))
+            if timed is not None:
+                warm.events.append(timed)
+        else:
+            loader.load(ctx.tensor_objs(names))
         if loader.keep and not loader.active:  # all of this trap's tensors hold kept copies: from now on
             warm.settled[trap.label] = loader.removals  # skip the check until one is given up
+
+
+def _times_stream_copies(ctx: EngineContext) -> bool:
+    """Whether this pass times its streamed copies for the planner's transfer model (``sweep_samples``).
+
+    Stream mode copies every trap's weights in every pass: timed, they are the transfer measurement, and the
+    switch needs no sweep of its own. A sweep there would wait for the device to finish the last pass (it must
+    not share the bus with that pass's copies) while the plan could be made meanwhile. Not the first PROFILING
+    pass (its copies grow the device allocator and wait for registrations) nor the last (reading its events
+    would wait for the device again)."""
+    first = ctx.iters_before_inference - ctx.config.profiling_iters
+    return (not ctx.warm.loader.keep and ctx.device.type == "cuda"
+            and first < ctx.profile.iteration < ctx.iters_before_inference - 1)
 
 
 def _close_window(ctx: EngineContext, mark: Any = None, host: float | None = None) -> None:

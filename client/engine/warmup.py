@@ -32,7 +32,8 @@ the order it happens:
    compute waits only for its own group's copy (:func:`wait_copy`, called at its entry), so the pass's
    compute overlaps the sweep.
 3. The switch to INFERENCE: :func:`sweep_samples` turns the sweep's events into ``(bytes, seconds)`` samples,
-   the transfer measurement the planner fits (no second sweep).
+   the transfer measurement the planner fits (no second sweep). A stream warm-up times its per-call copies
+   instead (``flextensor.engine.profiling``).
 
 Ordering: all copies and their events are recorded on one stream, in trap order; a trap's compute waits for
 its group's end event, and everything after the pass (or a trap the pass did not enter) waits for the last one.
@@ -219,13 +220,19 @@ def wait_copy(ctx: EngineContext, label: str | None) -> None:
 
 
 def sweep_samples(ctx: EngineContext) -> list[tuple[int, float]]:
-    """``(bytes, seconds)`` of the resident warm-up's copies per trap (empty when not measured).
+    """``(bytes, seconds)`` of the warm-up's timed copies (empty when none were timed): the fastest copy of each
+    size, as the transfer sweep keeps the fastest of its repeats (a copy is never faster than the bus).
 
-    One wait serves every pair: :func:`preload` records all of them, in order, on one stream, so once the
-    last end event completed every earlier event has too (long finished anyway: the profiling passes ran on
-    these copies)."""
+    Two sources, each recorded on one stream in order: the resident warm-up's one sweep (:func:`preload`, per
+    trap group) and the stream warm-up's copies of the passes between the first PROFILING pass and the last
+    (per trap call, ``flextensor.engine.profiling``). One wait serves every pair: once the last end event
+    completed every earlier one has too (long finished anyway: later passes ran after them)."""
     events, ctx.warm.events = ctx.warm.events, []
     if events:
         events[-1][2].synchronize()
-    samples = [(nbytes, start.elapsed_time(end) / 1e3) for nbytes, start, end in events]
-    return [s for s in samples if s[0] > 0 and s[1] > 0]
+    fastest: dict[int, float] = {}
+    for nbytes, start, end in events:
+        seconds = start.elapsed_time(end) / 1e3
+        if nbytes > 0 and seconds > 0:
+            fastest[nbytes] = min(seconds, fastest.get(nbytes, seconds))
+    return sorted(fastest.items())

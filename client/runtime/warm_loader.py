@@ -122,6 +122,25 @@ class WarmLoader:
                 self._fall_back(exc)
         self._load(tensors, keep=False)
 
+    def load_timed(self, tensors: Iterable[torch.Tensor]) -> tuple[int, Any, Any] | None:
+        """Stream mode on CUDA: :meth:`load` between two timing events on the stream the copies run on, as
+        ``(bytes, start, end)``; None (the copies made, untimed) when nothing needed a copy or some copy would
+        not be a DMA from page-locked memory. Each region is waited for and the launches' turn taken before the
+        start event, so the pair times the copies alone, not a wait of the host."""
+        todo = [t for t in tensors if self._needs_copy(t)]
+        pinned = self.non_blocking and all([self.gate(t.data) if self.gate is not None else True for t in todo])
+        if self.keep or not todo or not pinned or self.device.type != "cuda":
+            self.load(todo)
+            return None
+        if self.turns is not None:
+            self.turns.take()
+        stream = self.copy_stream or torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        self._load(todo, keep=False)
+        end.record(stream)
+        return sum(tensor_nbytes(t.data) for t in todo), start, end
+
     def preload(self, tensors: Iterable[torch.Tensor]) -> bool:
         """Resident mode: copy ``tensors`` now, ahead of any trap. False when not kept (stream mode, or OOM)."""
         if not self.keep:

@@ -654,9 +654,9 @@ def test_cuda_resident_warmup_copies_are_the_transfer_measurement(monkeypatch):
     def no_sweep(*args, **kwargs):
         raise AssertionError("transfer_sweep ran although the warm-up copies were timed")
 
-    import flextensor.runtime.sweep as profiling_mod
+    import flextensor.engine.switch as switch_mod
 
-    monkeypatch.setattr(profiling_mod, "transfer_sweep", no_sweep)
+    monkeypatch.setattr(switch_mod, "transfer_sweep", no_sweep)
     model, ids, ref, cfg = _cuda_setup()
     ft.offload(model, cfg)
     om = ft.get_offload_manager()
@@ -666,8 +666,50 @@ def test_cuda_resident_warmup_copies_are_the_transfer_measurement(monkeypatch):
             _close(model(ids), ref)
     per_trap = [sum(om.engine.tensors[n].tensor.numel() * om.engine.tensors[n].tensor.element_size() for n in t.candidates)
                 for t in om.engine.traps.values()]
-    assert sorted(b for b, _s in om.engine.plan.samples) == sorted(b for b in per_trap if b)
+    assert [b for b, _s in om.engine.plan.samples] == sorted({b for b in per_trap if b})  # the fastest per size
     assert all(0 < s < 1 for _b, s in om.engine.plan.samples)
+    om.wait_for_host_blocks()
+    with torch.no_grad():
+        _close(model(ids), ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("profiling_iters", [2, 4])
+def test_cuda_stream_warmup_copies_are_the_transfer_measurement(monkeypatch, profiling_iters):
+    """A stream warm-up times its per-call copies in the PROFILING passes between the first and the last; the
+    switch then fits them and sweeps only when no such pass exists (two PROFILING passes)."""
+    import flextensor.engine.switch as switch_mod
+
+    sweeps: list[list[int]] = []
+    real_sweep = switch_mod.transfer_sweep
+
+    def counted_sweep(device, trap_bytes, **kwargs):
+        sweeps.append(list(trap_bytes))
+        return real_sweep(device, trap_bytes, **kwargs)
+
+    monkeypatch.setattr(switch_mod, "transfer_sweep", counted_sweep)
+    model, ids, ref, cfg = _cuda_setup(profiling_iters=profiling_iters)
+    om = ft.get_offload_manager()
+    needed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("blocks."))
+    om.set_memory_budget(needed - 1)
+    ft.offload(model, cfg)
+    assert om.engine.warm.decision.mode is WarmupMode.STREAM and om.engine.warm.loader.non_blocking
+    timed: list[int] = []
+    with torch.no_grad():
+        while om.phase is not Phase.INFERENCE:
+            _close(model(ids), ref)
+            timed.append(len(om.engine.warm.events))
+    per_trap = {sum(om.engine.tensors[n].tensor.numel() * om.engine.tensors[n].tensor.element_size()
+                    for n in om.engine.exclusive.get(label, ())) for label in om.engine.sequence}
+    calls = sum(1 for label in om.engine.sequence if om.engine.exclusive.get(label))
+    middle = profiling_iters - 2  # neither the first PROFILING pass nor the last
+    assert timed[:-1] == [0] * (1 + 1) + [calls * k for k in range(1, middle + 1)]  # DISCOVERY, first PROFILING
+    samples = om.engine.plan.samples
+    if middle:
+        assert sweeps == [] and [b for b, _s in samples] == sorted(per_trap - {0})
+    else:
+        assert len(sweeps) == 1
+    assert samples and all(0 < s < 1 for _b, s in samples)
     om.wait_for_host_blocks()
     with torch.no_grad():
         _close(model(ids), ref)

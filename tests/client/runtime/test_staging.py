@@ -491,13 +491,13 @@ def test_a_first_pass_that_fails_in_a_trap_leaves_the_registration_going(monkeyp
     """The turn a trap's copies took is kept past the trap's exit for the next trap's launches; a pass that ends
     there (the model raised inside that trap: the first layer's matmul refuses a width of 5 after its copies)
     gives it back, so the registrations left finish without another pass or a join."""
-    _the_registration_goes_on_after(monkeypatch, lambda model: model(torch.randn(3, 5)), RuntimeError)
+    _the_registration_goes_on_after(monkeypatch, lambda model: model(torch.randn(3, 5, device=DEVICE)), RuntimeError)
 
 
 def test_a_trap_called_outside_the_forward_gives_the_turn_back_at_its_exit(monkeypatch):
     """A trap called directly (no pass around it, as ``generate`` calls an encoder) keeps no turn past its exit:
     the registrations left finish without a pass."""
-    _the_registration_goes_on_after(monkeypatch, lambda model: model[0](torch.randn(3, 16)))
+    _the_registration_goes_on_after(monkeypatch, lambda model: model[0](torch.randn(3, 16, device=DEVICE)))
 
 
 def _the_registration_goes_on_after(monkeypatch, call, raises: type[BaseException] | None = None) -> None:
