@@ -3,8 +3,9 @@
 :func:`plan_switch` runs once, after the last counted PROFILING pass: per-trap compute seconds (median over
 passes) and each trap's exclusive tensors become the planner's ``TrapCost`` list (tensor sizes rounded up to the
 256-byte packing alignment, so the planner's block bytes equal the loader's); tensors no trap may offload are
-``fixed_resident_bytes``. The transfer model comes from the warm-up's one sweep (or a sweep now, when there was
-none). The strategy's ``offloaded`` map becomes packed block layouts, one per offloaded trap, in trap order.
+``fixed_resident_bytes``. The transfer model comes from the warm-up's timed copies (``sweep_samples``: the
+resident warm-up's one sweep, or a stream warm-up's per-call copies), or from a sweep now when there were none.
+The strategy's ``offloaded`` map becomes packed block layouts, one per offloaded trap, in trap order.
 ``flextensor.engine.build`` turns the plan into host blocks and a loader.
 """
 
