@@ -128,8 +128,11 @@ class WarmLoader:
         not be a DMA from page-locked memory. Each region is waited for and the launches' turn taken before the
         start event, so the pair times the copies alone, not a wait of the host."""
         todo = [t for t in tensors if self._needs_copy(t)]
-        pinned = self.non_blocking and all([self.gate(t.data) if self.gate is not None else True for t in todo])
-        if self.keep or not todo or not pinned or self.device.type != "cuda":
+        if self.keep or not todo or not self.non_blocking or self.device.type != "cuda":
+            self.load(todo)
+            return None
+        gate = self.gate
+        if gate is not None and not all([gate(t.data) for t in todo]):  # all waited for, then checked
             self.load(todo)
             return None
         if self.turns is not None:
