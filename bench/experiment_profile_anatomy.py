@@ -114,7 +114,7 @@ def instrument() -> None:
                         (manager.OffloadManager, "_trap_enter"), (manager.OffloadManager, "_trap_exit"),
                         (handler, "begin_pass"), (handler, "end_pass"), (handler, "enter"), (handler, "exit"),
                         (profiling, "resolve_windows"), (profiling, "recycle_windows"), (timing.TimingCollector, "mark"),
-                        (profiling, "preload"), (switch, "sweep_samples"),
+                        (profiling, "preload"), (switch, "warm_samples"),
                         (profiling, "plan_switch"), (profiling, "prepare_switch"), (profiling, "enter_inference"),
                         (switch, "pack_block"), (build, "can_defer"), (build, "defer_inference"),
                         (switch, "resolve_device_budget"), (build, "bypass_untimed_traps"), (manager, "make_provider"),

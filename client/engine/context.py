@@ -98,7 +98,7 @@ class WarmupState:
     staging: PinnedStaging
     decision: WarmupDecision | None = None
     pending: list[str] = field(default_factory=list)  # resident warm-up: names to copy at the first pass's start
-    events: list[tuple[int, Any, Any]] = field(default_factory=list)  # per trap group: (bytes, start, end) events
+    events: list[tuple[int, Any, Any]] = field(default_factory=list)  # timed copies: (bytes, start, end) events
     ready: dict[str | None, Any] = field(default_factory=dict)  # trap label -> event of its overlapped copy
     settled: dict[str, int] = field(default_factory=dict)  # trap label -> WarmLoader.removals when all were kept
     last: Any = None  # the last overlapped copy's event (orders everything after the first pass)

@@ -178,7 +178,8 @@ def _prepare_trap(ctx: EngineContext, trap: Trap) -> None:
 
 
 def _times_stream_copies(ctx: EngineContext) -> bool:
-    """Whether this pass times its streamed copies for the planner's transfer model (``sweep_samples``).
+    """Whether this pass times its streamed copies (``WarmLoader.load_timed``, which also decides whether a copy
+    can be timed at all) for the planner's transfer model (``warm_samples``).
 
     Stream mode copies every trap's weights in every pass: timed, they are the transfer measurement, and the
     switch needs no sweep of its own. A sweep there would wait for the device to finish the last pass (it must
@@ -186,8 +187,7 @@ def _times_stream_copies(ctx: EngineContext) -> bool:
     pass (its copies grow the device allocator and wait for registrations) nor the last (reading its events
     would wait for the device again)."""
     first = ctx.iters_before_inference - ctx.config.profiling_iters
-    return (not ctx.warm.loader.keep and ctx.device.type == "cuda"
-            and first < ctx.profile.iteration < ctx.iters_before_inference - 1)
+    return first < ctx.profile.iteration < ctx.iters_before_inference - 1
 
 
 def _close_window(ctx: EngineContext, mark: Any = None, host: float | None = None) -> None:

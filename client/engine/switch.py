@@ -3,7 +3,7 @@
 :func:`plan_switch` runs once, after the last counted PROFILING pass: per-trap compute seconds (median over
 passes) and each trap's exclusive tensors become the planner's ``TrapCost`` list (tensor sizes rounded up to the
 256-byte packing alignment, so the planner's block bytes equal the loader's); tensors no trap may offload are
-``fixed_resident_bytes``. The transfer model comes from the warm-up's timed copies (``sweep_samples``: the
+``fixed_resident_bytes``. The transfer model comes from the warm-up's timed copies (``warm_samples``: the
 resident warm-up's one sweep, or a stream warm-up's per-call copies), or from a sweep now when there were none.
 The strategy's ``offloaded`` map becomes packed block layouts, one per offloaded trap, in trap order.
 ``flextensor.engine.build`` turns the plan into host blocks and a loader.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from flextensor.engine.context import SwitchInputs
-from flextensor.engine.warmup import sweep_samples
+from flextensor.engine.warmup import warm_samples
 from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
 from flextensor.planning.strategies import AdaptiveStrategy, resolve_budget
 from flextensor.runtime.host_memory import ALIGN, BlockLayout, pack_block, packed_stride
@@ -123,7 +123,7 @@ def plan_switch(ctx: EngineContext) -> Plan:
     if ctx.in_place:  # nothing is ever copied (Note [CPU in place]): no sweep, and its buffers never allocated
         record.samples, transfer = [], IN_PLACE_TRANSFER
     else:
-        record.samples = sweep_samples(ctx) or transfer_sweep(ctx.device, [c.total_bytes for c in costs],
+        record.samples = warm_samples(ctx) or transfer_sweep(ctx.device, [c.total_bytes for c in costs],
                                                               pinned=cfg.pinned_memory)
         transfer = TransferModel.fit(record.samples) if record.samples else TransferModel(1e9)
     budget = resolve_device_budget(ctx)

@@ -31,12 +31,13 @@ the order it happens:
    by trap, between CUDA timing events. In a PROFILING pass the copies run on the side stream and each trap's
    compute waits only for its own group's copy (:func:`wait_copy`, called at its entry), so the pass's
    compute overlaps the sweep.
-3. The switch to INFERENCE: :func:`sweep_samples` turns the sweep's events into ``(bytes, seconds)`` samples,
+3. The switch to INFERENCE: :func:`warm_samples` turns the sweep's events into ``(bytes, seconds)`` samples,
    the transfer measurement the planner fits (no second sweep). A stream warm-up times its per-call copies
    instead (``flextensor.engine.profiling``).
 
-Ordering: all copies and their events are recorded on one stream, in trap order; a trap's compute waits for
-its group's end event, and everything after the pass (or a trap the pass did not enter) waits for the last one.
+Ordering: all of the resident sweep's copies and their events are recorded on one stream, in trap order; a
+trap's compute waits for its group's end event, and everything after the pass (or a trap the pass did not
+enter) waits for the last one.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from flextensor.state import tensor_nbytes
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
 
-__all__ = ["choose_warmup", "stage", "overlap_stream", "preload", "wait_copy", "sweep_samples"]
+__all__ = ["choose_warmup", "stage", "overlap_stream", "preload", "wait_copy", "warm_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
     """Start of a warm-up pass: copy the pending resident candidates (once), before any trap or timing.
 
     Trap by trap, between CUDA timing events when the copies come from page-locked memory: this one sweep of
-    the offloaded weights is also the transfer measurement the planner fits (:func:`sweep_samples`), so the
+    the offloaded weights is also the transfer measurement the planner fits (:func:`warm_samples`), so the
     switch to INFERENCE does not sweep again.
 
     In a PROFILING pass (DISCOVERY skipped, so each trap's weights are its own) the copies run on a side
@@ -171,10 +172,8 @@ def preload(ctx: EngineContext, profiling: bool) -> None:
             if not group:
                 continue
             tensors = ctx.tensor_objs(group)
-            if ctx.warm.loader.gate is not None:  # staged on a thread: before the timing, not inside it
-                pinned = all([ctx.warm.staging.wait_for(t.data) for t in tensors]) and pinned
-            if turns is not None:  # before the start event: waiting for the registrations in flight is no copy time
-                turns.take()
+            # Before the start event: waiting for a region, or for the registrations in flight, is no copy time.
+            pinned = ctx.warm.loader.ready_to_time(tensors) and pinned
             start = end = None
             if timed:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -219,19 +218,22 @@ def wait_copy(ctx: EngineContext, label: str | None) -> None:
         torch.cuda.current_stream(ctx.device).wait_event(event)
 
 
-def sweep_samples(ctx: EngineContext) -> list[tuple[int, float]]:
+def warm_samples(ctx: EngineContext) -> list[tuple[int, float]]:
     """``(bytes, seconds)`` of the warm-up's timed copies (empty when none were timed): the fastest copy of each
     size, as the transfer sweep keeps the fastest of its repeats (a copy is never faster than the bus).
 
-    Two sources, each recorded on one stream in order: the resident warm-up's one sweep (:func:`preload`, per
-    trap group) and the stream warm-up's copies of the passes between the first PROFILING pass and the last
-    (per trap call, ``flextensor.engine.profiling``). One wait serves every pair: once the last end event
-    completed every earlier one has too (long finished anyway: later passes ran after them)."""
+    Two sources: the resident warm-up's one sweep (:func:`preload`, per trap group, on one stream: its copies
+    are launched back to back, nothing of the host's between them) and the stream warm-up's copies in the
+    passes between the first PROFILING pass and the last (per trap call, ``WarmLoader.load_timed``, on whatever
+    stream was current). One wait on the last end event completes every earlier pair recorded on its stream;
+    a pair on another stream is waited for on its own (a query first: by now all of them have long finished)."""
     events, ctx.warm.events = ctx.warm.events, []
     if events:
         events[-1][2].synchronize()
     fastest: dict[int, float] = {}
     for nbytes, start, end in events:
+        if not end.query():
+            end.synchronize()
         seconds = start.elapsed_time(end) / 1e3
         if nbytes > 0 and seconds > 0:
             fastest[nbytes] = min(seconds, fastest.get(nbytes, seconds))

@@ -49,7 +49,7 @@ def format_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[obj
 
 
 def format_transfer_stats(samples: Sequence[tuple[int, float]], model: TransferModel | None = None) -> str:
-    """Memory Transfer Statistics: one row per measured copy, sorted by size."""
+    """Memory Transfer Statistics: one row per measured sample (the fastest copy of a size), sorted by size."""
     rows = []
     for nbytes, seconds in sorted(samples):
         rate = f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 else "inf"

@@ -122,26 +122,36 @@ class WarmLoader:
                 self._fall_back(exc)
         self._load(tensors, keep=False)
 
+    def ready_to_time(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Wait for every region of ``tensors`` to be tried by the staging (the ``gate``), then take the launches'
+        turn: what a timed copy does before its start event, so that the pair times copies, not these waits.
+        False when some region is not page-locked (its copy would be pageable: no DMA to time)."""
+        gate = self.gate
+        pinned = gate is None or all([gate(t.data) for t in tensors])  # every one waited for, then checked
+        if self.turns is not None:
+            self.turns.take()
+        return pinned
+
     def load_timed(self, tensors: Iterable[torch.Tensor]) -> tuple[int, Any, Any] | None:
         """Stream mode on CUDA: :meth:`load` between two timing events on the stream the copies run on, as
-        ``(bytes, start, end)``; None (the copies made, untimed) when nothing needed a copy or some copy would
-        not be a DMA from page-locked memory. Each region is waited for and the launches' turn taken before the
-        start event, so the pair times the copies alone, not a wait of the host."""
+        ``(bytes, start, end)``; None (the copies made, untimed) when nothing needed a copy, some copy would not
+        be a DMA from page-locked memory, or the device reached the start event before the last copy was queued
+        (it may then have waited for the host inside the pair: after a synchronize, or an allocation that
+        blocked the host; a device that lags the host, as in a copy-bound pass, never has)."""
         todo = [t for t in tensors if self._needs_copy(t)]
         if self.keep or not todo or not self.non_blocking or self.device.type != "cuda":
             self.load(todo)
             return None
-        gate = self.gate
-        if gate is not None and not all([gate(t.data) for t in todo]):  # all waited for, then checked
+        if not self.ready_to_time(todo):
             self.load(todo)
             return None
-        if self.turns is not None:
-            self.turns.take()
         stream = self.copy_stream or torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         self._load(todo, keep=False)
         end.record(stream)
+        if start.query():
+            return None
         return sum(tensor_nbytes(t.data) for t in todo), start, end
 
     def preload(self, tensors: Iterable[torch.Tensor]) -> bool:

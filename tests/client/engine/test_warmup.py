@@ -25,7 +25,7 @@ from torch import nn
 import flextensor as ft
 import flextensor.engine.build as inference_mod
 from flextensor.engine.phase import Phase
-from flextensor.engine.warmup import sweep_samples
+from flextensor.engine.warmup import warm_samples
 from flextensor.planning.warmup_rule import WarmupMode, decide_warmup, warmup_margin
 from flextensor.runtime.warm_loader import WarmLoader
 from tests.helpers.models import (
@@ -194,6 +194,21 @@ def test_loader_stream_mode_puts_back_after_each_trap():
     assert loader.copies == 6 and loader.kept_count == 0
 
 
+def test_loader_times_only_streamed_dma_copies():
+    """``load_timed`` times a copy only where the pair would time a DMA (CUDA, page-locked sources, stream
+    mode): elsewhere it loads exactly as ``load`` does and returns None."""
+    ps = _params(2)
+    hosts = [p.data for p in ps]
+    loader = WarmLoader(torch.device("cpu"), non_blocking=True, same_device_copies=ps)
+    assert loader.load_timed(ps) is None and loader.active and loader.copies == 2
+    assert all(torch.equal(p.data, h) and p.data_ptr() != h.data_ptr() for p, h in zip(ps, hosts))
+    loader.unload()
+    assert all(p.data_ptr() == h.data_ptr() for p, h in zip(ps, hosts))
+    keeper = WarmLoader(torch.device("cpu"), keep=True, non_blocking=True, same_device_copies=ps)
+    assert keeper.load_timed(ps) is None and keeper.kept_count == 2 and not keeper.active
+    assert keeper.load_timed(ps) is None and keeper.copies == 2  # kept: nothing to copy again
+
+
 def test_loader_without_override_copies_nothing_on_its_own_device():
     ps = _params(2)
     loader = WarmLoader(torch.device("cpu"), keep=True)
@@ -276,6 +291,36 @@ CASES = {
 def _manual() -> ManualBlockModel:
     torch.manual_seed(0)
     return ManualBlockModel().eval()
+
+
+@pytest.mark.parametrize("skip_discovery", [False, True])
+@pytest.mark.parametrize("profiling_iters", [1, 2, 4])
+def test_stream_copies_are_timed_between_the_first_profiling_pass_and_the_last(monkeypatch, profiling_iters,
+                                                                              skip_discovery):
+    """Which passes ask for timed copies: the PROFILING passes after the first and before the last (the first
+    grows the allocator and waits for registrations; the last one's events would make the switch wait)."""
+    asked: list[tuple[int, str]] = []
+    real = WarmLoader.load_timed
+
+    def spy(loader, tensors):
+        asked.append((len(seen), "timed"))
+        return real(loader, tensors)
+
+    monkeypatch.setattr(WarmLoader, "load_timed", spy)
+    model, x = mlp_stack(), torch.randn(3, 16, device=DEVICE)
+    ref = reference(model, x)
+    om = _offload(model, cpu_config(load_strategy=ALL, profiling_iters=profiling_iters,
+                                    skip_discovery=skip_discovery), "stream")
+    seen: list[Phase] = []
+    with torch.no_grad():
+        while om.phase is not Phase.INFERENCE:
+            seen.append(om.phase)
+            assert same(model(x), ref)
+    first = 0 if skip_discovery else 1  # the first PROFILING pass's index
+    timed = sorted({p for p, _ in asked})
+    assert timed == [p + 1 for p in range(first + 1, first + profiling_iters - 1)]  # 1-based: len(seen) in it
+    calls = sum(1 for label in om.engine.sequence if om.engine.exclusive.get(label))
+    assert len(asked) == calls * max(0, profiling_iters - 2)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -697,6 +742,9 @@ def test_cuda_stream_warmup_copies_are_the_transfer_measurement(monkeypatch, pro
     timed: list[int] = []
     with torch.no_grad():
         while om.phase is not Phase.INFERENCE:
+            # ~0.1 s of GPU sleep ahead of the pass: its copies are queued before the device gets to them, as in a
+            # copy-bound pass (a pair whose start the device reached while the host still launched is dropped).
+            torch.cuda._sleep(200_000_000)
             _close(model(ids), ref)
             timed.append(len(om.engine.warm.events))
     per_trap = {sum(om.engine.tensors[n].tensor.numel() * om.engine.tensors[n].tensor.element_size()
@@ -709,10 +757,39 @@ def test_cuda_stream_warmup_copies_are_the_transfer_measurement(monkeypatch, pro
         assert sweeps == [] and [b for b, _s in samples] == sorted(per_trap - {0})
     else:
         assert len(sweeps) == 1
-    assert samples and all(0 < s < 1 for _b, s in samples)
+    assert samples and all(0 < s < 0.01 for _b, s in samples)  # MiB copies: never the sleep ahead of them
     om.wait_for_host_blocks()
     with torch.no_grad():
         _close(model(ids), ref)
+
+
+@pytest.mark.cuda
+def test_cuda_a_timed_copy_is_kept_only_when_the_device_did_not_wait_inside_it(monkeypatch):
+    """A pair whose start event the device reached before the last copy was queued may contain host time (the
+    device idled between them): dropped. Queued behind device work, the pair times the copy alone."""
+    device = torch.device("cuda")
+    host = torch.randn(1 << 20).pin_memory()  # 4 MiB, page-locked: a DMA
+    tensor = host.clone().pin_memory()
+    loader = WarmLoader(device, non_blocking=True)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s: the copy is queued long before the device gets to it
+    timed = loader.load_timed([tensor])
+    assert timed is not None and timed[0] == host.numel() * host.element_size()
+    _nbytes, start, end = timed
+    end.synchronize()
+    assert 0 < start.elapsed_time(end) < 10  # ms: the copy, not the sleep ahead of it
+    assert torch.equal(tensor.data.cpu(), host) and tensor.device == device
+    loader.unload()
+    real_copy = WarmLoader._copy
+
+    def blocked_host(self, source):  # the host held up between the start event and the copy (an allocation)
+        time.sleep(0.02)
+        return real_copy(self, source)
+
+    monkeypatch.setattr(WarmLoader, "_copy", blocked_host)
+    torch.cuda.synchronize()
+    assert loader.load_timed([tensor]) is None and tensor.device == device  # copied, untimed
+    loader.unload()
+    assert tensor.device.type == "cpu"
 
 
 def _spy_copy_streams(monkeypatch, *, hold_back_first: bool = False) -> list:
@@ -864,6 +941,9 @@ class _FakeEvent:
         for event in self.stream.events[: self.stream.events.index(self) + 1]:
             event.done = True
 
+    def query(self) -> bool:
+        return self.done
+
     def elapsed_time(self, end: "_FakeEvent") -> float:
         if not (self.done and end.done):
             raise RuntimeError("elapsed_time of an event pair not yet complete")
@@ -876,8 +956,29 @@ def test_warm_samples_wait_once_for_the_last_copy_then_read_every_pair():
     stream = _FakeStream()
     pairs = [(1000, 0.0, 2.0), (0, 2.0, 3.0), (500, 3.0, 3.0), (2000, 3.0, 7.0)]  # (bytes, start ms, end ms)
     warm = SimpleNamespace(events=[(nbytes, stream.record(start), stream.record(end)) for nbytes, start, end in pairs])
-    engine = SimpleNamespace(warm=warm)  # sweep_samples reads only the warm-up's events
+    engine = SimpleNamespace(warm=warm)  # warm_samples reads only the warm-up's events
     last_end = warm.events[-1][2]
-    assert sweep_samples(engine) == [(1000, 0.002), (2000, 0.004)]
+    assert warm_samples(engine) == [(1000, 0.002), (2000, 0.004)]
     assert stream.waits == [last_end]
-    assert warm.events == [] and sweep_samples(engine) == [] and stream.waits == [last_end]
+    assert warm.events == [] and warm_samples(engine) == [] and stream.waits == [last_end]
+
+
+def test_warm_samples_keep_the_fastest_copy_of_each_size():
+    """Several timed copies of one size (one per pass and trap): the fastest is the sample, as a sweep keeps the
+    fastest of its repeats; sizes come out sorted."""
+    stream = _FakeStream()
+    pairs = [(2000, 0.0, 5.0), (1000, 5.0, 8.0), (2000, 8.0, 12.0), (1000, 12.0, 14.0), (2000, 14.0, 20.0)]
+    warm = SimpleNamespace(events=[(nbytes, stream.record(start), stream.record(end)) for nbytes, start, end in pairs])
+    assert warm_samples(SimpleNamespace(warm=warm)) == [(1000, 0.002), (2000, 0.004)]
+
+
+def test_warm_samples_wait_for_a_pair_on_another_stream():
+    """Timed copies of passes run on different streams (a caller that switched streams): the one wait on the
+    last end event does not complete the other stream's pairs, which are waited for on their own, not read
+    unfinished."""
+    first, second = _FakeStream(), _FakeStream()
+    events = [(1000, first.record(0.0), first.record(3.0)), (2000, second.record(3.0), second.record(7.0)),
+              (1000, first.record(7.0), first.record(9.0))]
+    warm = SimpleNamespace(events=events)
+    assert warm_samples(SimpleNamespace(warm=warm)) == [(1000, 0.002), (2000, 0.004)]
+    assert first.waits == [events[-1][2]] and second.waits == [events[1][2]]
