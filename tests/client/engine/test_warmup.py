@@ -767,7 +767,7 @@ def test_cuda_stream_warmup_copies_are_the_transfer_measurement(monkeypatch, pro
 def test_cuda_a_timed_copy_is_kept_only_when_the_device_did_not_wait_inside_it(monkeypatch):
     """A pair whose start event the device reached before the last copy was queued may contain host time (the
     device idled between them): dropped. Queued behind device work, the pair times the copy alone."""
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # indexed, as a tensor's device is
     host = torch.randn(1 << 20).pin_memory()  # 4 MiB, page-locked: a DMA
     tensor = host.clone().pin_memory()
     loader = WarmLoader(device, non_blocking=True)
