@@ -185,7 +185,7 @@ def _record_the_turns() -> list:
         events.append(("take", threading.current_thread().name, begin, time.perf_counter()))
 
     def timed_give(self):
-        held = self._launching
+        held = self.held
         give(self)
         if held:
             events.append(("give", threading.current_thread().name, time.perf_counter(), time.perf_counter()))

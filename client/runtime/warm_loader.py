@@ -139,10 +139,8 @@ class WarmLoader:
         (it may then have waited for the host inside the pair: after a synchronize, or an allocation that
         blocked the host; a device that lags the host, as in a copy-bound pass, never has)."""
         todo = [t for t in tensors if self._needs_copy(t)]
-        if self.keep or not todo or not self.non_blocking or self.device.type != "cuda":
-            self.load(todo)
-            return None
-        if not self.ready_to_time(todo):
+        if (self.keep or not todo or not self.non_blocking or self.device.type != "cuda"
+                or not self.ready_to_time(todo)):
             self.load(todo)
             return None
         stream = self.copy_stream or torch.cuda.current_stream(self.device)
