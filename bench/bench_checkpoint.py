@@ -178,7 +178,7 @@ class _Phases:
     private host blocks (``HostRegisterProvider.finish``, CUDA). Instruments the classes, in the worker only."""
 
     def __init__(self) -> None:
-        from flextensor.checkpoint import ReadPlan
+        from flextensor.loading.checkpoint import ReadPlan
         from flextensor.manager import OffloadManager
         from flextensor.runtime.host_memory import HostRegisterProvider
 
@@ -222,7 +222,7 @@ class _Phases:
 
 def _in_ram_factory(args: argparse.Namespace, ckpt: Path):
     def factory() -> nn.Module:
-        from flextensor.checkpoint import SafetensorsCheckpoint
+        from flextensor.loading.checkpoint import SafetensorsCheckpoint
 
         checkpoint = SafetensorsCheckpoint(ckpt)
         with ft.init_empty_weights():
@@ -248,7 +248,7 @@ def worker(args: argparse.Namespace, root: Path) -> None:
     size = sum(t.numel() * t.element_size() for t in meta().parameters())
     # The engine's modules are imported before the measurement: importing them costs ~70 MiB of anonymous memory
     # once per process (measured on the CPU VM), which is not memory the model's load needs.
-    for module in ("flextensor.lazy_init", "flextensor.session"):
+    for module in ("flextensor.loading.lazy_init", "flextensor.sharing.session"):
         importlib.import_module(module)
 
     _start_cuda()
@@ -372,7 +372,7 @@ class Runner:
     def reader(self, cache: str) -> dict:
         """The checkpoint reader alone (``ReadPlan``, as a load runs it) into memory allocated and written before:
         what reading costs without the page allocation and the rest of a load."""
-        from flextensor.checkpoint import ReadPlan, SafetensorsCheckpoint
+        from flextensor.loading.checkpoint import ReadPlan, SafetensorsCheckpoint
 
         checkpoint = SafetensorsCheckpoint(self.root / "ckpt")
         plan = ReadPlan(label="bench")

@@ -10,7 +10,7 @@ compute) and a large batch (compute-bound), per batch:
 2. One forward of each captured into a CUDA graph (``torch.cuda.graph``, after the usual warm-up passes), then
    four passes timed in turn, ``--repeat`` times: the offloaded graph's replay, the offloaded model's eager pass
    after the capture (every pass self-contained from then on: Note [loader under CUDA-graph capture] in
-   ``flextensor.runtime.loader``), the twin's eager pass, the twin's replay.
+   ``flextensor.runtime.loaders.block_loader``), the twin's eager pass, the twin's replay.
    Goals: transfer-bound replay throughput >= 0.97x the eager offloaded pass (1.); compute-bound replay
    <= 1.05x the resident twin's replay.
 3. ``offload_timing="cuda_graph"``: the model offloaded again with replay timing, its small-batch graph replayed

@@ -43,9 +43,9 @@ import time
 
 import torch
 
-import flextensor.runtime.chunk_queue as chunk_queue_mod
-from flextensor.lazy_init import skip_init_on_meta
-from flextensor.runtime.staged_copy import StagedCopy
+import flextensor.runtime.pinned.bounce_chunks as chunk_queue_mod
+from flextensor.loading.lazy_init import skip_init_on_meta
+from flextensor.runtime.pinned.bounce_copy import StagedCopy
 from flextensor.shm.segment import SharedSegment
 from models import ModelSpec, build_meta_model
 

@@ -7,7 +7,7 @@ four layers of the bench model's shapes (per layer: two 8 KiB norms and 256 MiB 
 - one ``pin_memory()`` buffer: in one copy, in the six pieces of each layer, the four large pieces only, the
   two norms only (what a tiny copy costs on its own), and the six pieces alternating between two streams;
 - the tensors as a model holds them (one pageable allocation each) registered in place with
-  ``cudaHostRegister`` (as ``flextensor.runtime.staging`` does), copied tensor by tensor on one stream and on two;
+  ``cudaHostRegister`` (as ``flextensor.runtime.pinned.in_place`` does), copied tensor by tensor on one stream and on two;
 - the same tensors each ``pin_memory()``'d.
 
 Each variant is timed with CUDA events around all its copies, ten times, median; the per-copy cost is the
@@ -94,7 +94,7 @@ def main() -> None:
 
     tensors = [torch.ones(n, dtype=torch.uint8) for n in sizes]  # one pageable allocation each, as a model's
     targets = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
-    from flextensor.runtime.staging import register_in_place, unregister_in_place
+    from flextensor.runtime.pinned.in_place import register_in_place, unregister_in_place
 
     registered = [register_in_place(t) for t in tensors]
     if all(registered):

@@ -14,7 +14,7 @@ streamed pass; every output is checked against the plain model's. One line per s
 as JSON lines after it.
 
 Variants of the first pass, which waits for the model's storages to be page-locked on a thread:
-``--no-turns`` (its launches do not take turns with the registrations, ``flextensor.runtime.launch_turns``),
+``--no-turns`` (its launches do not take turns with the registrations, ``flextensor.runtime.pinned.launch_turns``),
 ``--turn copies`` (the turn covers a trap's copies only), ``--register-threads N``, ``--timeline`` (every turn and
 registration call written to ``timeline-<gib>.json``); run with
 ``THP_MEM_ALLOC_ENABLE=1`` in the environment for a model in transparent huge pages. docs/benchmarks.md has the
@@ -61,12 +61,12 @@ def worker(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     manager = ft.get_offload_manager("phase")
-    if args.no_turns:  # registrations and launches no longer take turns (flextensor.runtime.launch_turns)
-        from flextensor.runtime.launch_turns import LaunchTurns
+    if args.no_turns:  # registrations and launches no longer take turns (flextensor.runtime.pinned.launch_turns)
+        from flextensor.runtime.pinned.launch_turns import LaunchTurns
 
         LaunchTurns.take = lambda self: None  # type: ignore[method-assign]
     if args.turn == "copies":  # the turn is given back once a trap's copies are queued, before its compute
-        from flextensor.runtime.warm_loader import WarmLoader
+        from flextensor.runtime.loaders.warm_loader import WarmLoader
 
         load = WarmLoader.load
 
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> dict:
 
         WarmLoader.load = load_then_give  # type: ignore[method-assign]
     if args.register_threads:
-        import flextensor.runtime.staging as staging_mod
+        import flextensor.runtime.pinned.in_place as staging_mod
 
         staging_mod.REGISTER_THREADS = args.register_threads
     if args.cpu:  # the GPU path on the CPU: stream through the loader, "copy" the warm-up's weights
@@ -174,7 +174,7 @@ def _record_the_turns() -> list:
     import contextlib
     import threading
 
-    from flextensor.runtime.launch_turns import LaunchTurns
+    from flextensor.runtime.pinned.launch_turns import LaunchTurns
 
     events: list = []
     take, give, registration = LaunchTurns.take, LaunchTurns.give, LaunchTurns.registration

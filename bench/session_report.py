@@ -28,7 +28,7 @@ def device_block_allowance(group: dict, device: str) -> int:
 def resident_copy_on_critical_path(worker: dict) -> float:
     """What the goal excludes: the part of the follower's wall time spent on resident copies to the GPU.
 
-    The follower copies them on its attach thread while the model factory runs (``flextensor.attach_prefetch``),
+    The follower copies them on its attach thread while the model factory runs (``flextensor.sharing.attach_prefetch``),
     as the thread's last step. So of the time the session waited for the thread after the factory, no more than
     the copy took is copy time on the critical path."""
     steps = worker["steps"]

@@ -7,7 +7,7 @@ pages, not by the device; these measures say which bound a size runs into.
   bound of a creator whose model is in RAM.
 * :func:`follower_read_rates`: the host side of a follower's resident copy, on a segment as large as a store, in
   fresh processes, one alone and several started together: map the segment, then read it into the pinned ring
-  of :class:`~flextensor.runtime.staged_copy.StagedCopy` (its registration left out, the device copy replaced
+  of :class:`~flextensor.runtime.pinned.bounce_copy.StagedCopy` (its registration left out, the device copy replaced
   by a no-op into a ``meta`` tensor) either with ``pread`` from the segment's file (what a follower does) or with
   ``memmove`` from the mapping, pre-faulted from helper threads (what it did before), and unmap it. Reported per
   process: the map, the ring's pages, the read (GB/s) and the unmap.
@@ -120,7 +120,7 @@ def follower_read_rates(nbytes: int, together: int, timeout: float = 120.0) -> d
     process alone and ``together`` started at once: ``{"bytes", "threads", "runs": {"MODE xN": [per process]}}``."""
     import torch
 
-    from flextensor.runtime.staged_copy import THREADS
+    from flextensor.runtime.pinned.bounce_copy import THREADS
     from flextensor.shm.segment import SharedSegment
 
     name = f"/ftreads{uuid.uuid4().hex[:10]}"
@@ -171,7 +171,7 @@ def _read_worker(params: dict) -> dict:
     """One follower's host side: map, ring, read, unmap (see module docs)."""
     import torch
 
-    from flextensor.runtime.staged_copy import StagedCopy
+    from flextensor.runtime.pinned.bounce_copy import StagedCopy
     from flextensor.shm.segment import SharedSegment
 
     torch.set_num_threads(1)

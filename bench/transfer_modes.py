@@ -2,7 +2,7 @@
 
 The two block modes stream the same packed host blocks with one copy per trap; they differ in where the blocks
 go on the device: ``num_blocks`` slots, each as large as the largest streamed block (the last one, in memory
-mode, possibly sized to a partly streamed trap), or one arena in which each block takes its own bytes (``flextensor.runtime.arena_loader``). On one model, each configuration is timed
+mode, possibly sized to a partly streamed trap), or one arena in which each block takes its own bytes (``flextensor.runtime.loaders.arena_loader``). On one model, each configuration is timed
 alternately with a resident twin of the model (``bench_engine.offload_run``), in this order:
 
 1. every layer streams (``NthLayerStrategy(1)``), slots then arena: the two mechanisms at equal bytes (with

@@ -40,12 +40,12 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees for ``ft.X`` (r
         update_offload_timing as update_offload_timing,
         update_state as update_state,
     )
-    from flextensor.config import OffloadConfig as OffloadConfig
-    from flextensor.lazy_init import (
+    from flextensor.configuration.config import OffloadConfig as OffloadConfig
+    from flextensor.loading.lazy_init import (
         init_empty_weights as init_empty_weights,
         load_model_from_profile as load_model_from_profile,
     )
-    from flextensor.config_loading import (
+    from flextensor.configuration.config_loading import (
         load_config as load_config,
         load_config_from_env as load_config_from_env,
         load_config_from_file as load_config_from_file,
@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees for ``ft.X`` (r
         TrapTimingRecord as TrapTimingRecord,
         TrapTimingStats as TrapTimingStats,
     )
-    from flextensor.session import SharedOffloadSession as SharedOffloadSession
+    from flextensor.sharing.session import SharedOffloadSession as SharedOffloadSession
     from flextensor.shm.errors import (
         ShmCreatorDiedError as ShmCreatorDiedError,
         ShmCreatorFailedError as ShmCreatorFailedError,
@@ -77,10 +77,10 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees for ``ft.X`` (r
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
     # configuration
-    "OffloadConfig": "flextensor.config",
-    "load_config": "flextensor.config_loading",
-    "load_config_from_env": "flextensor.config_loading",
-    "load_config_from_file": "flextensor.config_loading",
+    "OffloadConfig": "flextensor.configuration.config",
+    "load_config": "flextensor.configuration.config_loading",
+    "load_config_from_env": "flextensor.configuration.config_loading",
+    "load_config_from_file": "flextensor.configuration.config_loading",
     # simplified API
     "DEFAULT_MANAGER_NAME": "flextensor.api",
     "init": "flextensor.api",
@@ -109,8 +109,8 @@ _LAZY: dict[str, str] = {
     "resident_units": "flextensor.api",
     "update_state": "flextensor.api",
     # lazy initialisation from a checkpoint
-    "load_model_from_profile": "flextensor.lazy_init",
-    "init_empty_weights": "flextensor.lazy_init",
+    "load_model_from_profile": "flextensor.loading.lazy_init",
+    "init_empty_weights": "flextensor.loading.lazy_init",
     # engine
     "OffloadManager": "flextensor.manager",
     "GPUMemoryUsage": "flextensor.manager",
@@ -125,7 +125,7 @@ _LAZY: dict[str, str] = {
     "TrapTimingRecord": "flextensor.runtime.timing",
     "TrapTimingStats": "flextensor.runtime.timing",
     # sharing
-    "SharedOffloadSession": "flextensor.session",
+    "SharedOffloadSession": "flextensor.sharing.session",
     "ShmCreatorFailedError": "flextensor.shm.errors",
     "ShmCreatorDiedError": "flextensor.shm.errors",
 }

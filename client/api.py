@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from flextensor.config import OffloadConfig
+from flextensor.configuration.config import OffloadConfig
 from flextensor import units as _units
 from flextensor.manager import GPUMemoryUsage, OffloadManager
 from flextensor.units import StrategyReplanStatus

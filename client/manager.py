@@ -31,7 +31,7 @@ from torch import nn
 
 # The engine's modules are imported with the manager: imported on first use, the switch's were loaded inside
 # the last PROFILING pass of a process's first model (milliseconds the profile phase should not pay).
-from flextensor.config import OffloadConfig
+from flextensor.configuration.config import OffloadConfig
 from flextensor.engine import adoption
 from flextensor.engine.build import Weight, install_deferred
 from flextensor.engine.context import EngineContext, compute_device
@@ -43,11 +43,11 @@ from flextensor.engine import replan
 from flextensor.engine.replan import StrategyReplanStatus
 from flextensor.engine.teardown import teardown
 from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage, offloaded_tensors
-from flextensor.patterns import PatternSet
+from flextensor.configuration.patterns import PatternSet
 from flextensor.profiles import read_profile, write_instrumentation, write_profile
 from flextensor.runtime.graph_timing import is_capturing
 from flextensor.runtime.host_memory import HostBlockProvider, make_provider
-from flextensor.runtime.loader import StreamingLoader
+from flextensor.runtime.loaders.block_loader import StreamingLoader
 from flextensor.runtime.timing import OffloadTimingReport
 from flextensor.state import TensorManagerState, model_tensors
 

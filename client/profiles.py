@@ -22,7 +22,7 @@ import torch
 from flextensor.state import TensorManagerState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flextensor.config import OffloadConfig
+    from flextensor.configuration.config import OffloadConfig
     from flextensor.engine.context import EngineContext
 
 __all__ = ["PROFILE_FILE", "profile_path", "write_profile", "read_profile", "load_weights"]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from flextensor.shm.ftd_client import default_socket_path
-from flextensor.text_settings import parse_bool, yaml_mapping
+from flextensor.shm.text_settings import parse_bool, yaml_mapping
 from flextensor.shm.ftd_protocol import MAX_FRAME_BYTES
 
 __all__ = ["DaemonSettings", "load_settings", "default_lock_dir", "ENV_PREFIX"]

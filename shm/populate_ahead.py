@@ -33,7 +33,7 @@ window lets be in flight, at most what one file can use (``prefault.WRITE_THREAD
 
 Not the checkpoint reader's
 ---------------------------
-``flextensor.checkpoint_pages`` also allocates pages on a thread ahead of writers, for the checkpoint reader, but
+``flextensor.loading.checkpoint_pages`` also allocates pages on a thread ahead of writers, for the checkpoint reader, but
 there it is only a speed-up: several readers take ranges from a queue and never wait for it, and it passes over
 the ranges they reached. Here each range must be allocated before it is written, so the writer waits for it.
 """

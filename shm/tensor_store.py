@@ -388,7 +388,7 @@ class SharedTensorStore:
         :meth:`device_buffer`) is filled instead of allocating: the attach thread allocates it before it warms
         PyTorch's cache with the loader's device blocks, so that this allocation cannot be carved out of one of
         them. ``fill(pieces)`` makes the copies instead of ``dst.copy_(src)`` per part (a follower's staged copy
-        through pinned memory, ``flextensor.runtime.staged_copy``); it returns once every ``dst`` holds its bytes
+        through pinned memory, ``flextensor.runtime.pinned.bounce_copy``); it returns once every ``dst`` holds its bytes
         on the caller's stream. Each piece is ``(dst, src, file)``, ``file`` being ``(fd, offset)``: the part's
         segment opened again, ``src``'s bytes from ``offset``, to be read with ``pread`` so that no page of the
         mapping is faulted into this process (closed after the fill); None when the segment's name is gone (read

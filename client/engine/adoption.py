@@ -50,7 +50,7 @@ from flextensor.state import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flextensor.config import OffloadConfig
+    from flextensor.configuration.config import OffloadConfig
     from flextensor.engine.context import EngineContext
     from flextensor.engine.hooks import TrapCallback
     from flextensor.engine.phase import PhaseHandler

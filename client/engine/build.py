@@ -6,8 +6,8 @@ It first ends a resident warm-up (the device copies of the tensors about to be o
 device block exists, the tensors that stay resident keep their warm-up copy), then allocates or adopts host
 blocks, copies weights in (from the model, or ``weights`` for meta tensors) unless a block is prefilled, points
 each offloaded parameter at its host view (freeing the original storage), moves every other tensor to the
-compute device, and creates the loader (:class:`~flextensor.runtime.loader.BlockLoader`, or
-:class:`~flextensor.runtime.arena_loader.ArenaLoader` for ``raw_block_transfer``). Traps that never ran during
+compute device, and creates the loader (:class:`~flextensor.runtime.loaders.block_loader.BlockLoader`, or
+:class:`~flextensor.runtime.loaders.arena_loader.ArenaLoader` for ``raw_block_transfer``). Traps that never ran during
 warm-up are not in the schedule, so their tensors stay resident. The provider (``EngineContext.provider_factory``)
 is told every block size first (``reserve``), so pinned providers carve blocks out of a few arenas; a trap's
 staged storages are unregistered and dropped as soon as its block is filled, so the original copy is freed
@@ -96,7 +96,7 @@ from flextensor.engine.context import DeferredPlan
 from flextensor.engine.function_traps import build_indirect
 from flextensor.engine.hooks import assign_data, bypass_resident_traps
 from flextensor.engine.replan import attach_probe
-from flextensor.runtime.arena_loader import make_loader
+from flextensor.runtime.loaders.arena_loader import make_loader
 from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_view, block_views
 from flextensor.runtime.sweep import device_memory
@@ -124,7 +124,7 @@ DEFER_HOST_MARGIN = 1 << 30
 
 class Weight(Protocol):
     """A ``weights=`` value, the source of a tensor on ``meta``: a tensor, or a checkpoint tensor read lazily
-    (``flextensor.checkpoint.CheckpointTensor``, whose read :func:`_copy_weight` queues into the host block)."""
+    (``flextensor.loading.checkpoint.CheckpointTensor``, whose read :func:`_copy_weight` queues into the host block)."""
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -172,7 +172,7 @@ def _lookup_weight(ctx, name: str, weights: Mapping[str, Weight] | None) -> Weig
 
 
 def _copy_weight(view: torch.Tensor, source) -> None:
-    """Fill one host-block view. A lazily read weight (``flextensor.checkpoint.CheckpointTensor``) queues a read
+    """Fill one host-block view. A lazily read weight (``flextensor.loading.checkpoint.CheckpointTensor``) queues a read
     straight into the view instead: the checkpoint is read once, into the block, with no staging copy."""
     read_into = getattr(source, "read_into", None)
     if read_into is not None:
@@ -182,7 +182,7 @@ def _copy_weight(view: torch.Tensor, source) -> None:
 
 
 def _flush_weights(weights: Mapping[str, Weight] | None) -> None:
-    """Finish the queued checkpoint reads (``flextensor.checkpoint.CheckpointWeights.flush``) before the blocks are
+    """Finish the queued checkpoint reads (``flextensor.loading.checkpoint.CheckpointWeights.flush``) before the blocks are
     pinned or read: every block exists by now, so the reads run together, in file order."""
     flush = getattr(weights, "flush", None)
     if flush is not None:

@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple
 import torch
 from torch import nn
 
-from flextensor.config import OffloadConfig
+from flextensor.configuration.config import OffloadConfig
 from flextensor.planning.plan_model import TrapCost
 from flextensor.planning.warmup_rule import WarmupDecision
 from flextensor.runtime.host_block_build import HostBlockBuild
 from flextensor.runtime.host_memory import BlockLayout, HostBlock, HostBlockProvider, TensorPlacement
-from flextensor.runtime.loader import StreamingLoader
-from flextensor.runtime.staging import PinnedStaging
+from flextensor.runtime.loaders.block_loader import StreamingLoader
+from flextensor.runtime.pinned.in_place import PinnedStaging
 from flextensor.runtime.stall_probe import StallProbe
 from flextensor.runtime.graph_timing import offload_timing_collector
 from flextensor.runtime.timing import TimingCollector
 from flextensor.runtime.trap_windows import PassWindows, TrapWindow
 from flextensor.runtime.usage_recorder import UsageRecorder
-from flextensor.runtime.warm_loader import WarmLoader
+from flextensor.runtime.loaders.warm_loader import WarmLoader
 from flextensor.state import ModelTensor
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from flextensor.engine.hooks import assign_data
 from flextensor.engine.phase import Phase, PhaseHandler
 from flextensor.runtime.host_memory import BlockLayout
-from flextensor.runtime.loader import BlockLoader
+from flextensor.runtime.loaders.block_loader import BlockLoader
 
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext

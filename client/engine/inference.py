@@ -2,7 +2,7 @@
 
 At a trap's entry the loader waits for that trap's block (issued at the previous trap's entry) and issues the
 copy of the next block in the schedule on its side stream; at the exit it lets the block's slot be reused once
-the compute that read it has run (``flextensor.runtime.loader``). A trap that streams nothing and is not timed
+the compute that read it has run (``flextensor.runtime.loaders.block_loader``). A trap that streams nothing and is not timed
 calls its module's forward directly (``Trap.bypass``), without this handler.
 
 The host blocks may still be being built on a thread when INFERENCE starts (``flextensor.engine.build``): the
@@ -14,7 +14,7 @@ Between passes the plan may change (Note [replanning] in ``flextensor.engine.rep
 passes with every trap timed, plans on a thread and installs the new streaming set at a pass's start.
 
 A pass captured into a CUDA graph takes no replan step, and needs its host blocks built (Note [loader under
-CUDA-graph capture] in ``flextensor.runtime.loader``).
+CUDA-graph capture] in ``flextensor.runtime.loaders.block_loader``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class InferenceHandler(PhaseHandler):
                 install_deferred(ctx)
         if ctx.inference.deferred is not None:  # passes before the switch stream nothing: no timing, no replan
             return
-        if capturing:  # no replan step: it reads events and may rebuild the loader (flextensor.runtime.loader)
+        if capturing:  # no replan step: it reads events and may rebuild the loader (flextensor.runtime.loaders.block_loader)
             replanning = ctx.inference.replan
             if replanning.state == "in_progress" and not replanning.manual:
                 raise RuntimeError(

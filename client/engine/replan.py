@@ -44,7 +44,7 @@ from flextensor.engine.hooks import assign_data
 from flextensor.engine.switch import _trap_stream_cost, resolve_device_budget
 from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
 from flextensor.planning.strategies import AdaptiveStrategy
-from flextensor.runtime.arena_loader import make_loader
+from flextensor.runtime.loaders.arena_loader import make_loader
 from flextensor.runtime.host_memory import block_views
 from flextensor.runtime.stall_probe import StallProbe
 from flextensor.runtime.timing import OffloadTimingReport, TimingCollector

@@ -19,10 +19,10 @@ sweep is paid inside the profile phase, where the goal accounts for it.
 The warm-up's copies
 --------------------
 When the offload candidates fit on the device, DISCOVERY/PROFILING keep one device copy of each
-(:class:`~flextensor.runtime.warm_loader.WarmLoader`). The functions below do the work around those copies, in
+(:class:`~flextensor.runtime.loaders.warm_loader.WarmLoader`). The functions below do the work around those copies, in
 the order it happens:
 
-1. ``offload()``: :func:`stage` registers the candidates' host storages in place (``flextensor.runtime.staging``), so
+1. ``offload()``: :func:`stage` registers the candidates' host storages in place (``flextensor.runtime.pinned.in_place``), so
    the copies are direct DMA and may be queued (``non_blocking``); for a large model on a thread, in trap order,
    each copy waiting for its own region; :func:`choose_warmup` records the decision
    and the names still to copy; with DISCOVERY skipped, :func:`overlap_stream` makes the side stream the first
@@ -95,7 +95,7 @@ def choose_warmup(ctx: EngineContext, candidates: Iterable[str]) -> WarmupDecisi
 
 
 def stage(ctx: EngineContext, candidates: set[str], *, background: bool = False) -> None:
-    """Pin the candidates' host storages in place for the warm-up copies (``flextensor.runtime.staging``).
+    """Pin the candidates' host storages in place for the warm-up copies (``flextensor.runtime.pinned.in_place``).
 
     ``background`` (``offload()``'s warm-up): from :data:`BACKGROUND_STAGING_BYTES` on, a thread registers them
     in trap order while ``offload()`` returns, and each warm-up copy waits for its own region (the loader's

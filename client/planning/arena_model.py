@@ -1,5 +1,5 @@
 """The device arena of ``transfer_mode="raw_block_transfer"``: its size, where each streamed block goes, and the
-pipeline that gives (the planner's model of ``flextensor.runtime.arena_loader``).
+pipeline that gives (the planner's model of ``flextensor.runtime.loaders.arena_loader``).
 
 Pure Python and shared by the planner and the loader, so the planner's device bytes are the loader's to the
 byte and its simulated pipeline places blocks as the loader does.

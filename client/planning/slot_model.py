@@ -1,5 +1,5 @@
 """Device slots of unequal size: one small slot beside the large ones, where each streamed block goes, and the
-pipeline that gives (the planner's model of ``flextensor.runtime.loader.BlockLoader`` with ``small_slot``).
+pipeline that gives (the planner's model of ``flextensor.runtime.loaders.block_loader.BlockLoader`` with ``small_slot``).
 
 Pure Python and shared by the planner and the loader, so the planner's device bytes are the loader's to the
 byte and its simulated pipeline places blocks as the loader does.
@@ -17,7 +17,7 @@ gets faster.
 
 Placement: least recently used slot that fits
 ---------------------------------------------
-Streamed calls are numbered with an ever-growing *entry* index, as in ``flextensor.runtime.loader``. Entry
+Streamed calls are numbered with an ever-growing *entry* index, as in ``flextensor.runtime.loaders.block_loader``. Entry
 ``e`` goes to the slot whose last entry is the oldest among the slots large enough for it (a slot never used
 counts as oldest; ties go to the lower slot index). Placement depends on the sequence of block sizes alone,
 never on timing, so every process that replays a schedule places it the same way. With slots of one size

@@ -423,7 +423,7 @@ class HostRegisterProvider(ArenaProvider):
             try:
                 host_register(block.data_ptr(), block.numel())
             except RuntimeError:
-                from flextensor.runtime.staging import clear_cuda_error
+                from flextensor.runtime.pinned.in_place import clear_cuda_error
 
                 clear_cuda_error()  # the caller gets the exception; torch must not trip over the stale error later
                 raise
@@ -440,7 +440,7 @@ class HostRegisterProvider(ArenaProvider):
             try:
                 host_unregister(ptr)
             except RuntimeError as exc:  # teardown must go on; the process exit releases the pages anyway
-                from flextensor.runtime.staging import clear_cuda_error
+                from flextensor.runtime.pinned.in_place import clear_cuda_error
 
                 clear_cuda_error()
                 logger.warning("could not unregister host block at %#x: %s", ptr, exc)

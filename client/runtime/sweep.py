@@ -56,7 +56,7 @@ def transfer_sweep(device: torch.device, trap_bytes: Sequence[int], *, pinned: b
         return _sweep(device, host, sizes, repeats)
     finally:
         if registered:
-            from flextensor.runtime.staging import unregister_in_place
+            from flextensor.runtime.pinned.in_place import unregister_in_place
 
             unregister_in_place(host)  # after _sweep returned: every copy from it has completed
 
@@ -67,7 +67,7 @@ def _host_buffer(nbytes: int, *, pinned: bool) -> tuple[torch.Tensor, bool]:
     host.fill_(1)
     if not pinned:
         return host, False
-    from flextensor.runtime.staging import register_in_place
+    from flextensor.runtime.pinned.in_place import register_in_place
 
     if register_in_place(host):
         return host, True

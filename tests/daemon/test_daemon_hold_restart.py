@@ -18,7 +18,7 @@ import pytest
 from flextensor.daemon.config import load_settings
 from flextensor.shm.leases import LeaseTable
 from flextensor.shm.names import manager_namespace
-from tests.client.test_session import expected_output, finish, make_profile, matches, output_of, read_result, spawn
+from tests.client.sharing.test_session import expected_output, finish, make_profile, matches, output_of, read_result, spawn
 from tests.daemon.helpers import Daemon, run_cli, wait_until
 from tests.leftovers import shm_names
 

@@ -22,7 +22,7 @@ from flextensor.shm.header import coordinator_segment_size
 from flextensor.shm.identity import ParticipantIdentity
 from flextensor.shm.journal import read_journal
 from flextensor.shm.names import manager_namespace
-from tests.client.test_session import (
+from tests.client.sharing.test_session import (
     expected_output,
     finish,
     finish_all,

@@ -129,7 +129,7 @@ def main() -> int:
     try:
         model_in_ram = big_mlp() if args.mode in ("offload", "profile") else None
         size = model_bytes(big_mlp_meta())
-        for module in ("flextensor.lazy_init", "flextensor.session"):  # a one-time cost per process: not measured
+        for module in ("flextensor.loading.lazy_init", "flextensor.sharing.session"):  # a one-time cost per process: not measured
             importlib.import_module(module)
 
         cuda_init, kernels_init = start_cuda()

@@ -1,8 +1,8 @@
-"""A recording stand-in for the cudart calls of ``flextensor.runtime.staging``, so its bookkeeping runs without CUDA."""
+"""A recording stand-in for the cudart calls of ``flextensor.runtime.pinned.in_place``, so its bookkeeping runs without CUDA."""
 
 from __future__ import annotations
 
-from flextensor.runtime.staging import PinnedStaging
+from flextensor.runtime.pinned.in_place import PinnedStaging
 
 
 class FakeCudart:

@@ -335,7 +335,7 @@ def test_a_streamed_weight_used_outside_its_trap_is_refused_not_read_stale():
 
 def test_loader_per_tensor_sources_are_checked_against_their_placements():
     from flextensor.runtime.host_memory import pack_block
-    from flextensor.runtime.loader import BlockLoader
+    from flextensor.runtime.loaders.block_loader import BlockLoader
 
     layout = pack_block(0, "t", [("w", torch.float32, (4, 4), (4, 1))])
     source, shadow = torch.randn(4, 4), torch.zeros(4, 4)

@@ -27,7 +27,7 @@ import flextensor.engine.build as inference_mod
 from flextensor.engine.phase import Phase
 from flextensor.engine.warmup import warm_samples
 from flextensor.planning.warmup_rule import WarmupMode, decide_warmup, warmup_margin
-from flextensor.runtime.warm_loader import WarmLoader
+from flextensor.runtime.loaders.warm_loader import WarmLoader
 from tests.helpers.models import (
     ALL,
     DEVICE,

@@ -39,9 +39,9 @@ def test_offload_and_inference_import_no_dynamo():
                 model(token_ids().to(DEVICE))
         assert ft.get_offload_manager().loader is not None
         heavy = [m for m in ("torch._dynamo", "sympy") if m in sys.modules]
-        from flextensor.runtime.arena_loader import ArenaLoader
+        from flextensor.runtime.loaders.arena_loader import ArenaLoader
         from flextensor.runtime.compile_guard import dynamo_active
-        from flextensor.runtime.loader import BlockLoader
+        from flextensor.runtime.loaders.block_loader import BlockLoader
         patched = (BlockLoader.enter, model.forward, model.blocks[0].forward)  # the root's and a trap's forward
         before = [getattr(f, "_torchdynamo_disable", False) for f in patched] + [dynamo_active()]
         import torch._dynamo

@@ -1,4 +1,4 @@
-"""CUDA-graph capture of an offloaded model (Note [loader under CUDA-graph capture] in ``flextensor.runtime.loader``)
+"""CUDA-graph capture of an offloaded model (Note [loader under CUDA-graph capture] in ``flextensor.runtime.loaders.block_loader``)
 and its timing read back after replays (Note [timing replayed passes] in ``flextensor.runtime.graph_timing``).
 
 The loaders' capture bookkeeping is the same on every device, so its rules are checked on the CPU through
@@ -15,8 +15,8 @@ from torch import nn
 import flextensor as ft
 from flextensor.manager import Phase
 from flextensor.runtime.host_memory import block_view, pack_block, packed_stride
-from flextensor.runtime.arena_loader import make_loader
-from flextensor.runtime.loader import StreamingLoader
+from flextensor.runtime.loaders.arena_loader import make_loader
+from flextensor.runtime.loaders.block_loader import StreamingLoader
 from tests.helpers.models import (
     ALL,
     DEVICE,

@@ -1,0 +1,585 @@
+"""``SharedOffloadSession``: N workers on a host, one pinned host copy of the offloaded weights.
+
+Per manager name the session runs one sharing generation (see ``flextensor.shm.coordinator``):
+
+creator (elected: the first to create the manager's coordinator segment)
+    1. reads the disk profile and runs the preflight (``/dev/shm`` room, ``RLIMIT_MEMLOCK`` when pinning);
+    2. has the resident tensors' store and the host blocks' segment (one arena, ``flextensor.shm.blocks``) made,
+       without their pages, on a background thread (sizes from the profile) while ``creator_model_factory()`` (or
+       the checkpoint's meta model) is built;
+    3. fills the store and then the arena from the model or its checkpoint, pointing the model at each shared
+       copy as it is made (``flextensor.sharing.publish``: pages allocated a window ahead of the copy or the read, one
+       copy of the weights in RAM), and adopts the profile over the filled blocks, as a follower does; with CUDA
+       the creator's mapping is registered in the background like a follower's (below);
+    4. publishes the plan: the state rebuilt from the live allocation (``export_state()``, every block naming the
+       arena), and flips the coordinator to READY. Publishing is ordered: store, blocks, plan, then state.
+    Any failure before READY is published first (``mark_failed``), so followers raise
+    ``ShmCreatorFailedError`` with the creator's message, and only then cleaned up.
+
+follower
+    calls ``follower_model_factory()`` (normally a ``meta`` model) while a thread waits for READY
+    (``ShmCreatorDiedError`` when the creator's lease ends first, ``TimeoutError`` after ``wait_timeout``; a
+    failing factory cancels the wait), decodes the plan, attaches the tensor store, maps the arena and copies the
+    resident tensors to the device (``flextensor.sharing.attach_prefetch``), so a follower that arrives before READY has
+    its model built by then; checks the published metadata against the model (naming the offending
+    tensor), installs the resident tensors and adopts the plan over the creator's host blocks, views of the
+    arena (laid out once, on the thread): no private copy. ``session.report()["steps"]`` times each step, the
+    thread's parts included. No step of the caller contains another, so they add up to at most ``ready_s``; the
+    attach thread's (``wait`` and ``plan``, or ``join``, ``daemon`` and ``plan`` when it joined, and every
+    ``prefetch_*`` but ``prefetch_wait``) run beside ``factory`` and ``prefetch_wait``, and on a CUDA device
+    ``prefetch_blocks`` and ``prefetch_slots`` run beside ``prefetch_resident`` (``flextensor.sharing.attach_prefetch``).
+    With pinning on CUDA the follower registers its mappings of the blocks in the background, in schedule order
+    (``flextensor.shm.background_pin``): it is ready as soon as the plan is adopted, and a copy from a block
+    waits only until that block is registered.
+    When the generation is already READY on arrival (``peek_ready``: a lock-free read of the header, a hint
+    only), the thread also does the join itself (the election under the coordinator lock, the daemon
+    registration, the plan) while the factory runs; if the lock stays busy, or the join elected this process
+    creator after all, the session goes on along the paths above (the model built is used, or dropped).
+
+The session copies the caller's config and sets its SHM fields; strategy replanning is off because published
+blocks are fixed. A session is used from the thread that created it and reserves its manager names (process
+wide) until its ``close()`` succeeds; a failed close keeps what it still holds so ``close()`` can be retried.
+``close()`` leaves the generation at once (the last participant unlinks every name) and hands what this process
+registered with CUDA to the release thread (``flextensor.shm.background_release``), which unregisters it piece
+by piece and unmaps it afterwards, so the caller does not wait for the driver; a process that exits meanwhile
+leaves the rest to its own end, with nothing left in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+# The engine modules a follower needs are imported with the session (adoption among them), not on its first
+# attach: a fresh worker's time to ready should not include module imports.
+from flextensor.engine.adoption import check_state
+from flextensor.api import get_offload_manager
+from flextensor.sharing.attach_prefetch import ELECT_LOCK_WAIT_S, FollowerPrefetch
+from flextensor.configuration.config import OffloadConfig
+from flextensor.sharing.creator_source import CreatorSource
+from flextensor.manager import compute_device
+from flextensor.profiles import read_profile
+from flextensor.sharing.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, BlockReads, PublishPlan, arena_plan,
+                                fill_blocks, plan_publish, populate_window, publish_store, read_queued)
+from flextensor.shm.blocks import SharedBlockAllocator
+from flextensor.shm.checks import check_lease_seconds, check_seconds
+from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
+from flextensor.shm.coordinator import ShmCoordinator, peek_ready
+from flextensor.shm.header import State
+from flextensor.shm.names import manager_namespace, validate_base_namespace, validate_manager_name
+from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
+from flextensor.sharing.share import (PLAN_KIND, ManagerShare, block_pinner, check_offloaded_metadata, device_index,
+                              privatize_shared_views, read_published_plan, register_with_daemon,
+                              run_factory_while_attaching, timed_step)
+from flextensor.state import TensorManagerState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SharedOffloadSession", "ManagerShare", "PLAN_KIND"]
+
+#: Heartbeat lease of every participant (30 s); tests shorten it through the constructor.
+DEFAULT_LEASE_SECONDS = 30.0
+
+_reserved_lock = threading.Lock()
+_reserved: set[str] = set()
+
+
+class _Deadline:
+    """What is left of an overall ``wait_timeout``; ``None`` everywhere when there is no limit."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = None if seconds == 0 else time.monotonic() + seconds
+
+    def remaining(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - time.monotonic())
+
+
+
+class SharedOffloadSession:
+    """Share one host copy of a profiled model's weights among the workers of one host (see module docs)."""
+
+    def __init__(self, namespace: str, *, wait_timeout: float = 300.0,
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS) -> None:
+        self.validate_options(namespace, wait_timeout=wait_timeout)
+        self.namespace = namespace
+        self.wait_timeout = float(wait_timeout)
+        self.lease_seconds = check_lease_seconds(lease_seconds)
+        self._thread = threading.get_ident()
+        self._shares: dict[str, ManagerShare] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ validation
+    @staticmethod
+    def validate_options(namespace: str, *, wait_timeout: float = 300.0) -> None:
+        """Check the namespace and timeout without opening anything (``ValueError`` naming the problem)."""
+        validate_base_namespace(namespace)
+        check_seconds(wait_timeout, "wait_timeout", allow_none=False)
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "SharedOffloadSession is used from another thread than the one that created it; create one "
+                "session per worker thread (flextensor is single-threaded per manager)"
+            )
+
+    # ------------------------------------------------------------------------------------------ main entry
+    def offload_from_profile(
+        self,
+        profile_dir: str,
+        *,
+        config: OffloadConfig | None = None,
+        name: str = "default",
+        creator_model_factory: Callable[[], nn.Module] | None = None,
+        follower_model_factory: Callable[[], nn.Module],
+        checkpoint: str | os.PathLike[str] | None = None,
+    ) -> nn.Module:
+        """Elect, then publish (creator) or attach (follower); return the offloaded model, ready for inference.
+
+        With ``checkpoint`` (a safetensors file, a directory of shards, or its index JSON) the creator builds its
+        model with ``creator_model_factory`` if given, else ``follower_model_factory`` (parameters on ``meta``),
+        and reads every tensor once, straight into the shared blocks (``flextensor.sharing.creator_source``); a missing
+        tensor is a ``KeyError``, a dtype or shape mismatch a ``ValueError``, both published to the followers."""
+        self._check_thread()
+        if self._closed:
+            raise RuntimeError("this SharedOffloadSession is closed; create a new one")
+        validate_manager_name(name)
+        if not callable(follower_model_factory) or not (
+                callable(creator_model_factory) or (creator_model_factory is None and checkpoint is not None)):
+            raise TypeError("follower_model_factory and creator_model_factory must be callables returning nn.Module "
+                            "(creator_model_factory may be omitted when checkpoint= is given)")
+        source = CreatorSource(creator_model_factory or follower_model_factory, checkpoint)
+        if name in self._shares:
+            raise RuntimeError(f"this session already offloads manager {name!r}; close() it before offloading again")
+        manager = get_offload_manager(name)
+        self._reserve(name)
+        if manager.model is not None:
+            self._unreserve(name)
+            raise RuntimeError(f"manager {name!r} already offloads a model in this process; release it first")
+        ns = manager_namespace(self.namespace, name)
+        cfg = self._session_config(config, ns)
+        deadline = _Deadline(self.wait_timeout)
+        start = time.monotonic()
+        share: ManagerShare | None = None
+        built: nn.Module | None = None  # a follower's model, built while its thread joined (see _join_while_building)
+        built_s = 0.0
+        prefetch: FollowerPrefetch | None = None
+        try:
+            if peek_ready(ns):
+                share, built, prefetch, built_s = self._join_while_building(name, ns, cfg, deadline,
+                                                                            follower_model_factory)
+            if share is None:
+                begin = time.monotonic()
+                coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining(),
+                                             base=self.namespace, manager=name)
+                share = self._new_share(name, ns, coordinator, joined_s=time.monotonic() - begin)
+                with timed_step(share.steps, "daemon"):
+                    register_with_daemon(coordinator, self.namespace, name)
+        except BaseException:
+            share = share or self._shares.get(name)  # _join_while_building registers one before it raises
+            if share is None:
+                self._unreserve(name)
+            else:
+                self._abandon(share, manager)
+            raise
+        try:
+            if share.coordinator.is_creator:
+                share.role = "creator"
+                logger.info("session %s/%s: elected creator of generation %d", self.namespace, name, share.generation)
+                model = self._publish(share, manager, cfg, profile_dir, source)
+            elif prefetch is not None and prefetch.state is not None:
+                logger.info("session %s/%s: follower of generation %d (joined while the model was built)",
+                            self.namespace, name, share.generation)
+                assert built is not None  # the thread's results come with the model built beside it
+                model = self._adopt_published(share, manager, cfg, built, prefetch)
+            else:
+                logger.info("session %s/%s: follower of generation %d; waiting for the creator",
+                            self.namespace, name, share.generation)
+                factory = follower_model_factory if built is None else (lambda: built)
+                model = self._attach(share, manager, cfg, deadline, factory)
+                if built is not None:  # the model was built beside the thread's join, not by _attach
+                    share.steps["factory"] = built_s
+        except BaseException:
+            self._abandon(share, manager)
+            raise
+        share.model = model
+        share.ready_s = time.monotonic() - start
+        logger.info("session %s/%s: %s ready in %.3f s (%.1f MiB shared)", self.namespace, name, share.role,
+                    share.ready_s, share.shared_bytes / 2**20)
+        return model
+
+    def _new_share(self, name: str, ns: str, coordinator: ShmCoordinator, *, joined_s: float) -> ManagerShare:
+        """Register what this session now holds for manager ``name`` (from here, a failure is cleaned up)."""
+        share = ManagerShare(name=name, namespace=ns, coordinator=coordinator, generation=coordinator.generation)
+        share.steps["join"] = joined_s  # the election, under the coordinator's lock
+        self._shares[name] = share
+        return share
+
+    def _join_while_building(self, name: str, ns: str, cfg: OffloadConfig, deadline: _Deadline,
+                             factory: Callable[[], nn.Module]) -> tuple[ManagerShare | None, nn.Module,
+                                                                        FollowerPrefetch, float]:
+        """A READY generation exists: build the follower's model while a thread joins it and attaches.
+
+        Returns the share (None when the thread gave up waiting for the coordinator lock: the caller joins on
+        its own thread), the model the factory built, the thread's results (see
+        ``flextensor.sharing.attach_prefetch``, "Joining on the thread") and the factory's seconds. Whatever the thread
+        joined or opened belongs to the share before any error is raised, so the caller's cleanup covers it.
+        """
+        steps: dict[str, float] = {}
+        joined: ShmCoordinator | None = None  # set on the thread as soon as it joined: the share owns it then
+
+        def elect() -> tuple[ShmCoordinator | None, TensorManagerState | None]:
+            nonlocal joined
+            begin = time.monotonic()
+            remaining = deadline.remaining()
+            wait = ELECT_LOCK_WAIT_S if remaining is None else min(ELECT_LOCK_WAIT_S, remaining)
+            try:  # only the election's wait is short; later registrations and the close keep the session's
+                joined = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=remaining, join_timeout=wait,
+                                        base=self.namespace, manager=name)
+            except TimeoutError:
+                return None, None
+            steps["join"] = time.monotonic() - begin
+            with timed_step(steps, "daemon"):  # a failure from here leaves ``joined`` to take_over, then _abandon
+                register_with_daemon(joined, self.namespace, name)
+            if joined.is_creator or joined.state is not State.READY:
+                return joined, None
+            with timed_step(steps, "plan"):
+                state = read_published_plan(joined.memory_owner, ns)
+            return joined, state
+
+        prefetch = FollowerPrefetch(ns, compute_device(cfg), num_blocks=cfg.num_blocks, min_blocks=cfg.min_blocks,
+                                    elect=elect).start()
+        share = None
+
+        def take_over() -> None:  # the share owns what the thread joined and opened before any error goes on
+            nonlocal share
+            if joined is not None:
+                share = self._new_share(name, ns, joined, joined_s=steps.pop("join", 0.0))
+                share.steps.update(steps)
+                share.take_from(prefetch)
+
+        model = run_factory_while_attaching(prefetch, factory, steps, take_over)
+        return share, model, prefetch, steps["factory"]
+
+    def _session_config(self, config: OffloadConfig | None, ns: str) -> OffloadConfig:
+        """A copy of the caller's config with the SHM fields set (the caller's object is never changed)."""
+        cfg = copy.deepcopy(config) if config is not None else OffloadConfig()
+        cfg.shm_enabled = True
+        cfg.shm_namespace = ns
+        cfg.shm_wait_timeout = self.wait_timeout
+        cfg.validate()
+        return cfg
+
+    # ------------------------------------------------------------------------------------------ creator
+    def _publish(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, profile_dir: str,
+                 source: CreatorSource) -> nn.Module:
+        coordinator = share.coordinator
+        owner = coordinator.memory_owner
+        steps = share.steps
+        try:
+            device = compute_device(cfg)
+            plan = plan_publish(read_profile(profile_dir), device, pinned_memory=cfg.pinned_memory)
+            check_shm_capacity(share.namespace, plan.shared_bytes)
+            if plan.pin:
+                shortfall = memlock_shortfall(plan.shared_bytes)
+                if shortfall:  # a warning: the NVIDIA driver does not charge cudaHostRegister to this limit
+                    logger.warning("session %s: %s", share.namespace, shortfall)
+            # The segments are made while the model is built, without their pages: those come on a thread a window
+            # ahead of the copy or the checkpoint read (flextensor.sharing.publish), so allocating tmpfs pages, the slow
+            # part of publishing, overlaps the copy, and a model built in RAM is freed into them as they fill.
+            owner.prepare_segments(plan.segment_sizes, reserve=False)
+            with timed_step(steps, "factory"):
+                model = source.build()
+            logger.info("session %s: model built in %.2f s", share.namespace, steps["factory"])
+            begin = time.monotonic()
+            reads: BlockReads | None = None  # a checkpoint's block reads, running beside the adoption
+            try:
+                model, reads = self._fill_shared(share, model, plan, cfg, source)
+                published_plan = arena_plan(plan.state, SharedBlockAllocator(owner).names(plan.arena), plan.arena)
+                gate: Callable[[int], None] | None = None
+                if plan.pin and plan.layouts:
+                    share.pinner = block_pinner(share.segments, published_plan, plan.arena, device,
+                                                label=f"session {share.namespace}")
+                    gate = share.pinner.wait
+                if reads is not None:
+                    gate = reads.gate(gate)
+                with timed_step(steps, "adopt"):  # the blocks are filled: the engine only points tensors at them
+                    proxy = manager.offload_from_state(model, published_plan, cfg, allow_strategy_replan=False,
+                                                       host_blocks=share.block_views, host_block_gate=gate,
+                                                       shm_owner=owner, weights=source.weights)
+                with timed_step(steps, "plan"):
+                    published = manager.export_state()
+                    if sorted(t.name for t in published.tensors if not t.offloaded) != sorted(plan.resident):
+                        raise RuntimeError(
+                            f"internal error in session {self.namespace!r}: the adopted plan keeps other tensors "
+                            "resident than the profile says; please report it (re-profiling may avoid it)")
+                    owner.write_blob(PLAN_KIND, published.to_json())
+                if reads is not None:
+                    with timed_step(steps, "blocks_wait"):  # the reads' own seconds: publish["read_s"]
+                        share.publish.update(reads.wait())
+            finally:
+                if reads is not None:
+                    reads.stop()  # after a failure: nothing writes into the arena once it is cleaned up
+                source.close()
+            if share.pinner is not None:
+                share.pinner.start()  # after the adoption's device allocations and the reads (see _adopt_published)
+            assert share.store is not None  # _fill_shared published it
+            share.shared_bytes = plan.arena.total + share.store.nbytes
+            elapsed = max(time.monotonic() - begin, 1e-9)
+            share.publish.update(seconds=elapsed, gbps=share.shared_bytes / elapsed / 1e9)
+            logger.info("session %s: published %.1f MiB (%d blocks, %d resident tensors) in %.2f s (%.2f GB/s)",
+                        share.namespace, share.shared_bytes / 2**20, len(published.blocks), len(plan.resident),
+                        elapsed, share.shared_bytes / elapsed / 1e9)
+            coordinator.notify_ready()
+        except BaseException as exc:
+            try:
+                coordinator.mark_failed(exc)
+            except Exception as publish_exc:  # noqa: BLE001 - the original error matters more
+                logger.warning("session %s: could not publish the failure: %s", share.namespace, publish_exc)
+            raise
+        return proxy
+
+    def _fill_shared(self, share: ManagerShare, model: nn.Module, plan: PublishPlan, cfg: OffloadConfig,
+                     source: CreatorSource) -> tuple[nn.Module, BlockReads | None]:
+        """The store and the arena filled from the model (together, from a model in RAM), or the store then the
+        arena from its checkpoint, and the model pointed at them; on CUDA the store's mapping is registered once it
+        is filled, while the arena fills (see ``flextensor.sharing.publish``). A checkpoint's block reads
+        are returned running (the caller adopts meanwhile, then waits for them). What it opens belongs to the
+        share at once, so a failure is cleaned up by the caller's cleanup."""
+        owner = share.coordinator.memory_owner
+        steps = share.steps
+        layouts, layout = plan.layouts, plan.arena
+        views = []
+        if layouts:
+            share.segments.extend(SharedBlockAllocator(owner).create(layout))
+            views = SharedBlockAllocator.views(share.segments, layout)
+        share.block_views = views
+        # Refuse a model that does not match the profile before anything of it changes.
+        checked = check_state(model, plan.state, cfg, host_blocks=views, weights=source.weights)
+        # A model in RAM fills the arena on a thread while the store fills here: their pages are different files,
+        # which tmpfs allocates in parallel (see flextensor.shm.blocks), and allocating them is the slow part.
+        blocks_fill = None
+        cancel = threading.Event()
+        if layouts and source.weights is None:
+            blocks_fill = BackgroundCall(lambda: share.publish.update(fill_blocks(
+                checked.tensors, layouts, views, share.segments, layout, None, label=share.name, cancel=cancel)),
+                name="ft-publish-blocks", cancel=cancel)
+        store_pin = None
+        reads = None
+        try:
+            with timed_step(steps, "store"):
+                share.store = publish_store(share.namespace, model, plan.resident, owner, source.weights,
+                                            window=populate_window(plan.store_bytes),
+                                            stop=None if blocks_fill is None else blocks_fill.failure)
+                read_queued(source.weights)  # the resident tensors' checkpoint reads
+            if plan.pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
+                store_pin = BackgroundCall(share.store.pin, device=device_index(plan.device))
+            with timed_step(steps, "blocks"):  # from a model in RAM: what the arena's fill took beyond the store's
+                if layouts and source.weights is not None:
+                    reads = BlockReads(checked.tensors, layouts, views, share.segments, layout,
+                                       source.weights).start()
+                elif blocks_fill is not None:
+                    failure = blocks_fill.join()  # an interrupt here cancels the fill and still waits for it
+                    share.publish["blocks_fill_s"] = blocks_fill.seconds
+                    blocks_fill = None
+                    if failure is not None:
+                        raise failure
+        finally:
+            if blocks_fill is not None:  # the store failed: stop the arena's fill before anything is cleaned up
+                cancel.set()
+                blocks_fill.join()  # also through an interrupt: the thread must be gone before the cleanup
+            if store_pin is not None:  # never left running: a failure's cleanup unpins the store
+                with timed_step(steps, "register_store_wait"):
+                    error = store_pin.join()
+                share.publish["register_store_s"] = store_pin.seconds
+                if error is not None:
+                    logger.warning("session %s: could not register the resident tensors' store with CUDA (%s); "
+                                   "they are copied to the device from pageable memory (correct, slower)",
+                                   share.namespace, error)
+        return model, reads
+
+    # ------------------------------------------------------------------------------------------ follower
+    def _attach(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, deadline: _Deadline,
+                factory: Callable[[], nn.Module]) -> nn.Module:
+        """A follower of a generation not READY yet: a thread waits for READY, reads the plan and opens the store,
+        host blocks and resident copies while the factory builds the model (see ``flextensor.sharing.attach_prefetch``),
+        so a follower that arrives before READY has its model by the time the creator publishes."""
+        coordinator = share.coordinator
+        steps = share.steps
+        cancel = threading.Event()
+
+        def wait_then_read() -> tuple[ShmCoordinator, TensorManagerState]:
+            with timed_step(steps, "wait"):
+                coordinator.wait_for_ready(deadline.remaining(), cancel=cancel)
+            with timed_step(steps, "plan"):
+                return coordinator, read_published_plan(coordinator.memory_owner, share.namespace)
+
+        prefetch = FollowerPrefetch(share.namespace, compute_device(cfg), num_blocks=cfg.num_blocks,
+                                    min_blocks=cfg.min_blocks, elect=wait_then_read, cancel=cancel).start()
+        model = run_factory_while_attaching(prefetch, factory, steps, lambda: share.take_from(prefetch))
+        share.wait_s = steps["wait"]
+        return self._adopt_published(share, manager, cfg, model, prefetch)
+
+    def _adopt_published(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, model: nn.Module,
+                         prefetch: FollowerPrefetch) -> nn.Module:
+        """The follower's last steps, with the store and arena attached: check, install, adopt, register.
+
+        ``prefetch`` is the attach thread, finished without error: its plan, resident copies and the arena's
+        layout, which it computed once to map the arena and which serves here for the views and the pinning."""
+        steps = share.steps
+        device = compute_device(cfg)
+        state, layout = prefetch.state, prefetch.layout
+        if state is None or layout is None:  # the thread finished without error, so it read both: a bug if not
+            raise RuntimeError(
+                f"internal error in session {self.namespace!r}: the attach thread finished without the published "
+                "plan or the arena layout; please report it (a fresh start of the worker joins again)"
+            )
+        with timed_step(steps, "validate"):
+            check_offloaded_metadata(model, state)
+        assert share.store is not None  # taken from the attach thread, which opened it
+        with timed_step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
+            share.store.materialize(model, device, copies=prefetch.device_copies)
+        sizes = layout.sizes
+        host_blocks = SharedBlockAllocator.views(share.segments, layout) if sizes else []
+        share.shared_bytes = layout.total + share.store.nbytes
+        gate = None
+        if cfg.pinned_memory and torch.cuda.is_available() and sizes:
+            # Registration runs behind the follower's return and first forward, block by block in schedule
+            # order; each copy from a block waits for that block only (see flextensor.shm.background_pin).
+            share.pinner = block_pinner(share.segments, state, layout, device, label=f"session {share.namespace}")
+            gate = share.pinner.wait
+        with timed_step(steps, "adopt"):
+            proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False,
+                                               host_blocks=host_blocks, host_block_gate=gate)
+        if share.pinner is not None:
+            # Started only now: the driver serialises cudaHostRegister with device allocations, so registering
+            # during adoption (which allocates the rotating device blocks) would hold the follower back.
+            share.pinner.start()
+        return proxy
+
+    # ------------------------------------------------------------------------------------------ teardown
+    def _abandon(self, share: ManagerShare, manager: Any) -> None:
+        """Undo a failed ``offload_from_profile``; what cannot be undone stays for ``close()`` to retry."""
+        try:
+            self._release_share(share, manager, preserve=False)
+        except Exception as exc:  # noqa: BLE001 - the caller sees the original error; close() can retry
+            logger.warning("session %s/%s: cleanup after failure incomplete (%s); call close() to retry",
+                           self.namespace, share.name, exc)
+
+    def _release_share(self, share: ManagerShare, manager: Any, *, preserve: bool) -> None:
+        if not share.released:
+            if manager.model is not None:
+                model = manager.model
+                manager.release(preserve_model=preserve)
+                if preserve and share.store is not None:
+                    privatize_shared_views(model, share.store)
+            share.released = True
+        if share.pinner is not None:  # no registration may race the unpin and unmap below
+            share.pinner.close()
+        share.block_views = []
+        # Unregistering what this process pinned takes the driver seconds for a large model; it runs on the
+        # release thread, which unmaps each segment after its last range (flextensor.shm.background_release).
+        while share.segments:
+            segment = share.segments[-1]
+            segment.close(background=True)
+            share.segments.pop()
+        if share.store is not None:
+            share.store.close(background=True)
+            share.store = None
+        share.coordinator.close()  # the names go now (last participant); the pages when the last mapping does
+        self._shares.pop(share.name, None)
+        self._unreserve(share.name)
+
+    def close(self, *, preserve_models: bool = False) -> None:
+        """Release every manager and leave each generation (the last participant unlinks everything).
+
+        ``preserve_models=True`` first copies managed weights into private storage so the models stay usable.
+        Raises the first failure after trying every manager; what failed is kept so ``close()`` can be retried.
+        """
+        self._check_thread()
+        first_error: BaseException | None = None
+        for share in list(self._shares.values()):
+            try:
+                self._release_share(share, get_offload_manager(share.name), preserve=preserve_models)
+            except Exception as exc:  # noqa: BLE001 - try the other managers, then report
+                logger.warning("session %s/%s: close failed (%s); call close() again to retry",
+                               self.namespace, share.name, exc)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        self._closed = True
+
+    def __enter__(self) -> "SharedOffloadSession":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close(preserve_models=False)
+            return
+        try:  # an error is already on its way out: a failing close must not replace it
+            self.close(preserve_models=False)
+        except Exception as close_exc:  # noqa: BLE001
+            logger.error("session %s: close() failed while handling %s: %s; call close() again to retry",
+                         self.namespace, exc_type.__name__, close_exc)
+
+    # ------------------------------------------------------------------------------------------ reporting
+    def report(self) -> list[dict[str, Any]]:
+        """Role, generation, timings and shared bytes of each manager this session holds."""
+        return [share.summary() for share in self._shares.values()]
+
+    def role(self, name: str = "default") -> str:
+        return self._shares[name].role
+
+    def namespace_for(self, name: str = "default") -> str:
+        """The per-manager namespace that manager ``name`` shares under (what ``ftd ls`` and the segment names
+        in ``/dev/shm`` show): this session's base namespace and the manager name, hashed to a short name."""
+        return manager_namespace(self.namespace, validate_manager_name(name))
+
+    # ------------------------------------------------------------------------------------------ supervisors
+    @staticmethod
+    def cleanup_namespace(namespace: str, *, manager_names: Iterable[str], timeout: float = 60.0,
+                          lock_dir: str | os.PathLike[str] | None = None, force: bool = False) -> list[CleanupReport]:
+        """Reclaim what killed workers left, from the journal and leases only (no coordinator, no model).
+
+        ``timeout`` bounds the wait for live leases across all managers (0: try once, now); workers killed on
+        this host count as gone at once. ``lock_dir``: the workers' lock directory (default: this process's,
+        from its ``TMPDIR``). ``force=True``, once every worker is stopped, removes everything derivable from
+        the namespace even when its metadata is corrupt or lost. Missing generations are a no-op; unknown
+        protocols or malformed metadata raise without deleting anything. Earlier managers may already be
+        removed when a later one fails; retrying is safe.
+        """
+        validate_base_namespace(namespace)
+        if isinstance(manager_names, str):
+            raise ValueError(f"manager_names must be a list of names, not the string {manager_names!r}")
+        names = [validate_manager_name(m) for m in manager_names]
+        if not names:
+            raise ValueError("manager_names is empty: pass the manager names used by the run, e.g. ['default']")
+        deadline = time.monotonic() + check_seconds(timeout, "timeout", allow_none=False)
+        reports = []
+        for name in names:
+            remaining = max(0.0, deadline - time.monotonic())
+            reports.append(cleanup_manager_namespace(manager_namespace(namespace, name), timeout=remaining,
+                                                     lock_dir=lock_dir, force=force))
+        return reports
+
+    # ------------------------------------------------------------------------------------------ reservations
+    @staticmethod
+    def _reserve(name: str) -> None:
+        with _reserved_lock:
+            if name in _reserved:
+                raise RuntimeError(
+                    f"manager {name!r} is reserved by another SharedOffloadSession in this process; close that "
+                    "session first or use another manager name"
+                )
+            _reserved.add(name)
+
+    @staticmethod
+    def _unreserve(name: str) -> None:
+        with _reserved_lock:
+            _reserved.discard(name)

@@ -1,0 +1,247 @@
+"""A session creator fills the store and the arena itself (flextensor.sharing.publish): pages allocated a window ahead of
+the copy, the model pointed at each shared copy as it is made, the engine adopting the filled blocks; the
+published bytes are the model's, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import flextensor as ft
+import flextensor.sharing.publish as publish_mod
+import flextensor.shm.store_layout as layout_mod
+import flextensor.shm.tensor_store as store_mod
+from flextensor.shm.blocks import ARENA_KIND
+from flextensor.shm.names import manager_namespace
+from flextensor.shm.populate_ahead import PopulateAhead
+from flextensor.state import TensorManagerState
+from tests.client.sharing.test_session import LEASE, make_profile
+from tests.helpers.models import (DEVICE, TinyTransformer, cpu_config, reference,
+                                  same, tiny_transformer, token_ids)
+from tests.helpers.session_worker import shm_ranges
+from tests.leftovers import shm_names
+
+WINDOW = 3 * 36864  # about two of the tiny transformer's blocks beyond the one being filled
+
+
+@pytest.fixture
+def profile(tmp_path: Path) -> str:
+    return make_profile(tmp_path / "profile")
+
+
+@pytest.fixture
+def populations(monkeypatch) -> list[dict]:
+    """Every PopulateAhead the publish makes: its ranges and its window."""
+    made: list[dict] = []
+
+    class Recording(PopulateAhead):
+        def __init__(self, ranges, *, window, workers=1):
+            super().__init__(ranges, window=window, workers=workers)
+            made.append({"ranges": list(ranges), "window": window, "workers": workers})
+
+    monkeypatch.setattr(publish_mod, "PopulateAhead", Recording)
+    monkeypatch.setattr(store_mod, "PopulateAhead", Recording)
+    return made
+
+
+def _meta_model() -> TinyTransformer:
+    with torch.device("meta"):
+        return TinyTransformer()
+
+
+def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(namespace, profile, populations,
+                                                                        monkeypatch):
+    plain = tiny_transformer(seed=0)
+    monkeypatch.setattr(publish_mod, "populate_window", lambda total: WINDOW)
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                             creator_model_factory=lambda: tiny_transformer(seed=0),
+                                             follower_model_factory=_meta_model)
+        assert session.role("model") == "creator"
+        with torch.no_grad():
+            assert same(model(token_ids().to(DEVICE)), reference(plain, token_ids()))
+        # Every published byte is the model's: the blocks (state_dict() reads streamed tensors from their host
+        # blocks) and the resident tensors (copied from the store; on a CPU host they view it in place).
+        state = dict(model.state_dict())
+        for name, value in plain.state_dict().items():
+            assert torch.equal(state[name].cpu(), value), name
+        if DEVICE.type == "cpu":
+            ranges = shm_ranges()
+            assert all(any(lo <= t.data_ptr() < hi for lo, hi in ranges) for t in model.parameters())
+        # Pages came through the window: one population for the store's records, one for the arena's blocks.
+        assert len(populations) == 2  # the arena's fill starts first, on its thread, beside the store's
+        block_pop, store_pop = sorted(populations, key=lambda p: p["ranges"][0][0].name.endswith(".sd"))
+        assert block_pop["ranges"][0][0].name.endswith(f".{ARENA_KIND}")
+        manager = ft.get_offload_manager("model")
+        assert len(block_pop["ranges"]) == len(manager.offloaded_tensors) and block_pop["window"] == WINDOW
+        published = TensorManagerState.from_json(session_owner_blob(namespace))
+        assert len(store_pop["ranges"]) == sum(not t.offloaded for t in published.tensors)  # a range per record
+        assert {b.name for b in published.blocks} == {f"/{manager_namespace(namespace, 'model')}.g1.{ARENA_KIND}"}
+        report = session.report()[0]
+        assert report["publish"]["gbps"] > 0 and {"store", "blocks", "adopt", "plan"} <= set(report["steps"])
+        del model, state
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
+def test_a_store_in_parts_is_made_ahead_at_the_sizes_the_publish_takes(namespace, profile, monkeypatch):
+    """The creator sizes the store's parts from the plan before its model exists; the publish then takes exactly
+    those segments (none is made again), and every resident tensor's shared copy equals the model's."""
+    from flextensor.shm.owner import ShmOwner
+    from flextensor.shm.tensor_store import SharedTensorStore
+
+    monkeypatch.setattr(layout_mod, "STORE_PART_MIN_BYTES", 4096)
+    prepared: dict[str, int] = {}
+    created: dict[str, int] = {}
+    prepare, create = ShmOwner.prepare_segments, ShmOwner.create_segment
+
+    def recording_prepare(self, sizes, **kwargs):
+        prepared.update(sizes)
+        return prepare(self, sizes, **kwargs)
+
+    def recording_create(self, kind, size, **kwargs):
+        created[kind] = size
+        return create(self, kind, size, **kwargs)
+
+    monkeypatch.setattr(ShmOwner, "prepare_segments", recording_prepare)
+    monkeypatch.setattr(ShmOwner, "create_segment", recording_create)
+    plain = tiny_transformer(seed=0)
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                             creator_model_factory=lambda: tiny_transformer(seed=0),
+                                             follower_model_factory=_meta_model)
+        parts = sorted(kind for kind in created if kind.startswith("sd"))
+        assert len(parts) > 1 and {kind: created[kind] for kind in parts} == {kind: prepared[kind] for kind in parts}
+        with torch.no_grad():
+            assert same(model(token_ids().to(DEVICE)), reference(plain, token_ids()))
+        from flextensor.shm.coordinator import ShmCoordinator
+
+        with ShmCoordinator(manager_namespace(namespace, "model"), lease_seconds=LEASE) as follower:
+            store = SharedTensorStore.attach(follower.namespace, shm_owner=follower.memory_owner)
+            assert store.parts == len(parts)
+            values = {**dict(plain.named_parameters(remove_duplicate=False)),
+                      **dict(plain.named_buffers(remove_duplicate=False))}
+            for name, view in store.tensors().items():
+                assert torch.equal(view, values[name]), name
+            del view
+            store.close()
+        del model
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
+def session_owner_blob(namespace: str) -> bytes:
+    """The published plan, read as a follower would."""
+    from flextensor.shm.coordinator import ShmCoordinator
+
+    with ShmCoordinator(manager_namespace(namespace, "model"), lease_seconds=LEASE) as follower:
+        assert not follower.is_creator
+        return follower.memory_owner.read_blob("p")
+
+
+def test_a_model_that_does_not_match_the_profile_is_refused_before_anything_is_published(namespace, profile):
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    with pytest.raises(ValueError, match="another model"):
+        session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                     creator_model_factory=lambda: tiny_transformer(seed=0, d=48),
+                                     follower_model_factory=_meta_model)
+    session.close()
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
+def _slow_assigns(monkeypatch) -> list[int]:
+    """Every model tensor pointed at its shared copy takes 20 ms (so a fill is still running when the other one
+    fails); returns the list of the copies' element counts, in order."""
+    import time
+
+    made: list[int] = []
+    real_assign = publish_mod.assign_data
+
+    def slow_assign(tensor, view):
+        time.sleep(0.02)
+        made.append(view.numel())
+        real_assign(tensor, view)
+
+    monkeypatch.setattr(publish_mod, "assign_data", slow_assign)
+    return made
+
+
+def _fails_after(seconds: float, what: str):
+    """A stand-in for a fill that fails as a full /dev/shm would, after ``seconds``."""
+    import time
+
+    def fail(*args, **kwargs):
+        time.sleep(seconds)
+        raise OSError(28, f"No space left on device ({what})")
+
+    return fail
+
+
+def _creator_raises(namespace: str, profile: str, match: str) -> None:
+    session = ft.SharedOffloadSession(namespace, lease_seconds=LEASE)
+    try:
+        with pytest.raises(OSError, match=match):
+            session.offload_from_profile(profile, config=cpu_config(), name="model",
+                                         creator_model_factory=lambda: tiny_transformer(seed=0),
+                                         follower_model_factory=_meta_model)
+    finally:
+        session.close()
+
+
+def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(namespace, profile, monkeypatch):
+    """From a model in RAM the arena fills on a thread while the store fills: when the store fails, that thread
+    is stopped (before its next block) and joined before anything is cleaned up, the creator raises the store's
+    error, and nothing is left."""
+    import threading
+    import time
+
+    import flextensor.sharing.session as session_mod
+    from flextensor.profiles import read_profile
+
+    filled = _slow_assigns(monkeypatch)  # the store is replaced: these are the arena's
+    monkeypatch.setattr(session_mod, "publish_store", _fails_after(0.05, "the store"))
+    streamed = sum(t.offloaded for t in read_profile(profile).tensors)
+    _creator_raises(namespace, profile, "the store")
+    assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]
+    stopped_at = len(filled)
+    assert 0 < stopped_at < streamed  # the arena's fill had started and was stopped part way
+    time.sleep(0.1)
+    assert len(filled) == stopped_at  # nothing writes into the arena any more
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
+def test_an_arena_fill_failure_stops_the_store_beside_it_and_leaves_nothing(namespace, profile, monkeypatch):
+    """The other way round: when the arena's fill fails (here at once, as a full /dev/shm would make it), the
+    store stops before its next record instead of filling to its end, the creator raises the arena's error, and
+    nothing is left."""
+    import flextensor.sharing.session as session_mod
+    from flextensor.profiles import read_profile
+
+    stored = _slow_assigns(monkeypatch)  # the arena's fill is replaced: these are the store's
+    monkeypatch.setattr(session_mod, "fill_blocks", _fails_after(0.03, "the arena"))
+    resident = sum(not t.offloaded for t in read_profile(profile).tensors)
+    _creator_raises(namespace, profile, "the arena")
+    assert len(stored) < resident  # the store stopped part way
+    assert shm_names(manager_namespace(namespace, "model")) == []
+
+
+def test_an_interrupt_while_waiting_for_the_arena_fill_cancels_it_and_still_waits_for_it():
+    """Ctrl-C while the creator waits for the arena's fill: the fill is told to stop and the thread has ended
+    before the interrupt goes on (the cleanup that follows must not race a thread still writing)."""
+    import signal
+    import threading
+
+    cancel = threading.Event()
+    stopped = threading.Event()
+
+    def fill() -> None:  # a fill that only stops when cancelled
+        while not cancel.wait(0.01):
+            pass
+        stopped.set()
+
+    call = publish_mod.BackgroundCall(fill, name="ft-publish-blocks", cancel=cancel)
+    threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        call.join()
+    assert cancel.is_set() and stopped.is_set()
+    assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]
