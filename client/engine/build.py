@@ -43,10 +43,12 @@ tensor is involved, and either
   a plan that streams nothing: its build makes no block but still unregisters the staged originals off the
   caller's thread; or
 - the warm-up streamed (*stream* mode, or a resident one that fell back): every streamed tensor still holds its
-  host original, and host RAM has room for the blocks beside the originals (:data:`DEFER_HOST_MARGIN`). Until
-  the blocks are installed, each streamed trap's weights are copied per call by the warm loader, exactly as
-  in the PROFILING passes (``DeferredPlan.copied``); the originals are released only once nothing reads them.
-  Built synchronously instead, the blocks of a 24 GiB model held the last PROFILING pass for seconds.
+  host original, and host RAM has room for an arena beside them (:data:`DEFER_HOST_MARGIN`). Until the blocks
+  are installed, each streamed trap's weights are copied per call by the warm loader, exactly as in the
+  PROFILING passes (``DeferredPlan.copied``); as each block is filled, its trap's tensors move onto it and the
+  originals go (Note [sources handed over block by block] in ``flextensor.runtime.host_block_build``), so host
+  RAM never holds both copies. Built synchronously instead, the blocks of a 24 GiB model held the last
+  PROFILING pass for seconds.
 
 Otherwise the build runs synchronously (:func:`build_inference`); a large one registers plain memory in place
 (:data:`IN_PLACE_MIN_BYTES`) instead of allocating from PyTorch's pinned allocator.
@@ -62,7 +64,7 @@ Sequence and threads
 2. Build thread (``ft-host-blocks``), :class:`HostBlockBuild`: reserve every block size with the provider, then
    block by block: allocate, copy each tensor from its host data, drop those sources and release their staging
    registration (so host RAM holds the originals and the blocks for about one arena at a time, as in the
-   synchronous build; after a stream-mode warm-up the sources stay until the install, step 3), region by
+   synchronous build; after a stream-mode warm-up the block is pinned and its tensors handed over first), region by
    region with a pause between (``UNREGISTER_PAUSE_S``; none once cancelled); finally ``provider.finish()``, which registers the filled blocks in place one at a time with the same
    pause between. On CUDA the thread first makes the manager's device current. Its pinned memory never comes
    from PyTorch's pinned allocator, whatever ``pinned_memory_mode``: each fresh arena there is one
@@ -72,9 +74,9 @@ Sequence and threads
    call that needs the INFERENCE layout (``export_state``, ``get_gpu_memory_usage``, ``offloaded_tensors``,
    ``loader``, ``save_profile``: they wait for the build): :func:`install_deferred` points every streamed tensor
    at its host view (its device copy is freed before the rotating device blocks are allocated), creates the
-   loader and returns the cached device memory. After a stream-mode warm-up nothing reads the staged originals
-   from then on: their registrations are released on a thread (``PinnedStaging.release_later``), which frees
-   them. A build failure is raised there, naming the cause.
+   loader and returns the cached device memory. Originals the hand-over had to leave (a wait for the build from
+   inside a trap's call) are read no more: their registrations are released on a thread
+   (``PinnedStaging.release_later``), which frees them. A build failure is raised there, naming the cause.
 4. ``release()`` while the build runs: :meth:`HostBlockBuild.cancel` stops it after the block in flight and joins
    it; the provider is closed; the tensors still hold their device copies, which teardown moves back (or drops
    to ``meta`` with ``preserve_model=False``). After a failed build the same holds: the failure already closed
@@ -97,8 +99,8 @@ from flextensor.engine.function_traps import build_indirect
 from flextensor.engine.hooks import assign_data, bypass_resident_traps
 from flextensor.engine.replan import attach_probe
 from flextensor.runtime.loaders.arena_loader import make_loader
-from flextensor.runtime.host_block_build import HostBlockBuild
-from flextensor.runtime.host_memory import BlockLayout, FillProgress, HostBlock, block_view, block_views
+from flextensor.runtime.host_block_build import HostBlockBuild, SourceHandover
+from flextensor.runtime.host_memory import ARENA_MAX_BYTES, BlockLayout, FillProgress, HostBlock, block_view, block_views
 from flextensor.runtime.sweep import device_memory
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,9 +118,9 @@ logger = logging.getLogger("flextensor.manager")
 #: and registering it (``cudaHostRegister`` of populated pages, ~37 ms/GiB) costs a fraction of that. Smaller
 #: builds keep the pinned allocator, whose cache serves a later build in the same process for free.
 IN_PLACE_MIN_BYTES = 1 << 30
-#: Host RAM left free when a build after a stream-mode warm-up is deferred: its blocks and the originals they
-#: are filled from coexist until the install, so the blocks must fit in the available memory less this much
-#: (or a tenth of it, when more); otherwise the build runs synchronously, freeing the originals block by block.
+#: Host RAM left free when a build after a stream-mode warm-up is deferred: an arena in the making and the
+#: originals it is filled from coexist, so it must fit in the available memory less this much (or a tenth of
+#: it, when more); otherwise the build runs synchronously, freeing the originals block by block.
 DEFER_HOST_MARGIN = 1 << 30
 
 
@@ -338,8 +340,10 @@ def can_defer(ctx: EngineContext, layouts: Sequence[BlockLayout]) -> bool:
         return False
     if any(t.is_meta or t.device.type != "cpu" or loader.holds(t) for t in streamed):
         return False
+    # The originals go block by block as the blocks fill (Note [sources handed over block by block]): beside
+    # them, host RAM holds one arena in the making at most.
     _total, available = device_memory(torch.device("cpu"))
-    needed = sum(layout.nbytes for layout in layouts)
+    needed = min(sum(layout.nbytes for layout in layouts), ARENA_MAX_BYTES + max(layout.nbytes for layout in layouts))
     return needed <= available - max(DEFER_HOST_MARGIN, available // 10)
 
 
@@ -367,15 +371,26 @@ def defer_inference(ctx: EngineContext, layouts: list[BlockLayout], schedule: li
     provider = ctx.provider_factory(register_in_place=True)  # no cudaHostAlloc behind running passes
     # The build thread is the only user of the staging from here until install_deferred joined it (the warm
     # loader's copies per call read the staged memory, but neither register nor release it).
-    ctx.inference.deferred = HostBlockBuild(ctx.name, layouts, sources, provider, ctx.warm.staging.release,
-                                            ctx.device, release_after=resident, keep_sources=bool(copied))
-    ctx.inference.deferred_plan = DeferredPlan(layouts, list(schedule), num_slots, streamed, copied)
+    handover = SourceHandover() if copied else None
+    ctx.inference.deferred = HostBlockBuild(
+        ctx.name, layouts, sources, provider, ctx.warm.staging.release, ctx.device, release_after=resident,
+        handover=(handover, _move_onto_block(streamed)) if handover is not None else None)
+    ctx.inference.deferred_plan = DeferredPlan(layouts, list(schedule), num_slots, streamed, copied, handover)
     ctx.sequence = list(schedule)
     bypass_untimed_traps(ctx, {layout.label for layout in layouts})
     if debug:
         logger.debug("manager %r: INFERENCE starts %s (%d bytes committed); %d host blocks build in the "
                      "background from the first inference pass", ctx.name,
                      "copying the streamed weights per call" if copied else "resident", kept, len(layouts))
+
+
+def _move_onto_block(streamed: list[list[torch.Tensor]]) -> Callable[[BlockLayout, HostBlock], None]:
+    """What the build's hand-over runs on its thread once a block is filled: the layout's tensors hold the block's
+    views from then on (the same bytes as the originals they held)."""
+    def move(layout: BlockLayout, block: HostBlock) -> None:
+        for tensor, view in zip(streamed[layout.index], block_views(block.tensor, layout.tensors)):
+            assign_data(tensor, view)
+    return move
 
 
 def install_deferred(ctx: EngineContext) -> None:
@@ -385,7 +400,7 @@ def install_deferred(ctx: EngineContext) -> None:
         return
     build.wait()
     assert ctx.inference.deferred_plan is not None
-    layouts, schedule, num_slots, streamed, copied = ctx.inference.deferred_plan
+    layouts, schedule, num_slots, streamed, copied, _handover = ctx.inference.deferred_plan
     ctx.inference.deferred = None
     ctx.inference.host_build_s = build.elapsed_s
     if build.error is not None:
@@ -405,8 +420,8 @@ def install_deferred(ctx: EngineContext) -> None:
         for placement, view, tensor in zip(layout.tensors, block_views(block.tensor, layout.tensors), tensors):
             assign_data(tensor, view)  # frees the warm-up device copy (or drops the host original)
             ctx.inference.placement[placement.name] = (layout.index, placement)
-    if copied:  # the staged originals are read no more: released (and so freed) off this thread
-        ctx.warm.staging.release_later([p.name for layout in layouts for p in layout.tensors])
+    if build.kept_sources:  # originals the hand-over left (Note [sources handed over block by block]): read no
+        ctx.warm.staging.release_later(build.kept_sources)  # more, so released (and freed) off this thread
     elif layouts and ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # the device copies just freed: GiBs other processes may want
     start_loader(ctx, layouts, build.blocks, schedule, num_slots, release_staging=not copied)

@@ -29,7 +29,7 @@ from torch import nn
 from flextensor.configuration.config import OffloadConfig
 from flextensor.planning.plan_model import TrapCost
 from flextensor.planning.warmup_rule import WarmupDecision
-from flextensor.runtime.host_block_build import HostBlockBuild
+from flextensor.runtime.host_block_build import HostBlockBuild, SourceHandover
 from flextensor.runtime.host_memory import BlockLayout, HostBlock, HostBlockProvider, TensorPlacement
 from flextensor.runtime.loaders.block_loader import StreamingLoader
 from flextensor.runtime.pinned.in_place import PinnedStaging
@@ -81,6 +81,9 @@ class DeferredPlan(NamedTuple):
     # After a stream-mode warm-up: trap label -> its streamed tensors, which the warm loader copies per call
     # until the blocks are installed (empty after a resident warm-up: the tensors hold their device copies)
     copied: dict[str, list[torch.Tensor]] = {}
+    # With ``copied``: moves each trap's tensors onto its block as the build fills it, bracketing the copies per
+    # call (Note [sources handed over block by block] in flextensor.runtime.host_block_build)
+    handover: SourceHandover | None = None
 
 
 def compute_device(config: OffloadConfig) -> torch.device:

@@ -95,7 +95,14 @@ class InferenceHandler(PhaseHandler):
         if plan is not None and plan.copied:  # no host blocks yet, after a stream-mode warm-up: copy per call
             tensors = plan.copied.get(trap.label)
             if tensors:
-                ctx.warm.loader.load(tensors)
+                assert plan.handover is not None
+                plan.handover.using(trap.label)  # the build leaves these tensors alone until exit()
+                try:
+                    ctx.warm.loader.load(tensors)
+                except BaseException:
+                    ctx.warm.loader.unload()
+                    plan.handover.done(trap.label)
+                    raise
             return
         timing = replan.measuring_timing(ctx) if inference.deferred is None else None
         if timing is not None:
@@ -113,6 +120,8 @@ class InferenceHandler(PhaseHandler):
         plan = inference.deferred_plan
         if plan is not None and plan.copied:
             ctx.warm.loader.unload()  # the copies enter() made, if any
+            if plan.handover is not None and plan.copied.get(trap.label):
+                plan.handover.done(trap.label)
             return
         timing = replan.measuring_timing(ctx) if inference.deferred is None else None
         if timing is not None:

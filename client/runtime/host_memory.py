@@ -258,10 +258,15 @@ class HostBlockProvider:
     def allocate(self, index: int, nbytes: int) -> HostBlock:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def pin_filled(self, between: Callable[[], None] | None = None) -> None:
+        """The blocks allocated so far are filled and may be read from now on: pin them if pinning waits for the
+        fill (default: nothing). ``between``, when given, runs between two driver calls that hold up the
+        process's launches (a background build's pause)."""
+
     def finish(self, between: Callable[[], None] | None = None) -> None:
-        """Every block was allocated and filled; the engine copies from them from now on (default: nothing).
-        ``between``, when given, runs between two driver calls that hold up the process's launches (a background
-        build's pause)."""
+        """Every block was allocated and filled; the engine copies from them from now on (default:
+        :meth:`pin_filled`)."""
+        self.pin_filled(between)
 
     def close(self) -> None:
         """Release what the provider holds (unpin, unmap). Tensors still viewing a block keep its memory."""
@@ -413,7 +418,7 @@ class HostRegisterProvider(ArenaProvider):
         self._unregistered.append(block.tensor)
         return block
 
-    def finish(self, between: Callable[[], None] | None = None) -> None:
+    def pin_filled(self, between: Callable[[], None] | None = None) -> None:
         from flextensor.shm.pinning import host_register
 
         while self._unregistered:

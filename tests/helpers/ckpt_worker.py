@@ -23,10 +23,10 @@ single-process ``ft.offload_from_profile`` of a model already in RAM: the growth
 (``ft.offload`` of a model in RAM through discovery, profiling and the switch to INFERENCE: what it adds).
 
 ``--stream-on-cpu`` (mode ``profile``, on a host without CUDA): the CPU streams through the loader as a GPU does,
-the warm-up is resident and the offload candidates are staged with recorded registrations
-(``tests.helpers.fake_cudart``), so INFERENCE's host blocks are built on their thread from the staged originals
-as after a resident warm-up on a GPU. The warm-up's "device" copies are then host memory: only ``build_growth``
-and ``build_by_kind`` measure the build.
+the warm-up is resident (``--warmup stream``: copied per call) and the offload candidates are staged with
+recorded registrations (``tests.helpers.fake_cudart``), so INFERENCE's host blocks are built on their thread from
+the staged originals as after that warm-up on a GPU. The warm-up's "device" copies are then host memory: only
+``build_growth`` and ``build_by_kind`` measure the build.
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ def start_cuda() -> tuple[int, int]:
     return context, _status("VmRSS") - before
 
 
-def stream_on_cpu() -> None:
-    """``--stream-on-cpu``: the next offload builds its host blocks on their thread, as after a resident warm-up
-    on a GPU (see the module docstring)."""
+def stream_on_cpu(warmup: str) -> None:
+    """``--stream-on-cpu``: the next offload builds its host blocks on their thread, as after a ``warmup``
+    (resident or stream) warm-up on a GPU (see the module docstring)."""
     from flextensor.manager import OffloadManager
     from tests.helpers.fake_cudart import FakeCudart, inject_staging
 
@@ -103,7 +103,7 @@ def stream_on_cpu() -> None:
             setattr(target, name, value)
 
     OffloadManager._stream_on_cpu = True
-    ft.get_offload_manager("model")._warmup_override = "resident"
+    ft.get_offload_manager("model")._warmup_override = warmup
     inject_staging(_Patch(), FakeCudart().staging(policy=lambda config, device: True))
 
 
@@ -117,6 +117,8 @@ def main() -> int:
     parser.add_argument("--hold", action="store_true", help="keep the session open until a line arrives on stdin")
     parser.add_argument("--log", action="store_true")
     parser.add_argument("--stream-on-cpu", action="store_true", help="mode profile without CUDA: see the docstring")
+    parser.add_argument("--warmup", choices=["resident", "stream"], default="resident",
+                        help="with --stream-on-cpu: the warm-up the build follows")
     args = parser.parse_args()
     if args.log:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -134,7 +136,7 @@ def main() -> int:
 
         cuda_init, kernels_init = start_cuda()
         if args.stream_on_cpu:
-            stream_on_cpu()
+            stream_on_cpu(args.warmup)
         _reset_peak()
         before = _status("VmRSS")
         kinds_before = {k: _status(k) for k in RSS_KINDS}

@@ -34,8 +34,8 @@ class SlowOrFailingProvider:
     """Wraps the real provider: optional delay per block, an error at block ``fail_at``, and a record of calls."""
 
     def __init__(self, inner, *, delay: float = 0.0, fail_at: int | None = None,
-                 gate: threading.Event | None = None) -> None:
-        self.inner, self.delay, self.fail_at, self.gate = inner, delay, fail_at, gate
+                 gate: threading.Event | None = None, steps: threading.Semaphore | None = None) -> None:
+        self.inner, self.delay, self.fail_at, self.gate, self.steps = inner, delay, fail_at, gate, steps
         self.allocated: list[int] = []
         self.closed = False
         self.thread_names: set[str] = set()
@@ -47,11 +47,16 @@ class SlowOrFailingProvider:
         self.thread_names.add(threading.current_thread().name)
         if self.gate is not None:
             assert self.gate.wait(10)
+        if self.steps is not None:  # one block per step
+            assert self.steps.acquire(timeout=10)
         time.sleep(self.delay)
         if index == self.fail_at:
             raise RuntimeError("cudaHostAlloc: out of memory (pinned)")
         self.allocated.append(index)
         return self.inner.allocate(index, nbytes)
+
+    def pin_filled(self, between=None):
+        return self.inner.pin_filled(between=between)
 
     def finish(self, between=None):
         return self.inner.finish(between=between)
@@ -345,11 +350,50 @@ def test_after_a_stream_mode_warm_up_the_build_runs_behind_passes_that_copy_per_
     assert same(reference(model, ids), ref)
 
 
-def test_no_deferral_after_a_stream_mode_warm_up_without_host_memory_for_both_copies(provider_wrap, monkeypatch):
+def _until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.005)
+
+
+def test_after_a_stream_mode_warm_up_each_filled_block_replaces_its_originals_at_once(provider_wrap, monkeypatch):
+    """Block by block: as soon as block k is filled its trap's tensors view it and the originals are unregistered
+    (and so freed), while the passes go on copying per call, now from the blocks already filled."""
+    provider_wrap(steps=(steps := threading.Semaphore(0)))
+    fake = FakeCudart()
+    inject_staging(monkeypatch, fake.staging(policy=lambda cfg, dev: True))
+    model, before, ids, ref, om = _profiled_streaming()
+    plan, build = om.engine.inference.deferred_plan, om.engine.inference.deferred
+    originals = [[t.untyped_storage().data_ptr() for t in tensors] for tensors in plan.streamed]
+    assert len(plan.layouts) >= 2 and set(fake.live) >= {p for ptrs in originals for p in ptrs}
+    with torch.no_grad():
+        assert same(model(ids), ref)  # starts the build, which waits for a step per block
+    for k, layout in enumerate(plan.layouts):
+        steps.release()
+        _until(lambda: len(build.blocks) > k and not set(originals[k]) & set(fake.live), f"block {k} replaced")
+        block = build.blocks[k].tensor
+        start, end = block.data_ptr(), block.data_ptr() + block.numel()
+        assert all(start <= t.data_ptr() < end for t in plan.streamed[k]), "the tensors view their block"
+        later = {p for ptrs in originals[k + 1:] for p in ptrs}
+        assert later <= set(fake.live), "the originals of blocks not yet filled stay staged"
+        for placement, tensor in zip(layout.tensors, plan.streamed[k]):
+            assert torch.equal(tensor, before[placement.name])
+        with torch.no_grad():
+            assert same(model(ids), ref)  # copies per call, from the blocks filled so far
+    om.wait_for_host_blocks()
+    assert build.kept_sources == [] and om.engine.inference.loader is not None
+    with torch.no_grad():
+        assert same(model(ids), ref)
+    ft.release()
+    assert same(reference(model, ids), ref) and not fake.live
+
+
+def test_no_deferral_after_a_stream_mode_warm_up_without_host_memory_for_an_arena(provider_wrap, monkeypatch):
     import flextensor.engine.build as build_mod
 
     made = provider_wrap()
-    monkeypatch.setattr(build_mod, "DEFER_HOST_MARGIN", 1 << 60)  # no room for the blocks beside the originals
+    monkeypatch.setattr(build_mod, "DEFER_HOST_MARGIN", 1 << 60)  # no room for an arena beside the originals
     _model, _before, _ids, _ref, om = _profiled_streaming()
     inference = om.engine.inference
     # built synchronously at the switch: one provider, the build's own, and no build thread
