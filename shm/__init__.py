@@ -48,6 +48,7 @@ _LAZY: dict[str, str] = {
     "ShmCreatorDiedError": "errors",
     "ShmProtocolError": "errors",
     "ShmSpaceError": "errors",
+    "HostMemoryError": "errors",
 }
 
 __all__ = sorted(_LAZY)

@@ -16,6 +16,7 @@ __all__ = [
     "ShmCreatorDiedError",
     "ShmProtocolError",
     "ShmSpaceError",
+    "HostMemoryError",
 ]
 
 
@@ -73,3 +74,25 @@ class ShmSpaceError(OSError):
 def _rebuild_space_error(cls: type[ShmSpaceError], message: str, segment: str, wanted: int,
                          free: int | None) -> ShmSpaceError:
     return cls(message, segment=segment, wanted=wanted, free=free)
+
+
+class HostMemoryError(MemoryError):
+    """Host RAM cannot hold what a call is about to allocate: raised before any of it is allocated.
+
+    ``wanted`` is the bytes the call needs on top of what the process holds, ``available`` the host's
+    ``MemAvailable`` when it was checked. The message names both and what to change. A ``MemoryError``, so code
+    that already catches allocation failures catches this one too, without the out-of-memory killer's visit.
+    """
+
+    def __init__(self, message: str, *, wanted: int, available: int) -> None:
+        super().__init__(message)
+        self.wanted = wanted
+        self.available = available
+
+    def __reduce__(self):  # MemoryError's default reduce would call __init__(message) and fail
+        return (_rebuild_host_memory_error, (type(self), str(self), self.wanted, self.available))
+
+
+def _rebuild_host_memory_error(cls: type[HostMemoryError], message: str, wanted: int,
+                               available: int) -> HostMemoryError:
+    return cls(message, wanted=wanted, available=available)

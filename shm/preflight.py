@@ -11,6 +11,10 @@ Two things stop a shared publish half-way on real deployments:
   the gap, and the session logs it as a warning (other pinning mechanisms, or a future driver, may enforce
   it); a registration that does fail raises with the CUDA error and is published to the followers.
 
+- Host RAM itself. A build that allocates more than the host has available would be ended by the
+  out-of-memory killer part-way (often another process first); :func:`check_host_memory` refuses it before the
+  first byte with :class:`~flextensor.shm.errors.HostMemoryError`, naming the bytes and the fix.
+
 The creator publishes any failure through the coordinator, so followers see the same message.
 
 ``check_shm_capacity`` only reads the free space, so two jobs starting together could both pass it. The
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-from flextensor.shm.errors import ShmSpaceError
+from flextensor.shm.errors import HostMemoryError, ShmSpaceError
 from flextensor.shm.pinning import memlock_limit
 from flextensor.shm.segment import SHM_DIR
 from flextensor.shm.sizes import format_bytes
@@ -62,6 +66,41 @@ def check_shm_capacity(namespace: str, nbytes: int, *, headroom: float = 0.02) -
         wanted=nbytes,
         free=free,
     )
+
+
+#: Host RAM a check leaves free beyond what the call needs: the page cache, the process's own growth, the rest of
+#: the host. 1 GiB, or 5% of the available memory when that is more.
+HOST_MEMORY_HEADROOM = 1 << 30
+
+
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available without swapping (``MemAvailable``), or None when unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(what: str, nbytes: int, fix: str) -> None:
+    """Raise ``HostMemoryError`` when ``nbytes`` more of host RAM (plus :data:`HOST_MEMORY_HEADROOM`) is not
+    available; ``what`` names the allocation, ``fix`` what the user can change. Silent when the host does not
+    say what is available."""
+    if nbytes <= 0:
+        return
+    available = host_available_bytes()
+    if available is None:
+        return
+    headroom = max(HOST_MEMORY_HEADROOM, available // 20)
+    if nbytes + headroom <= available:
+        return
+    raise HostMemoryError(
+        f"{what} needs {format_bytes(nbytes)} of host RAM and the host has {format_bytes(available)} available "
+        f"(keeping {format_bytes(headroom)} free for the rest of the host); nothing was allocated. {fix}",
+        wanted=nbytes, available=available)
 
 
 def has_cap_ipc_lock() -> bool:

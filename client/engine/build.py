@@ -205,6 +205,7 @@ def build_inference(
     everything else on the device, then the loader (see the module docstring)."""
     _settle_warmup(ctx, {p.name for layout in layouts for p in layout.tensors})
     if host_blocks is None and layouts:
+        _check_host_memory(ctx, layouts)
         # Blocks read from a checkpoint have no tensor to pin_memory(): they are registered in place at their
         # exact size, never rounded up by PyTorch's pinned allocator (up to 2x the model's host RAM); so are
         # large blocks (IN_PLACE_MIN_BYTES).
@@ -243,6 +244,21 @@ def build_inference(
         else:
             ctx.to_device(entry.tensor)
     start_loader(ctx, layouts, blocks, schedule, num_slots, host_block_gate)
+
+
+def _check_host_memory(ctx: EngineContext, layouts: Sequence[BlockLayout]) -> None:
+    """Refuse a build whose host blocks would not fit in host RAM, before any is allocated.
+
+    Blocks filled from host tensors replace them block by block (about one arena on top at most); blocks filled
+    from device tensors (a model on the GPU) or from a checkpoint (meta tensors) are new host memory, all of it."""
+    from flextensor.shm.preflight import check_host_memory
+
+    new = sum(p.nbytes for layout in layouts for p in layout.tensors
+              if ctx.tensors[p.name].tensor.is_meta or ctx.tensors[p.name].tensor.device.type != "cpu")
+    check_host_memory(
+        f"manager {ctx.name!r}: building the host blocks of {len(layouts)} offloaded traps", new,
+        "Free host RAM (other jobs, the page cache of files no longer needed), offload fewer layers "
+        "(include_patterns / exclude_patterns, a larger max_gpu_mem_fraction), or run on a host with more RAM.")
 
 
 def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[HostBlock], schedule: list[str],

@@ -44,3 +44,29 @@ def test_bounds_themselves_are_accepted(namespace):
         c.memory_owner.write_blob("p", b"x")
         c.notify_ready()
     assert shm_names(ns) == []
+
+
+def test_host_memory_check_names_the_bytes_and_survives_pickling(tmp_path):
+    import pickle
+
+    from flextensor.shm import preflight
+    from flextensor.shm.errors import HostMemoryError
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       33554432 kB\nMemAvailable:    4194304 kB\n")
+    assert preflight.host_available_bytes(str(meminfo)) == 4 << 30
+    assert preflight.host_available_bytes(str(tmp_path / "missing")) is None
+    original = preflight.host_available_bytes
+    try:
+        preflight.host_available_bytes = lambda meminfo=str(meminfo): original(meminfo)
+        preflight.check_host_memory("a test", 3 << 30, "fix it")  # 3 GiB + 1 GiB headroom fits in 4 GiB
+        with pytest.raises(HostMemoryError) as info:
+            preflight.check_host_memory("a test", (3 << 30) + 1, "Fix it.")
+    finally:
+        preflight.host_available_bytes = original
+    error = info.value
+    assert isinstance(error, MemoryError) and error.wanted == (3 << 30) + 1 and error.available == 4 << 30
+    assert str(error).startswith("a test needs 3.0 GiB of host RAM and the host has 4.0 GiB available")
+    assert str(error).endswith("Fix it.")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is HostMemoryError and (copy.wanted, copy.available, str(copy)) == (error.wanted, error.available, str(error))

@@ -52,6 +52,25 @@ def test_outputs_equal_the_plain_model_from_one_file_or_shards(tmp_path: Path, p
             assert same(model(ids.to(manager.device)), expected)
 
 
+def test_a_checkpoint_larger_than_the_available_host_ram_is_refused_before_any_block(
+        tmp_path: Path, profile: str, monkeypatch) -> None:
+    import flextensor.shm.preflight as preflight
+    from flextensor.shm.errors import HostMemoryError
+
+    path = save_checkpoint(tiny_transformer(seed=0), tmp_path / "ckpt")
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda meminfo="/proc/meminfo": 1 << 30)
+    manager = _manager()
+    with pytest.raises(HostMemoryError, match=r"needs .* of host RAM and the host has 1\.0 GiB available") as info:
+        ft.load_model_from_profile(manager, profile, TinyTransformer, safetensor_path=str(path), strict=True)
+    assert 0 < info.value.wanted < 1 << 20 and info.value.available == 1 << 30
+    assert "offload fewer layers" in str(info.value)
+    assert manager.model is None and manager.phase is None
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda meminfo="/proc/meminfo": 1 << 40)
+    model = ft.load_model_from_profile(manager, profile, TinyTransformer, safetensor_path=str(path), strict=True)
+    with torch.no_grad():
+        assert same(model(token_ids().to(manager.device)), reference(tiny_transformer(seed=0), token_ids()))
+
+
 def test_missing_key_strict_raises_key_error_naming_it_and_leaves_nothing(tmp_path: Path, profile: str) -> None:
     tensors = checkpoint_tensors(tiny_transformer(seed=0))
     del tensors["blocks.2.down.weight"]
