@@ -518,7 +518,9 @@ class ShmProvider(HostBlockProvider):
         self._views, self._ranges = [], []
         for part in parts:
             try:
-                part.close()
+                # A pinned part is unregistered and unmapped on the release thread: unregistering GiBs takes the
+                # driver seconds that close() and release() need not wait for (flextensor.shm.background_release).
+                part.close(background=True)
             except Exception as exc:  # noqa: BLE001 - teardown goes on; the last participant unlinks the name
                 logger.warning("could not close the shared host blocks %s: %s", getattr(part, "name", "?"), exc)
 
