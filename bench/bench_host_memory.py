@@ -27,6 +27,10 @@ Model: ``--layers`` MLP blocks of ``d x h`` and ``h x d`` bfloat16 weights (256 
 layer (filling GiBs from a random generator would take minutes).
 
 Usage: ``python bench/bench_host_memory.py [--sizes 6 24] [--paths ...] [--no-docs]`` (needs CUDA).
+
+Known gap: in its first run on an H100 host every path reported nothing streamed and no RSS growth at all (the
+traps the defaults selected, or the streamed-bytes accounting from ``offloaded_tensors``, must be checked first);
+its numbers are not in ``docs/benchmarks.md`` until that is settled.
 """
 
 from __future__ import annotations
