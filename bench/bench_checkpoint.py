@@ -155,14 +155,6 @@ def setup(args: argparse.Namespace, root: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def _start_cuda() -> None:
     """The CUDA context (and the copy path) before the baseline: a per-process constant of host memory, on the
     order of 100 MiB of RSS, and start-up time, neither of which is the model's load."""
@@ -254,12 +246,8 @@ def worker(args: argparse.Namespace, root: Path) -> None:
     _start_cuda()
     phases = _Phases()
     ft.init(config, name="model")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    before = _status("VmRSS")
+    common.reset_peak_rss()
+    before = common.proc_status("VmRSS")
     start = time.monotonic()
     session = None
     role = "single"
@@ -278,7 +266,7 @@ def worker(args: argparse.Namespace, root: Path) -> None:
                                              follower_model_factory=meta, **kwargs)
         role = session.role("model")
     ready_s = time.monotonic() - start
-    growth = _status("VmHWM") - before
+    growth = common.proc_status("VmHWM") - before
     device = ft.get_offload_manager("model").device
     with torch.no_grad():
         out = model(_input(args).to(device)).float().cpu()

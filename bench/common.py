@@ -64,6 +64,25 @@ def pss_bytes(pid: int | None = None) -> int:
     raise RuntimeError(f"no Pss line in {path}")
 
 
+def proc_status(field: str) -> int:
+    """A ``/proc/self/status`` size field (``VmRSS``, ``VmHWM``, ``RssAnon``, ...) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> None:
+    """Reset ``VmHWM`` to the current RSS (``/proc/self/clear_refs``, Linux 4.0+), so a peak read later counts
+    only what came after; a no-op where the file cannot be written."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def shm_used_bytes() -> int:
     st = os.statvfs("/dev/shm")
     return (st.f_blocks - st.f_bfree) * st.f_frsize

@@ -73,16 +73,25 @@ def check_shm_capacity(namespace: str, nbytes: int, *, headroom: float = 0.02) -
 HOST_MEMORY_HEADROOM = 1 << 30
 
 
+def read_meminfo(meminfo: str = "/proc/meminfo") -> dict[str, int]:
+    """The fields of ``/proc/meminfo`` given in kB, in bytes (``MemTotal``, ``MemAvailable``, ...); empty when
+    the file cannot be read."""
+    fields: dict[str, int] = {}
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+                    fields[key] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return fields
+
+
 def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     """The kernel's estimate of memory available without swapping (``MemAvailable``), or None when unknown."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return read_meminfo(meminfo).get("MemAvailable")
 
 
 def check_host_memory(what: str, nbytes: int, fix: str) -> None:

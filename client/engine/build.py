@@ -253,8 +253,8 @@ def _check_host_memory(ctx: EngineContext, layouts: Sequence[BlockLayout]) -> No
     from device tensors (a model on the GPU) or from a checkpoint (meta tensors) are new host memory, all of it."""
     from flextensor.shm.preflight import check_host_memory
 
-    new = sum(p.nbytes for layout in layouts for p in layout.tensors
-              if ctx.tensors[p.name].tensor.is_meta or ctx.tensors[p.name].tensor.device.type != "cpu")
+    sources = ((p.nbytes, ctx.tensors[p.name].tensor) for layout in layouts for p in layout.tensors)
+    new = sum(nbytes for nbytes, tensor in sources if tensor.is_meta or tensor.device.type != "cpu")
     check_host_memory(
         f"manager {ctx.name!r}: building the host blocks of {len(layouts)} offloaded traps", new,
         "Free host RAM (other jobs, the page cache of files no longer needed), offload fewer layers "

@@ -49,7 +49,7 @@ class SourceHandover:
     -----------------------------------------
     After a stream-mode warm-up the first inference passes copy every streamed trap's weights per call from the
     host originals until the blocks are installed. Kept until then, the originals and the blocks are two copies of
-    everything offloaded (1.9x the model in host RAM). Instead, as soon as a block is filled the build thread
+    everything offloaded. Instead, as soon as a block is filled the build thread
     points that trap's tensors at the block's views (the same bytes), and the originals are released: the copies
     per call read the block from then on. Two rules make that safe:
 

@@ -109,18 +109,10 @@ def _sweep(device: torch.device, host: torch.Tensor, sizes: Sequence[int], repea
 
 def _meminfo() -> tuple[int, int]:
     """(total, available) host RAM in bytes from /proc/meminfo (the CPU compute device's memory)."""
-    total = avail = 0
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                value = int(rest.split()[0]) * 1024
-                if key == "MemTotal":
-                    total = value
-                elif key == "MemAvailable":
-                    avail = value
-    except OSError:
-        pass
+    from flextensor.shm.preflight import read_meminfo
+
+    fields = read_meminfo()
+    total, avail = fields.get("MemTotal", 0), fields.get("MemAvailable", 0)
     if total <= 0:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         avail = avail or total
