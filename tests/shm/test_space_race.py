@@ -20,23 +20,34 @@ JOB = r"""
 import json, os, sys, time
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.errors import ShmSpaceError
-ns, start_at = sys.argv[1], float(sys.argv[2])
-with ShmCoordinator(ns, lease_seconds=5) as c:
-    while time.time() < start_at:
+
+def both(step):  # a barrier of the two jobs: each marks the step, then waits for the other's mark
+    open(os.path.join(os.environ["OUT"], f"{ns}.{step}"), "w").close()
+    deadline = time.monotonic() + 60
+    while len([n for n in os.listdir(os.environ["OUT"]) if n.endswith("." + step)]) < 2:
+        assert time.monotonic() < deadline, f"the other job never reached {step}"
         time.sleep(0.0005)
+
+ns = sys.argv[1]
+with ShmCoordinator(ns, lease_seconds=5) as c:
+    both("joined")  # allocate at the same moment, however long either took to start
+    segment = None
     try:
-        c.memory_owner.create_segment("b0", 40 << 20).close()
-        print(json.dumps({"ok": True}))
+        segment = c.memory_owner.create_segment("b0", 40 << 20)
+        result = {"ok": True}
     except ShmSpaceError as exc:
-        print(json.dumps({"ok": False, "message": str(exc)}))
+        result = {"ok": False, "message": str(exc)}
+    both("tried")  # the winner holds its segment until the other tried
+    if segment is not None:
+        segment.close()
+    print(json.dumps(result))
 """
 
 ROUND = r"""
 set -e
 mount -t tmpfs -o size=64m tmpfs /dev/shm
-at=$(python3 -c 'import time; print(time.time() + 1.5)')
-"$PY" -c "$JOB" ftrace-a "$at" > "$OUT/a" &
-"$PY" -c "$JOB" ftrace-b "$at" > "$OUT/b" &
+"$PY" -c "$JOB" ftrace-a > "$OUT/a" &
+"$PY" -c "$JOB" ftrace-b > "$OUT/b" &
 wait
 ls -A /dev/shm > "$OUT/left"
 """
