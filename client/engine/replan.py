@@ -41,7 +41,7 @@ import torch
 
 from flextensor.engine.context import StrategyReplanState
 from flextensor.engine.hooks import assign_data
-from flextensor.engine.switch import _trap_stream_cost, resolve_device_budget
+from flextensor.engine.switch import resolve_device_budget, trap_stream_cost
 from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
 from flextensor.planning.strategies import AdaptiveStrategy
 from flextensor.runtime.loaders.arena_loader import make_loader
@@ -377,7 +377,7 @@ def streaming_input(ctx: EngineContext, compute_s: dict[str, float],
             costs.append(TrapCost(label, compute))
             continue
         costs.append(TrapCost(label, compute, (TensorCost(f"{label}#block", layout.nbytes),),
-                              _trap_stream_cost(compute, None, calls[label])))
+                              trap_stream_cost(compute, None, calls[label])))
     budget = resolve_device_budget(ctx)
     transfer = TransferModel.fit(ctx.plan.samples) if ctx.plan.samples else TransferModel(1e9)
     position = {label: i for i, label in enumerate(dict.fromkeys(ctx.sequence))}

@@ -31,7 +31,7 @@ from flextensor.state import tensor_nbytes
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
 
-__all__ = ["Plan", "plan_switch", "prepare_switch", "resolve_device_budget"]
+__all__ = ["Plan", "plan_switch", "prepare_switch", "resolve_device_budget", "trap_stream_cost"]
 
 logger = logging.getLogger("flextensor.manager")
 NOTICE = 25  # the block assignment table is logged at "NOTICE" level
@@ -117,7 +117,7 @@ def plan_switch(ctx: EngineContext) -> Plan:
             continue
         offloadable.update(t.name for t in template.tensors)
         host = ctx.profile.host_durations.get(label)
-        costs.append(template.timed(compute, _trap_stream_cost(compute, host, calls[label])))
+        costs.append(template.timed(compute, trap_stream_cost(compute, host, calls[label])))
     fixed = (sum(tensor_nbytes(t) for t in inputs.others)
              + sum(nbytes for n, nbytes in inputs.exclusive_bytes.items() if n not in offloadable))
     if ctx.in_place:  # nothing is ever copied (Note [CPU in place]): no sweep, and its buffers never allocated
@@ -167,7 +167,7 @@ def plan_switch(ctx: EngineContext) -> Plan:
     return Plan(tuple(layouts), tuple(sequence), num_slots, record.strategy_name, tuple(record.explanation))
 
 
-def _trap_stream_cost(compute_s: float, host: Sequence[float] | None, calls: int) -> float:
+def trap_stream_cost(compute_s: float, host: Sequence[float] | None, calls: int) -> float:
     """``TrapCost.stream_cost_s`` of a trap called ``calls`` times per pass: ``STREAMED_TRAP_COST_S`` per call,
     less what the device's lag hides, never under ``STREAMED_TRAP_DEVICE_S``. Where the device took longer over
     the trap than the host did (median windows: ``compute_s`` on the device, ``host`` on the host), the host is

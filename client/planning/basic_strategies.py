@@ -20,8 +20,10 @@ from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from flextensor.planning.plan_model import Plan, PlanInput, _finish_plan
+from flextensor.planning.plan_model import Plan, PlanInput, plan_from_masks
 
+__all__ = ["GreedyStrategy", "KnapsackStrategy", "NthLayerStrategy", "Strategy", "SubsetSums", "hidden_chain",
+           "subset_sum_tables"]
 
 
 class Strategy(ABC):
@@ -41,7 +43,7 @@ class Strategy(ABC):
 # ------------------------------------------------------------------------------------------------------------
 
 
-class _SubsetSums:
+class SubsetSums:
     """Reachable byte totals of subsets of one trap's tensors, each with one subset (a bitmask) reaching it.
 
     Since a trap's offloaded tensors travel as one block, its copy time is affine in the block's bytes and the
@@ -80,15 +82,15 @@ class _SubsetSums:
         return self.sums[i], self.masks[i]
 
 
-def _tables(inp: PlanInput, resolution: int, max_states: int) -> list[_SubsetSums | None]:
+def subset_sum_tables(inp: PlanInput, resolution: int, max_states: int) -> list[SubsetSums | None]:
     """One subset-sum table per trap (None without offloadable bytes).
 
     Traps with the same tensor sizes in the same order (every layer of a transformer) share one table: a table
     depends on nothing else and is never modified after it is built, so this only saves rebuilding it per layer
     at the switch to INFERENCE.
     """
-    built: dict[tuple[int, ...], _SubsetSums] = {}
-    out: list[_SubsetSums | None] = []
+    built: dict[tuple[int, ...], SubsetSums] = {}
+    out: list[SubsetSums | None] = []
     for trap in inp.traps:
         if trap.total_bytes <= 0:
             out.append(None)
@@ -96,12 +98,12 @@ def _tables(inp: PlanInput, resolution: int, max_states: int) -> list[_SubsetSum
         sizes = tuple(t.nbytes for t in trap.tensors)
         table = built.get(sizes)
         if table is None:
-            table = built[sizes] = _SubsetSums(sizes, resolution, max_states)
+            table = built[sizes] = SubsetSums(sizes, resolution, max_states)
         out.append(table)
     return out
 
 
-def _hidden_chain(inp: PlanInput, tables: list[_SubsetSums | None]) -> list[tuple[int, int]]:
+def hidden_chain(inp: PlanInput, tables: list[SubsetSums | None]) -> list[tuple[int, int]]:
     """Per trap (bytes, mask) of the hidden selection that offloads the most bytes in total.
 
     Dynamic programming over "which trap was offloaded last": ``value[i]`` is the most bytes a hidden plan can
@@ -154,33 +156,6 @@ def _chain_back(value: Sequence[int], choice: Sequence[tuple[int, int, int]]) ->
     return out
 
 
-def _plan_from_masks(inp: PlanInput, strategy: str, masks: Sequence[int], num_blocks: int,
-                     explanation: Sequence[str], small_slot: int = 0) -> Plan:
-    """``make_plan`` for a selection given as one bitmask per trap (bit ``k``: the trap's tensor ``k``).
-
-    Names taken from the traps themselves need none of make_plan's validation and reordering: the selection is
-    built directly in the form it normalises to (trap order, no zero-byte tensors, no trap without a name).
-    """
-    offloaded: dict[str, tuple[str, ...]] = {}
-    per_trap = [0] * len(inp.traps)
-    for i, (trap, mask) in enumerate(zip(inp.traps, masks)):
-        if not mask:
-            continue
-        names, nbytes = [], 0
-        for k, tensor in enumerate(trap.tensors):
-            if mask >> k & 1 and tensor.nbytes > 0:
-                names.append(tensor.name)
-                nbytes += tensor.nbytes
-        if names:
-            offloaded[trap.label] = tuple(names)
-            per_trap[i] = nbytes
-    return _finish_plan(inp, strategy, offloaded, per_trap, num_blocks, explanation, small_slot)
-
-
-def _per_trap(inp: PlanInput, masks: Sequence[int]) -> list[int]:
-    return [sum(t.nbytes for k, t in enumerate(trap.tensors) if mask >> k & 1) for trap, mask in zip(inp.traps, masks)]
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Strategies
 # ------------------------------------------------------------------------------------------------------------
@@ -201,7 +176,7 @@ class NthLayerStrategy(Strategy):
     def plan(self, inp: PlanInput) -> Plan:
         every_tensor = [(1 << len(trap.tensors)) - 1 if i % self.n == 0 else 0 for i, trap in enumerate(inp.traps)]
         why = f"{self.name}: offload all tensors of every trap whose index is a multiple of {self.n}"
-        return _plan_from_masks(inp, self.name, every_tensor, inp.num_blocks, [why])
+        return plan_from_masks(inp, self.name, every_tensor, inp.num_blocks, [why])
 
 
 class GreedyStrategy(Strategy):
@@ -229,15 +204,15 @@ class GreedyStrategy(Strategy):
             if mask:
                 start = i
         why = "greedy: per trap, largest tensors first while the copy fits the compute since the last offloaded trap"
-        return _plan_from_masks(inp, self.name, masks, inp.num_blocks, [why])
+        return plan_from_masks(inp, self.name, masks, inp.num_blocks, [why])
 
 
 class KnapsackStrategy(Strategy):
     """Dynamic programming: the most offloaded bytes whose every copy hides behind compute.
 
     Per trap a 0/1 knapsack over its tensors (most bytes whose block copy fits the trap's window, see
-    ``_SubsetSums`` for the ``resolution``-bucket discretisation used on traps with many distinct sizes), and
-    over traps a DP on the previous offloaded trap, which fixes each window (see ``_hidden_chain``). The
+    ``SubsetSums`` for the ``resolution``-bucket discretisation used on traps with many distinct sizes), and
+    over traps a DP on the previous offloaded trap, which fixes each window (see ``hidden_chain``). The
     result is hidden by construction: no copy is waited for (its estimated overhead is the streamed traps'
     ``stream_cost_s`` alone). In memory mode it does not chase the budget; ``fits_budget`` just reports it
     (use BudgetFill / Adaptive for a hard budget).
@@ -252,8 +227,8 @@ class KnapsackStrategy(Strategy):
         self.max_states = max_states
 
     def plan(self, inp: PlanInput) -> Plan:
-        tables = _tables(inp, self.resolution, self.max_states)
-        chain = _hidden_chain(inp, tables)
+        tables = subset_sum_tables(inp, self.resolution, self.max_states)
+        chain = hidden_chain(inp, tables)
         why = [
             "knapsack: per-trap 0/1 knapsack of tensor bytes under each transfer window (window = scale x compute "
             "since the previous offloaded trap; gap and resident traps widen it), DP over traps for the windows"
@@ -261,19 +236,4 @@ class KnapsackStrategy(Strategy):
         if any(t is not None and not t.exact for t in tables):
             why.append(f"knapsack: some traps had > {self.max_states} subset totals; merged into "
                        f"{self.resolution} buckets (still hidden, possibly a little less than optimal)")
-        return _plan_from_masks(inp, self.name, [m for _, m in chain], inp.num_blocks, why)
-
-
-def _gap_windows(inp: PlanInput) -> list[float]:
-    """Per trap: compute seconds since the previous trap that has offloadable tensors (from 0 for the first).
-
-    The window trap ``i`` has when every offloadable trap is offloaded: a stable, conservative yardstick for
-    ranking extra offloads in memory mode, where most traps end up offloaded.
-    """
-    out, last = [], 0
-    prefix = inp.prefix_compute
-    for i, trap in enumerate(inp.traps):
-        out.append(prefix[i] - prefix[last])
-        if trap.total_bytes > 0:
-            last = i
-    return out
+        return plan_from_masks(inp, self.name, [m for _, m in chain], inp.num_blocks, why)

@@ -75,6 +75,7 @@ __all__ = [
     "effective_blocks",
     "make_plan",
     "peak_device_bytes",
+    "plan_from_masks",
     "plan_blocks",
     "plan_small_slot",
     "rotating_bytes",
@@ -436,8 +437,8 @@ def make_plan(
     through ``num_blocks`` slots (the last one ``small_slot`` bytes where that applies: ``slot_model``).
 
     Every plan is finished by ``_finish_plan`` (the strategies, which select by per-trap bitmasks over the
-    traps' own tensors, reach it through ``basic_strategies._plan_from_masks`` without the validation here), so
-    the numbers of competing plans are computed the same way. Tensor names are put in the trap's own order (the
+    traps' own tensors, reach it through :func:`plan_from_masks` without the validation here), so the numbers
+    of competing plans are computed the same way. Tensor names are put in the trap's own order (the
     order the engine packs them), without zero-byte tensors, and traps in execution order.
     """
     if num_blocks < 1:
@@ -451,6 +452,30 @@ def make_plan(
             offloaded[trap.label] = names
         else:
             per_trap[i] = 0
+    return _finish_plan(inp, strategy, offloaded, per_trap, num_blocks, explanation, small_slot)
+
+
+def plan_from_masks(inp: PlanInput, strategy: str, masks: Sequence[int], num_blocks: int,
+                    explanation: Iterable[str] = (), small_slot: int = 0) -> Plan:
+    """``make_plan`` for a selection given as one bitmask per trap (bit ``k``: the trap's tensor ``k``).
+
+    The strategies search over such masks. Names taken from the traps themselves need none of make_plan's
+    validation and reordering: the selection is built directly in the form it normalises to (trap order, no
+    zero-byte tensors, no trap without a name).
+    """
+    offloaded: dict[str, tuple[str, ...]] = {}
+    per_trap = [0] * len(inp.traps)
+    for i, (trap, mask) in enumerate(zip(inp.traps, masks)):
+        if not mask:
+            continue
+        names, nbytes = [], 0
+        for k, tensor in enumerate(trap.tensors):
+            if mask >> k & 1 and tensor.nbytes > 0:
+                names.append(tensor.name)
+                nbytes += tensor.nbytes
+        if names:
+            offloaded[trap.label] = tuple(names)
+            per_trap[i] = nbytes
     return _finish_plan(inp, strategy, offloaded, per_trap, num_blocks, explanation, small_slot)
 
 

@@ -32,6 +32,7 @@ from flextensor.planning.plan_model import (
     make_plan,
     peak_device_bytes,
     plan_blocks,
+    plan_from_masks,
     plan_small_slot,
     rotating_bytes,
     simulate_bytes,
@@ -43,12 +44,9 @@ from flextensor.planning.basic_strategies import (  # noqa: F401 - the basic str
     KnapsackStrategy,
     NthLayerStrategy,
     Strategy,
-    _gap_windows,
-    _hidden_chain,
-    _per_trap,
-    _plan_from_masks,
-    _SubsetSums,
-    _tables,
+    SubsetSums,
+    hidden_chain,
+    subset_sum_tables,
 )
 from flextensor.planning.slot_model import MIN_SLOTS_WITH_SMALL, overhead_noise, slot_sizes, small_slot_for
 
@@ -131,8 +129,8 @@ class BudgetFillStrategy(Strategy):
             return make_plan(inp, self.name, {}, blocks[0], [
                 f"budget_fill: every tensor fits the budget ({fixed + inp.offloadable_bytes} B <= {budget} B); "
                 "nothing offloaded"])
-        tables = _tables(inp, self.knapsack.resolution, self.knapsack.max_states)
-        hidden = _hidden_chain(inp, tables)
+        tables = subset_sum_tables(inp, self.knapsack.resolution, self.knapsack.max_states)
+        hidden = hidden_chain(inp, tables)
         fewest = min(blocks)
 
         def widest(level: int) -> list[int]:  # each trap's largest subset <= level (the max-offload masks)
@@ -183,7 +181,7 @@ class BudgetFillStrategy(Strategy):
             f"({len(found)} fit); polished the best {len(polished)}; kept {count} blocks{slots} with cap {level} "
             f"B, offloading {key[1]} B (lowest estimated overhead, then fewest offloaded bytes, then lowest peak)"
         ]
-        return _plan_from_masks(inp, self.name, masks, count, why, small)
+        return plan_from_masks(inp, self.name, masks, count, why, small)
 
     def _small_slots(self, inp: PlanInput, levels: list[int], count: int, level: int,
                      uniform: Sequence[int]) -> list[int]:
@@ -199,7 +197,7 @@ class BudgetFillStrategy(Strategy):
         spread = _spread([lv for lv in levels if lv < level], self.small_slot_sizes)
         return list(dict.fromkeys(partial[: self.small_slot_sizes] + spread))
 
-    def _fill(self, inp: PlanInput, tables: list[_SubsetSums | None], hidden: list[tuple[int, int]],
+    def _fill(self, inp: PlanInput, tables: list[SubsetSums | None], hidden: list[tuple[int, int]],
               windows: list[float], scores: dict[tuple[int, int, int], float], count: int, level: int,
               small: int = 0) -> list[int] | None:
         """Masks meeting the budget with per-trap bytes <= level, or None when this (count, level) cannot;
@@ -295,7 +293,27 @@ class BudgetFillStrategy(Strategy):
         ]
         if inp.fixed_resident_bytes > budget:
             why.append(f"budget_fill: the non-offloadable tensors alone take {inp.fixed_resident_bytes} B")
-        return _plan_from_masks(inp, self.name, masks, count, why)
+        return plan_from_masks(inp, self.name, masks, count, why)
+
+
+def _per_trap(inp: PlanInput, masks: Sequence[int]) -> list[int]:
+    """Offloaded bytes per trap of a selection given as one bitmask per trap (bit ``k``: the trap's tensor ``k``)."""
+    return [sum(t.nbytes for k, t in enumerate(trap.tensors) if mask >> k & 1) for trap, mask in zip(inp.traps, masks)]
+
+
+def _gap_windows(inp: PlanInput) -> list[float]:
+    """Per trap: compute seconds since the previous trap that has offloadable tensors (from 0 for the first).
+
+    The window trap ``i`` has when every offloadable trap is offloaded: a stable, conservative yardstick for
+    ranking extra offloads in memory mode, where most traps end up offloaded.
+    """
+    out, last = [], 0
+    prefix = inp.prefix_compute
+    for i, trap in enumerate(inp.traps):
+        out.append(prefix[i] - prefix[last])
+        if trap.total_bytes > 0:
+            last = i
+    return out
 
 
 def _key(inp: PlanInput, masks: Sequence[int], count: int, small: int = 0) -> tuple[float, int, int]:

@@ -389,7 +389,7 @@ def test_the_plan_charges_each_streamed_trap_the_loaders_cost():
     host's clocks: NthLayer(1) over the four layers of the stack is estimated at no less than their costs, and
     its explanation says so. On the CPU (both clocks are the host's: launch-bound) each pays the whole
     ``STREAMED_TRAP_COST_S``."""
-    from flextensor.engine.switch import STREAMED_TRAP_COST_S, _trap_stream_cost
+    from flextensor.engine.switch import STREAMED_TRAP_COST_S, trap_stream_cost
 
     model = mlp_stack()
     x = torch.randn(2, 16, device=DEVICE)
@@ -400,7 +400,7 @@ def test_the_plan_charges_each_streamed_trap_the_loaders_cost():
             model(x)
     assert om.phase is Phase.INFERENCE and len(om.offloaded_tensors) == 4
     assert sorted(om.engine.profile.host_durations) == sorted(om.engine.profile.durations) and all(len(v) == 2 for v in om.engine.profile.host_durations.values())
-    costs = [_trap_stream_cost(om.engine.plan.compute_s[label], om.engine.profile.host_durations[label], 1) for label in om.engine.plan.compute_s]
+    costs = [trap_stream_cost(om.engine.plan.compute_s[label], om.engine.profile.host_durations[label], 1) for label in om.engine.plan.compute_s]
     line = next(line for line in om.engine.plan.explanation if "estimated overhead" in line)
     assert f"(of which {sum(costs) * 1e3:.3f} ms the streamed traps' own cost)" in line
     estimated_ms = float(line.split("estimated overhead ")[1].split(" ms")[0])

@@ -12,14 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flextensor.planning.basic_strategies import _chain_back, _hidden_chain, _plan_from_masks, _tables
+from flextensor.planning.basic_strategies import _chain_back, hidden_chain, subset_sum_tables
 from flextensor.planning.diagnostics import (
     format_block_assignment,
     format_candidates,
     format_transfer_stats,
     format_trap_durations,
 )
-from flextensor.planning.plan_model import PipelineTrace, make_plan, simulate_bytes
+from flextensor.planning.plan_model import PipelineTrace, make_plan, plan_from_masks, simulate_bytes
 from flextensor.planning.strategies import (
     MIN_GPU_BUDGET_BYTES,
     AdaptiveStrategy,
@@ -306,7 +306,7 @@ def test_a_fill_ranks_alike_whatever_fills_came_before():
     """The fills of one plan share their tensors' scores; each fill's selection is the one it makes with every
     score computed afresh (a trap starts fills at different caps with different hidden bytes, and gains bytes
     within a fill, and its tensors' scores depend on them)."""
-    from flextensor.planning.basic_strategies import _gap_windows, _hidden_chain, _tables
+    from flextensor.planning.strategies import _gap_windows
 
     rng = random.Random(8)
     strategy = BudgetFillStrategy()
@@ -314,8 +314,8 @@ def test_a_fill_ranks_alike_whatever_fills_came_before():
         _, traps = _random_layers(rng)
         plan_in = PlanInput(traps, TransferModel(rng.choice([1.0, 2.0, 4.0]), rng.choice([0, 0.1])),
                             int(sum(t.total_bytes for t in traps) * rng.uniform(0.2, 0.9)), 4, 2)
-        tables = _tables(plan_in, strategy.knapsack.resolution, strategy.knapsack.max_states)
-        hidden, windows = _hidden_chain(plan_in, tables), _gap_windows(plan_in)
+        tables = subset_sum_tables(plan_in, strategy.knapsack.resolution, strategy.knapsack.max_states)
+        hidden, windows = hidden_chain(plan_in, tables), _gap_windows(plan_in)
         levels = sorted({s for t in tables if t is not None for s in t.sums if s > 0})
         shared: dict = {}
         for level in levels:
@@ -451,13 +451,13 @@ def test_stream_cost_hides_in_the_device_lag():
     """The engine's per-trap cost: all of it for a launch-bound trap (device time = host time, or no host
     samples), the device's floor where the device lags the host by more than the host's part, per call for a
     trap called twice."""
-    from flextensor.engine.switch import STREAMED_TRAP_COST_S as C, STREAMED_TRAP_DEVICE_S as D, _trap_stream_cost
+    from flextensor.engine.switch import STREAMED_TRAP_COST_S as C, STREAMED_TRAP_DEVICE_S as D, trap_stream_cost
 
-    assert _trap_stream_cost(1e-3, [1e-3, 1e-3], 1) == pytest.approx(C)
-    assert _trap_stream_cost(1e-3, None, 1) == pytest.approx(C)
-    assert _trap_stream_cost(5e-3, [0.2e-3], 1) == pytest.approx(D)
-    assert _trap_stream_cost(1e-3, [1e-3 - (C - D) / 2], 1) == pytest.approx((C + D) / 2)
-    assert _trap_stream_cost(2e-3, [2e-3 - (C - D)], 2) == pytest.approx(2 * C - (C - D))  # the lag shared by two calls
+    assert trap_stream_cost(1e-3, [1e-3, 1e-3], 1) == pytest.approx(C)
+    assert trap_stream_cost(1e-3, None, 1) == pytest.approx(C)
+    assert trap_stream_cost(5e-3, [0.2e-3], 1) == pytest.approx(D)
+    assert trap_stream_cost(1e-3, [1e-3 - (C - D) / 2], 1) == pytest.approx((C + D) / 2)
+    assert trap_stream_cost(2e-3, [2e-3 - (C - D)], 2) == pytest.approx(2 * C - (C - D))  # the lag shared by two calls
 
 
 def test_latency_mode_offloads_more_with_larger_windows():
@@ -690,7 +690,7 @@ def test_block_assignment_and_candidates_tables():
 
 
 def plain_hidden_chain(plan_in: PlanInput, tables) -> list[tuple[int, int]]:
-    """``_hidden_chain``'s DP as defined, without its pruning: trap ``i``'s candidates in order (window from time
+    """``hidden_chain``'s DP as defined, without its pruning: trap ``i``'s candidates in order (window from time
     0, then each earlier offloaded trap ``p`` ascending), the first with the most bytes wins."""
     n = len(plan_in.traps)
     value, choice = [0] * n, [(0, 0, -1)] * n
@@ -718,8 +718,8 @@ tie_prone_traps = st.lists(
 @given(traps=tie_prone_traps, latency=st.sampled_from([0.0, 0.5, 2.0]), scale=st.sampled_from([0.5, 1.0, 2.0]))
 def test_hidden_chain_matches_the_plain_dp(traps, latency, scale):
     plan_in = inp(traps, transfer=TransferModel(1.0, latency), scale=scale)
-    tables = _tables(plan_in, 200, 4096)
-    assert _hidden_chain(plan_in, tables) == plain_hidden_chain(plan_in, tables)
+    tables = subset_sum_tables(plan_in, 200, 4096)
+    assert hidden_chain(plan_in, tables) == plain_hidden_chain(plan_in, tables)
 
 
 @settings(max_examples=200, deadline=None)
@@ -734,7 +734,7 @@ def test_plan_from_masks_is_make_plan_of_the_masked_names(traps, seed, blocks, b
     masks = [rng.randrange(1 << len(t.tensors)) for t in plan_in.traps]
     selection = {t.label: tuple(x.name for k, x in enumerate(t.tensors) if m >> k & 1)  # zero-byte names too
                  for t, m in zip(plan_in.traps, masks)}
-    assert _plan_from_masks(plan_in, "s", masks, blocks, ["why"]) == make_plan(plan_in, "s", selection, blocks, ["why"])
+    assert plan_from_masks(plan_in, "s", masks, blocks, ["why"]) == make_plan(plan_in, "s", selection, blocks, ["why"])
     strategies = [NthLayerStrategy(1), NthLayerStrategy(2), GreedyStrategy(), KnapsackStrategy()]
     if budget is not None:  # without one, BudgetFill returns Knapsack's plan renamed
         strategies.append(BudgetFillStrategy())
