@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import time
+from typing import Any, Callable
 
 from flextensor.shm import ftd_protocol as proto
 from flextensor.shm.errors import ShmProtocolError
@@ -31,7 +32,7 @@ from flextensor.daemon.reaper import PendingCleanup, Reaper
 from flextensor.daemon.lockdirs import LockDir, inspect_lock_dir, segment_owner_uid
 from flextensor.daemon.registry import Registry
 
-__all__ = ["Peer", "peer_of", "RequestHandler"]
+__all__ = ["Handler", "Peer", "peer_of", "RequestHandler"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ class Peer:
     uid: int
     gid: int
     pid: int
+
+
+#: A request's handler: (request, the requester's credentials, the reply's routing frames) -> the reply, or None
+#: when it is sent later (a cleanup waiting for leases).
+Handler = Callable[[Any, Peer | None, list[bytes]], proto.Reply | None]
 
 
 def peer_of(frame) -> Peer | None:
@@ -82,6 +88,17 @@ class RequestHandler:
         self.registry = registry
         self.reaper = reaper
         self.info = info  # version, socket, started (monotonic), metrics (DaemonMetrics), send, save_state
+        #: Request type -> its handler: one entry per member of ``proto.Request``.
+        self.handlers: dict[type, Handler] = {
+            proto.StatusRequest: self._on_status,
+            proto.ListRequest: self._on_ls,
+            proto.RegisterRequest: self._on_register,
+            proto.UnregisterRequest: self._on_unregister,
+            proto.DrainRequest: self._on_drain,
+            proto.HoldRequest: self._on_hold,
+            proto.ReleaseRequest: self._on_release,
+            proto.CleanupRequest: self._on_cleanup,
+        }
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -145,7 +162,7 @@ class RequestHandler:
         kind = type(request).__struct_config__.tag
         self.info["metrics"].requests.labels(type=kind).inc()
         try:
-            return getattr(self, f"_on_{kind}")(request, peer, reply_to)
+            return self.handlers[type(request)](request, peer, reply_to)
         except _Refused as exc:
             if kind == "register":
                 self.info["metrics"].refusals.labels(reason=exc.code).inc()

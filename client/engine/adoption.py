@@ -34,6 +34,7 @@ from flextensor.engine.inference import InferenceHandler
 from flextensor.engine.warmup import stage
 from flextensor.planning.plan_model import effective_blocks
 from flextensor.runtime.host_memory import BlockLayout, TensorPlacement
+from flextensor.shm._version import __version__
 from flextensor.state import (
     BlockState,
     TensorManagerState,
@@ -230,8 +231,6 @@ def adopt_state(
 def export_state(ctx: EngineContext) -> TensorManagerState:
     """A snapshot of the live INFERENCE allocation (placements, block sizes and names, timings, plan); the
     caller checks that the engine is in INFERENCE with its host blocks installed."""
-    from flextensor import __version__
-
     owner_of: dict[str, str] = {}
     for label, names in ctx.exclusive.items():
         for n in names:
