@@ -22,11 +22,18 @@ Every output is compared with a reference computed before the baseline, layer by
 host weights. Beside the memory, each row gives the time from the call to streaming from host blocks, and the
 streamed pass rate against the pinned host-to-device rate measured in a process of its own (``pinned H2D``).
 
-Model: ``--layers`` MLP blocks of ``d x h`` and ``h x d`` bfloat16 weights (256 MiB a block at the default
-4096 x 16384); ``--sizes`` in GiB picks the layer count. The weights are one random block's copies, scaled per
-layer (filling GiBs from a random generator would take minutes).
+Then, per size, a sharing group of ``--workers`` (default 4) processes adopts the memory-mode profile through one
+``SharedOffloadSession`` (``host_memory_group.py``): the creator's growth over the model, the workers' summed PSS
+once ready and after serving, outputs, and the shut-down of all of them at once after serving (``close()`` and
+the exit after it, then what ``/dev/shm`` holds); with ``--kill`` a second group runs with ``ftd`` and is
+SIGKILLed instead (time until ``/dev/shm`` is clean).
 
-Usage: ``python bench/bench_host_memory.py [--sizes 6 24] [--paths ...] [--no-docs]`` (needs CUDA).
+Model (``mlp_stack.py``): MLP blocks of ``d x h`` and ``h x d`` bfloat16 weights (256 MiB a block); ``--sizes`` in
+GiB picks the layer count. A model larger than the GPU works the same: it is built in host RAM, and the
+reference never holds more than one block on the device.
+
+Usage: ``python bench/bench_host_memory.py [--sizes 6 24] [--paths ...] [--workers 4] [--kill] [--no-docs]``
+(needs CUDA).
 
 The configurations name the traps (``include_patterns=["class:Block"]``) and leave everything else at its
 default: the default ``["*"]`` traps the ``blocks`` ``ModuleList``, which is never called, so nothing would
@@ -37,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -45,10 +51,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import proc_status, report, reset_peak_rss, table  # noqa: E402
+from host_memory_group import GroupParams, memory_mode_config, run_group  # noqa: E402
+from mlp_stack import BLOCK_BYTES, build, close_to, inputs, layers_for, reference  # noqa: E402
 
 PATHS = {
     "memory": "offload, memory mode",
@@ -56,53 +63,6 @@ PATHS = {
     "gpu": "offload, model on the GPU (growth / offloaded bytes)",
     "profile": "offload_from_profile (memory mode's profile)",
 }
-D, H = 4096, 16384
-BLOCK_BYTES = 2 * D * H * 2
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(D, H, bias=False)
-        self.down = nn.Linear(H, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self, layers: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def build(layers: int, device: str) -> Stack:
-    """The model in bfloat16 on ``device``, built without a float32 copy: one random block, copied and scaled."""
-    with torch.device("meta"):
-        model = Stack(layers)
-    gen = torch.Generator().manual_seed(0)
-    up = (torch.randn(H, D, generator=gen) * D ** -0.5).to(torch.bfloat16).to(device)
-    down = (torch.randn(D, H, generator=gen) * (0.1 * H ** -0.5)).to(torch.bfloat16).to(device)
-    for i, block in enumerate(model.blocks):
-        scale = 1.0 + 0.01 * (i % 7)
-        block.up.weight = nn.Parameter(up * scale, requires_grad=False)
-        block.down.weight = nn.Parameter(down * scale, requires_grad=False)
-    return model.eval()
-
-
-def reference(model: Stack, x: torch.Tensor) -> torch.Tensor:
-    """Layer by layer on the device, each block's weights copied there and dropped after it."""
-    with torch.no_grad():
-        x = x.cuda()
-        for block in model.blocks:
-            up, down = block.up.weight.cuda(), block.down.weight.cuda()
-            x = x + torch.relu(x @ up.t()) @ down.t()
-        return x.cpu()
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -111,15 +71,14 @@ def worker(args: argparse.Namespace) -> dict:
     layers, path = args.layers, args.path
     on_gpu = path == "gpu"
     model = build(layers, "cuda" if on_gpu else "cpu")
-    x = torch.randn(args.batch, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x = inputs(args.batch)
     expected = reference(model, x)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    traps = dict(include_patterns=["class:Block"])
     if path in ("memory", "gpu", "profile"):
-        config = ft.OffloadConfig(max_gpu_mem_fraction=0.015, **traps)
+        config = memory_mode_config()
     else:
-        config = ft.OffloadConfig(**traps)
+        config = ft.OffloadConfig(include_patterns=["class:Block"])
     reset_peak_rss()
     before = proc_status("VmRSS")
     start = time.monotonic()
@@ -147,7 +106,7 @@ def worker(args: argparse.Namespace) -> dict:
     streamed = sum(sizes.get(name, 0) for names in manager.offloaded_tensors.values() for name in names)
     if args.save_profile:
         ft.save_profile(args.save_profile)
-    equal = bool(torch.allclose(out.cpu().float(), expected.float(), atol=2e-2, rtol=2e-2))
+    equal = close_to(out, expected)
     ft.release()
     return {"path": path, "layers": layers, "model_bytes": layers * BLOCK_BYTES, "before": before, "peak": peak,
             "ready_s": ready_s, "pass_s": min(times), "streamed_bytes": streamed, "equal": equal}
@@ -175,15 +134,41 @@ def _spawn(*argv: str, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
+GROUP_HEADERS = ["model", "ready: creator / slowest", "creator growth / model", "sum of PSS / model: ready, served",
+                 "outputs equal", "slowest pass, batch 1 / 4096", "shut-down", "left in /dev/shm"]
+
+
+def group_row(result: dict) -> list[str]:
+    """One row of the group table from :func:`host_memory_group.run_group`'s measures."""
+    size = f"{result['size_gib']} GiB"
+    if "error" in result:
+        return [size, "error: " + result["error"][:120], "", "", "", "", "", ""]
+    model = result["model_bytes"]
+    ready = result["ready"]
+    creator = next(r for r in ready if r["role"] == "creator")
+    slowest = {b: max(max(s["passes_s"][b]) for s in result["served"]) for b in result["served"][0]["passes_s"]}
+    if result["kill"]:
+        shutdown = f"SIGKILL of all, ftd: reclaimed in {result['reclaim_s']:.2f} s"
+    else:
+        closes, exits = zip(*result["closed"])
+        shutdown = f"close() <= {max(closes):.3f} s, exit after it <= {max(exits):.3f} s"
+    return [size, f"{creator['ready_s']:.1f} / {max(r['ready_s'] for r in ready):.1f} s",
+            f"{(creator['peak'] - creator['before']) / model:.3f}x",
+            f"{result['pss_ready'] / model:.3f}x, {result['pss_served'] / model:.3f}x",
+            "yes" if all(s["equal"] for s in result["served"]) else "NO",
+            " / ".join(f"{v * 1e3:.0f} ms" for v in slowest.values()), shutdown,
+            str(len(result["leftovers"]))]
+
+
 def run(args: argparse.Namespace) -> None:
     rate = _spawn("--h2d", timeout=120).get("rate", float("nan"))
-    rows, data = [], {"pinned_h2d_gbs": rate, "runs": []}
+    rows, group_rows, data = [], [], {"pinned_h2d_gbs": rate, "runs": [], "groups": []}
     tmp = Path(tempfile.mkdtemp(prefix="ft-hostmem-"))
     for size in args.sizes:
-        layers = max(1, round(size * 2**30 / BLOCK_BYTES))
+        layers = layers_for(size)
         profile = tmp / f"profile-{layers}"
         for path in args.paths:
-            extra = ["--save-profile", str(profile)] if path == "memory" and "profile" in args.paths else []
+            extra = ["--save-profile", str(profile)] if path == "memory" else []
             if path == "profile":
                 if not profile.exists():
                     continue
@@ -205,10 +190,26 @@ def run(args: argparse.Namespace) -> None:
                          f"{result['ready_s']:.1f} s",
                          f"{stream_gbs:.1f} GB/s ({stream_gbs / rate:.2f}x)" if stream_gbs else "-",
                          "yes" if result["equal"] else "NO"])
+        if args.workers and profile.exists():
+            for kill in ([False, True] if args.kill else [False]):
+                params = GroupParams(layers=layers, profile=str(profile), batch=args.batch,
+                                     reference=str(tmp / f"reference-{layers}-{int(kill)}.safetensors"),
+                                     serve_passes=args.serve_passes)
+                try:
+                    result = run_group(params, args.workers, kill, args.timeout)
+                except Exception as exc:  # noqa: BLE001 - this group failed; the rest still runs
+                    result = {"error": f"{type(exc).__name__}: {exc}", "kill": kill}
+                result.update(size_gib=size, model_bytes=layers * BLOCK_BYTES)
+                data["groups"].append(result)
+                print(json.dumps(result)[:1500], flush=True)
+                group_rows.append(group_row(result))
     headers = ["model", "path", "RSS before -> peak", "peak / before", "growth / model", "to streaming",
                "streamed pass", "output equal"]
     sections = [("Host RAM per path (defaults: pinned_memory_mode='torch')",
                  f"Pinned host-to-device rate on this host: {rate:.1f} GB/s.\n\n" + table(headers, rows))]
+    if group_rows:
+        sections.append((f"A sharing group of {args.workers} workers (SharedOffloadSession, memory mode, the profile "
+                         "above), all started, serving and shutting down at once", table(GROUP_HEADERS, group_rows)))
     report("bench_host_memory", "Host RAM per offload path", sections, data, docs=not args.no_docs)
 
 
@@ -218,6 +219,9 @@ def main() -> None:
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--workers", type=int, default=4, help="sharing group size per size (0: no group)")
+    p.add_argument("--serve-passes", type=int, default=8, help="passes each group worker serves before shut-down")
+    p.add_argument("--kill", action="store_true", help="also a group SIGKILLed with ftd running")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--h2d", action="store_true", help=argparse.SUPPRESS)

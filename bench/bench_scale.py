@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    RESULTS_DIR, JsonLineWorker, cleanup_namespace, gib, loaded_then_wait, report, start_together, table,
+    RESULTS_DIR, JsonLineWorker, cleanup_namespace, close_together, gib, loaded_then_wait, report, start_together, table,
     write_cprofile, write_docs_section,
 )
 from scale_report import build_sections, print_phases, save_partial  # noqa: E402
@@ -293,26 +293,6 @@ class Worker(JsonLineWorker):
 
     def __init__(self, mode: str, params: Params) -> None:
         super().__init__(__file__, mode, asdict(params))
-
-    def exit_s(self, timeout: float) -> float:
-        """Seconds until the process exited (it was told to close); killed after ``timeout``."""
-        begin = time.monotonic()
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise RuntimeError(f"{self.mode} worker {self.proc.pid} did not exit within {timeout:.0f} s of close()")
-        if self.proc.returncode != 0:
-            raise RuntimeError(f"{self.mode} worker {self.proc.pid} exited with {self.proc.returncode}")
-        return time.monotonic() - begin
-
-
-def close_together(workers: list[Worker], timeout: float) -> list[tuple[float, float]]:
-    """Tell every worker to close at once; (close() seconds, seconds from its reply to the process's exit)."""
-    for w in workers:
-        w.send("close")
-    closes = [w.read(timeout)["close_s"] for w in workers]
-    return [(c, w.exit_s(timeout)) for c, w in zip(closes, workers)]
 
 
 def leftovers(namespace: str) -> list[str]:

@@ -251,6 +251,27 @@ class JsonLineWorker:
             self.proc.kill()
         self.proc.wait()
 
+    def exit_s(self, timeout: float) -> float:
+        """Seconds until the process exited (it was told to close); killed after ``timeout``."""
+        begin = time.monotonic()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"{self.mode} worker {self.proc.pid} did not exit within {timeout:.0f} s of close()")
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"{self.mode} worker {self.proc.pid} exited with {self.proc.returncode}")
+        return time.monotonic() - begin
+
+
+def close_together(workers: Sequence[JsonLineWorker], timeout: float) -> list[tuple[float, float]]:
+    """Tell every worker to "close" at once; per worker, (its ``close_s`` report, seconds from that report to the
+    process's exit)."""
+    for w in workers:
+        w.send("close")
+    closes = [w.read(timeout)["close_s"] for w in workers]
+    return [(c, w.exit_s(timeout)) for c, w in zip(closes, workers)]
+
 
 def loaded_then_wait() -> None:
     """A worker's side of :func:`start_together`: tell the parent the imports are done, then wait for "go", so

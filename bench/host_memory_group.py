@@ -1,0 +1,220 @@
+"""Host RAM and shut-down of a sharing group: ``--workers`` processes of one ``SharedOffloadSession``.
+
+Why: one pinned copy per host is what sharing promises, and a worker's shut-down is what a supervisor restarting a
+job waits for. Each worker (``bench_host_memory``'s model and memory-mode configuration, adopting that size's
+saved profile) creates its CUDA context, then all start at once as a server's workers do: one is elected and its
+factory builds the model in host RAM (and writes the layer-by-layer reference output), the others build on
+``meta`` and attach. Measured:
+
+- the creator's ``VmHWM`` over its RSS at the session's start: growth over the model's bytes (the factory's model
+  is one copy; the blocks replace it as they are published);
+- every worker's PSS once all are ready and again after serving, summed, over the model's bytes;
+- serving: a checked forward, then ``serve_passes`` passes alternating through ``serve_batches``, all workers at
+  once (the pinned staging, the resident copies and the registrations are all in use when they close);
+- shut-down: every worker ``close()``s at once and exits right after; ``close()`` and the exit after it, then
+  what the namespace left in ``/dev/shm``;
+- or, with ``kill``: ``ftd`` serves the lock directory, every worker is SIGKILLed once it has served, and the time
+  until ``/dev/shm`` holds nothing of the namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    JsonLineWorker, cleanup_namespace, close_together, loaded_then_wait, proc_status, pss_bytes, reset_peak_rss,
+    start_together,
+)
+
+MANAGER = "hostmem"
+
+
+@dataclass
+class GroupParams:
+    """Everything a worker needs, passed as one JSON argument."""
+
+    layers: int
+    profile: str
+    reference: str  # the creator writes the checked output here; the others read it once all are ready
+    namespace: str = ""
+    batch: int = 16
+    serve_batches: list[int] = field(default_factory=lambda: [1, 4096])
+    serve_passes: int = 8
+    wait_timeout: float = 600.0
+
+
+def memory_mode_config():
+    """The configuration every host-memory path runs with in memory mode: the defaults, the traps named."""
+    import flextensor as ft
+
+    return ft.OffloadConfig(max_gpu_mem_fraction=0.015, include_patterns=["class:Block"])
+
+
+# ================================================================================================================
+# Worker side (``host_memory_group.py --worker session PARAMS_JSON``)
+# ================================================================================================================
+
+
+def _serve(p: GroupParams, proxy) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    from mlp_stack import close_to, inputs
+
+    with torch.no_grad():
+        out = proxy(inputs(p.batch).cuda())
+        equal = close_to(out, load_file(p.reference)["out"])
+        batches = {b: inputs(b, seed=2).cuda() for b in p.serve_batches}
+        times: dict[str, list[float]] = {str(b): [] for b in p.serve_batches}
+        for i in range(p.serve_passes):
+            b = p.serve_batches[i % len(p.serve_batches)]
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            proxy(batches[b])
+            torch.cuda.synchronize()
+            times[str(b)].append(time.perf_counter() - begin)
+    return {"equal": equal, "passes_s": times}
+
+
+def worker_session(p: GroupParams) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    import flextensor as ft
+    from mlp_stack import build, build_meta, inputs, reference
+
+    torch.ones(1, device="cuda").sum().item()  # the CUDA context: a per-process constant, before the baseline
+    ft.SharedOffloadSession  # resolve the lazy import before the clock starts
+    loaded_then_wait()
+    reset_peak_rss()
+    info: dict = {"role": "follower", "pid": os.getpid(), "before": proc_status("VmRSS")}
+
+    def creator_factory():
+        info["role"] = "creator"
+        model = build(p.layers, "cpu")
+        tmp = p.reference + ".tmp"
+        save_file({"out": reference(model, inputs(p.batch)).contiguous()}, tmp)
+        os.replace(tmp, p.reference)
+        torch.cuda.empty_cache()
+        return model
+
+    session = ft.SharedOffloadSession(p.namespace, wait_timeout=p.wait_timeout)
+    try:
+        start = time.monotonic()
+        proxy = session.offload_from_profile(p.profile, config=memory_mode_config(), name=MANAGER,
+                                             creator_model_factory=creator_factory,
+                                             follower_model_factory=lambda: build_meta(p.layers))
+        torch.cuda.synchronize()
+        info.update(ready_s=time.monotonic() - start, peak=proc_status("VmHWM"), rss=proc_status("VmRSS"))
+        print(json.dumps(info), flush=True)
+        command = sys.stdin.readline().strip()
+        if command == "serve":
+            print(json.dumps(_serve(p, proxy)), flush=True)
+            command = sys.stdin.readline().strip()
+        if command == "close":
+            begin = time.perf_counter()
+            session.close()
+            print(json.dumps({"close_s": time.perf_counter() - begin}), flush=True)
+    finally:
+        session.close()  # idempotent; the process exits right after, as a worker that shuts down would
+
+
+def worker_main(raw: str) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"[group {os.getpid()}] %(asctime)s %(name)s: %(message)s")
+    try:
+        worker_session(GroupParams(**json.loads(raw)))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        raise
+
+
+# ================================================================================================================
+# Parent side
+# ================================================================================================================
+
+
+class Worker(JsonLineWorker):
+    def __init__(self, params: GroupParams) -> None:
+        super().__init__(__file__, "session", asdict(params))
+
+
+def leftovers(namespace: str) -> list[str]:
+    from flextensor.shm.names import manager_namespace
+
+    ns = manager_namespace(namespace, MANAGER)
+    return sorted(name for name in os.listdir("/dev/shm") if ns in name)
+
+
+def _pss_sum(workers: list[Worker]) -> int:
+    return sum(pss_bytes(w.proc.pid) for w in workers)
+
+
+def _start_daemon(tmp: Path):
+    """``ftd serve`` on this user's lock directory, its socket in ``tmp``; workers started after this find it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.daemon.helpers import Daemon
+
+    from flextensor.shm.names import lock_directory
+
+    sock_dir = tmp / "ftd"
+    sock_dir.mkdir(mode=0o700)
+    daemon = Daemon(sock_dir / "ftd.sock", lock_directory()).start()
+    os.environ["FT_DAEMON_SOCKET"] = str(daemon.socket)
+    return daemon
+
+
+def run_group(params: GroupParams, workers: int, kill: bool, timeout: float) -> dict:
+    """One sharing group of ``workers``; see the module docstring. Returns the raw measures."""
+    params = GroupParams(**{**asdict(params), "namespace": f"hostmem{uuid.uuid4().hex[:10]}"})
+    out: dict = {"workers": workers, "kill": kill}
+    tmp = Path(tempfile.mkdtemp(prefix="ft-hostmem-group-"))
+    daemon = _start_daemon(tmp) if kill else None
+    started: list[Worker] = []
+    try:
+        started = [Worker(params) for _ in range(workers)]
+        out["ready"] = start_together(started, timeout)
+        out["pss_ready"] = _pss_sum(started)
+        for w in started:
+            w.send("serve")
+        out["served"] = [w.read(timeout) for w in started]
+        out["pss_served"] = _pss_sum(started)
+        if kill:
+            for w in started:
+                os.kill(w.proc.pid, signal.SIGKILL)
+            begin = time.monotonic()
+            for w in started:
+                w.proc.wait()
+            while leftovers(params.namespace) and time.monotonic() - begin < 30.0:
+                time.sleep(0.005)
+            out["reclaim_s"] = time.monotonic() - begin
+        else:
+            out["closed"] = close_together(started, timeout)
+        out["leftovers"] = leftovers(params.namespace)
+    finally:
+        for w in started:
+            w.kill()
+        if daemon is not None:
+            daemon.stop()
+            os.environ.pop("FT_DAEMON_SOCKET", None)
+        if any(w.proc.returncode not in (0, None) for w in started) or out.get("leftovers"):
+            cleanup_namespace(params.namespace, MANAGER, timeout=45.0)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[3])
+    else:
+        sys.exit("host_memory_group.py is run by bench_host_memory.py")
