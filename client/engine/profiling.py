@@ -24,9 +24,10 @@ Suspended passes (``suspend_profiling``) record nothing and are not counted. Aft
 more follow), :func:`~flextensor.engine.switch.prepare_switch` does the switch's timing-free work while the
 device still runs that pass; after the last, the switch plans and the INFERENCE build starts. When the device is
 still running the last pass by then (its marks are per entry and its end not reached: a streaming warm-up's
-copy-bound pass leaves the host idle for 0.2-0.4 s at 24-48 GiB on the H200 host), the plan is made from the
-passes before it while the device finishes, instead of after reading it: the planner's 0.1-0.4 s of Python at
-that size then costs the phase nothing. Only where every trap of the pass has two samples or more before it (a
+copy-bound pass of a model of tens of GiB leaves the host idle for tenths of a second), the plan is made from
+the passes before it while the device finishes, instead of after reading it: the planner's tenths of a second
+of Python at that size then cost the phase nothing (``docs/benchmarks.md``, "The profile phase alone"). Only
+where every trap of the pass has two samples or more before it (a
 trap first entered in the last pass, or one pass before it, waits for the last pass's reading as before). The
 medians lose one sample of ten (``ctx.plan.compute_s`` holds the ones the plan used); the last pass's are still
 read and kept with the others.
@@ -112,8 +113,8 @@ class ProfilingHandler(PhaseHandler):
         durations = profile.durations
         if (last is not None and ctx.clock is not None and last.on_device and not ctx.clock.done(last.end)
                 and all(len(durations.get(label, ())) >= 2 for label in ctx.sequence)):
-            # The device still runs this pass (a copy-bound one, by up to half a second at 48 GiB on the H200
-            # host) and the host would only wait for it: plan from the passes before it meanwhile (module docs).
+            # The device still runs this pass (a copy-bound one, by tenths of a second for a large model) and the
+            # host would only wait for it: plan from the passes before it meanwhile (module docs).
             try:
                 plan = plan_switch(ctx)
             finally:  # read even if the strategy raised: the next pass's switch finds every sample as before

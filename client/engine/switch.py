@@ -36,14 +36,14 @@ __all__ = ["Plan", "plan_switch", "prepare_switch", "resolve_device_budget", "tr
 logger = logging.getLogger("flextensor.manager")
 NOTICE = 25  # the block assignment table is logged at "NOTICE" level
 # What a streamed trap costs a launch-bound pass beyond its copy: the loader's host work at its entry and exit
-# (see ``TrapCost.stream_cost_s``). Measured on the H200 host with plans streaming only each layer's norm
-# weights (16 KiB per trap) of a 3.5 ms pass: +71-77 us per streamed trap (40 us of it the loader's host time).
-# A constant, not a measurement per run: nothing streams before the plan exists.
+# (see ``TrapCost.stream_cost_s``). Calibrated with plans that stream only a few KiB per trap of a launch-bound
+# pass, so the copies cost nothing and the pass's growth is this cost (``docs/benchmarks.md``, "What a streamed
+# trap costs"). A constant, not a measurement per run: nothing streams before the plan exists.
 STREAMED_TRAP_COST_S = 70e-6
 # What a streamed trap costs even where the device lags the host (the host's part then hides): the device's
 # own share, ordering the compute stream after the copy stream and sharing memory bandwidth with the copy.
-# Measured on the same host where the device lagged the host: 5 streamed layers of a 7.6 ms pass (1x1024
-# tokens) +66 us each, 15 of a 60.5 ms pass (4x2048) +23 us each; the floor is about the lower one.
+# Calibrated the same way on passes where the device lagged the host: the cost per streamed trap falls with the
+# lag, and the floor is about the lowest seen.
 STREAMED_TRAP_DEVICE_S = 25e-6
 #: The transfer model of a CPU computing from its host blocks in place: an offloaded tensor costs no copy.
 IN_PLACE_TRANSFER = TransferModel(1e15)
@@ -67,8 +67,8 @@ def prepare_switch(ctx: EngineContext) -> SwitchInputs:
     Why ahead of the switch: the plan is made inside the last PROFILING pass, where every millisecond is the
     profile phase's. Sizes, packing and the exclusive sets are known from the first counted PROFILING pass on,
     so the PROFILING handler calls this at the end of that pass: with the resident warm-up's sweep in flight
-    the device is busy for tens of milliseconds after the host has queued the pass, so this host work (0.3-0.5
-    ms on the H200 host for 16 traps) costs the phase nothing there. The exclusive sets do not change after
+    the device is busy for tens of milliseconds after the host has queued the pass, so this host work (a fraction
+    of a millisecond for a model of 16 traps) costs the phase nothing there. The exclusive sets do not change after
     DISCOVERY, so the result stays valid until the switch consumes it. The traps' direct forwards for
     ``Trap.bypass`` are built here too.
     """

@@ -20,9 +20,9 @@ any host block exists, so a refused checkpoint leaves nothing behind.
 Initialisers on ``meta`` (:func:`skip_init_on_meta`): a model built on ``meta`` still runs its modules'
 initialisers (``nn.Linear.reset_parameters`` calls ``kaiming_uniform_`` and ``uniform_``); on a meta tensor they
 compute nothing, yet each call goes through PyTorch's dispatch and decompositions: a third of the time to build
-the bench's 94-layer model on ``meta`` (121 -> 77 ms on a 2-core CPU VM, 2026-12-02), and of a Llama 70B
-configuration from ``transformers`` (``AutoModelForCausalLM.from_config`` on ``meta``, 80 layers: 161-182 ->
-90-114 ms, as fast as ``transformers``' own ``no_init_weights``; same VM and day). A follower builds its model
+a large model on ``meta`` or more, whether the bench's or a ``transformers`` configuration
+(``AutoModelForCausalLM.from_config``), which then builds as fast as with ``transformers``' own
+``no_init_weights`` (``docs/benchmarks.md``, "Building a model on meta"). A follower builds its model
 beside its resident copy, whose workers share its GIL, so that time counts twice there. While a model is built
 for sharing (a follower's factory, :func:`init_empty_weights`), the ``torch.nn.init`` initialisers return a
 ``meta`` tensor untouched and do their usual work on any other tensor: a meta tensor has no values, so nothing

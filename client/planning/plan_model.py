@@ -115,7 +115,8 @@ class TrapCost:
     the slot) that queued device work does not hide. A launch-bound trap pays all of it (the device waits for
     the host anyway); one whose device time exceeds its host time hides the host's part in the difference (the
     device's own part stays). Without it, a plan streaming a few KiB from each of 15 traps of a launch-bound
-    pass simulated as free and ran at 1.42x the resident pass (H200, 2026-11-30). The engine derives it per trap
+    pass simulated as free and ran far slower than the resident pass (``docs/benchmarks.md``, "What a streamed
+    trap costs"). The engine derives it per trap
     (``flextensor.engine.switch``); 0 keeps the pure transfer model.
     """
 

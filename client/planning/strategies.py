@@ -471,8 +471,8 @@ class AdaptiveStrategy(Strategy):
     streamable trap's cost is over the 1% slack, no streaming plan can be chosen, and ``keep_resident`` streams
     what the full comparison would choose (nothing; that comparison may name its choice after a candidate that
     streams nothing instead). Why bother: a short, launch-bound pass (a small batch) is exactly this
-    case, and there planning the candidates (0.5 ms of host time on the H200 host) is paid inside the last
-    PROFILING pass, against 3 ms passes.
+    case, and there planning the candidates (a fraction of a millisecond of host time) is paid inside the last
+    PROFILING pass, against passes of a few milliseconds.
     """
 
     name = "adaptive"

@@ -29,10 +29,10 @@ __all__ = ["HostBlockBuild", "SourceHandover", "UNREGISTER_PAUSE_S"]
 logger = logging.getLogger("flextensor.manager")
 
 #: The build thread's pause between two ``cudaHostUnregister`` calls. Each call holds a driver lock that the main
-#: thread's launches wait for: released in one piece, the 4.3 GB staging of a plan that streams nothing stalled
-#: its first inference pass for 214-745 ms (H200 host). With this pause, while 4 GiB in 64 regions were released,
-#: launch-bound passes took 4.3 ms (median) and 5.9 ms at most against 2.8 ms idle; the build takes about one
-#: pause per region longer.
+#: thread's launches wait for: released in one piece, the staging of a plan that streams nothing stalled its first
+#: inference pass for hundreds of milliseconds. With this pause, launch-bound passes run while the regions are
+#: released at well under twice their idle time (``docs/benchmarks.md``, "Pinned host memory"); the build takes
+#: about one pause per region longer.
 UNREGISTER_PAUSE_S = 0.001
 
 

@@ -119,7 +119,7 @@ class TensorPlacement(NamedTuple):
 
     A named tuple rather than a frozen dataclass: one is made per streamed tensor inside the last PROFILING pass
     (``pack_block``) and per record when a follower adopts a plan, and a frozen dataclass's ``__init__`` costs
-    three times as much (1.3 against 0.4 us each on the CPU VM).
+    three times as much.
     """
 
     name: str
@@ -344,9 +344,10 @@ def pinned_allocator_hint(environ: Any) -> str | None:
     """The advice :class:`TorchPinnedProvider` logs once per process, or None when the allocator is set up so.
 
     Why: by default a fresh pinned allocation is one ``cudaHostAlloc``, during which every CUDA launch of the
-    process waits. On the H200 host (2026-11-30) a 2 GiB one took 0.79-0.89 s, and a launch-bound pass on
-    another thread took just as long; with :data:`PINNED_REGISTER_SETTING` the allocation took 0.22-0.26 s and
-    that pass at most 77-90 ms. The background build of the INFERENCE host blocks makes such allocations while
+    process waits: a launch-bound pass on another thread takes as long as the allocation, which for an arena of
+    gigabytes is most of a second; with :data:`PINNED_REGISTER_SETTING` the allocation is several times faster
+    and that pass waits a fraction of it (``docs/benchmarks.md``, "Pinned host memory"). The background build of
+    the INFERENCE host blocks makes such allocations while
     the first inference passes run. The setting is the process's, read when CUDA starts, so flextensor only
     says so instead of changing it.
 
@@ -392,10 +393,11 @@ class HostRegisterProvider(ArenaProvider):
 
     Registration waits for :meth:`finish` (the engine calls it once every block is filled): on fresh memory
     ``cudaHostRegister`` must fault in and zero every page itself, in one thread inside the driver; after the
-    fill - a parallel copy that faults the pages in anyway - it only locks populated pages (~37 ms/GiB). Each
-    block is registered on its own: every call holds a driver lock that the process's kernel launches wait for,
-    so a block at a time, with ``between`` (a background build's pause) after each, holds a running forward up
-    for one block's registration at most, where a 2 GiB arena in one call held it for about 75 ms. Arenas start
+    fill - a parallel copy that faults the pages in anyway - it only locks populated pages, which is much
+    faster. Each block is registered on its own: every call holds a driver lock that the process's kernel
+    launches wait for, so a block at a time, with ``between`` (a background build's pause) after each, holds a
+    running forward up for one block's registration at most, where a whole arena in one call held it for all of
+    the arena's registration. Arenas start
     on a page and blocks on page boundaries within them, so no two registrations share a page; every copy the
     loader makes reads one block, hence one registration.
     """
@@ -533,8 +535,8 @@ def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None,
     ``register_in_place``: pinned blocks are plain memory registered in place, block by block
     (:class:`HostRegisterProvider`), whatever ``pinned_memory_mode`` says. Two builds ask for it: one on a thread
     while inference runs (PyTorch's pinned allocator, ``pinned_memory_mode="torch"``, allocates with
-    ``cudaHostAlloc``, which holds every kernel launch of the process until it returns: 0.8 s for 2 GiB on the
-    H200 host), and one that reads a checkpoint (exact-size blocks, never rounded up to a power of two)."""
+    ``cudaHostAlloc``, which holds every kernel launch of the process until it returns), and one that reads a
+    checkpoint (exact-size blocks, never rounded up to a power of two)."""
     pin = bool(config.pinned_memory) and device.type == "cuda"
     if config.shm_enabled:
         if shm_owner is None:

@@ -1,9 +1,9 @@
 """Exposed-wait detection for INFERENCE: does the compute stream stall on the block loader's copies?
 
 Why: a latency-mode plan streams the traps whose copies hid under the compute measured while profiling. Served
-at a smaller batch the same copies no longer hide, and every pass stalls on them (measured on the H200 host: a
-6 GiB model profiled at batch 4096 and served at batch 1 ran at 17x its resident pass). The engine notices it
-here and replans (``flextensor.engine.replan``).
+at a smaller batch the same copies no longer hide, and every pass stalls on them (a model profiled at a large
+batch and served at batch 1 runs at many times its resident pass: ``docs/benchmarks.md``, "Serving at other
+batch sizes"). The engine notices it here and replans (``flextensor.engine.replan``).
 
 What is measured: on a *sampled* pass, two events on the compute stream around each wait for a copy (the
 stall, as ``offload_timing="eager"`` measures it) and one at the pass's first and last streamed trap (the span

@@ -9,7 +9,7 @@ latency is anchored). Each size is copied a few times and the fastest run kept (
 one-off costs). On CUDA the copy is timed with events on a side stream from a pinned buffer when pinning is
 configured (what INFERENCE will do); on the CPU with ``perf_counter``.
 
-The sweep's pinned buffer is a plain allocation registered in place for the sweep only (exact size, ~37 ms/GiB),
+The sweep's pinned buffer is a plain allocation registered in place for the sweep only (exact size),
 not a ``pin_memory=True`` allocation: PyTorch's pinned allocator would round it up to a power of two, page-lock
 it with ``cudaHostAlloc`` (much slower per byte) and keep it cached, idle, for the life of the process. Both kinds
 of page-locked memory are DMA'd alike. Without a usable cudart binding it falls back to ``pin_memory=True``.

@@ -13,9 +13,9 @@ Which clock (``PassWindows.on_device``)
 The planner needs each window's *device* time: where the device lags the host, a window lasts longer on the
 device than the host took to queue it, and that difference is compute a copy can hide behind. Where the device
 keeps up with the host (a launch-bound pass: the device waits for each launch), the device's windows are the
-host's, and a device mark per trap entry buys nothing but host time: recording and reading one CUDA event cost
-10-15 us of host time per trap on the H200 host, against 3 ms passes of 16 traps,
-so about 5% of every launch-bound PROFILING pass.
+host's, and a device mark per trap entry buys nothing but host time: recording and reading one CUDA event per
+trap costs a launch-bound PROFILING pass a few percent of its time (``docs/benchmarks.md``, "Profiling
+clocks").
 
 So a pass marks every trap entry on the device until one pass has shown that the device kept up: its whole span
 agrees on both clocks (:func:`clocks_agree`). The next passes mark only their first entry and their end on the
@@ -31,8 +31,8 @@ over with device marks.
 
 Why the span and not each window: in a launch-bound pass the device still falls behind locally, inside a trap
 whose kernels outlast their launches, and catches up in the next trap, so single windows disagree while the
-pass does not. Demanding that every window agree kept the H200 host's small-batch passes on device marks for
-the whole phase in its quieter runs (0.15-0.2 ms a pass of event records and reads; 2026-11-30). The host's
+pass does not. Demanding that every window agree kept small-batch passes on device marks for the whole phase,
+even in quiet runs. The host's
 windows are close to what the planner needs there: a trap cannot start on the device before the host launched
 it, so the time between two host entries is time a copy issued at the first of them can use, unless the copy
 itself starts late (behind an earlier copy, or waiting for its block's last reader during a local lag). The span
@@ -61,7 +61,7 @@ __all__ = ["TrapWindow", "PassWindows", "PassReading", "clocks_agree", "read_pas
 
 #: How far a device time may stray from the host time of the same window or pass and still count as the host's:
 #: 10% plus 20 us. The absolute part covers the launch latency that shifts each device mark behind its host
-#: reading (a few microseconds on the H200 host); the relative part is what the planner's estimate may be off by
+#: reading (a few microseconds); the relative part is what the planner's estimate may be off by
 #: (its decisions turn on copies against compute, not on a few percent).
 CLOCK_TOLERANCE_REL = 0.10
 CLOCK_TOLERANCE_ABS_S = 20e-6

@@ -3,20 +3,21 @@
 Why
 ---
 A session follower copies the resident tensors (embeddings, head, and every layer the plan keeps on the device:
-6.3 GB of a 24 GiB model at ``max_gpu_mem_fraction=0.05``) from the shared store to the device before it is
-ready. Its mapping of the store is not registered with CUDA, so a plain copy runs at pageable speed (8.7 GB/s on
-the H200 host), and registering the range first costs 63-150 ms/GiB. Instead the bytes go through a small pinned
-ring of this module's own (registered once), and from each slot to the device asynchronously on the caller's
-stream, so the host side of one chunk overlaps the DMA of another (at 55 GB/s, faster than the host side).
+a quarter of a model at ``max_gpu_mem_fraction=0.05``) from the shared store to the device before it is ready.
+Its mapping of the store is not registered with CUDA, so a plain copy runs at pageable speed, a fraction of the
+link's rate, and registering the range first costs more than the copy saves. Instead the bytes go through a
+small pinned ring of this module's own (registered once), and from each slot to the device asynchronously on
+the caller's stream, so the host side of one chunk overlaps the DMA of another (which runs at the link's rate,
+faster than the host side). ``docs/benchmarks.md``, "A follower's resident copy", has the figures.
 
 Where the bytes come from
 -------------------------
 Given the file that holds the range (``file=(fd, offset)``: the store's data segment, opened again by name), the
 workers read it with ``pread`` straight into the ring: the kernel copies from the shared pages without mapping them
 into this process. Read through a fresh mapping instead, every 4 KiB page costs a page-table fault (1.5 M of them
-for 6 GiB); faulting them in ahead from several threads (``MADV_POPULATE_READ``) held a follower to 14.6 GB/s on
-the H200 host (a gVisor sandbox, where each fault is the sandbox's work) and to 3.1 GB/s each for three followers
-attaching together, and the populated mapping has to be torn down again at close. Without a file (a plain host
+for 6 GiB); faulting them in ahead from several threads (``MADV_POPULATE_READ``) still held a follower to well
+under the ``pread`` rate (in a sandbox each fault is the sandbox's work), and far under it when followers attach
+together, and the populated mapping has to be torn down again at close. Without a file (a plain host
 tensor, or a name already removed) the workers ``memmove`` from the mapping while a helper thread populates it
 ahead of them (``flextensor.shm.prefault``).
 
@@ -37,7 +38,7 @@ a start that depends on the process id, so followers attaching together read dif
 
 Why its own threads rather than PyTorch's CPU copy: followers attach at once, and PyTorch's copy runs on as many
 OpenMP threads as the host has cores in each of them (threads that spin between parallel regions). Copied that
-way on the H200 host, three followers copying together got 3.1 GB/s each where one alone got 14.6 GB/s.
+way, three followers copying together each got a fraction of what one alone got, less than a third of it.
 
 Life of the ring
 ----------------
@@ -86,16 +87,16 @@ logger = logging.getLogger(__name__)
 #: copy, small enough that the ring (``SLOTS`` of them) is cheap to map and register.
 CHUNK_BYTES = 8 << 20
 #: Workers copying into the ring: one per core this process may run on, at most 16. A worker spends its time in
-#: ``pread`` (the kernel's copy out of the shared pages), which one core does at 2-3 GB/s on the H200 host: one
-#: follower copying 6 GiB there reached 17.7 GB/s with 8 workers, 36.6 with 12 and 40.4 with 16 (2026-12-02).
-#: Workers blocked in the kernel do not spin, so followers attaching together share the cores without the OpenMP
+#: ``pread`` (the kernel's copy out of the shared pages), which one core does at a few GB/s: a follower's copy
+#: grows with its workers up to 16, past what the link takes from the ring. Workers blocked in the kernel do not
+#: spin, so followers attaching together share the cores without the OpenMP
 #: penalty above.
 THREADS = max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 #: Workers while the caller's thread runs Python beside the copy (``caller_free`` not set yet: a follower's model
-#: factory): three per four cores, at most 12; the others start once it is set. Beside a 94-layer model built on
-#: ``meta`` (0.07 s alone) 12 workers finished the copy and the factory in 0.22 s, 16 in 0.27 s, the factory then
-#: slowed to 0.27 s (``bench/experiment_attach_gil.py``, H200 host, 2026-12-02; 12 workers in another process
-#: left the factory at 0.07-0.09 s); with nothing beside it, 16 copy fastest.
+#: factory): three per four cores, at most 12; the others start once it is set. Beside a model built on ``meta``,
+#: 12 workers finish the copy and the factory sooner than 16, which slow the factory down by the GIL hand-overs
+#: they ask for (``bench/experiment_attach_gil.py``; 12 workers in another process leave the factory as fast as
+#: alone); with nothing beside it, 16 copy fastest.
 THREADS_BESIDE = max(1, min(12, THREADS * 3 // 4))
 #: Slots of the ring: two per worker, so a worker fills one while the device reads the other (256 MiB of pinned
 #: ring with 16 workers, held by a follower only while it copies its resident tensors).
@@ -151,7 +152,7 @@ class _Ring:
         self.registered = False
         self.populate_s = self.register_s = 0.0
         # Private: anonymous shared memory would be tmpfs pages (4 KiB each, slower to allocate); and huge pages
-        # where the kernel offers them (3.5x faster to allocate on the CPU VM).
+        # where the kernel offers them (several times faster to allocate).
         self._mapping: mmap.mmap | None = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         with contextlib.suppress(AttributeError, OSError):
             self._mapping.madvise(mmap.MADV_HUGEPAGE)

@@ -5,10 +5,11 @@ Why
 During DISCOVERY and PROFILING the offloadable weights are copied to the device
 (:class:`~flextensor.engine.hooks.WarmLoader`): once each when they fit there (resident warm-up, ``flextensor.engine.warmup``),
 else before every trap call of every pass. From pageable memory the driver bounces each copy through a small
-pinned buffer of its own: ~7-9 GB/s on an H200 host, and the host thread waits for it. From page-locked memory
-the copy is a direct DMA (~55 GB/s there) and can be queued (``non_blocking=True``) behind the compute already
-in the stream. Registering the storages the weights already live in (``cudaHostRegister``, ~37 ms/GiB) costs
-less than one pageable pass and needs no second copy of the model in host RAM, so it pays off even for the single
+pinned buffer of its own, at a fraction of the link's rate, and the host thread waits for it. From page-locked
+memory the copy is a direct DMA at the link's rate and can be queued (``non_blocking=True``) behind the compute
+already in the stream. Registering the storages the weights already live in (``cudaHostRegister``) costs less
+than one pageable pass (``docs/benchmarks.md`` has the rates) and needs no second copy of the model in host RAM,
+so it pays off even for the single
 sweep of a resident warm-up (and, in that mode, a kept copy's host storage stays registered until INFERENCE is
 built: the host blocks are filled from it).
 
@@ -145,9 +146,9 @@ def plan_regions(
 def huge_page_hint(nbytes: int, *, env: Mapping[str, str] | None = None, thp_mode: str | None = None) -> str | None:
     """What to set so that page-locking ``nbytes`` of the model's memory goes faster; None when nothing would.
 
-    ``cudaHostRegister`` works page by page: on the H200 host, 4 GiB of a PyTorch CPU tensor took 84 ms/GiB on one
-    thread in 4 KiB pages and 50 ms/GiB in transparent huge pages, and a 48 GiB model's first warm-up pass (which
-    waits for it) 3.3 s against 1.7 s. PyTorch backs its large CPU allocations with huge pages when
+    ``cudaHostRegister`` works page by page: in transparent huge pages the same memory registers in about half the
+    time it takes in 4 KiB pages, and so does a large model's first warm-up pass, which waits for it
+    (``docs/benchmarks.md``, "The profile phase alone"). PyTorch backs its large CPU allocations with huge pages when
     ``THP_MEM_ALLOC_ENABLE=1`` is in the environment before the model is loaded; that only matters where the
     kernel gives huge pages on request (``madvise`` mode): with ``always`` they are there already, with ``never``
     not to be had. ``env`` and ``thp_mode`` (the bracketed word of
@@ -173,8 +174,7 @@ def huge_page_hint(nbytes: int, *, env: Mapping[str, str] | None = None, thp_mod
 # ---------------------------------------------------------------------------------------------------- CUDA glue
 def _default_register(ptr: int, nbytes: int) -> None:
     """Read-only registration: the device only ever reads staged memory (host-to-device copies), and the driver
-    pins such pages without asking for write access, which is faster (populated anonymous memory on the H200
-    host: 61 ms/GiB instead of 101; ``flextensor.shm.pinning``)."""
+    pins such pages without asking for write access, which is faster (``flextensor.shm.pinning``)."""
     from flextensor.shm.pinning import host_register
 
     host_register(ptr, nbytes, read_only=True)
@@ -308,7 +308,7 @@ class PinnedStaging:
         """:meth:`stage` on a thread (``ft-stage``), region by region in the order of the first of their names in
         ``order`` (the order the warm-up first copies them); returns the bytes it will register.
 
-        For many bytes (``offload()`` of a large model: ~45 ms/GiB): the caller goes on, and each copy waits
+        For many bytes (``offload()`` of a large model: seconds of registration): the caller goes on, and each copy waits
         only for its own region (:meth:`wait_for`), so the registration overlaps the first warm-up pass instead
         of preceding it. A failure stops the thread (one warning, ``failed``); the regions registered before it
         stay registered and the rest are copied from pageable memory, which is safe: a copy from pageable memory
@@ -387,8 +387,8 @@ class PinnedStaging:
                       turns: LaunchTurns | None = None) -> tuple[list[StagedRegion], list[BaseException]]:
         """Register ``regions`` on up to :data:`REGISTER_THREADS` threads; ``(registered, errors)``.
 
-        Why threads: pinning populated anonymous memory runs faster side by side (H200 host, read-only: 61 ms/GiB
-        on one thread, 46-48 on four or more). Each thread makes the staging's device current first, so no
+        Why threads: pinning populated anonymous memory runs faster side by side, up to about four threads. Each
+        thread makes the staging's device current first, so no
         thread creates a context on another GPU. Every region is tried, so the caller can undo exactly the ones
         that were registered; after a failure no new registration starts. With ``turns``, each call waits for
         its turn (flextensor.runtime.pinned.launch_turns)."""
@@ -425,9 +425,9 @@ class PinnedStaging:
         """Drop ``names``; unregister every region left without names. Returns the number unregistered.
 
         ``between`` is called between two unregistrations. ``cudaHostUnregister`` holds a driver lock that other
-        threads' launches wait for (4 GiB in 64 regions: 85 ms in one piece, and a launch-bound pass on the
-        main thread stalled for all of it, through torch's binding and through ctypes alike; H200 host). A
-        background release passes a short sleep here, so each stall is one region's.
+        threads' launches wait for (a launch-bound pass on the main thread stalls for all of an unregistration in
+        one piece, through torch's binding and through ctypes alike). A background release passes a short sleep
+        here, so each stall is one region's.
         """
         self.join()
         return self._release(names, between)

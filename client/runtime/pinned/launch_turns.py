@@ -4,25 +4,25 @@ Why
 ---
 While any thread of the process is inside ``cudaHostRegister``, the driver holds a lock that every kernel launch
 and every copy queued by another thread waits for. Several threads registering back to back keep it held the
-whole time: on the H200 host, 300 launches of a tiny kernel (36 ms alone) took the full 0.37-0.51 s of
-registering 7.75 GiB on 4 threads, through PyTorch's binding and through ctypes alike, and 20 copies of 8 MiB as
-long; the GIL was not the cause (Python on the launching thread ran at its usual speed meanwhile). So the
-first warm-up pass of a large model, whose storages are page-locked on a thread while it runs
-(``PinnedStaging.stage_in_background``), launched almost nothing until the last region was registered: it took
-the registration's time *plus* its own (48 GiB streamed: 3.5 s against 0.95 s for a later pass).
+whole time: launches and copies queued meanwhile wait for all of the registration, through PyTorch's binding and
+through ctypes alike; the GIL is not the cause (Python on the launching thread runs at its usual speed
+meanwhile). So the first warm-up pass of a large model, whose storages are page-locked on a thread while it
+runs (``PinnedStaging.stage_in_background``), launched almost nothing until the last region was registered: it
+took the registration's time *plus* its own.
 
 The two sides now take turns. A trap's warm-up copies take the turn (:meth:`take`) once their regions are
 registered, and hold it until the trap's compute is launched; new registrations wait meanwhile, and the ones in
 flight (one per registering thread) finish before :meth:`take` returns. Launching takes a fraction of a
 millisecond per trap, so registration loses little, and what is launched runs on the GPU while the next regions
-are registered. Measured on the H200 host (48 GiB, 42 GiB streamed, 4 KiB pages): the first pass took 3.3 s
-instead of 3.8 s; handing the turn back once a trap's copies were queued, before its compute, measured 3.7 s,
-and two registering threads instead of four 3.4 s (``bench/experiment_profile_phase.py``).
+are registered. Of the variants tried (``bench/experiment_profile_phase.py``; ``docs/benchmarks.md``, "The
+profile phase alone"), holding the turn until the compute is launched, with four registering threads, gave the
+shortest first pass; handing it back once a trap's copies were queued, or two registering threads, gave back
+most of the gain.
 
 Every take drains the calls in flight: the registering threads that finish meanwhile start nothing, so each
-take costs the registration about half a call on every thread (a call pins one storage: 5-20 ms on four
-threads). A timeline of that pass showed the cost: with the turn given back at every trap's exit, the pass took
-the turn 257 times, and registration ran with fewer than four calls in flight for a quarter of its 4.1 s. So the
+take costs the registration about half a call on every thread (a call pins one storage). A timeline of that
+pass showed the cost: with the turn given back at every trap's exit, the turn was taken at nearly every trap and
+registration ran with fewer calls in flight than threads for a quarter of its time. So the
 turn is kept across traps: at a trap's exit it goes back only once it was held for :data:`LAUNCH_SLICE_S`
 (:meth:`give_between_traps`); a copy that must wait for its region gives it back first, as before, and so does
 the end of the pass. The pass, which trails the registration, then launches every trap whose regions the drain
