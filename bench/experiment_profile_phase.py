@@ -81,10 +81,9 @@ def worker(args: argparse.Namespace) -> dict:
 
         staging_mod.REGISTER_THREADS = args.register_threads
     if args.cpu:  # the GPU path on the CPU: stream through the loader, "copy" the warm-up's weights
-        from flextensor.manager import OffloadManager
+        from flextensor.engine.policy import EnginePolicy
 
-        OffloadManager._stream_on_cpu = True
-        manager._warmup_override = args.warmup
+        manager.set_engine_policy(EnginePolicy(warmup=args.warmup, stream_on_cpu=True))
     switch_s = _time_the_switch(args.worker)
     timeline = _record_the_turns() if args.timeline else None
     config = ft.OffloadConfig(include_patterns=[BLOCK_PATTERN], pinned_memory=device.type == "cuda",

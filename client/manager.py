@@ -19,6 +19,7 @@ Threading: a manager belongs to the thread that created it; any other thread get
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import threading
@@ -38,6 +39,7 @@ from flextensor.engine.context import EngineContext, compute_device
 from flextensor.engine.discovery import start_warmup
 from flextensor.engine.hooks import RootForward, Trap
 from flextensor.engine.phase import Phase, PhaseHandler
+from flextensor.engine.policy import EnginePolicy, default_engine_policy
 from flextensor.engine.profiling import clear_durations, resolve_windows
 from flextensor.engine import replan
 from flextensor.engine.replan import StrategyReplanStatus
@@ -59,18 +61,13 @@ logger = logging.getLogger(__name__)
 class OffloadManager:
     """One named offload engine instance (see the module docstring)."""
 
-    #: Internal (tests): a CPU compute device streams through the loader as a GPU does, instead of computing from
-    #: the host blocks in place (Note [CPU in place] in flextensor.engine.build).
-    _stream_on_cpu = False
-
     def __init__(self, name: str = "default", config: OffloadConfig | None = None) -> None:
         self.name = name
         self._thread = threading.get_ident()
         self.config: OffloadConfig | None = None
         self._pending_state: TensorManagerState | None = None
         self._budget_override: int | None = None
-        # Internal (tests): force the warm-up mode, "resident" or "stream" (flextensor.engine.warmup).
-        self._warmup_override: str | None = None
+        self._policy: EnginePolicy | None = None  # set_engine_policy(); None: the process default
         self._suspend_pending = 0  # suspend_profiling() before offload(): handed to the next engine
         self._shm_coordinator: Any = None  # a namespace joined for shm_enabled without a session
         self._allow_replan = True
@@ -143,6 +140,28 @@ class OffloadManager:
                 "are visible; pick an index below that (CUDA_VISIBLE_DEVICES renumbers devices)"
             )
         self.config = config
+
+    @property
+    def engine_policy(self) -> EnginePolicy:
+        """The paths the next ``offload()`` forces (:mod:`flextensor.engine.policy`): this manager's own policy,
+        else the process default."""
+        return self._policy if self._policy is not None else default_engine_policy()
+
+    def set_engine_policy(self, policy: EnginePolicy | None = None, **changes: Any) -> None:
+        """Force engine paths for this manager's next ``offload()`` (tests and experiments on hosts without a
+        GPU): ``policy`` as given, or the current policy with ``changes`` (``warmup=``, ``stream_on_cpu=``);
+        ``set_engine_policy(None)`` goes back to the process default. Refused while a model is offloaded."""
+        self._check_thread()
+        if self.model is not None:
+            raise RuntimeError(f"manager {self.name!r} is offloading a model; release() it before changing its "
+                               "engine policy")
+        if policy is not None and changes:
+            raise ValueError("set_engine_policy takes a policy or field changes, not both")
+        if changes:
+            policy = dataclasses.replace(self.engine_policy, **changes)
+        elif policy is not None and not isinstance(policy, EnginePolicy):
+            raise TypeError(f"set_engine_policy expects an EnginePolicy, got {type(policy).__name__}")
+        self._policy = policy
 
     def set_memory_budget(self, nbytes: int | None) -> None:
         """Absolute device budget (bytes) for memory mode, used instead of ``max_gpu_mem_fraction``.
@@ -226,7 +245,7 @@ class OffloadManager:
         device = compute_device(cfg)
         ctx = EngineContext(self.name, cfg, device, model, tensors, self._provider_factory(cfg, device, shm_owner),
                             compile_fn=compile_fn, budget_bytes=self._budget_override,
-                            warmup_override=self._warmup_override, stream_on_cpu=self._stream_on_cpu,
+                            policy=self.engine_policy,
                             allow_replan=self._allow_replan)
         ctx.profile.suspend, self._suspend_pending = self._suspend_pending, 0
         self.model, self._ctx = model, ctx

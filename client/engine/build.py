@@ -20,9 +20,8 @@ When the compute device is the CPU, the host blocks are in the memory the CPU co
 tensor stays a view of its host block (of the shared arena, for a session's workers), and INFERENCE has no
 loader, no rotating blocks and no per-pass copies; its traps call their forwards directly. A shared block is
 then read by every worker in place, so N CPU workers pay for one copy of the offloaded weights, not N copies of
-the rotating blocks. Outputs are bit-identical: the same kernels read the same bytes. (``stream_on_cpu``, an
-internal switch of the manager, makes a CPU stream through the loader as a GPU does, so tests on hosts without
-CUDA still run that path.)
+the rotating blocks. Outputs are bit-identical: the same kernels read the same bytes. (``EnginePolicy.stream_on_cpu``
+makes a CPU stream through the loader as a GPU does, so tests on hosts without CUDA still run that path.)
 
 The deferred build: why
 -----------------------

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from flextensor.configuration.config import OffloadConfig
+from flextensor.engine.policy import EnginePolicy
 from flextensor.planning.plan_model import TrapCost
 from flextensor.planning.warmup_rule import WarmupDecision
 from flextensor.runtime.host_block_build import HostBlockBuild, SourceHandover
@@ -198,10 +199,9 @@ class EngineContext:
     provider_factory: ProviderFactory
     compile_fn: Callable[[nn.Module], nn.Module] | None = None
     budget_bytes: int | None = None  # set_memory_budget(): used instead of max_gpu_mem_fraction
-    warmup_override: str | None = None  # internal (tests): force "resident" or "stream" warm-up
+    policy: EnginePolicy = field(default_factory=EnginePolicy)  # paths forced regardless of the device
     adopted: bool = False  # INFERENCE from a profile or state, without warm-up passes
     allow_replan: bool = True  # allow_strategy_replan: replans may be requested, and armed by stalls
-    stream_on_cpu: bool = False  # internal (tests): a CPU compute device streams through the loader too
     orig_device: dict[str, torch.device] = field(default_factory=dict)
     traps: dict[str, Trap] = field(default_factory=dict)
     shared: set[str] = field(default_factory=set)  # candidates of several traps: resident
@@ -227,7 +227,7 @@ class EngineContext:
     def in_place(self) -> bool:
         """Offloaded tensors are computed from their host blocks directly (Note [CPU in place] in
         ``flextensor.engine.build``)."""
-        return self.device.type == "cpu" and not self.stream_on_cpu
+        return self.device.type == "cpu" and not self.policy.stream_on_cpu
 
     @property
     def iters_before_inference(self) -> int:

@@ -74,19 +74,19 @@ def choose_warmup(ctx: EngineContext, candidates: Iterable[str]) -> WarmupDecisi
     resident = sum(tensor_nbytes(e.tensor) for e in entries.values() if e.tensor.device == device)
     total = free = 0
     budget: int | None = ctx.budget_bytes
-    if device.type == "cuda" and ctx.warmup_override is None:
+    if device.type == "cuda" and ctx.policy.warmup is None:
         total, free = device_memory(device)
         fraction = ctx.config.max_gpu_mem_fraction
         if budget is None and fraction is not None:
             # As flextensor.engine.switch resolves it (without its < 256 MiB error, raised there).
             budget = min(int(fraction * total), free + resident)
     decision = decide_warmup(needed, device_type=device.type, budget_bytes=budget, resident_bytes=resident,
-                             free_bytes=free, total_bytes=total, override=ctx.warmup_override)
+                             free_bytes=free, total_bytes=total, override=ctx.policy.warmup)
     logger.info("manager %r: %s warm-up on %s: %s", ctx.name, decision.mode.value, device, decision.reason)
     warm = ctx.warm
     warm.decision = decision
     warm.loader.keep = decision.resident
-    forced_copies = ctx.warmup_override is not None and device.type != "cuda"
+    forced_copies = ctx.policy.warmup is not None and device.type != "cuda"
     if forced_copies:  # tests: the CPU "copies" the candidates too, as a GPU would, so the bookkeeping runs
         warm.loader.same_device_copies = {id(entries[n].tensor) for n in candidates}
     if decision.resident:

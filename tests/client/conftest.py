@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 
-from flextensor.manager import OffloadManager
+from flextensor.engine.policy import EnginePolicy, set_default_engine_policy
 
 
 @pytest.fixture
-def stream_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def stream_on_cpu() -> Iterator[None]:
     """Managers made in this test stream through the block loader on a CPU compute device, as on a GPU (by
     default a CPU computes from its host blocks in place), so the streaming path runs on hosts without CUDA."""
-    monkeypatch.setattr(OffloadManager, "_stream_on_cpu", True)
+    previous = set_default_engine_policy(EnginePolicy(stream_on_cpu=True))
+    yield
+    set_default_engine_policy(previous)

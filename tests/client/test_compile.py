@@ -145,7 +145,7 @@ def test_compiling_a_streamed_model_before_its_warmup_equals_eager(stream_on_cpu
     ref = eager_reference()
     model = net()
     manager = ft.get_offload_manager()
-    manager._warmup_override = "resident"  # the host blocks are built on a thread and installed at a pass start
+    manager.set_engine_policy(warmup="resident")  # the host blocks are built on a thread and installed at a pass start
     ft.offload(model, net_config())
     compiled = torch.compile(model)
     x = X.to(DEVICE)

@@ -94,7 +94,7 @@ def start_cuda() -> tuple[int, int]:
 def stream_on_cpu(warmup: str) -> None:
     """``--stream-on-cpu``: the next offload builds its host blocks on their thread, as after a ``warmup``
     (resident or stream) warm-up on a GPU (see the module docstring)."""
-    from flextensor.manager import OffloadManager
+    from flextensor.engine.policy import EnginePolicy
     from tests.helpers.fake_cudart import FakeCudart, inject_staging
 
     class _Patch:  # inject_staging's monkeypatch, for the life of this process
@@ -102,8 +102,7 @@ def stream_on_cpu(warmup: str) -> None:
         def setattr(target, name, value) -> None:
             setattr(target, name, value)
 
-    OffloadManager._stream_on_cpu = True
-    ft.get_offload_manager("model")._warmup_override = warmup
+    ft.get_offload_manager("model").set_engine_policy(EnginePolicy(warmup=warmup, stream_on_cpu=True))
     inject_staging(_Patch(), FakeCudart().staging(policy=lambda config, device: True))
 
 

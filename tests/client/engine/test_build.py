@@ -1,6 +1,6 @@
 """The INFERENCE host blocks built behind resident inference (``flextensor.deferred_build``).
 
-On a CPU host the resident warm-up is forced (``_warmup_override``), so the candidates are "copied" as a GPU
+On a CPU host the resident warm-up is forced (``set_engine_policy(warmup=...)``), so the candidates are "copied" as a GPU
 would copy them, and the deferral runs exactly as it does after a resident warm-up on a GPU.
 """
 
@@ -86,7 +86,7 @@ def provider_wrap(monkeypatch):
 
 def _offload_resident(model, **cfg):
     om = ft.get_offload_manager()
-    om._warmup_override = "resident"
+    om.set_engine_policy(warmup="resident")
     cfg.setdefault("include_patterns", ["class:DecoderBlock"])
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2, **cfg))
     return om
@@ -171,7 +171,7 @@ def test_the_build_unregisters_the_staging_region_by_region_with_a_pause_between
     ref = reference(model, ids)
     om = ft.get_offload_manager()
     inject_staging(monkeypatch, fake.staging(policy=lambda cfg, dev: True))
-    om._warmup_override = "resident"
+    om.set_engine_policy(warmup="resident")
     ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2))
     staged = {p for _, p, _ in fake.registers}
     assert len(staged) > 2
@@ -311,7 +311,7 @@ def _profiled_streaming(**cfg):
     ids = token_ids().to(DEVICE)
     ref = reference(model, ids)
     om = ft.get_offload_manager()
-    om._warmup_override = "stream"
+    om.set_engine_policy(warmup="stream")
     ft.offload(model, cpu_config(include_patterns=["class:DecoderBlock"], load_strategy=ALL, profiling_iters=2,
                                  **cfg))
     _warm_up(model, ids, ref, om)

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     for warmup, skip in (("resident", True), ("stream", False)):
         model = tiny_transformer()
         om = ft.get_offload_manager(warmup)
-        om._warmup_override = warmup  # resident: the overlapped preload; stream: the transfer sweep
+        om.set_engine_policy(warmup=warmup)  # resident: the overlapped preload; stream: the transfer sweep
         cfg = ft.OffloadConfig(include_patterns=["class:DecoderBlock"], gpu_device=1, pinned_memory=True,
                                load_strategy=ALL, profiling_iters=2, skip_discovery=skip)
         ft.offload(model, cfg, name=warmup)

@@ -460,7 +460,7 @@ def test_inference_calls_resident_traps_directly_and_streamed_ones_through_the_w
     ref = reference(model, x)
     om = ft.get_offload_manager()
     if resident_warmup:
-        om._warmup_override = "resident"  # the switch defers the build: traps are bypassed at the switch
+        om.set_engine_policy(warmup="resident")  # the switch defers the build: traps are bypassed at the switch
     ft.offload(model, cpu_config(load_strategy=ft.NthLayerStrategy(2)))
     with torch.no_grad():
         for _ in range(om.iters_before_inference):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flextensor as ft
-from flextensor.manager import OffloadManager, Phase
+from flextensor.manager import Phase
 from tests.helpers.models import (
     ALL,
     DEVICE,
@@ -108,7 +108,7 @@ def test_mlp_stack_exact_with_parameters_untouched(warmup):
     x = torch.randn(3, 16, device=DEVICE)
     ref = reference(mlp_stack(), x)
     om = ft.get_offload_manager()
-    om._warmup_override = warmup  # "resident"/"stream": the CPU copies the candidates as a GPU would
+    om.set_engine_policy(warmup=warmup)  # "resident"/"stream": the CPU copies the candidates as a GPU would
     ft.offload(model, fn_config(profiling_iters=2))
     seen = run_checked(model, x, ref, om)
     assert seen[:3] == [Phase.DISCOVERY, Phase.PROFILING, Phase.PROFILING]
@@ -132,7 +132,7 @@ def test_ops_inside_a_trap_read_the_slots_not_the_parameters():
     for probe in model:
         probe.seen.clear()
     om = ft.get_offload_manager()
-    om._warmup_override = "resident"  # warm-up copies are clones on the CPU: ops must read those too
+    om.set_engine_policy(warmup="resident")  # warm-up copies are clones on the CPU: ops must read those too
     ft.offload(model, fn_config(profiling_iters=1))
     run_checked(model, x, ref, om, extra=2)
     for probe, ptr in zip(model, own):
@@ -205,14 +205,14 @@ def test_llama_decoder_layers_exact():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compute device only")
-def test_cpu_in_place_computes_from_the_parameters(monkeypatch):
-    monkeypatch.setattr(OffloadManager, "_stream_on_cpu", False)  # Note [CPU in place]
+def test_cpu_in_place_computes_from_the_parameters():
     model = lock(mlp_stack())
     x = torch.randn(3, 16)
     with torch.no_grad():
         ref = model(x)
-    ft.offload(model, fn_config())
     om = ft.get_offload_manager()
+    om.set_engine_policy(stream_on_cpu=False)  # Note [CPU in place]
+    ft.offload(model, fn_config())
     run_checked(model, x, ref, om)
     assert om.loader is None and len(om.offloaded_tensors) == 4
 
@@ -325,7 +325,7 @@ def test_a_streamed_weight_used_outside_its_trap_is_refused_not_read_stale():
     model = nn.Sequential(first, Borrower(16, first)).eval()
     x = torch.randn(2, 16, device=DEVICE)
     om = ft.get_offload_manager()
-    om._warmup_override = "resident"  # PROFILING finds every warm-up copy on the device
+    om.set_engine_policy(warmup="resident")  # PROFILING finds every warm-up copy on the device
     ft.offload(model, fn_config(skip_discovery=True, profiling_iters=1))  # nobody learns that '1' reads '0.weight'
     with torch.no_grad():
         model(x)

@@ -246,7 +246,7 @@ def test_loader_out_of_memory_inside_a_trap_loads_the_whole_trap_streamed():
 # ---------------------------------------------------------------------------------------------------- engine (CPU)
 def _offload(model, cfg, mode: str | None, name: str = "default"):
     om = ft.get_offload_manager(name)
-    om._warmup_override = mode
+    om.set_engine_policy(warmup=mode)
     ft.offload(model, cfg, name=name)
     return om
 

@@ -28,10 +28,10 @@ def test_offload_and_inference_import_no_dynamo():
         import sys
         import torch
         import flextensor as ft
-        from flextensor.manager import OffloadManager
+        from flextensor.engine.policy import EnginePolicy, set_default_engine_policy
         from tests.helpers.models import ALL, DEVICE, cpu_config, tiny_transformer, token_ids
 
-        OffloadManager._stream_on_cpu = True  # the loader exists on the CPU too
+        set_default_engine_policy(EnginePolicy(stream_on_cpu=True))  # the loader exists on the CPU too
         model = tiny_transformer()
         ft.offload(model, cpu_config(include_patterns=["blocks.*"], load_strategy=ALL, profiling_iters=2))
         with torch.no_grad():

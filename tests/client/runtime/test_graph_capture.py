@@ -272,7 +272,7 @@ def test_cuda_graph_capture_refusals_name_the_fix():
     ft.release()
 
     manager = ft.get_offload_manager()
-    manager._warmup_override = "resident"  # INFERENCE starts resident while the host blocks are built
+    manager.set_engine_policy(warmup="resident")  # INFERENCE starts resident while the host blocks are built
     ft.offload(model, _graph_config())
     with torch.no_grad():
         for _ in range(manager.iters_before_inference + 1):

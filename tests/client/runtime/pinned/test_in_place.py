@@ -373,7 +373,7 @@ def test_engine_staging_lifecycle_with_recorded_cudart(warmup, monkeypatch):
     fake = FakeCudart()
     om = ft.get_offload_manager()
     inject_staging(monkeypatch, fake.staging(policy=lambda cfg, dev: True))
-    om._warmup_override = warmup
+    om.set_engine_policy(warmup=warmup)
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
     assert sorted(p for _, p, _ in fake.registers) == sorted(ptrs.values())
     assert om.engine.warm.loader.non_blocking
@@ -414,7 +414,7 @@ def _offload_staging_on_a_thread(monkeypatch, model: nn.Module, warmup: str, reg
     inject_staging(monkeypatch, PinnedStaging(register=register, unregister=fake.unregister,
                                               synchronize=fake.synchronize, is_pinned=lambda s: False,
                                               policy=lambda cfg, dev: True))
-    om._warmup_override = warmup
+    om.set_engine_policy(warmup=warmup)
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=2))
     return om
 
@@ -565,7 +565,7 @@ def test_a_plan_that_streams_nothing_unregisters_the_staging_off_the_callers_thr
     inject_staging(monkeypatch, PinnedStaging(register=fake.register, unregister=recorded_unregister,
                                 synchronize=fake.synchronize, is_pinned=lambda s: False,
                                 policy=lambda cfg, dev: True))
-    om._warmup_override = "resident"
+    om.set_engine_policy(warmup="resident")
     ft.offload(model, cpu_config(load_strategy=_KeepResident(), profiling_iters=2))
     with torch.no_grad():
         for _ in range(om.iters_before_inference):
@@ -594,7 +594,7 @@ def test_engine_staging_released_early_for_resident_tensors_and_at_release(warmu
     fake = FakeCudart()
     om = ft.get_offload_manager()
     inject_staging(monkeypatch, fake.staging(policy=lambda cfg, dev: True))
-    om._warmup_override = warmup
+    om.set_engine_policy(warmup=warmup)
     ft.offload(model, cpu_config(load_strategy=ALL, profiling_iters=3))
     registered = {p for _, p, _ in fake.registers}
     assert set(blocks_list.values()) <= registered
