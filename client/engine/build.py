@@ -26,9 +26,10 @@ makes a CPU stream through the loader as a GPU does, so tests on hosts without C
 The deferred build: why
 -----------------------
 At the end of PROFILING the plan is known, but the host blocks it streams from do not exist yet: they must be
-allocated (PyTorch's pinned allocator: ``cudaHostAlloc``, which allocates, zeroes and locks at well under
-1 GB/s on the H200 host; 3.9 s for a 4.5 GiB model the first time in a process) and filled. Doing that inside
-the last profiling pass made the profile phase 1.3-28x the cost of ordinary forwards. After a *resident*
+allocated (PyTorch's pinned allocator: ``cudaHostAlloc``, which allocates, zeroes and locks, far slower than a
+copy: seconds for a model of a few GiB the first time in a process) and filled. Doing that inside the last
+profiling pass made the profile phase cost a multiple of its ordinary forwards (``docs/benchmarks.md``,
+"Pinned host memory"). After a *resident*
 warm-up, though, every weight is already on the device: the model can run inference as it is, resident, while a
 thread builds the host blocks. So the switch to INFERENCE is immediate, and the engine starts streaming at the
 first pass boundary after the blocks are ready.
@@ -67,8 +68,8 @@ Sequence and threads
    region with a pause between (``UNREGISTER_PAUSE_S``; none once cancelled); finally ``provider.finish()``, which registers the filled blocks in place one at a time with the same
    pause between. On CUDA the thread first makes the manager's device current. Its pinned memory never comes
    from PyTorch's pinned allocator, whatever ``pinned_memory_mode``: each fresh arena there is one
-   ``cudaHostAlloc``, which holds up every launch of the process while it runs (0.8 s for 2 GiB on the H200
-   host), so the first inference passes stalled for it (``make_provider(..., register_in_place=True)``).
+   ``cudaHostAlloc``, which holds up every launch of the process while it runs, so the first inference passes
+   stalled for it (``make_provider(..., register_in_place=True)``).
 3. Main thread, at the start of the first pass after the build finished (``InferenceHandler.begin_pass``), or at any
    call that needs the INFERENCE layout (``export_state``, ``get_gpu_memory_usage``, ``offloaded_tensors``,
    ``loader``, ``save_profile``: they wait for the build): :func:`install_deferred` points every streamed tensor
@@ -113,8 +114,9 @@ logger = logging.getLogger("flextensor.manager")
 
 #: A synchronous build of at least this many block bytes registers plain memory in place, whatever
 #: ``pinned_memory_mode``: PyTorch's pinned allocator allocates each fresh arena with ``cudaHostAlloc``, which
-#: allocates, zeroes and locks at under 1 GB/s on the H200 host (0.8 s for 2 GiB), where filling fresh memory
-#: and registering it (``cudaHostRegister`` of populated pages, ~37 ms/GiB) costs a fraction of that. Smaller
+#: allocates, zeroes and locks far slower than a copy runs, where filling fresh memory and registering it
+#: (``cudaHostRegister`` of populated pages) costs a fraction of that (``docs/benchmarks.md``, "Pinned host
+#: memory"). Smaller
 #: builds keep the pinned allocator, whose cache serves a later build in the same process for free.
 IN_PLACE_MIN_BYTES = 1 << 30
 #: Host RAM left free when a build after a stream-mode warm-up is deferred: an arena in the making and the
@@ -340,8 +342,8 @@ def can_defer(ctx: EngineContext, layouts: Sequence[BlockLayout]) -> bool:
 
     After a resident warm-up: every streamed tensor holds a kept warm-up copy. Also with nothing to stream (no
     layouts): the build then has no block to make, but it still unregisters the staged originals on its thread,
-    and that is the slow part of such a switch (``cudaHostUnregister`` of every offloadable weight: 0.2-0.3 s
-    for 4.3 GB measured on the H200 host, inside the last PROFILING pass). After a stream-mode warm-up: every
+    and that is the slow part of such a switch (``cudaHostUnregister`` of every offloadable weight: tenths of a
+    second for a few GB, inside the last PROFILING pass). After a stream-mode warm-up: every
     streamed tensor is a real host tensor the warm loader copies per call, and the blocks fit beside them."""
     cfg = ctx.config
     loader = ctx.warm.loader

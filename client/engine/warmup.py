@@ -4,8 +4,9 @@ Why
 ---
 A warm-up pass must compute exactly what the plain model computes, so every trap needs its weights on the
 compute device while it runs. Streaming them in per trap call (the :class:`~flextensor.engine.hooks.WarmLoader`'s
-*stream* mode) makes every warm-up pass a full host-to-device sweep of the offloaded weights: on an H200 a
-4.49 GiB model paid 81 ms of copies per pass for 3.5 ms of compute. When the candidates fit on the device, it is
+*stream* mode) makes every warm-up pass a full host-to-device sweep of the offloaded weights, which at a small
+batch costs many times the pass's compute (``docs/benchmarks.md``, "Offload engine": the transfer-bound pass
+against the resident one). When the candidates fit on the device, it is
 much cheaper to copy each of them ONCE, keep the copies for the remaining warm-up passes (*resident* mode), and
 free them when INFERENCE is built; the profile phase then costs about one transfer sweep plus ordinary resident
 forwards, and per-trap timings contain no copies at all.
@@ -99,7 +100,8 @@ def stage(ctx: EngineContext, candidates: set[str], *, background: bool = False)
 
     ``background`` (``offload()``'s warm-up): from :data:`BACKGROUND_STAGING_BYTES` on, a thread registers them
     in trap order while ``offload()`` returns, and each warm-up copy waits for its own region (the loader's
-    ``gate``): the registration (~45 ms/GiB) overlaps the first pass instead of holding ``offload()``."""
+    ``gate``): the registration (seconds for a large model) overlaps the first pass instead of holding
+    ``offload()``."""
     staging = ctx.warm.staging
     if not candidates or not staging.wanted(ctx.config, ctx.device):
         return
@@ -120,7 +122,7 @@ def overlap_stream(ctx: EngineContext) -> Any:
     """The side stream the first PROFILING pass's warm-up copies will run on, made now, in ``offload()``.
 
     The first stream a process makes creates PyTorch's whole stream pool (tens of ``cudaStreamCreate``,
-    4.6 ms measured on an H200 host). Made at the first pass, that set-up held back the first copy of the
+    milliseconds). Made at the first pass, that set-up held back the first copy of the
     sweep by as long; here it is part of setting the model up, where the host registration already is.
     None when there will be no overlapped preload (no resident copies pending, CPU, pageable sources).
     """
