@@ -5,6 +5,8 @@
   package). A helper two modules need is public in the module that owns its idea, or lives next to its caller.
 - Docstrings and comments give the timeless reason; dated measurements, machine names and rates measured on a
   machine belong in ``docs/benchmarks.md``, with the date and the machine.
+- The layers of ``docs/design.md``: ``flextensor.shm`` imports nothing of the client or the daemon, and the
+  daemon imports ``flextensor.shm`` and itself only.
 
 The scan reads the source of every module under ``client/``, ``shm/`` and ``daemon/`` (the three source folders of
 ``flextensor``); nothing is imported.
@@ -128,6 +130,35 @@ def figures(path: str) -> list[str]:
     return found
 
 
+#: What each source folder may import of the package, by module name prefix.
+LAYERS = {"shm": ("flextensor.shm",), "daemon": ("flextensor.shm", "flextensor.daemon")}
+
+
+def imports_across_layers(modules: dict[str, ast.Module] = MODULES) -> list[str]:
+    """Imports of a package module that the importing module's layer may not use, as 'path:line: module'."""
+    found = []
+    for path, tree in modules.items():
+        allowed = LAYERS.get(path.split("/")[0])
+        if allowed is None:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if (name == "flextensor" or name.startswith("flextensor.")) and not any(
+                        name == prefix or name.startswith(prefix + ".") for prefix in allowed):
+                    found.append(f"{path}:{node.lineno}: {name}")
+    return found
+
+
+def test_shm_and_the_daemon_import_only_their_layers() -> None:
+    assert imports_across_layers() == []
+
+
 def test_no_module_imports_another_modules_private_name() -> None:
     assert private_imports() == []
 
@@ -160,3 +191,7 @@ def test_the_scan_finds_what_it_looks_for() -> None:
         True, False, True]
     assert _defined_private_names(ast.parse("class _A:\n    _b = 1\n    def _c(self):\n        self._d = 2")) == {
         "_A", "_b", "_c", "_d"}
+    layered = {"shm/a.py": ast.parse("from flextensor.shm.b import c\nfrom . import d\nimport flextensor.runtime.heap"),
+               "daemon/e.py": ast.parse("from flextensor.daemon.f import g\nfrom flextensor import offload"),
+               "client/h.py": ast.parse("from flextensor.daemon import i")}
+    assert imports_across_layers(layered) == ["shm/a.py:3: flextensor.runtime.heap", "daemon/e.py:2: flextensor"]
