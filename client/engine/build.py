@@ -28,7 +28,7 @@ The deferred build: why
 At the end of PROFILING the plan is known, but the host blocks it streams from do not exist yet: they must be
 allocated (PyTorch's pinned allocator: ``cudaHostAlloc``, which allocates, zeroes and locks, far slower than a
 copy: seconds for a model of a few GiB the first time in a process) and filled. Doing that inside the last
-profiling pass made the profile phase cost a multiple of its ordinary forwards (``docs/benchmarks.md``,
+profiling pass made the profile phase cost up to many times its ordinary forwards (``docs/benchmarks.md``,
 "Pinned host memory"). After a *resident*
 warm-up, though, every weight is already on the device: the model can run inference as it is, resident, while a
 thread builds the host blocks. So the switch to INFERENCE is immediate, and the engine starts streaming at the

@@ -16,12 +16,12 @@ flight (one per registering thread) finish before :meth:`take` returns. Launchin
 millisecond per trap, so registration loses little, and what is launched runs on the GPU while the next regions
 are registered. Of the variants tried (``bench/experiment_profile_phase.py``; ``docs/benchmarks.md``, "The
 profile phase alone"), holding the turn until the compute is launched, with four registering threads, gave the
-shortest first pass; handing it back once a trap's copies were queued, or two registering threads, gave back
-most of the gain.
+shortest first pass; handing it back once a trap's copies were queued gave back most of the gain, and two
+registering threads a little of it.
 
 Every take drains the calls in flight: the registering threads that finish meanwhile start nothing, so each
 take costs the registration about half a call on every thread (a call pins one storage). A timeline of that
-pass showed the cost: with the turn given back at every trap's exit, the turn was taken at nearly every trap and
+pass showed the cost: with the turn given back at every trap's exit, the turn was taken hundreds of times and
 registration ran with fewer calls in flight than threads for a quarter of its time. So the
 turn is kept across traps: at a trap's exit it goes back only once it was held for :data:`LAUNCH_SLICE_S`
 (:meth:`give_between_traps`); a copy that must wait for its region gives it back first, as before, and so does
