@@ -53,7 +53,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import proc_status, report, reset_peak_rss, table  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR, docs_body, proc_status, report, reset_peak_rss, table, write_docs_section,
+)
 from host_memory_group import GroupParams, memory_mode_config, run_group  # noqa: E402
 from mlp_stack import BLOCK_BYTES, build, close_to, inputs, layers_for, reference  # noqa: E402
 
@@ -135,14 +137,14 @@ def _spawn(*argv: str, timeout: float) -> dict:
 
 
 GROUP_HEADERS = ["model", "ready: creator / slowest", "creator growth / model", "sum of PSS / model: ready, served",
-                 "outputs equal", "slowest pass, batch 1 / 4096", "shut-down", "left in /dev/shm"]
+                 "served PSS growth / model", "outputs equal", "slowest pass, batch 1 / 4096", "shut-down", "left in /dev/shm"]
 
 
 def group_row(result: dict) -> list[str]:
     """One row of the group table from :func:`host_memory_group.run_group`'s measures."""
     size = f"{result['size_gib']} GiB"
     if "error" in result:
-        return [size, "error: " + result["error"][:120], "", "", "", "", "", ""]
+        return [size, "error: " + result["error"][:120], "", "", "", "", "", "", ""]
     model = result["model_bytes"]
     ready = result["ready"]
     creator = next(r for r in ready if r["role"] == "creator")
@@ -155,14 +157,48 @@ def group_row(result: dict) -> list[str]:
     return [size, f"{creator['ready_s']:.1f} / {max(r['ready_s'] for r in ready):.1f} s",
             f"{(creator['peak'] - creator['before']) / model:.3f}x",
             f"{result['pss_ready'] / model:.3f}x, {result['pss_served'] / model:.3f}x",
+            f"{(result['pss_served'] - sum(r['before'] for r in ready)) / model:.3f}x",
             "yes" if all(s["equal"] for s in result["served"]) else "NO",
             " / ".join(f"{v * 1e3:.0f} ms" for v in slowest.values()), shutdown,
             str(len(result["leftovers"]))]
 
 
+def path_row(result: dict, rate: float) -> list[str]:
+    """One row of the per-path table from a worker's measures."""
+    size, path = f"{result['size_gib']} GiB", result["path"]
+    if "error" in result:
+        return [size, PATHS[path], "error", "", "", "", "", ""]
+    growth = result["peak"] - result["before"]
+    base = result["streamed_bytes"] if path == "gpu" and result["streamed_bytes"] else result["model_bytes"]
+    stream_gbs = result["streamed_bytes"] / result["pass_s"] / 1e9 if result["streamed_bytes"] else 0.0
+    return [size, PATHS[path], f"{result['before'] / 2**30:.2f} -> {result['peak'] / 2**30:.2f} GiB",
+            f"{result['peak'] / max(result['before'], 1):.3f}x", f"{growth / max(base, 1):.3f}x",
+            f"{result['ready_s']:.1f} s", f"{stream_gbs:.1f} GB/s ({stream_gbs / rate:.2f}x)" if stream_gbs else "-",
+            "yes" if result["equal"] else "NO"]
+
+
+def sections_for(data: dict) -> list[tuple[str, str]]:
+    """The report's tables from the raw measures (one run's, or several runs' merged by ``--docs-from``)."""
+    headers = ["model", "path", "RSS before -> peak", "peak / before", "growth / model", "to streaming",
+               "streamed pass", "output equal"]
+    rows = [path_row(r, r.get("pinned_h2d_gbs", data["pinned_h2d_gbs"])) for r in data["runs"]]
+    rates = sorted({f"{r.get('pinned_h2d_gbs', data['pinned_h2d_gbs']):.1f}" for r in data["runs"]})
+    sections = [("Host RAM per path (defaults: pinned_memory_mode='torch')",
+                 f"Pinned host-to-device rate on this host, measured in the same run: {' / '.join(rates)} GB/s."
+                 "\n\n" + table(headers, rows))]
+    if data["groups"]:
+        workers = sorted({g["workers"] for g in data["groups"] if "workers" in g}) or ["?"]
+        sections.append((f"A sharing group of {'/'.join(map(str, workers))} workers (SharedOffloadSession, memory "
+                         "mode, the profile above), all started, serving and shutting down at once",
+                         table(GROUP_HEADERS, [group_row(g) for g in data["groups"]])))
+    return sections
+
+
 def run(args: argparse.Namespace) -> None:
     rate = _spawn("--h2d", timeout=120).get("rate", float("nan"))
-    rows, group_rows, data = [], [], {"pinned_h2d_gbs": rate, "runs": [], "groups": []}
+    data: dict = {"pinned_h2d_gbs": rate, "runs": [], "groups": []}
+    partial = RESULTS_DIR / "bench_host_memory.partial.json"
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="ft-hostmem-"))
     for size in args.sizes:
         layers = layers_for(size)
@@ -175,21 +211,10 @@ def run(args: argparse.Namespace) -> None:
                 extra = ["--profile", str(profile)]
             result = _spawn("--worker", "--path", path, "--layers", str(layers), "--batch", str(args.batch), *extra,
                             timeout=args.timeout)
-            result.setdefault("path", path)
-            result["size_gib"] = size
+            result.update(path=path, size_gib=size, pinned_h2d_gbs=rate)
             data["runs"].append(result)
+            partial.write_text(json.dumps(data, indent=2))
             print(json.dumps(result)[:600], flush=True)
-            if "error" in result:
-                rows.append([f"{size} GiB", PATHS[path], "error", "", "", "", "", ""])
-                continue
-            growth = result["peak"] - result["before"]
-            base = result["streamed_bytes"] if path == "gpu" and result["streamed_bytes"] else result["model_bytes"]
-            stream_gbs = result["streamed_bytes"] / result["pass_s"] / 1e9 if result["streamed_bytes"] else 0.0
-            rows.append([f"{size} GiB", PATHS[path], f"{result['before'] / 2**30:.2f} -> {result['peak'] / 2**30:.2f} GiB",
-                         f"{result['peak'] / max(result['before'], 1):.3f}x", f"{growth / max(base, 1):.3f}x",
-                         f"{result['ready_s']:.1f} s",
-                         f"{stream_gbs:.1f} GB/s ({stream_gbs / rate:.2f}x)" if stream_gbs else "-",
-                         "yes" if result["equal"] else "NO"])
         if args.workers and profile.exists():
             for kill in ([False, True] if args.kill else [False]):
                 params = GroupParams(layers=layers, profile=str(profile), batch=args.batch,
@@ -201,16 +226,22 @@ def run(args: argparse.Namespace) -> None:
                     result = {"error": f"{type(exc).__name__}: {exc}", "kill": kill}
                 result.update(size_gib=size, model_bytes=layers * BLOCK_BYTES)
                 data["groups"].append(result)
+                partial.write_text(json.dumps(data, indent=2))
                 print(json.dumps(result)[:1500], flush=True)
-                group_rows.append(group_row(result))
-    headers = ["model", "path", "RSS before -> peak", "peak / before", "growth / model", "to streaming",
-               "streamed pass", "output equal"]
-    sections = [("Host RAM per path (defaults: pinned_memory_mode='torch')",
-                 f"Pinned host-to-device rate on this host: {rate:.1f} GB/s.\n\n" + table(headers, rows))]
-    if group_rows:
-        sections.append((f"A sharing group of {args.workers} workers (SharedOffloadSession, memory mode, the profile "
-                         "above), all started, serving and shutting down at once", table(GROUP_HEADERS, group_rows)))
-    report("bench_host_memory", "Host RAM per offload path", sections, data, docs=not args.no_docs)
+    report("bench_host_memory", "Host RAM per offload path", sections_for(data), data, docs=not args.no_docs)
+
+
+def docs_from(paths: list[str]) -> None:
+    """Merge saved results (each run's ``bench_host_memory.json`` or ``.partial.json``, e.g. one size per device
+    run) into one report, in the order given, and write it into docs/benchmarks.md."""
+    merged: dict = {"pinned_h2d_gbs": float("nan"), "runs": [], "groups": []}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for r in data["runs"]:
+            r.setdefault("pinned_h2d_gbs", data["pinned_h2d_gbs"])
+        merged["runs"] += data["runs"]
+        merged["groups"] += data["groups"]
+    print(f"wrote {write_docs_section('bench_host_memory', docs_body(sections_for(merged)))}")
 
 
 def main() -> None:
@@ -223,6 +254,7 @@ def main() -> None:
     p.add_argument("--serve-passes", type=int, default=8, help="passes each group worker serves before shut-down")
     p.add_argument("--kill", action="store_true", help="also a group SIGKILLed with ftd running")
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--docs-from", nargs="+", metavar="JSON", help="write saved results into docs/benchmarks.md")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--h2d", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", choices=list(PATHS), help=argparse.SUPPRESS)
@@ -232,6 +264,8 @@ def main() -> None:
     args = p.parse_args()
     if args.h2d:
         print(json.dumps({"rate": pinned_h2d_rate()}))
+    elif args.docs_from:
+        docs_from(args.docs_from)
     elif args.worker:
         print(json.dumps(worker(args)), flush=True)
     else:

@@ -251,26 +251,36 @@ class JsonLineWorker:
             self.proc.kill()
         self.proc.wait()
 
-    def exit_s(self, timeout: float) -> float:
-        """Seconds until the process exited (it was told to close); killed after ``timeout``."""
-        begin = time.monotonic()
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise RuntimeError(f"{self.mode} worker {self.proc.pid} did not exit within {timeout:.0f} s of close()")
+    def exited(self) -> bool:
+        """True once the process has exited; a non-zero exit is a RuntimeError."""
+        if self.proc.poll() is None:
+            return False
         if self.proc.returncode != 0:
             raise RuntimeError(f"{self.mode} worker {self.proc.pid} exited with {self.proc.returncode}")
-        return time.monotonic() - begin
+        return True
 
 
 def close_together(workers: Sequence[JsonLineWorker], timeout: float) -> list[tuple[float, float]]:
     """Tell every worker to "close" at once; per worker, (its ``close_s`` report, seconds from that report to the
-    process's exit)."""
+    process's exit). The exits are watched together (every 2 ms), so one slow exit does not delay the others'
+    readings; a worker still alive ``timeout`` s after its report is killed and reported as a RuntimeError."""
     for w in workers:
         w.send("close")
-    closes = [w.read(timeout)["close_s"] for w in workers]
-    return [(c, w.exit_s(timeout)) for c, w in zip(closes, workers)]
+    closes, replied = [], []
+    for w in workers:
+        closes.append(w.read(timeout)["close_s"])
+        replied.append(time.monotonic())
+    exits: list[float | None] = [None] * len(workers)
+    while any(e is None for e in exits):
+        now = time.monotonic()
+        for i, w in enumerate(workers):
+            if exits[i] is None and w.exited():
+                exits[i] = now - replied[i]
+            elif exits[i] is None and now - replied[i] > timeout:
+                w.kill()
+                raise RuntimeError(f"{w.mode} worker {w.proc.pid} did not exit within {timeout:.0f} s of close()")
+        time.sleep(0.002)
+    return [(c, float(e)) for c, e in zip(closes, exits)]
 
 
 def loaded_then_wait() -> None:
