@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -18,23 +16,15 @@ from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.header import State
 from flextensor.shm.names import manager_namespace
 from flextensor.shm.segment import SHM_DIR, SharedSegment
+from tests.helpers.other_user import run_as_user
 from tests.leftovers import shm_names
 
 SQUATTER, VICTIM = 65534, 65533
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
 def ns(namespace: str) -> str:
     return manager_namespace(namespace, "squat")
-
-
-def _as_user(uid: int, code: str, tmpdir: str) -> subprocess.CompletedProcess[str]:
-    # Prepended: the package may come from a site directory on PYTHONPATH (scripts/gpu-suite.sh), not the checkout.
-    env = {**os.environ, "TMPDIR": tmpdir,
-           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c",
-                           code], capture_output=True, text=True, env=env, timeout=60, cwd="/")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="playing two other users needs root")
@@ -43,11 +33,11 @@ def test_name_squatted_by_another_user_names_the_file_owner_and_remedy(ns, tmp_p
     victim_tmp = Path(tempfile.mkdtemp(prefix="ft-victim-", dir="/tmp"))  # reachable by the victim uid
     os.chown(victim_tmp, VICTIM, VICTIM)
     name = f"/{ns}.c" if what == "coordinator" else f"/{ns}.g1.sd"
-    squat = _as_user(SQUATTER, f"from flextensor.shm.segment import SharedSegment; "
-                               f"SharedSegment.create({name!r}, 4096).close()", "/tmp")
+    squat = run_as_user(SQUATTER, f"from flextensor.shm.segment import SharedSegment\n"
+                                  f"SharedSegment.create({name!r}, 4096).close()\n", tmpdir="/tmp")
     assert squat.returncode == 0, squat.stderr
     try:
-        run = _as_user(VICTIM, f"""
+        run = run_as_user(VICTIM, f"""
 from flextensor.shm.coordinator import ShmCoordinator
 try:
     with ShmCoordinator({ns!r}, lease_seconds=5, timeout=2) as c:
@@ -56,7 +46,7 @@ except OSError as exc:
     print(type(exc).__name__, exc)
 else:
     print("no error")
-""", str(victim_tmp))
+""", tmpdir=str(victim_tmp))
         out = run.stdout.strip()
         expected = "PermissionError" if what == "coordinator" else "FileExistsError"
         assert out.startswith(expected), (out, run.stderr)

@@ -1,0 +1,44 @@
+"""Running test code as another user, from a checkout that user may not be able to read.
+
+A clone in a private folder (``mktemp -d`` and home directories are 0700), and the venv inside it, are out of
+reach of any other uid: an interpreter started as uid 65534 there cannot even import flextensor. So the child
+starts as this (root) test's user, imports every module of ``flextensor.shm`` (plus the ones the caller names)
+while everything is readable, then drops to the uid (groups cleared, gid, then uid) and only then runs the
+caller's code, which must import nothing new but standard modules already loaded (``json``, ``os``, ``sys``...).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterable
+
+__all__ = ["run_as_user"]
+
+_PRELUDE = """\
+import importlib, json, os, pkgutil, sys, time, traceback
+import encodings.ascii, encodings.idna
+import flextensor.shm
+for _info in pkgutil.iter_modules(flextensor.shm.__path__, "flextensor.shm."):
+    importlib.import_module(_info.name)
+for _name in {extra!r}:
+    importlib.import_module(_name)
+from flextensor.shm.identity import boot_id, pid_namespace
+boot_id(), pid_namespace()  # cached now: /proc is readable later too, but keep the child's reads few
+os.setgroups([])
+os.setgid({uid})
+os.setuid({uid})
+assert os.getuid() == os.geteuid() == {uid} and os.getgid() == {uid}
+"""
+
+
+def run_as_user(uid: int, code: str, *, tmpdir: str, timeout: float = 60.0,
+                extra_modules: Iterable[str] = ()) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (dedented) in a fresh interpreter as uid/gid ``uid`` with ``TMPDIR=tmpdir``; see the module
+    docstring. Needs root. Returns the finished process (stdout and stderr as text)."""
+    script = _PRELUDE.format(uid=int(uid), extra=tuple(extra_modules)) + textwrap.dedent(code)
+    env = {**os.environ, "TMPDIR": tmpdir}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd="/")
