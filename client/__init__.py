@@ -69,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees for ``ft.X`` (r
         TrapTimingStats as TrapTimingStats,
     )
     from flextensor.sharing.session import SharedOffloadSession as SharedOffloadSession
+    from flextensor.shm.dead_sweep import cleanup_dead_namespaces as cleanup_dead_namespaces
     from flextensor.shm.errors import (
         ShmCreatorDiedError as ShmCreatorDiedError,
         ShmCreatorFailedError as ShmCreatorFailedError,
@@ -128,13 +129,15 @@ _LAZY: dict[str, str] = {
     "SharedOffloadSession": "flextensor.sharing.session",
     "ShmCreatorFailedError": "flextensor.shm.errors",
     "ShmCreatorDiedError": "flextensor.shm.errors",
+    "cleanup_dead_namespaces": "flextensor.shm.dead_sweep",
 }
 
 __all__ = [  # every name of _LAZY, and the version (tests/client/test_api_surface.py checks they agree)
     "AdaptiveStrategy", "BudgetFillStrategy", "DEFAULT_MANAGER_NAME", "GPUMemoryUsage", "GreedyStrategy",
     "KnapsackStrategy", "NthLayerStrategy", "OffloadConfig", "OffloadManager", "OffloadTimingReport",
     "OffloadTimingSnapshot", "Phase", "SharedOffloadSession", "ShmCreatorDiedError", "ShmCreatorFailedError",
-    "StrategyReplanStatus", "TrapTimingRecord", "TrapTimingStats", "__version__", "clear_profiling_durations",
+    "StrategyReplanStatus", "TrapTimingRecord", "TrapTimingStats", "__version__", "cleanup_dead_namespaces",
+    "clear_profiling_durations",
     "collect_offload_timing", "format_offload_timing_table", "get_gpu_memory_usage", "get_offload_manager", "init",
     "init_empty_weights", "load_config", "load_config_from_env", "load_config_from_file", "load_model_from_profile",
     "load_profile", "offload", "offload_block", "offload_from_profile", "offload_from_state", "offload_units",

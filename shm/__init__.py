@@ -10,6 +10,7 @@ Layout of the package (each module documents its binary format or protocol besid
 - ``journal``      the ownership journal: every resource recorded before it is created
 - ``coordinator``  election, readiness, failure propagation; ``owner`` resources scoped to a generation
 - ``cleanup``      offline reclaim from journal + leases (used by sessions' ``cleanup_namespace`` and ``ftd``)
+- ``dead_sweep``   every dead namespace of a lock directory, found without names (before a join, ``--dead``)
 - ``manifest`` / ``tensor_store``  published parameters and buffers; ``blocks`` the engine's shared host blocks
 - ``ftd_protocol`` / ``ftd_client``  the daemon's wire messages and the best-effort worker-side client
 
@@ -39,6 +40,8 @@ _LAZY: dict[str, str] = {
     "ShmOwner": "owner",
     "cleanup_manager_namespace": "cleanup",
     "CleanupReport": "cleanup",
+    "cleanup_dead_namespaces": "dead_sweep",
+    "sweep_dead_namespaces": "dead_sweep",
     "SharedTensorStore": "tensor_store",
     "StoreManifest": "manifest",
     "TensorRecord": "manifest",
@@ -49,6 +52,7 @@ _LAZY: dict[str, str] = {
     "ShmProtocolError": "errors",
     "ShmSpaceError": "errors",
     "HostMemoryError": "errors",
+    "ShmNamespaceHeldError": "errors",
 }
 
 __all__ = sorted(_LAZY)

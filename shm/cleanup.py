@@ -9,6 +9,10 @@ Three callers share this code so there is exactly one definition of "what a gene
   reader counts a participant as gone when its pid namespace is ours and its process no longer exists (pids
   of another pid namespace are never probed: those participants count until their lease runs out).
 
+Holds: a live DURABLE lease slot is an ``ftd hold`` (``leases.py``), which keeps a generation's weights warm until
+``ftd release``.  Cleanup refuses such a namespace at once with ``ShmNamespaceHeldError`` naming the hold and the
+release command, instead of waiting for a lease that is refreshed for as long as the hold lasts.
+
 Everything happens under the coordinator lock (``{lock_dir}/{ns}.lock``), and everything is *validated
 before anything is deleted*: an unknown protocol or malformed journal/header raises ``ShmProtocolError``
 with nothing removed. Removal order is intents (segments, semaphores, lock files), then ``/{ns}.c``, then the
@@ -52,10 +56,10 @@ import msgspec
 import posix_ipc
 
 from flextensor.shm.checks import check_seconds
-from flextensor.shm.errors import ShmProtocolError
+from flextensor.shm.errors import ShmNamespaceHeldError, ShmProtocolError
 from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordinator_segment
-from flextensor.shm.journal import Intent, Journal, read_journal
-from flextensor.shm.leases import LeaseTable
+from flextensor.shm.journal import Intent, Journal, JournalHeader, read_journal
+from flextensor.shm.leases import LeaseSlot, LeaseTable
 from flextensor.shm.locks import FileLock
 from flextensor.shm.orphans import derived_resources
 from flextensor.shm.names import (
@@ -67,7 +71,8 @@ from flextensor.shm.names import (
 )
 from flextensor.shm.segment import SharedSegment
 
-__all__ = ["CleanupReport", "NamespaceState", "cleanup_manager_namespace", "inspect_namespace_locked"]
+__all__ = ["CleanupReport", "NamespaceState", "check_not_held", "cleanup_manager_namespace", "held_error",
+           "inspect_namespace_locked"]
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +263,43 @@ def remove_generation_locked(state: NamespaceState) -> None:
         _record(state, str(jpath), False)
 
 
+def held_error(namespace: str, generation: int | None, labels: JournalHeader | None,
+               held: list[LeaseSlot]) -> ShmNamespaceHeldError:
+    """The refusal for a namespace with a live ``ftd hold`` (a DURABLE lease slot, ``leases.py``): it names the
+    hold and the command that ends it, never the daemon as if it were a worker still running. ``labels``: the
+    journal's header, for the base namespace and manager name an operator types."""
+    if labels is not None and labels.base is not None:
+        release = f"`ftd release {labels.base} --manager {labels.manager}`"
+    else:
+        release = f"`ftd release {namespace}`"
+    pids = tuple(s.identity.pid for s in held if s.identity is not None)
+    return ShmNamespaceHeldError(
+        f"namespace {namespace!r} generation {generation} is held by ftd (`ftd hold`, daemon pid "
+        f"{', '.join(map(str, pids)) or '?'}): its weights are kept warm on purpose, so cleanup removed nothing. A "
+        f"restarted job attaches to them without any cleanup; to free them, end the hold with {release} (the "
+        "generation is reclaimed then if no worker is left)",
+        namespace=namespace, holder_pids=pids)
+
+
+def check_not_held(namespace: str, lock_dir: str | os.PathLike[str] | None = None) -> None:
+    """``ShmNamespaceHeldError`` when a live ``ftd hold`` keeps ``namespace`` now: a lock-free look at its lease
+    table, for callers that would otherwise wait for leases or queue a request behind the hold.  Anything that
+    cannot be read (no coordinator, another user's, corrupt) passes: the cleanup decides under the lock."""
+    try:
+        table = LeaseTable.open(validate_namespace(namespace))
+    except (OSError, ShmProtocolError):
+        return
+    with table:
+        held = [s for s in table.live_slots() if s.durable]
+        generation = table.header.generation if table.header is not None else None
+    if held:
+        try:
+            labels = read_journal(namespace, lock_dir=resolve_lock_directory(lock_dir)).header
+        except (OSError, ShmProtocolError):
+            labels = None
+        raise held_error(namespace, generation, labels, held)
+
+
 def remove_lock_file_locked(state: NamespaceState, lock: FileLock) -> None:
     """Last step: unlink the coordinator lock file while holding it (waiters retry on a fresh file)."""
     _record(state, str(lock.path), lock.unlink_if_held())
@@ -280,7 +322,8 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
 
     Raises ``FileNotFoundError`` when a ``lock_dir`` given does not exist, ``TimeoutError`` (naming how many
     participants are live and their pids) when leases stay live or
-    the coordinator lock stays taken; ``ShmProtocolError`` with nothing removed when the journal or header is
+    the coordinator lock stays taken; ``ShmNamespaceHeldError`` (a ``TimeoutError``) at once, without waiting,
+    when an ``ftd hold`` keeps the generation; ``ShmProtocolError`` with nothing removed when the journal or header is
     of an unknown protocol or malformed; ``ValueError`` for a bad namespace or timeout.
     """
     validate_namespace(namespace)
@@ -303,6 +346,10 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
                 state = inspect_namespace_locked(namespace, directory)
                 try:
                     live = state.live_slots()
+                    held = [s for s in live if s.durable]
+                    if held:
+                        raise held_error(namespace, state.generation,
+                                         state.journal.header if state.journal is not None else None, held)
                     if not live:
                         generation = state.generation
                         was_empty = state.empty

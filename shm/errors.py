@@ -1,9 +1,10 @@
 """Exceptions of :mod:`flextensor.shm`.
 
 The public API names two of them (``ShmCreatorFailedError`` and ``ShmCreatorDiedError``); the others exist so that
-callers can tell "the shared state is corrupt / of another protocol" and "/dev/shm is full" apart from the
-builtin errors without parsing messages.  Each one subclasses the builtin a caller would naturally catch
-(``RuntimeError``, ``ValueError``, ``OSError``), so ``except OSError`` still sees a full ``/dev/shm``.
+callers can tell "the shared state is corrupt / of another protocol", "/dev/shm is full" and "an ``ftd hold``
+keeps this namespace" apart from the builtin errors without parsing messages.  Each one subclasses the builtin a
+caller would naturally catch (``RuntimeError``, ``ValueError``, ``OSError``, ``TimeoutError``), so ``except
+OSError`` still sees a full ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "ShmProtocolError",
     "ShmSpaceError",
     "HostMemoryError",
+    "ShmNamespaceHeldError",
 ]
 
 
@@ -41,6 +43,30 @@ class ShmCreatorFailedError(ShmError):
 
 class ShmCreatorDiedError(ShmError):
     """The creator's lease expired while the namespace was still INITIALIZING (it crashed or was killed)."""
+
+
+class ShmNamespaceHeldError(TimeoutError):
+    """Cleanup found a live ``ftd hold`` in the namespace: its weights are kept warm on purpose, so nothing is
+    removed, at once (waiting cannot help: a hold lasts until ``ftd release``).
+
+    A ``TimeoutError``, like the "participants still hold live leases" refusal, so every caller that already
+    treats a namespace in use as "not now" keeps doing so; a supervisor catches this class to restart its workers
+    instead, which then attach to the held weights. ``namespace`` is the per-manager namespace, ``holder_pids``
+    the pids recorded in the held slots (the daemon that holds it, or the one it took the hold over from).
+    """
+
+    def __init__(self, message: str, *, namespace: str, holder_pids: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.namespace = namespace
+        self.holder_pids = tuple(holder_pids)
+
+    def __reduce__(self):  # OSError's default reduce would drop the keyword fields
+        return (_rebuild_held_error, (type(self), str(self), self.namespace, self.holder_pids))
+
+
+def _rebuild_held_error(cls: type[ShmNamespaceHeldError], message: str, namespace: str,
+                        holder_pids: tuple[int, ...]) -> ShmNamespaceHeldError:
+    return cls(message, namespace=namespace, holder_pids=holder_pids)
 
 
 class ShmProtocolError(ValueError):

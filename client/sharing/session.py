@@ -36,6 +36,10 @@ follower
     registration, the plan) while the factory runs; if the lock stays busy, or the join elected this process
     creator after all, the session goes on along the paths above (the model built is used, or dropped).
 
+Before each join the session reclaims the dead namespaces of its user's lock directory (every participant gone,
+nobody restarted them: ``flextensor.shm.dead_sweep.sweep_before_join``, bounded in time, logged), so the next job
+to start on a host without ``ftd`` frees what crashed jobs left.
+
 The session copies the caller's config and sets its SHM fields; strategy replanning is off because published
 blocks are fixed. A session is used from the thread that created it and reserves its manager names (process
 wide) until its ``close()`` succeeds; a failed close keeps what it still holds so ``close()`` can be retried.
@@ -72,6 +76,7 @@ from flextensor.shm.blocks import SharedBlockAllocator
 from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator, peek_ready
+from flextensor.shm.dead_sweep import sweep_before_join
 from flextensor.shm.header import State
 from flextensor.shm.names import manager_namespace, validate_base_namespace, validate_manager_name
 from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
@@ -170,6 +175,7 @@ class SharedOffloadSession:
         built: nn.Module | None = None  # a follower's model, built while its thread joined (see _join_while_building)
         built_s = 0.0
         prefetch: FollowerPrefetch | None = None
+        sweep_before_join(ns)  # what crashed jobs of this user left on the host (flextensor.shm.dead_sweep)
         try:
             if peek_ready(ns):
                 share, built, prefetch, built_s = self._join_while_building(name, ns, cfg, deadline,
