@@ -7,15 +7,26 @@ Commands (each takes ``--socket PATH`` and ``--json``)::
     ftd status                       daemon up?  version, uptime, counts       (exit 1 when no daemon answers)
     ftd ls                           one row per generation
     ftd cleanup NS [--manager NAME ...] [--timeout S] [--local] [--lock-dir DIR] [--force]
+    ftd cleanup --dead [--lock-dir DIR]
     ftd drain   NS [--manager NAME ...] [--undo]
     ftd hold    NS [--manager NAME]
     ftd release NS [--manager NAME]
 
 ``NS`` is the *base* namespace given to the session (``--manager`` defaults to ``default``, the library's
 default manager), or a per-manager namespace ``flextensor.shm.names.manager_namespace(NS, NAME)`` as ``ftd ls``
-shows it in its ID column (then without ``--manager``).  ``cleanup`` exits 1 when the name matches nothing.  ``cleanup`` goes through the daemon when one answers
-(it then also updates its view and metrics) and runs locally otherwise (or with ``--local``): it needs the
-workers' ``TMPDIR`` (lock directory) either way.  ``hold``/``release``/``drain``/``status``/``ls`` need the daemon.
+shows it in its ID column (then without ``--manager``).  ``cleanup`` exits 1 when the name matches nothing.
+``cleanup`` goes through the daemon when one answers (it then also updates its view and metrics) and runs locally
+otherwise (or with ``--local``): it needs the workers' ``TMPDIR`` (lock directory) either way.
+``hold``/``release``/``drain``/``status``/``ls`` need the daemon.  A namespace kept by ``ftd hold`` is refused at
+once by ``cleanup`` (the message names the hold and ``ftd release``), whatever ``--timeout`` says.
+
+``cleanup --dead`` takes no name: it reclaims every namespace of the calling user, journaled in the lock directory,
+whose participants are all gone (``flextensor.shm.dead_sweep``), always locally (no daemon needed: it is what a
+systemd timer or a Kubernetes CronJob runs on hosts without ``ftd``, ``deploy/``).  Live, held and other users'
+namespaces are never touched; it exits 1 when it could not sweep the lock directory completely (unreadable, not
+this user's, corrupt metadata), 0 otherwise, even with nothing to do.  A dead namespace of this user journaled in
+another lock directory (its workers had another ``TMPDIR``) is named on stderr, with the ``--lock-dir`` to use.
+``--json`` prints ``{"lock_dir", "reclaimed": [...], "skipped": [...], "elapsed_s"}``.
 
 Exit status: 0 success, 1 error (message on stderr; with ``--json`` also ``{"error", "message"}`` on stdout),
 2 usage error.  ``ls --json`` prints a list of objects with exactly the keys ``namespace``, ``manager``,
@@ -84,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", parents=[common], help="is the daemon up; version, uptime, counts")
     sub.add_parser("ls", parents=[common], help="one row per generation")
 
-    def namespaced(name: str, help_text: str, manager_default: bool, multiple: bool) -> argparse.ArgumentParser:
+    def namespaced(name: str, help_text: str, manager_default: bool, multiple: bool,
+                   optional: bool = False) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_text)
-        p.add_argument("namespace", metavar="NAMESPACE",
+        p.add_argument("namespace", metavar="NAMESPACE", nargs="?" if optional else None,
                        help="base namespace (as given to the session), or a per-manager namespace as `ftd ls` shows "
                             "it in its ID column (then without --manager)")
         default = f" (default: {DEFAULT_MANAGER})" if manager_default else " (default: every known manager)"
@@ -94,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="NAME", help="manager name" + (" (repeatable)" if multiple else "") + default)
         return p
 
-    cleanup = namespaced("cleanup", "reclaim a namespace's managers after their workers are gone", True, True)
+    cleanup = namespaced("cleanup", "reclaim a namespace's managers after their workers are gone", True, True,
+                         optional=True)
+    cleanup.add_argument("--dead", action="store_true",
+                         help="no NAMESPACE: reclaim every namespace of this user in the lock directory whose "
+                              "participants are all gone (killed on this host, or leases expired); live, held and "
+                              "other users' namespaces are never touched. Runs locally, needs no daemon")
     cleanup.add_argument("--timeout", type=float, default=0.0, metavar="S",
                          help="wait up to S seconds in all for leases to expire (default 0: check once)")
     cleanup.add_argument("--local", action="store_true", help="do not go through the daemon")
@@ -116,9 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _lock_dir(args: argparse.Namespace) -> str:
-    from flextensor.daemon.config import default_lock_dir
+    """``--lock-dir``, else this user's lock directory from ``$TMPDIR`` as the workers derive it (not created)."""
+    from flextensor.shm.dead_sweep import own_lock_directory
 
-    return getattr(args, "lock_dir", None) or default_lock_dir()
+    return getattr(args, "lock_dir", None) or str(own_lock_directory())
 
 
 def _ask(args: argparse.Namespace, message: msgspec.Struct, timeout: float = _REQUEST_TIMEOUT_S):
@@ -135,22 +153,6 @@ def _ask(args: argparse.Namespace, message: msgspec.Struct, timeout: float = _RE
 
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=False))
-
-
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
 
 
 def _is_per_manager(name: str, lock_dir: str | None) -> bool:
@@ -257,20 +259,33 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(rows)
         return 0
-    print(_table(
+    from flextensor.shm.sizes import format_bytes
+    from flextensor.shm.text_table import format_columns
+
+    print("\n".join(format_columns(
         ["NAMESPACE", "MANAGER", "ID", "GENERATION", "STATE", "PARTICIPANTS", "BYTES", "AGE"],
         [[r["base"] or "?", r["manager"] or "?", r["namespace"], str(r["generation"] or "-"), r["state"],
-          str(r["participants"]), _human_bytes(r["bytes"]), f"{r['age']:.0f}s"] for r in rows],
-    ))
+          str(r["participants"]), format_bytes(r["bytes"]), f"{r['age']:.0f}s"] for r in rows],
+    )))
     return 0
 
 
 def _cmd_cleanup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.dead:
+        if args.namespace is not None or args.manager or args.force or args.timeout:
+            parser.error("cleanup --dead finds the dead namespaces itself: it takes no NAMESPACE, --manager, --force "
+                         "or --timeout (only --lock-dir, --json)")
+        return _cmd_cleanup_dead(args)
+    if args.namespace is None:
+        parser.error("cleanup needs a NAMESPACE (the base namespace, or an ID from `ftd ls`), or --dead for every "
+                     "dead namespace of this user")
     if not (args.timeout >= 0):
         parser.error(f"--timeout must be >= 0 seconds, got {args.timeout}")
     lock_dir = _lock_dir(args)
     namespaces = _namespaces(parser, args.namespace, args.manager, lock_dir)
     base, managers = _labels(args, namespaces)
+    for ns in namespaces:  # a hold lasts until `ftd release`: say so now, whatever --timeout says
+        _refuse_if_held(ns, lock_dir)
     if args.force:
         reports = _local_cleanup(namespaces, args.timeout, lock_dir, force=True)
         where = "local, forced"
@@ -306,6 +321,48 @@ def _cmd_cleanup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
+def _refuse_if_held(namespace: str, lock_dir: str) -> None:
+    """``CommandError`` (code ``held``) when a live ``ftd hold`` keeps ``namespace`` (a lock-free look at its
+    lease table; what this user cannot read is left to the cleanup itself, which checks again under the lock)."""
+    from flextensor.shm.cleanup import check_not_held
+    from flextensor.shm.errors import ShmNamespaceHeldError
+
+    try:
+        check_not_held(namespace, lock_dir)
+    except ShmNamespaceHeldError as exc:
+        raise CommandError(str(exc), "held") from None
+
+
+def _cmd_cleanup_dead(args: argparse.Namespace) -> int:
+    from flextensor.shm.dead_sweep import sweep_dead_namespaces
+    from flextensor.shm.sizes import format_bytes
+
+    sweep = sweep_dead_namespaces(args.lock_dir, look_in_shm=True)
+    if args.json:
+        _print_json({
+            "lock_dir": sweep.lock_dir,
+            "reclaimed": [{**msgspec.structs.asdict(r.report), "base": r.base, "manager": r.manager,
+                           "shm_bytes": r.shm_bytes} for r in sweep.reclaimed],
+            "skipped": [msgspec.structs.asdict(s) for s in sweep.skipped],
+            "elapsed_s": round(sweep.elapsed_s, 6),
+        })
+    else:
+        for r in sweep.reclaimed:
+            name = f"{r.base} / {r.manager} ({r.report.namespace})" if r.base else r.report.namespace
+            print(f"{name}: generation {r.report.generation} removed, {len(r.report.removed)} resources, "
+                  f"{format_bytes(r.shm_bytes)} of /dev/shm (dead)")
+        counts = {reason: sum(1 for s in sweep.skipped if s.reason == reason) for reason in ("live", "held", "busy")}
+        kept = ", ".join(f"{n} {reason}" for reason, n in counts.items() if n)
+        freed = format_bytes(sum(r.shm_bytes for r in sweep.reclaimed))
+        print(f"{sweep.lock_dir}: {len(sweep.reclaimed)} dead namespace(s) reclaimed ({freed})"
+              + (f"; left alone: {kept}" if kept else ""))
+    for skipped in sweep.skipped:
+        if skipped in sweep.problems or skipped.reason == "elsewhere":
+            print(f"ftd cleanup --dead: not touched: {skipped.namespace} ({skipped.reason}): {skipped.detail}",
+                  file=sys.stderr)
+    return 1 if sweep.problems else 0
+
+
 def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str, *, force: bool = False) -> list[dict]:
     """Cleanup in this process (no daemon): the lock directory must be this user's (flextensor-<uid>)."""
     import os
@@ -313,7 +370,7 @@ def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str, *, forc
 
     from flextensor.daemon.lockdirs import inspect_lock_dir, segment_owner_uid
     from flextensor.shm.cleanup import cleanup_manager_namespace
-    from flextensor.shm.errors import ShmProtocolError
+    from flextensor.shm.errors import ShmNamespaceHeldError, ShmProtocolError
 
     if Path(lock_dir).name != f"flextensor-{os.getuid()}":
         raise CommandError(f"local cleanup can only use this user's lock directory (flextensor-{os.getuid()}), not "
@@ -337,8 +394,9 @@ def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str, *, forc
                                                force=force)
         except (TimeoutError, ShmProtocolError, PermissionError) as exc:
             done = ", ".join(r["namespace"] for r in reports)
-            raise CommandError(f"{exc}" + (f" (already cleaned: {done})" if done else ""),
-                               "timeout" if isinstance(exc, TimeoutError) else "conflict") from None
+            code = ("held" if isinstance(exc, ShmNamespaceHeldError) else
+                    "timeout" if isinstance(exc, TimeoutError) else "conflict")
+            raise CommandError(f"{exc}" + (f" (already cleaned: {done})" if done else ""), code) from None
         reports.append(msgspec.structs.asdict(report))
     return reports
 
