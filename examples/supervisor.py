@@ -17,6 +17,10 @@ What it does:
   runs). After ``--max-restarts`` restarts of one worker the supervisor gives up;
 - when every worker is dead at once, it calls ``cleanup_namespace`` (waiting for the dead leases to expire)
   before it starts them again, so nothing of the dead generation stays in ``/dev/shm``;
+- a job whose namespace ``ftd hold`` keeps warm (``ftd hold <namespace> --manager llm``) is never cleaned up: the
+  cleanup refuses at once (``ShmNamespaceHeldError``), the supervisor says so (``held``) and starts the workers,
+  which attach to the held weights as followers: no creator, no checkpoint read. That is also what a restart of
+  the whole job (supervisor included) does;
 - SIGTERM or SIGINT (Kubernetes sends SIGTERM at pod deletion): SIGTERM to every worker, which closes its session
   (the last one out unlinks the shared memory); after ``--grace`` seconds the stragglers get SIGKILL; finally
   ``cleanup_namespace`` reclaims anything left. Exit status 0.
@@ -24,7 +28,7 @@ What it does:
 Workers read commands on stdin and die with the supervisor (EOF): no orphan keeps the shared memory alive. A worker
 writes JSON lines on stdout (``ready`` with its role and its first generated tokens; ``tokens`` after each
 ``generate`` command); the supervisor prints them, tagged with the worker's index, beside its own events
-(``started``, ``exited``, ``restarting``, ``cleanup``, ``stopped``), one JSON object per line.
+(``started``, ``exited``, ``restarting``, ``cleanup``, ``held``, ``stopped``), one JSON object per line.
 """
 
 from __future__ import annotations
@@ -153,10 +157,16 @@ class Supervisor:
             pass  # it died: the watch loop sees it
 
     def cleanup(self, timeout: float) -> None:
+        """Reclaim the job's namespace; an ``ftd hold`` on it is left alone (the workers attach to its weights)."""
         import flextensor as ft
+        from flextensor.shm.errors import ShmNamespaceHeldError
 
-        reports = ft.SharedOffloadSession.cleanup_namespace(self.namespace, manager_names=MANAGER_NAMES,
-                                                            timeout=timeout)
+        try:
+            reports = ft.SharedOffloadSession.cleanup_namespace(self.namespace, manager_names=MANAGER_NAMES,
+                                                                timeout=timeout)
+        except ShmNamespaceHeldError as exc:
+            emit("held", namespace=self.namespace, holder_pids=list(exc.holder_pids), message=str(exc))
+            return
         emit("cleanup", namespace=self.namespace, removed=sum(len(r.removed) for r in reports),
              waited_s=round(sum(r.waited_s for r in reports), 3))
 

@@ -127,3 +127,75 @@ def test_supervisor_restarts_crashed_workers_and_stops_clean(namespace: str, tmp
 
         ft.SharedOffloadSession.cleanup_namespace(job_namespace("sup", namespace, args), manager_names=[MANAGER],
                                                   timeout=lease + 10)
+
+
+@pytest.mark.slow
+def test_a_held_job_restarted_whole_reattaches_without_a_creator(namespace: str, tmp_path: Path, env,
+                                                                 isolated_host: Path) -> None:
+    """``ftd hold`` on the job's namespace, SIGKILL of the supervisor and every worker, a new supervisor: it does
+    not wait for the hold (which never ends by itself) but says so and starts the workers, which attach to the
+    held weights as followers of the same generation. Leases are 30 s: nothing may come from one running out."""
+    from tests.daemon.helpers import Daemon
+
+    profile = tmp_path / "profile"
+    args = tiny_args(8, profile=profile)
+    make_profile(args, torch.device("cpu"), profile)
+    expected = plain_tokens(args, [0, 1])
+    base = job_namespace("sup", namespace, args)
+    compact = manager_namespace(base, MANAGER)
+    socket = tmp_path / "run" / "ftd.sock"
+    daemon = Daemon(socket, isolated_host / f"flextensor-{os.getuid()}").start()
+    env = {**env, "FT_DAEMON_SOCKET": str(socket)}
+    argv = ["--workers", "2", "--tiny-llama", "8", "--profile", str(profile), "--job-id", namespace, "--lease", "30",
+            "--grace", "30", "--restart-delay", "0.5"]
+    procs: list[subprocess.Popen] = []
+    seen: list[dict] = []
+
+    def supervise() -> Events:
+        proc = subprocess.Popen([sys.executable, str(EXAMPLES / "supervisor.py"), *argv], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=open(tmp_path / f"supervisor-{len(procs)}.log", "wb"),
+                                text=True, start_new_session=True)
+        procs.append(proc)
+        events = Events(proc)
+        seen.append(events.seen)  # type: ignore[arg-type]
+        return events
+
+    try:
+        first = supervise()
+        before = {e["worker"]: e for e in first.wait(is_ready, count=2, timeout=90)}
+        assert sorted(e["role"] for e in before.values()) == ["creator", "follower"]
+        generation = before[0]["generation"]
+        daemon.cli("hold", base, "--manager", MANAGER)
+        os.killpg(procs[0].pid, signal.SIGKILL)  # the whole job: supervisor and workers
+        procs[0].wait()
+
+        second = supervise()
+        (held,) = second.wait(lambda e: e.get("event") in ("held", "cleanup", "refused"), timeout=60)
+        assert held["event"] == "held" and held["holder_pids"] == [daemon.proc.pid], held
+        assert "ftd release" in held["message"]
+        after = {e["worker"]: e for e in second.wait(is_ready, count=2, timeout=90)}
+        assert [after[i]["role"] for i in (0, 1)] == ["follower", "follower"]  # no creator: nothing was reloaded
+        assert {after[i]["generation"] for i in (0, 1)} == {generation}
+        assert all(after[i]["tokens"] == expected[i] for i in (0, 1))
+
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(timeout=60) == 0
+        stopped = second.wait(lambda e: e.get("event") == "stopped", timeout=10)[0]
+        assert set(stopped["statuses"].values()) == {0}, stopped
+        assert any(compact in n for n in os.listdir("/dev/shm"))  # the hold keeps it warm
+        daemon.cli("release", base, "--manager", MANAGER)  # the last participant: reclaimed at once
+        assert not [n for n in os.listdir("/dev/shm") if compact in n]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for pid in [e["pid"] for events in seen for e in events if e.get("event") == "started"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        daemon.stop()
+        import flextensor as ft
+
+        ft.SharedOffloadSession.cleanup_namespace(base, manager_names=[MANAGER], timeout=10)
