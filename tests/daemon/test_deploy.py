@@ -132,3 +132,34 @@ def test_daemonset_and_worker_share_ipc_shm_socket_and_tmpdir():
     (compose,) = _documents(DEPLOY / "compose" / "docker-compose.yaml")
     assert compose["services"]["ftd"]["ipc"] == "host" and compose["services"]["worker"]["ipc"] == "host"
     assert compose["services"]["worker"]["environment"]["FT_DAEMON_SOCKET"] == "/run/flextensor/ftd.sock"
+
+
+def test_hosts_without_the_daemon_sweep_dead_namespaces_as_the_workers_user():
+    """The systemd timer and the Kubernetes CronJob run `ftd cleanup --dead` where the workers' files are: the
+    host's /dev/shm and their TMPDIR, as their user, never two at once."""
+    timer = _unit(DEPLOY / "systemd" / "ftd-cleanup-dead@.timer")
+    assert timer.get("Timer", "Unit") == "ftd-cleanup-dead@%i.service"
+    assert timer.get("Install", "WantedBy") == "timers.target"
+    service = _unit(DEPLOY / "systemd" / "ftd-cleanup-dead@.service")
+    assert shlex.split(service.get("Service", "ExecStart"))[1:] == ["cleanup", "--dead"]
+    assert service.get("Service", "Type") == "oneshot" and service.get("Service", "User") == "%i"
+    assert service.get("Service", "PrivateTmp") == "no"
+    assert "/dev/shm" in service.get("Service", "ReadWritePaths").split()
+    env = dict(e.split("=", 1) for e in service.get("Service", "Environment").split())
+    assert env["TMPDIR"].lstrip("-") in [p.lstrip("-") for p in service.get("Service", "ReadWritePaths").split()]
+
+    (cronjob,) = _documents(DEPLOY / "kubernetes" / "ftd-cleanup-dead-cronjob.yaml")
+    assert cronjob["kind"] == "CronJob" and cronjob["spec"]["concurrencyPolicy"] == "Forbid"
+    spec = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["command"] == ["ftd", "cleanup", "--dead"]
+    (worker,) = _documents(DEPLOY / "kubernetes" / "worker-pod.yaml")
+    wspec = worker["spec"]
+    assert spec["hostIPC"] is True and wspec["hostIPC"] is True
+    assert spec["securityContext"]["runAsUser"] == wspec["securityContext"]["runAsUser"]  # the workers' user
+    cron_env = {e["name"]: e["value"] for e in container["env"]}
+    worker_env = {e["name"]: e["value"] for e in wspec["containers"][0]["env"]}
+    assert cron_env["TMPDIR"] == worker_env["TMPDIR"]
+    volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+    assert mounts["/dev/shm"] == "/dev/shm" and mounts[cron_env["TMPDIR"]] == cron_env["TMPDIR"]
