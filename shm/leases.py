@@ -227,13 +227,17 @@ class LeaseTable:
                                    f"segment is corrupt: {force_remedy(self.segment)}") from None
         fresh = self._fresh_at(base, now)
         gone = state == SlotState.ACTIVE and self._gone(base)
+        return self._snapshot(index, state, live=fresh and not gone, gone=gone)
+
+    def _snapshot(self, index: int, state: SlotState, *, live: bool, gone: bool) -> LeaseSlot:
+        base = HEADER_SIZE + index * SLOT_SIZE
         return LeaseSlot(
             index=index,
             state=state,
             identity=None if state == SlotState.FREE else self._identity(base),
             heartbeat_ns=load_u64(self._buf, base + OFF_HEARTBEAT),
             lease_ns=load_u64(self._buf, base + OFF_LEASE),
-            live=fresh and not gone,
+            live=live,
             pid_ns=load_u64(self._buf, base + OFF_PID_NS),
             durable=bool(load_u32(self._buf, base + OFF_FLAGS) & FLAG_DURABLE),
             process_gone=gone,
@@ -245,8 +249,9 @@ class LeaseTable:
         return [self.slot(i, now) for i in range(self.slot_count)]
 
     def live_slots(self, now: int | None = None) -> list[LeaseSlot]:
-        """Snapshots of the live slots. Every slot's state is checked, but only live ones are decoded: this runs
-        under the coordinator lock at every join, where N workers arriving at once wait for each other."""
+        """Snapshots of the live slots. Every slot's state is checked, but only live ones are decoded, and each
+        live one's process is looked up once (a ``/proc`` read): this runs under the coordinator lock at every
+        join, where N workers arriving at once wait for each other, and for every namespace a sweep passes."""
         now = host_clock_ns() if now is None else now
         live = []
         for i in range(self.slot_count):
@@ -255,7 +260,7 @@ class LeaseTable:
             if raw_state not in _SLOT_STATES:
                 self.slot(i, now)  # raises ShmProtocolError naming the slot
             if raw_state == SlotState.ACTIVE and self._live_at(base, now):
-                live.append(self.slot(i, now))
+                live.append(self._snapshot(i, SlotState.ACTIVE, live=True, gone=False))
         return live
 
     def live_count(self, now: int | None = None) -> int:
