@@ -132,7 +132,7 @@ def _spawn(*argv: str, timeout: float) -> dict:
     proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"error": (proc.stderr or proc.stdout)[-2000:]}
+        return {"error": f"exit status {proc.returncode}: " + (proc.stderr or proc.stdout)[-2000:]}
     return json.loads(lines[-1])
 
 

@@ -25,7 +25,7 @@ import torch
 
 from flextensor.engine.function_traps import release_function_traps
 from flextensor.engine.hooks import assign_data
-from flextensor.runtime.host_memory import block_view
+from flextensor.runtime.host_memory import HostBlock, block_view
 
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
@@ -51,25 +51,49 @@ def teardown(ctx: EngineContext, preserve_model: bool) -> None:
         ctx.inference.state_dict_hook = None
     if ctx.inference.loader is not None:
         ctx.inference.loader.close()
+        ctx.inference.loader = None  # its references to the host blocks go with it (see _restore_from_blocks)
     ctx.warm.loader.unload()
     ctx.warm.loader.restore()
+    _restore_from_blocks(ctx, preserve_model)
     for name, entry in ctx.tensors.items():
         t = entry.tensor
         orig = ctx.orig_device.get(name, torch.device("cpu"))
         target = torch.device("cpu") if orig.type == "meta" else orig
-        placed = ctx.inference.placement.get(name)
-        if placed is not None:
-            index, p = placed
-            if preserve_model:
-                host_view = block_view(ctx.inference.host_blocks[index].tensor, p)
-                t.data = host_view.clone() if target.type == "cpu" else host_view.to(target)
-            else:
-                assign_data(t, torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device="meta"))
-        elif preserve_model and not t.is_meta and t.device != target:
+        if name not in ctx.inference.placement and preserve_model and not t.is_meta and t.device != target:
             t.data = t.data.to(target)
     for trap in ctx.traps.values():
         trap.uninstall()
     close_resources(ctx)
+
+
+def _restore_from_blocks(ctx: EngineContext, preserve_model: bool) -> None:
+    """Step 2 for the offloaded tensors, block by block: each tensor gets its bytes back from its host block (or
+    becomes ``meta``), then the provider may free the block (``HostBlockProvider.release_block``). Copied out
+    all at once, a model held in host blocks would exist twice at the peak of ``release()``; block by block it
+    exists once plus an arena. The engine's references to the blocks go as they are released (the loader's
+    went before), so an arena's memory is returned as soon as its last block is."""
+    blocks: list[HostBlock | None] = list(ctx.inference.host_blocks)
+    ctx.inference.host_blocks = []
+    by_block: dict[int, list[str]] = {}
+    for name, (index, _placement) in ctx.inference.placement.items():
+        by_block.setdefault(index, []).append(name)
+    provider = ctx.inference.provider
+    for index in sorted(by_block):
+        block = blocks[index]
+        for name in by_block[index]:
+            t = ctx.tensors[name].tensor
+            p = ctx.inference.placement[name][1]
+            if preserve_model and block is not None:
+                orig = ctx.orig_device.get(name, torch.device("cpu"))
+                target = torch.device("cpu") if orig.type == "meta" else orig
+                host_view = block_view(block.tensor, p)
+                t.data = host_view.clone() if target.type == "cpu" else host_view.to(target)
+                del host_view
+            else:
+                assign_data(t, torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device="meta"))
+        blocks[index] = block = None
+        if provider is not None:
+            provider.release_block(index)
 
 
 def close_resources(ctx: EngineContext) -> None:

@@ -268,6 +268,11 @@ class HostBlockProvider:
         :meth:`pin_filled`)."""
         self.pin_filled(between)
 
+    def release_block(self, index: int) -> None:
+        """Block ``index`` is never read again (its tensors were copied out): the provider may free its memory
+        once nothing else it allocated with it is in use (default: nothing until :meth:`close`). Lets a teardown
+        that copies a model out of its blocks hold one copy plus an arena, not two copies."""
+
     def close(self) -> None:
         """Release what the provider holds (unpin, unmap). Tensors still viewing a block keep its memory."""
 
@@ -280,12 +285,13 @@ class ArenaProvider(HostBlockProvider):
 
     power_of_two = False
 
-    def __init__(self, *, max_arena_bytes: int = ARENA_MAX_BYTES) -> None:
-        self.max_arena_bytes = max_arena_bytes
+    def __init__(self, *, max_arena_bytes: int | None = None) -> None:
+        self.max_arena_bytes = ARENA_MAX_BYTES if max_arena_bytes is None else max_arena_bytes
         self._slots: dict[int, tuple[int, int, int]] = {}  # block index -> (group, byte offset, nbytes)
         self._group_bytes: list[int] = []
         self._arenas: dict[int, torch.Tensor] = {}
         self._extra: list[torch.Tensor] = []
+        self._in_use: dict[int, set[int]] = {}  # group -> its blocks allocated and not yet released
 
     def reserve(self, sizes: Sequence[int]) -> None:
         self._slots, self._group_bytes = {}, []
@@ -315,7 +321,25 @@ class ArenaProvider(HostBlockProvider):
         arena = self._arenas.get(group)
         if arena is None:
             arena = self._arenas[group] = self._new_arena(self._group_bytes[group])
+        self._in_use.setdefault(group, set()).add(index)
         return HostBlock(arena.narrow(0, offset, nbytes))
+
+    def release_block(self, index: int) -> None:
+        """Drop an arena once every block allocated in it was released (an unreserved block keeps its arena
+        until :meth:`close`). Its memory goes back when the last view of it goes."""
+        slot = self._slots.get(index)
+        if slot is None or index not in self._in_use.get(slot[0], ()):
+            return
+        group = slot[0]
+        self._in_use[group].discard(index)
+        if not self._in_use[group]:
+            del self._in_use[group]
+            arena = self._arenas.pop(group, None)
+            if arena is not None:
+                self._free_arena(arena)
+
+    def _free_arena(self, arena: torch.Tensor) -> None:
+        """An arena leaves the provider (no block of it is read any more); subclasses undo what they did to it."""
 
     def _new_arena(self, nbytes: int) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -324,6 +348,7 @@ class ArenaProvider(HostBlockProvider):
         self._arenas.clear()
         self._extra.clear()
         self._slots.clear()
+        self._in_use.clear()
 
 
 class PageableProvider(ArenaProvider):
@@ -405,7 +430,7 @@ class HostRegisterProvider(ArenaProvider):
     kind = "host_register"
     pinned = True
 
-    def __init__(self, *, max_arena_bytes: int = ARENA_MAX_BYTES) -> None:
+    def __init__(self, *, max_arena_bytes: int | None = None) -> None:
         super().__init__(max_arena_bytes=max_arena_bytes)
         self._unregistered: list[torch.Tensor] = []  # allocated blocks, registered at finish()
         self._registered: list[tuple[int, torch.Tensor]] = []
@@ -436,14 +461,19 @@ class HostRegisterProvider(ArenaProvider):
                 raise
             self._registered.append((block.data_ptr(), self._unregistered.pop(0)))
 
-    def close(self) -> None:
+    def _free_arena(self, arena: torch.Tensor) -> None:
+        """Unregister the arena's blocks before its memory can go (a registered range must not be unmapped)."""
+        start, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+        inside = [entry for entry in self._registered if start <= entry[0] < end]
+        self._registered = [entry for entry in self._registered if not start <= entry[0] < end]
+        self._unregistered = [t for t in self._unregistered if not start <= t.data_ptr() < end]
+        self._unregister(inside)
+
+    @staticmethod
+    def _unregister(entries: list[tuple[int, torch.Tensor]]) -> None:
         from flextensor.shm.pinning import host_unregister
 
-        # The provider keeps a reference to every registered block, so the memory cannot be freed (and reused
-        # by another allocation) while it is still registered.
-        self._unregistered.clear()
-        while self._registered:
-            ptr, _tensor = self._registered.pop()
+        for ptr, _tensor in reversed(entries):
             try:
                 host_unregister(ptr)
             except RuntimeError as exc:  # teardown must go on; the process exit releases the pages anyway
@@ -451,6 +481,13 @@ class HostRegisterProvider(ArenaProvider):
 
                 clear_cuda_error()
                 logger.warning("could not unregister host block at %#x: %s", ptr, exc)
+
+    def close(self) -> None:
+        # The provider keeps a reference to every registered block, so the memory cannot be freed (and reused
+        # by another allocation) while it is still registered.
+        self._unregistered.clear()
+        registered, self._registered = self._registered, []
+        self._unregister(registered)
         super().close()
 
 

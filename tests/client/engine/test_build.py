@@ -61,6 +61,9 @@ class SlowOrFailingProvider:
     def finish(self, between=None):
         return self.inner.finish(between=between)
 
+    def release_block(self, index):
+        return self.inner.release_block(index)
+
     def close(self):
         self.closed = True
         return self.inner.close()
