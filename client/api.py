@@ -80,7 +80,7 @@ def get_offload_manager(name: str = DEFAULT_MANAGER_NAME) -> OffloadManager:
         if manager is None:
             manager = OffloadManager(name)
             _registry[name] = manager
-    manager._check_thread()
+    manager.check_thread()
     return manager
 
 
@@ -187,7 +187,7 @@ def release_all(*, preserve_model: bool = True) -> None:
     """Release every manager this thread owns (test teardown, process shutdown)."""
     me = threading.get_ident()
     for name, manager in managers().items():
-        if manager._thread == me:
+        if manager.owner_thread == me:
             release(name, preserve_model=preserve_model)
 
 

@@ -83,7 +83,13 @@ class OffloadManager:
         self._active: Trap | None = None
         self._active_handler: PhaseHandler | None = None
 
-    def _check_thread(self) -> None:
+    @property
+    def owner_thread(self) -> int:
+        """The ident of the thread that created this manager: the only one that may use it."""
+        return self._thread
+
+    def check_thread(self) -> None:
+        """``RuntimeError`` unless the calling thread is :attr:`owner_thread` (managers are single-threaded)."""
         current = threading.get_ident()
         if current != self._thread:
             raise RuntimeError(
@@ -123,7 +129,7 @@ class OffloadManager:
 
     def set_config(self, config: OffloadConfig) -> None:
         """Apply a config (copied). Refused while a model is offloaded; ``pinned_memory`` needs CUDA."""
-        self._check_thread()
+        self.check_thread()
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"set_config expects an OffloadConfig, got {type(config).__name__}")
         if self.model is not None:
@@ -151,7 +157,7 @@ class OffloadManager:
         """Force engine paths for this manager's next ``offload()`` (tests and experiments on hosts without a
         GPU): ``policy`` as given, or the current policy with ``changes`` (``warmup=``, ``stream_on_cpu=``);
         ``set_engine_policy(None)`` goes back to the process default. Refused while a model is offloaded."""
-        self._check_thread()
+        self.check_thread()
         if self.model is not None:
             raise RuntimeError(f"manager {self.name!r} is offloading a model; release() it before changing its "
                                "engine policy")
@@ -169,7 +175,7 @@ class OffloadManager:
         For applications that know their budget and for CPU-only runs (where the "device" is host RAM);
         ``None`` restores the config's behaviour. Takes effect at the next planning.
         """
-        self._check_thread()
+        self.check_thread()
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
             raise ValueError(f"set_memory_budget expects None or an int >= 0 (bytes), got {nbytes!r}")
         self._budget_override = nbytes
@@ -204,7 +210,7 @@ class OffloadManager:
         shm_owner: Any = None,
     ) -> nn.Module:
         """Patch ``model`` in place and return it. With a loaded profile pending, adopt it instead."""
-        self._check_thread()
+        self.check_thread()
         if config is not None:
             self.set_config(config)
         cfg = self._config()
@@ -277,7 +283,7 @@ class OffloadManager:
 
     # ------------------------------------------------------------------------------------------------ passes
     def _begin_pass(self) -> None:
-        self._check_thread()
+        self.check_thread()
         assert self._handler is not None and self._ctx is not None
         if self._handler.phase is not Phase.INFERENCE and is_capturing(self._ctx.device):
             raise RuntimeError(
@@ -333,7 +339,7 @@ class OffloadManager:
     @contextmanager
     def offload_block(self, block_name: str) -> Iterator[None]:
         """A manual trap around arbitrary code (its exclusive parameters are found during DISCOVERY)."""
-        self._check_thread()
+        self.check_thread()
         if self.config is not None and not self.config.enabled:
             yield
             return
@@ -364,7 +370,7 @@ class OffloadManager:
     # ------------------------------------------------------------------------------------------------ profiling control
     def suspend_profiling(self) -> None:
         """Reference-counted: PROFILING passes record nothing and are not counted while suspended."""
-        self._check_thread()
+        self.check_thread()
         if not self.enabled:
             return
         if self._ctx is None:
@@ -373,7 +379,7 @@ class OffloadManager:
             self._ctx.profile.suspend += 1
 
     def resume_profiling(self) -> None:
-        self._check_thread()
+        self.check_thread()
         if not self.enabled:
             return
         if not self.profiling_suspended:
@@ -397,7 +403,7 @@ class OffloadManager:
 
     def clear_profiling_durations(self) -> None:
         """Drop every duration sample so far (discovery mappings are kept)."""
-        self._check_thread()
+        self.check_thread()
         if self._ctx is not None:
             clear_durations(self._ctx)
 
@@ -406,7 +412,7 @@ class OffloadManager:
         """Per-trap seconds of each counted PROFILING pass (copy): each trap's window, from its entry to the next
         trap's entry (the last trap's to the end of the pass), summed over its calls in the pass, on the device's
         clock (the host's, for a pass timed on it: ``flextensor.runtime.trap_windows``)."""
-        self._check_thread()  # reading the pending passes' events and reusing them is the manager's own work
+        self.check_thread()  # reading the pending passes' events and reusing them is the manager's own work
         if self._ctx is None:
             return {}
         resolve_windows(self._ctx, keep_last=0)
@@ -415,7 +421,7 @@ class OffloadManager:
     # ------------------------------------------------------------------------------------------------ state
     def export_state(self) -> TensorManagerState:
         """A snapshot of the live INFERENCE allocation (placements, block sizes and names, timings, plan)."""
-        self._check_thread()
+        self.check_thread()
         self.wait_for_host_blocks()
         return adoption.export_state(self._require_inference("export_state"))
 
@@ -437,7 +443,7 @@ class OffloadManager:
         ``host_block_gate(i)``, when given, is called before each copy from host block ``i`` and returns once the
         block may be read at full speed (a shared session registers its blocks in the background).
         """
-        self._check_thread()
+        self.check_thread()
         if config is not None:
             self.set_config(config)
         cfg = self._config()
@@ -469,7 +475,7 @@ class OffloadManager:
         ctx = self._ctx
         if ctx is None or ctx.inference.deferred is None:
             return
-        self._check_thread()
+        self.check_thread()
         if self._root is not None and self._root.depth:
             ctx.inference.deferred.wait()
             return
@@ -479,7 +485,7 @@ class OffloadManager:
     def release(self, preserve_model: bool = True) -> None:
         """Undo everything: weights back into the model (unless ``preserve_model=False``), forwards unpatched,
         device and host blocks freed. The manager can offload again afterwards."""
-        self._check_thread()
+        self.check_thread()
         self._pending_state = None
         if self._ctx is None:
             self._leave_namespace()
@@ -507,7 +513,7 @@ class OffloadManager:
 
     # ------------------------------------------------------------------------------------------------ reports
     def get_gpu_memory_usage(self) -> GPUMemoryUsage:
-        self._check_thread()
+        self.check_thread()
         self.wait_for_host_blocks()
         if not self.enabled:
             return GPUMemoryUsage(0, 0, 0)
@@ -529,12 +535,12 @@ class OffloadManager:
         return self._ctx.inference.loader if self._ctx is not None else None
 
     def collect_offload_timing(self) -> OffloadTimingReport | None:
-        self._check_thread()
+        self.check_thread()
         timing = self._ctx.timing if self._ctx is not None else None
         return timing.collect() if timing is not None else None
 
     def reset_offload_timing(self) -> None:
-        self._check_thread()
+        self.check_thread()
         if self._ctx is not None and self._ctx.timing is not None:
             self._ctx.timing.reset()
 
@@ -544,7 +550,7 @@ class OffloadManager:
         there is nothing to publish (eager timing stores each pass as its forward returns; timing off);
         ``False`` when the replays' events could not be read. A ``replay_generation >= 0`` already published is
         ignored."""
-        self._check_thread()
+        self.check_thread()
         timing = self._ctx.timing if self._ctx is not None else None
         return timing.publish_replays(replay_generation) if timing is not None else True
 
@@ -563,7 +569,7 @@ class OffloadManager:
     def request_strategy_replan(self, *, manual_update_state: bool = False) -> int:
         """Measure the next passes and plan again; the forwards (``update_state()`` steps with
         ``manual_update_state``) to drive, or 0 when nothing was armed (logged why)."""
-        self._check_thread()
+        self.check_thread()
         self.wait_for_host_blocks()
         return replan.request_if_available(self.name, self._inference_context(), manual=manual_update_state)
 
@@ -575,14 +581,14 @@ class OffloadManager:
     def update_state(self, *, replay_generation: int = -1) -> None:
         """One step of a replan armed with ``manual_update_state=True`` (after a ``graph.replay()``, which runs
         no hooks); a ``replay_generation`` already counted is ignored. Phases advance in the root forward."""
-        self._check_thread()
+        self.check_thread()
         ctx = self._inference_context()
         if ctx is not None:
             replan.step(ctx, replay_generation)
 
     # ------------------------------------------------------------------------------------------------ profiles
     def save_profile(self, profile_directory: str | os.PathLike[str] | None = None) -> Path:
-        self._check_thread()
+        self.check_thread()
         cfg = self._config()
         if cfg.profile_read_only:
             raise PermissionError(f"manager {self.name!r} has profile_read_only=True: profiles are only loaded, never "
@@ -595,7 +601,7 @@ class OffloadManager:
     def load_profile(self, profile_directory: str | os.PathLike[str] | None = None, model: nn.Module | None = None,
                      *, weights: Mapping[str, torch.Tensor] | None = None) -> None:
         """Read a profile; adopt it for ``model`` (or the model being offloaded) now, else at ``offload()``."""
-        self._check_thread()
+        self.check_thread()
         cfg = self._config()
         directory = profile_directory if profile_directory is not None else cfg.profile_storage_dir
         if directory is None:

@@ -45,8 +45,8 @@ FIGURES_NOT_YET_MOVED = frozenset({
 })
 
 #: ``obj._x`` reaches that stay until their owner offers a public name for them; each must still occur, so the
-#: list only shrinks. ``OffloadManager`` has no public name for the thread that owns it.
-REACHES_NOT_YET_PUBLIC = frozenset({("client/api.py", "manager._check_thread"), ("client/api.py", "manager._thread")})
+#: list only shrinks.
+REACHES_NOT_YET_PUBLIC: frozenset[tuple[str, str]] = frozenset()
 
 
 def _modules() -> dict[str, ast.Module]:

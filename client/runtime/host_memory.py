@@ -390,7 +390,7 @@ def pinned_allocator_hint(environ: Any) -> str | None:
     if register == "True":
         return None
     return ("host blocks come from PyTorch's pinned allocator through cudaHostAlloc, which holds up every CUDA "
-            "launch of this process while it runs (a 2 GiB arena: about 0.8 s on an H200 host), so a background "
+            "launch of this process while it runs (most of a second for an arena of a few GiB), so a background "
             f"build stalls the first inference passes; add {PINNED_REGISTER_SETTING} to {name} before the "
             "process starts, or use pinned_memory_mode='host_register'")
 
