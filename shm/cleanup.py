@@ -4,14 +4,15 @@ Three callers share this code so there is exactly one definition of "what a gene
 
 * ``ShmCoordinator.close()`` of the last live participant,
 * ``ShmCoordinator(...)`` finding a generation whose participants all died (reclaim, then a new generation),
-* ``cleanup_manager_namespace`` — offline cleanup for operators, ``SharedOffloadSession.cleanup_namespace``
-  and ``ftd``. It creates no coordinator and loads no model: it reads the journal and the lease table, whose
-  reader counts a participant as gone when its pid namespace is ours and its process no longer exists (pids
-  of another pid namespace are never probed: those participants count until their lease runs out).
+* ``cleanup_manager_namespace`` — offline cleanup for operators, ``SharedOffloadSession.cleanup_namespace``,
+  ``ftd`` and the dead-namespace sweeps (``dead_sweep.py``: a session before it joins, ``ftd cleanup --dead``).
+  It creates no coordinator and loads no model: it reads the journal and the lease table, whose reader counts
+  a participant as gone when its pid namespace is ours and its process no longer exists (pids of another pid
+  namespace are never probed: those participants count until their lease runs out).
 
-Holds: a live DURABLE lease slot is an ``ftd hold`` (``leases.py``), which keeps a generation's weights warm until
-``ftd release``.  Cleanup refuses such a namespace at once with ``ShmNamespaceHeldError`` naming the hold and the
-release command, instead of waiting for a lease that is refreshed for as long as the hold lasts.
+Holds: a live DURABLE lease slot is an ``ftd hold`` (``leases.py``), which keeps a generation's weights warm
+until ``ftd release``.  Cleanup refuses such a namespace at once with ``ShmNamespaceHeldError`` naming the hold
+and the release command, instead of waiting for a lease that is refreshed for as long as the hold lasts.
 
 Everything happens under the coordinator lock (``{lock_dir}/{ns}.lock``), and everything is *validated
 before anything is deleted*: an unknown protocol or malformed journal/header raises ``ShmProtocolError``
