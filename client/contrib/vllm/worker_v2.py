@@ -36,10 +36,10 @@ import atexit
 import logging
 from typing import Any
 
+from packaging.version import Version
 from torch import nn
 
 import vllm
-from packaging.version import Version
 from vllm.config import VllmConfig
 
 import flextensor as ft

@@ -7,13 +7,15 @@ are made once per module and shared by the tests that compare with them.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.client.contrib.vllm.conftest import Engine, record
+from tests.client.contrib.vllm.conftest import REPO, Engine, record, vllm_python
 from tests.daemon.helpers import Daemon
 
 pytestmark = pytest.mark.slow
@@ -144,3 +146,19 @@ def test_with_ftd_a_job_whose_engines_all_died_is_reclaimed(plain, profiled, tin
         assert shm_entries(namespace) == [], daemon.read_log()[-3000:]
     finally:
         daemon.stop()
+
+
+def test_what_cannot_run_is_refused_with_its_fix() -> None:
+    """The checks both workers run, called in the vLLM venv with vLLM's own config objects (refusals.py)."""
+    proc = subprocess.run([str(vllm_python()), "-m", "tests.client.contrib.vllm.refusals"], cwd=REPO, text=True,
+                          capture_output=True, timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert cases["streams_on_cpu"] is False and cases["streams_on_cuda"] is True  # a CPU computes in place
+    assert "compilation mode VLLM_COMPILE" in cases["compiled_streaming"] and "enforce_eager=True" in \
+        cases["compiled_streaming"]
+    assert "FT_PINNED_MEMORY=1" in cases["graphs_pageable"]
+    assert cases["compiled_resident"] is None and cases["graphs_pinned"] is None  # what can run is let through
+    assert cases["tensor_parallel"].startswith("ValueError") and "tensor_parallel_size=2" in cases["tensor_parallel"]
+    assert "FT_SHM_NAMESPACE" in cases["no_namespace"]
+    assert cases["dp_namespace"].startswith("ftvllm")  # vLLM's data parallelism: derived, the same in every engine
