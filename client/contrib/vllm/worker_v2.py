@@ -137,6 +137,7 @@ class FlexTensorOffloadWorkerV2(FlexTensorOffloadWorker):
             summary = session.report()
             report["session"] = summary[0] if summary else {}
             report["namespace"] = session.namespace
+            report["wait_timeout"] = session.wait_timeout
         return report
 
     def release_offload(self) -> None:

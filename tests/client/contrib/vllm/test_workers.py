@@ -97,10 +97,12 @@ def test_compiled_engine_serves_the_same_tokens(plain, tiny_llama, engines) -> N
 def test_two_engines_share_one_copy_and_outlive_a_kill(plain, profiled, tiny_llama, engines, namespace,
                                                        request) -> None:
     model, model_bytes = tiny_llama
-    env = {"FT_PROFILE_STORAGE_DIR": str(profiled["profile"]), "FT_SHM_NAMESPACE": namespace}
+    env = {"FT_PROFILE_STORAGE_DIR": str(profiled["profile"]), "FT_SHM_NAMESPACE": namespace,
+           "FT_SHM_WAIT_TIMEOUT": "120"}
     pair = [engines(model, f"v2-{i}", worker_cls=WORKER_V2, env=env) for i in range(2)]
     reports = [engine.wait_ready()["flextensor_report"] for engine in pair]
     assert sorted(r["role"] for r in reports) == ["creator", "follower"]
+    assert [r["wait_timeout"] for r in reports] == [120.0, 120.0]  # shm_wait_timeout is the session's wait
     assert all(r["phase"] == "inference" and r["warmup_passes"] == 0 for r in reports)
     assert [engine.generate() for engine in pair] == [plain["tokens"]] * 2
 
@@ -134,8 +136,8 @@ def test_with_ftd_a_job_whose_engines_all_died_is_reclaimed(plain, profiled, tin
         env = {"FT_PROFILE_STORAGE_DIR": str(profiled["profile"]), "FT_SHM_NAMESPACE": namespace,
                "FT_DAEMON_SOCKET": str(daemon.socket)}
         pair = [engines(model, f"ftd-{i}", worker_cls=WORKER_V2, env=env) for i in range(2)]
-        for engine in pair:
-            engine.wait_ready()
+        reports = [engine.wait_ready()["flextensor_report"] for engine in pair]
+        assert [r["wait_timeout"] for r in reports] == [0.0, 0.0]  # the default: wait as long as the creator lives
         pair[0].kill()
         assert pair[1].generate() == plain["tokens"]
         assert shm_entries(namespace)
