@@ -29,6 +29,7 @@ how many tensors are offloaded, the warm-up passes and the device.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -71,6 +72,11 @@ class FlexTensorOffloadWorker(PlatformWorker):  # type: ignore[misc, valid-type]
         if settings is None:
             settings = resolve_settings(self.vllm_config.additional_config,
                                         cuda=not current_platform.is_cpu())
+            device = getattr(self, "device", None)
+            if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None \
+                    and "FT_GPU_DEVICE" not in os.environ:  # this worker's GPU, as vLLM chose it
+                settings = dataclasses.replace(settings, config=dataclasses.replace(settings.config,
+                                                                                    gpu_device=device.index))
             self._flextensor_settings = settings
         return settings
 
