@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm.config import set_current_vllm_config
+from vllm.config import CompilationMode, set_current_vllm_config
 from vllm.platforms import current_platform
 
 if current_platform.is_cpu():  # importing the other would patch torch for the wrong backend
@@ -172,6 +172,7 @@ class FlexTensorOffloadWorker(PlatformWorker):  # type: ignore[misc, valid-type]
                 "phase": None if manager.phase is None else manager.phase.value, "device": str(manager.device),
                 "offloaded_tensors": sum(map(len, offloaded.values())), "offloaded_traps": len(offloaded),
                 "warmup_passes": getattr(self, "_flextensor_warmup_passes", 0),
+                "compilation_mode": CompilationMode(self.vllm_config.compilation_config.mode).name,
                 "include_patterns": list(settings.config.include_patterns),
                 "exclude_patterns": list(settings.config.exclude_patterns)}
 

@@ -56,11 +56,14 @@ def plain(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def profiled(tiny_llama, tmp_path_factory):
     """The regular worker in vLLM's default process layout (engine core and worker in processes of their own),
-    planning with a small budget and saving its profile for the v2 workers."""
+    compiled as vLLM does by default (its dynamo trace, made once; with the eager backend, which vLLM's CPU CI
+    uses, rather than minutes of inductor), planning with a small budget and saving its profile for the v2
+    workers."""
     model, _ = tiny_llama
     profile = tmp_path_factory.mktemp("profile") / "vllm"
     engine = Engine(model, profile.parent / "engine.log", worker_cls=WORKER, additional_config=BUDGET,
-                    env={"FT_PROFILE_STORAGE_DIR": str(profile)}, multiprocessing=True)
+                    env={"FT_PROFILE_STORAGE_DIR": str(profile), "VLLM_CPU_CI_ENV": "1"}, multiprocessing=True,
+                    compile=True)
     try:
         ready = engine.wait_ready()
         tokens = engine.generate()
@@ -72,26 +75,16 @@ def profiled(tiny_llama, tmp_path_factory):
 
 
 def test_worker_serves_plain_vllms_greedy_tokens(plain, profiled) -> None:
+    """vLLM compiles the forward at its first call: the warm-up passes ran uncompiled, and the one trace vLLM
+    keeps is of the INFERENCE forward, whose tokens are plain vLLM's."""
     assert profiled["tokens"] == plain["tokens"]
     report = profiled["report"]
     assert report["role"] == "private" and report["phase"] == "inference" and report["device"] == "cpu"
-    assert report["warmup_passes"] == WARMUP_PASSES
+    assert report["warmup_passes"] == WARMUP_PASSES and report["compilation_mode"] == "DYNAMO_TRACE_ONCE"
     # Every decoder layer is a trap of its own under the default patterns, and the budget streams all of them.
     assert report["offloaded_traps"] == 10 and report["offloaded_tensors"] == 10 * 6
     assert report["pid"] != profiled["pid"]  # the worker ran in a process of vLLM's, not in the engine's script
     assert (profiled["profile"] / "profile.json").is_file()
-
-
-def test_compiled_engine_serves_the_same_tokens(plain, tiny_llama, engines) -> None:
-    """vLLM's compilation (dynamo, traced once, here with its eager backend) traces the INFERENCE forward: the
-    warm-up passes ran uncompiled."""
-    model, _ = tiny_llama
-    engine = engines(model, "compiled", worker_cls=WORKER, additional_config=BUDGET, compile=True,
-                     env={"VLLM_CPU_CI_ENV": "1"})
-    report = engine.wait_ready()["flextensor_report"]
-    assert report["warmup_passes"] == WARMUP_PASSES and report["offloaded_traps"] == 10
-    assert engine.generate() == plain["tokens"]
-    assert engine.exit() == 0
 
 
 def test_two_engines_share_one_copy_and_outlive_a_kill(plain, profiled, tiny_llama, engines, namespace,
