@@ -235,13 +235,19 @@ def docs_from(paths: list[str]) -> None:
     """Merge saved results (each run's ``bench_host_memory.json`` or ``.partial.json``, e.g. one size per device
     run) into one report, in the order given, and write it into docs/benchmarks.md."""
     merged: dict = {"pinned_h2d_gbs": float("nan"), "runs": [], "groups": []}
+    machines = set()
     for path in paths:
         data = json.loads(Path(path).read_text())
+        machines.add(data["machine"].partition(", ")[2])
         for r in data["runs"]:
             r.setdefault("pinned_h2d_gbs", data["pinned_h2d_gbs"])
         merged["runs"] += data["runs"]
         merged["groups"] += data["groups"]
-    print(f"wrote {write_docs_section('bench_host_memory', docs_body(sections_for(merged)))}")
+    if len(machines) != 1:
+        raise SystemExit(f"--docs-from: the runs come from {len(machines)} machines; merge runs of one machine only")
+    machine = json.loads(Path(paths[0]).read_text())["machine"]
+    body = docs_body(sections_for(merged), machine=machine)
+    print(f"wrote {write_docs_section('bench_host_memory', body)}")
 
 
 def main() -> None:

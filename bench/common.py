@@ -166,12 +166,18 @@ def docs_markers(name: str) -> tuple[str, str]:
     return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
 
 
-def docs_body(sections: Sequence[tuple[str, str]], when: _dt.datetime | None = None) -> str:
+def docs_body(sections: Sequence[tuple[str, str]], when: _dt.datetime | None = None,
+              machine: str | None = None) -> str:
     """A run's tables for the docs: a line with the date (UTC) and the machine, then one bold heading per table
-    (bold, not a heading level, so the tables sit inside whatever section of the document holds them)."""
-    when = when or _dt.datetime.now(_dt.timezone.utc)
-    stamp = when.strftime("%Y-%m-%d %H:%M UTC")
-    head = f"Latest run: {stamp}; machine: {machine_description().split(', ', 1)[1]}."
+    (bold, not a heading level, so the tables sit inside whatever section of the document holds them).
+    ``machine``: a saved run's :func:`machine_description` (its date and machine) instead of this one's."""
+    if machine is not None:
+        date, _, described = machine.partition(", ")
+        head = f"Latest run: {date}; machine: {described}."
+    else:
+        when = when or _dt.datetime.now(_dt.timezone.utc)
+        stamp = when.strftime("%Y-%m-%d %H:%M UTC")
+        head = f"Latest run: {stamp}; machine: {machine_description().split(', ', 1)[1]}."
     return "\n\n".join([head, *(f"**{heading}**\n\n{text}" for heading, text in sections)])
 
 
