@@ -125,10 +125,14 @@ def shared_dir():
 def _cli_as_nobody(socket_path: Path, *args: str) -> subprocess.CompletedProcess:
     """Run the ftd CLI with uid/gid 65534. The interpreter lives under a root-only directory here, so the child
     starts as root, imports what it needs, then drops to nobody *before* it connects (SO_PEERCRED records the
-    credentials at connect time)."""
+    credentials at connect time). Every module of flextensor.shm is imported before the drop (as
+    tests/helpers/other_user.py does): some import standard modules the child could not read afterwards."""
     code = textwrap.dedent(f"""
-        import os, sys, json
+        import importlib, os, pkgutil, sys, json
         import zmq, msgspec
+        import flextensor.shm
+        for info in pkgutil.iter_modules(flextensor.shm.__path__, "flextensor.shm."):
+            importlib.import_module(info.name)  # all of shm (ctypes too) while the stdlib is readable
         import flextensor.daemon.cli as cli, flextensor.daemon.config, flextensor.shm.names
         import flextensor.shm.ftd_client, flextensor.shm.ftd_protocol
         cli.build_parser()  # argparse imports gettext/locale lazily: do it while the stdlib is readable
