@@ -43,22 +43,7 @@ import torch
 import flextensor as ft
 from tests.helpers.checkpoints import BIG, BigMLP, big_input, big_mlp, big_mlp_meta, model_bytes
 from tests.helpers.models import MLPBlock
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux 4.0+)
-    except OSError:
-        pass
+from tests.helpers.process_memory import reset_peak, status_bytes
 
 
 RSS_KINDS = ("RssAnon", "RssFile", "RssShmem")
@@ -76,11 +61,11 @@ def start_cuda() -> tuple[int, int]:
     this model's bytes each); the profiling mode runs forwards inside it."""
     if not torch.cuda.is_available():
         return 0, 0
-    before = _status("VmRSS")
+    before = status_bytes("VmRSS")
     torch.ones(1024, dtype=torch.uint8).to("cuda").cpu()
     torch.cuda.synchronize()
-    context = _status("VmRSS") - before
-    before = _status("VmRSS")
+    context = status_bytes("VmRSS") - before
+    before = status_bytes("VmRSS")
     x = big_input().to("cuda")  # drawn on the host's generator, outside the device default below
     with torch.device("cuda"), torch.no_grad():  # made on the device: no host copy of its weights
         block = MLPBlock(BIG["d"], BIG["h"]).eval()
@@ -88,7 +73,7 @@ def start_cuda() -> tuple[int, int]:
     torch.cuda.synchronize()
     del block
     torch.cuda.empty_cache()
-    return context, _status("VmRSS") - before
+    return context, status_bytes("VmRSS") - before
 
 
 def stream_on_cpu(warmup: str) -> None:
@@ -136,9 +121,9 @@ def main() -> int:
         cuda_init, kernels_init = start_cuda()
         if args.stream_on_cpu:
             stream_on_cpu(args.warmup)
-        _reset_peak()
-        before = _status("VmRSS")
-        kinds_before = {k: _status(k) for k in RSS_KINDS}
+        reset_peak()
+        before = status_bytes("VmRSS")
+        kinds_before = {k: status_bytes(k) for k in RSS_KINDS}
         start = time.monotonic()
         role = "single"
         build_growth, build_by_kind = 0, {}
@@ -158,13 +143,13 @@ def main() -> int:
                     model(x.to(manager.device))
             # The build starts here at the latest (with the first INFERENCE pass, or when waited for): its own
             # peak is measured from here, the call's peak is the higher of the two windows.
-            passes_peak = _status("VmHWM")
-            _reset_peak()
-            build_before = _status("VmRSS")
-            build_kinds = {k: _status(k) for k in RSS_KINDS}
+            passes_peak = status_bytes("VmHWM")
+            reset_peak()
+            build_before = status_bytes("VmRSS")
+            build_kinds = {k: status_bytes(k) for k in RSS_KINDS}
             manager.wait_for_host_blocks()
-            build_growth = _status("VmHWM") - build_before
-            build_by_kind = {k: _status(k) - build_kinds[k] for k in RSS_KINDS}
+            build_growth = status_bytes("VmHWM") - build_before
+            build_by_kind = {k: status_bytes(k) - build_kinds[k] for k in RSS_KINDS}
         elif args.mode == "offload":
             model = ft.offload_from_profile(model_in_ram, args.profile, config, name="model")
             del model_in_ram
@@ -179,8 +164,8 @@ def main() -> int:
                                                      follower_model_factory=big_mlp_meta)
             role = session.role("model")
         ready_s = time.monotonic() - start
-        growth = max(passes_peak, _status("VmHWM")) - before
-        by_kind = {k: _status(k) - kinds_before[k] for k in RSS_KINDS}
+        growth = max(passes_peak, status_bytes("VmHWM")) - before
+        by_kind = {k: status_bytes(k) - kinds_before[k] for k in RSS_KINDS}
         manager = ft.get_offload_manager("model")
         # On a CPU compute device the loader's rotating "device" blocks are host memory too (touched by forwards).
         device_blocks = manager.get_gpu_memory_usage().block_bytes if manager.device.type == "cpu" else 0

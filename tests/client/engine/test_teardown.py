@@ -9,22 +9,10 @@ from torch import nn
 import flextensor as ft
 import flextensor.runtime.host_memory as host_memory
 from tests.helpers.models import cpu_config
+from tests.helpers.process_memory import reset_peak, status_bytes
 
 MiB = 1 << 20
 LAYER_BYTES = 4096 * 4096 * 4  # 64 MiB: above glibc's largest mmap threshold, so every free returns its pages
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS (Linux 4.0+)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU computes from its host blocks in place")
@@ -46,10 +34,10 @@ def test_release_copies_the_model_out_of_its_blocks_one_arena_at_a_time(monkeypa
     provider = om.engine.inference.provider
     original = provider.release_block
     monkeypatch.setattr(provider, "release_block", lambda index: (released.append(index), original(index)))
-    _reset_peak()
-    before = _status("VmRSS")
+    reset_peak()
+    before = status_bytes("VmRSS")
     ft.release()
-    growth = _status("VmHWM") - before
+    growth = status_bytes("VmHWM") - before
     assert sorted(released) == list(range(layers)), released
     # Copied out all at once, the release held every block and every copy: growth of the whole model (512 MiB).
     # Block by block: one layer's copy while its block is still held, plus allocator slack.
