@@ -134,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _lock_dir(args: argparse.Namespace) -> str:
     """``--lock-dir``, else this user's lock directory from ``$TMPDIR`` as the workers derive it (not created)."""
-    from flextensor.shm.dead_sweep import own_lock_directory
+    from flextensor.shm.names import lock_directory_path
 
-    return getattr(args, "lock_dir", None) or str(own_lock_directory())
+    return getattr(args, "lock_dir", None) or str(lock_directory_path())
 
 
 def _ask(args: argparse.Namespace, message: msgspec.Struct, timeout: float = _REQUEST_TIMEOUT_S):

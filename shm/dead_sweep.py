@@ -51,11 +51,11 @@ from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.errors import ShmNamespaceHeldError, ShmProtocolError
 from flextensor.shm.journal import JOURNAL_SUFFIX, JournalHeader, read_journal
 from flextensor.shm.leases import LeaseTable
-from flextensor.shm.names import temp_base, validate_namespace
+from flextensor.shm.names import lock_directory_path, validate_namespace
 from flextensor.shm.orphans import SHM_DIR, derived_resources
 
 __all__ = ["DeadSweep", "ReclaimedNamespace", "SkippedNamespace", "SKIP_REASONS", "JOIN_SWEEP_BUDGET_S",
-           "cleanup_dead_namespaces", "own_lock_directory", "sweep_before_join", "sweep_dead_namespaces"]
+           "cleanup_dead_namespaces", "sweep_before_join", "sweep_dead_namespaces"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +101,6 @@ class DeadSweep(msgspec.Struct):
         """The skipped entries that mean this lock directory was not fully swept (see ``PROBLEM_REASONS``)."""
         return [s for s in self.skipped
                 if s.reason in PROBLEM_REASONS or (s.reason == "other-user" and s.namespace == self.lock_dir)]
-
-
-def own_lock_directory() -> Path:
-    """This user's lock directory, ``$TMPDIR/flextensor-<uid>`` (as ``names.lock_directory`` derives it), without
-    creating it: a sweep where no worker ever ran has nothing to do and leaves nothing behind."""
-    return temp_base() / f"flextensor-{os.getuid()}"
 
 
 def _check_lock_dir(directory: Path, uid: int) -> SkippedNamespace | None:
@@ -229,8 +223,8 @@ def _dead_elsewhere(directory: Path, uid: int, journaled: set[str]) -> list[Skip
 
 def sweep_dead_namespaces(lock_dir: str | os.PathLike[str] | None = None, *, budget_s: float | None = None,
                           exclude: Iterable[str] = (), look_in_shm: bool = False) -> DeadSweep:
-    """Reclaim every dead namespace journaled in ``lock_dir`` (default: :func:`own_lock_directory`) that belongs
-    to the calling user; see the module docstring for what "dead" means and what is never touched.
+    """Reclaim every dead namespace journaled in ``lock_dir`` (default: this user's, ``$TMPDIR/flextensor-<uid>``,
+    not created: a sweep where no worker ever ran leaves nothing behind) that belongs to the calling user; see the module docstring for what "dead" means and what is never touched.
 
     ``budget_s``: examine no new namespace once this many seconds have passed (``complete`` is then False);
     ``exclude``: namespaces to leave to someone else (a joiner's own, whose election reclaims it itself);
@@ -238,7 +232,7 @@ def sweep_dead_namespaces(lock_dir: str | os.PathLike[str] | None = None, *, bud
     one namespace's trouble: it is reported in ``skipped``.
     """
     start = time.monotonic()
-    directory = own_lock_directory() if lock_dir is None else Path(lock_dir)
+    directory = lock_directory_path() if lock_dir is None else Path(lock_dir)
     sweep = DeadSweep(str(directory))
     uid = os.geteuid()
     excluded = set(exclude)

@@ -51,6 +51,7 @@ __all__ = [
     "coordinator_segment_name",
     "generation_resource_name",
     "lock_directory",
+    "lock_directory_path",
     "temp_base",
     "resolve_lock_directory",
     "coordinator_lock_path",
@@ -240,6 +241,12 @@ def temp_base() -> Path:
     return Path("/tmp")
 
 
+def lock_directory_path() -> Path:
+    """Where :func:`lock_directory` is, ``$TMPDIR/flextensor-{uid}``, neither created nor checked: for tools that
+    only look (a sweep of dead namespaces, the ``ftd`` command line), which must leave nothing behind."""
+    return temp_base() / f"flextensor-{os.getuid()}"
+
+
 def lock_directory() -> Path:
     """``$TMPDIR/flextensor-{uid}``, created 0700 when missing and checked to be private to this uid.
 
@@ -250,7 +257,7 @@ def lock_directory() -> Path:
     """
     uid = os.getuid()
     base = temp_base()
-    path = base / f"flextensor-{uid}"
+    path = lock_directory_path()
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

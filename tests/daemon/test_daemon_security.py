@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -20,7 +19,8 @@ from hypothesis import strategies as st
 from flextensor.shm import ftd_protocol as proto
 from flextensor.shm.names import manager_namespace
 
-from tests.daemon.helpers import PY, REPO, Daemon, wait_until
+from tests.daemon.helpers import Daemon, wait_until
+from tests.helpers.other_user import run_as_user
 from tests.leftovers import shm_names
 
 NOBODY = 65534
@@ -123,25 +123,15 @@ def shared_dir():
 
 
 def _cli_as_nobody(socket_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run the ftd CLI with uid/gid 65534. The interpreter lives under a root-only directory here, so the child
-    starts as root, imports what it needs, then drops to nobody *before* it connects (SO_PEERCRED records the
-    credentials at connect time). Every module of flextensor.shm is imported before the drop (as
-    tests/helpers/other_user.py does): some import standard modules the child could not read afterwards."""
-    code = textwrap.dedent(f"""
-        import importlib, os, pkgutil, sys, json
-        import zmq, msgspec
-        import flextensor.shm
-        for info in pkgutil.iter_modules(flextensor.shm.__path__, "flextensor.shm."):
-            importlib.import_module(info.name)  # all of shm (ctypes too) while the stdlib is readable
-        import flextensor.daemon.cli as cli, flextensor.daemon.config, flextensor.shm.names
-        import flextensor.shm.ftd_client, flextensor.shm.ftd_protocol
-        cli.build_parser()  # argparse imports gettext/locale lazily: do it while the stdlib is readable
-        os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
-        assert os.getuid() == {NOBODY}
-        sys.exit(cli.main({list(args) + ['--socket', str(socket_path), '--json']!r}))
-    """)
-    return subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30,
-                          env=dict(os.environ, TMPDIR="/tmp"))
+    """Run the ftd CLI with uid/gid 65534. The checkout, its venv or the interpreter may be root-only (a clone in
+    a 0700 folder), so the child starts as root, imports what it needs, then drops to nobody *before* it connects
+    (SO_PEERCRED records the credentials at connect time): tests/helpers/other_user.py."""
+    argv = list(args) + ["--socket", str(socket_path), "--json"]
+    return run_as_user(NOBODY, f"sys.exit(cli.main({argv!r}))\n", tmpdir="/tmp", timeout=30,
+                       extra_modules=["zmq", "flextensor.daemon.cli", "flextensor.daemon.config",
+                                      "flextensor.daemon.lockdirs"],
+                       # argparse imports gettext/locale lazily: build the parser while the stdlib is readable
+                       prepare="import flextensor.daemon.cli as cli\ncli.build_parser()\n")
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a child as another uid")

@@ -26,7 +26,8 @@ for _info in pkgutil.iter_modules(flextensor.shm.__path__, "flextensor.shm."):
 for _name in {extra!r}:
     importlib.import_module(_name)
 from flextensor.shm.identity import boot_id, pid_namespace
-boot_id(), pid_namespace()  # cached now: /proc is readable later too, but keep the child's reads few
+boot_id(), pid_namespace()  # cached now: /proc/self/ns may turn unreadable once the process changed its uid
+{prepare}
 os.setgroups([])
 os.setgid({uid})
 os.setuid({uid})
@@ -34,11 +35,13 @@ assert os.getuid() == os.geteuid() == {uid} and os.getgid() == {uid}
 """
 
 
-def run_as_user(uid: int, code: str, *, tmpdir: str, timeout: float = 60.0,
-                extra_modules: Iterable[str] = ()) -> subprocess.CompletedProcess[str]:
+def run_as_user(uid: int, code: str, *, tmpdir: str, timeout: float = 60.0, extra_modules: Iterable[str] = (),
+                prepare: str = "") -> subprocess.CompletedProcess[str]:
     """Run ``code`` (dedented) in a fresh interpreter as uid/gid ``uid`` with ``TMPDIR=tmpdir``; see the module
-    docstring. Needs root. Returns the finished process (stdout and stderr as text)."""
-    script = _PRELUDE.format(uid=int(uid), extra=tuple(extra_modules)) + textwrap.dedent(code)
+    docstring. ``prepare`` runs before the switch, still as root (whatever imports lazily: ``argparse`` loads
+    ``gettext`` when it builds a parser). Needs root. Returns the finished process (stdout and stderr as text)."""
+    script = (_PRELUDE.format(uid=int(uid), extra=tuple(extra_modules), prepare=textwrap.dedent(prepare))
+              + textwrap.dedent(code))
     env = {**os.environ, "TMPDIR": tmpdir}
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout,
                           cwd="/")
