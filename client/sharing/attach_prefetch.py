@@ -24,8 +24,8 @@ Ordering and ownership
    read them, whatever stream the caller uses. Beside the copy, which needs neither, a thread of its own
    (``ft-attach-blocks``) maps the arena, then allocates and frees the loader's rotating device blocks, which
    leaves them in PyTorch's caching allocator for the adoption to take (``cudaMalloc`` calls are slow while
-   other followers register their blocks; on the H200 host the two take about 60 ms for a 24 GiB model, which
-   would otherwise come before the copy). The copy's thread joins that one before it ends, and raises
+   other followers register their blocks, tens of milliseconds for a large model, which would otherwise come
+   before the copy). The copy's thread joins that one before it ends, and raises
    its error after its own. The ring is mapped and registered on a thread of its own too (``ft-staged-ring``)
    from the store's attach on, and handed to the release thread after the copy; a ring not used (an error came
    first) is released before the thread ends. On a CPU device there is no copy, and the thread maps the arena
@@ -59,8 +59,7 @@ CUDA's start
 ------------
 In a process that has not used CUDA yet, the thread starts it (driver and primary context: seconds), once the
 generation is READY: started before the wait for READY (on the caller's thread, or on one of its own), it held
-that wait up, and a creator killed meanwhile was reported 4-5 s after the SIGKILL on the H200 host, where the
-lease was 1 s. A server whose workers pick their device first (``torch.cuda.set_device``, as under
+that wait up, and a creator killed meanwhile was reported seconds after the SIGKILL, well past a lease of 1 s. A server whose workers pick their device first (``torch.cuda.set_device``, as under
 ``torchrun``) has CUDA up already, and the thread copies on the caller's current stream.
 
 ``timings`` reports seconds per part, for ``session.report()``: ``store`` and ``resident`` on the thread, and on a

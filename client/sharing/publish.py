@@ -5,7 +5,7 @@ Why the session fills the blocks itself
 ---------------------------------------
 The engine can fill host blocks from a model (a provider hands them out block by block), but then the way the
 pages come, the copy and the CUDA registration of the creator's own mapping all happen inside the engine's build,
-one after the other: on the H200 host a 24 GiB model published at 5.3 GB/s. Here the session fills the arena and
+one after the other, at a fraction of memory speed. Here the session fills the arena and
 the store itself and hands the engine the filled blocks (``host_blocks``, as a follower does), so:
 
 - the arena's pages are allocated on threads ahead of the copy (:class:`~flextensor.shm.populate_ahead.PopulateAhead`,
