@@ -3,7 +3,8 @@
 Life of a segment
 -----------------
 ``create`` makes the name exclusively (``O_CREAT|O_EXCL`` through posix_ipc), fixes the mode with ``fchmod``
-(``shm_open`` honours the umask, we want the mode asked for), checks the free space, sizes it with
+(``shm_open`` honours the umask, we want the mode asked for), passes the host-wide allocation gate
+(``allocation_gate.py``: one creator at a time, never held up by another user), checks the free space, sizes it with
 ``ftruncate``, maps it and allocates every page up front: ``MADV_POPULATE_WRITE`` over ranges in parallel
 threads (``prefault.py``; 4-5x faster than ``posix_fallocate``, which zeroes tmpfs pages in one thread under
 the inode lock), or ``posix_fallocate`` on kernels older than 5.14. On tmpfs that step is what actually
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import posix_ipc
 
+from . import allocation_gate
 from .errors import ShmSpaceError
 from .manifest import contiguous_stride
 from .names import validate_posix_name
@@ -68,53 +70,6 @@ def _page_end(n: int) -> int:
 
 def _validate_name(name: object) -> str:
     return validate_posix_name(name, "segment", _NAME_MAX)
-
-
-#: Segments at least this large take the host-wide allocation lock (small blobs do not need it).
-ALLOCATION_LOCK_MIN_BYTES = 1 << 20
-#: Longest wait for that lock; past it, allocate anyway (a stopped process must not wedge every creator).
-ALLOCATION_LOCK_WAIT_S = 120.0
-
-
-def _allocation_lock(size: int) -> int | None:
-    """Take the host-wide allocation lock: an ``flock`` on the ``/dev/shm`` directory itself.
-
-    Why: two jobs that each fit in ``/dev/shm`` alone, allocating at the same time in one too small for both,
-    would each get part of the pages and both fail with ENOSPC.  Under this lock a creator checks the free
-    space and allocates (reserves every page) before the next one looks, so one wins and the other gets
-    ``ShmSpaceError`` with the remedy, at once.  The directory is shared by every process that can use the
-    segments and locking it creates no file; the kernel drops the lock when its holder dies.  Returns the fd
-    (None when the segment is small or the lock could not be had in ``ALLOCATION_LOCK_WAIT_S``).
-    """
-    if size < ALLOCATION_LOCK_MIN_BYTES:
-        return None
-    import fcntl
-    import time
-
-    try:
-        fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    deadline = time.monotonic() + ALLOCATION_LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                logger.warning("the allocation lock on %s was held for more than %.0f s; allocating without it",
-                               SHM_DIR, ALLOCATION_LOCK_WAIT_S)
-                os.close(fd)
-                return None
-            time.sleep(0.005)
-        except OSError:
-            os.close(fd)
-            return None
-
-
-def _release(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)  # closing the only fd of the open file description drops the flock
 
 
 def check_file_intact(name: str, size: int, inode: int | None) -> None:
@@ -239,7 +194,7 @@ class SharedSegment:
             raise PermissionError(errno.EACCES, f"cannot create shared-memory segment {name!r}: {exc}"
                                   f"{squatter_hint(name)}") from None
         fd = shm.fd
-        reservation = _allocation_lock(size)
+        reservation = allocation_gate.acquire(SHM_DIR, size)  # see allocation_gate.py: who is waited for
         try:
             os.fchmod(fd, mode)  # shm_open applied the umask; make the mode exactly what was asked
             free = _shm_free_bytes()
@@ -265,7 +220,7 @@ class SharedSegment:
             cls.unlink_name(name)
             raise
         finally:
-            _release(reservation)
+            allocation_gate.release(reservation)
         inode = os.fstat(fd).st_ino
         shm.close_fd()
         logger.debug("created shared-memory segment %s (%d bytes, mode %04o)", name, size, mode)
