@@ -22,16 +22,20 @@ setup() {
             echo "dev.sh: CUDA torch found in $("$python" -c 'import sys; print(sys.executable)'); the venv reuses it" >&2
             "$python" -m venv --system-site-packages "$venv"
         else
+            echo "dev.sh: creating the venv $venv" >&2
             "$python" -m venv "$venv"
         fi
     fi
     local py="$venv/bin/python" stamp="$venv/.flextensor-installed"
     if ! "$py" -c 'import torch' 2>/dev/null; then
+        echo "dev.sh: installing torch 2.13.0, CPU build (the longest step, a minute or two)..." >&2
         "$py" -m pip install -q --disable-pip-version-check 'torch==2.13.0'
     fi
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+        echo "dev.sh: installing flextensor (editable) and its test dependencies..." >&2
         "$py" -m pip install -q --disable-pip-version-check -e '.[test]'
         touch "$stamp"
+        echo "dev.sh: set-up done" >&2
     fi
 }
 
