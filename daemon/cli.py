@@ -1,9 +1,9 @@
 """``ftd``: the daemon's command line (console script ``ftd = flextensor.daemon.cli:main``).
 
-Commands (each takes ``--socket PATH`` and ``--json``)::
+Commands (each takes ``--socket PATH`` and ``--json``; ``ftd --version`` prints the version)::
 
-    ftd serve   [--config FILE] [--metrics-port N] [--reap-interval S] [--lock-dir DIR ...] [--socket-group G]
-                [--keep-holds]
+    ftd serve   [--config FILE] [--metrics-port N] [--metrics-host ADDR] [--reap-interval S] [--lock-dir DIR ...]
+                [--socket-group G] [--log-level LEVEL] [--keep-holds]
     ftd status                       daemon up?  version, uptime, counts       (exit 1 when no daemon answers)
     ftd ls                           one row per generation
     ftd cleanup NS [--manager NAME ...] [--timeout S] [--local] [--lock-dir DIR] [--force]
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="machine-readable output")
     parser = argparse.ArgumentParser(prog="ftd", description="flextensor per-host namespace daemon and its control "
                                      "commands")
+    from flextensor.shm._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"ftd (flextensor) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     serve = sub.add_parser("serve", parents=[common], help="run the daemon in the foreground (logs to stderr)")

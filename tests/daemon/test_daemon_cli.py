@@ -197,3 +197,12 @@ def test_socket_group_mode(tmp_path, lock_dir):
         assert os.stat(sock).st_gid == os.getgid()
     finally:
         d.stop()
+
+
+def test_version_prints_the_package_version_and_needs_no_daemon():
+    import flextensor
+
+    proc = subprocess.run([PY, "-m", "flextensor.daemon.cli", "--version"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"ftd (flextensor) {flextensor.__version__}"
