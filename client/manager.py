@@ -25,7 +25,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -53,6 +53,10 @@ from flextensor.runtime.loaders.block_loader import StreamingLoader
 from flextensor.runtime.timing import OffloadTimingReport
 from flextensor.state import TensorManagerState, model_tensors
 
+if TYPE_CHECKING:  # pragma: no cover - the shm modules load at the first shared offload, not at import
+    from flextensor.shm.coordinator import ShmCoordinator
+    from flextensor.shm.owner import ShmOwner
+
 __all__ = ["OffloadManager", "Phase", "GPUMemoryUsage", "compute_device"]
 
 logger = logging.getLogger(__name__)
@@ -69,7 +73,7 @@ class OffloadManager:
         self._budget_override: int | None = None
         self._policy: EnginePolicy | None = None  # set_engine_policy(); None: the process default
         self._suspend_pending = 0  # suspend_profiling() before offload(): handed to the next engine
-        self._shm_coordinator: Any = None  # a namespace joined for shm_enabled without a session
+        self._shm_coordinator: ShmCoordinator | None = None  # joined for shm_enabled without a session
         self._allow_replan = True
         self._reset()
         if config is not None:
@@ -207,7 +211,7 @@ class OffloadManager:
         config: OffloadConfig | None = None,
         compile_fn: Callable[[nn.Module], nn.Module] | None = None,
         *,
-        shm_owner: Any = None,
+        shm_owner: ShmOwner | None = None,
     ) -> nn.Module:
         """Patch ``model`` in place and return it. With a loaded profile pending, adopt it instead."""
         self.check_thread()
@@ -245,7 +249,8 @@ class OffloadManager:
                     self._handler.phase.value, self.iters_before_inference)
         return model
 
-    def _begin(self, model: nn.Module, tensors: dict, compile_fn: Any, shm_owner: Any) -> EngineContext:
+    def _begin(self, model: nn.Module, tensors: dict, compile_fn: Any,
+               shm_owner: ShmOwner | None) -> EngineContext:
         """A fresh engine context for ``model`` and the root forward that frames its passes."""
         cfg = self._config()
         device = compute_device(cfg)
@@ -259,7 +264,7 @@ class OffloadManager:
         return ctx
 
     def _provider_factory(self, cfg: OffloadConfig, device: torch.device,
-                          shm_owner: Any) -> Callable[..., HostBlockProvider]:
+                          shm_owner: ShmOwner | None) -> Callable[..., HostBlockProvider]:
         """What the engine calls for its host-block provider. Shared memory needs a namespace membership: the
         session's (``shm_owner``), or for ``shm_enabled`` without a session (the caller coordinates roles)
         this manager's own, joined when the first block is needed and left at ``release()``."""
@@ -271,7 +276,7 @@ class OffloadManager:
 
         return factory
 
-    def _join_namespace(self, cfg: OffloadConfig) -> Any:
+    def _join_namespace(self, cfg: OffloadConfig) -> ShmOwner:
         if self._shm_coordinator is None:
             from flextensor.shm.coordinator import ShmCoordinator
             from flextensor.shm.names import manager_namespace
@@ -435,7 +440,7 @@ class OffloadManager:
         host_blocks: Sequence[torch.Tensor] | None = None,
         weights: Mapping[str, Weight] | None = None,
         compile_fn: Callable[[nn.Module], nn.Module] | None = None,
-        shm_owner: Any = None,
+        shm_owner: ShmOwner | None = None,
         host_block_gate: Callable[[int], None] | None = None,
     ) -> nn.Module:
         """Adopt ``state`` for ``model`` and enter INFERENCE directly (see ``flextensor.engine.adoption``).

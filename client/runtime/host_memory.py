@@ -55,13 +55,16 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
 from flextensor.runtime.heap import return_free_heap
 from flextensor.shm.manifest import contiguous_stride
 from flextensor.shm.sizes import align_up
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flextensor.shm.owner import ShmOwner
 
 __all__ = [
     "ALIGN",
@@ -503,7 +506,7 @@ class ShmProvider(HostBlockProvider):
 
     kind = "shm"
 
-    def __init__(self, owner: Any, *, pin: bool) -> None:
+    def __init__(self, owner: ShmOwner, *, pin: bool) -> None:
         from flextensor.shm.blocks import SharedBlockAllocator
 
         self.owner = owner
@@ -564,7 +567,7 @@ class ShmProvider(HostBlockProvider):
                 logger.warning("could not close the shared host blocks %s: %s", getattr(part, "name", "?"), exc)
 
 
-def make_provider(config: Any, device: torch.device, *, shm_owner: Any = None,
+def make_provider(config: Any, device: torch.device, *, shm_owner: ShmOwner | None = None,
                   register_in_place: bool = False) -> HostBlockProvider:
     """The provider the config asks for. ``pinned_memory`` on a CPU compute device is refused earlier, at
     manager construction; here it can only mean CUDA.

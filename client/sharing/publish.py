@@ -61,6 +61,7 @@ from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_view
 from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.manifest import DTYPE_SIZES
+from flextensor.shm.owner import ShmOwner
 from flextensor.shm.populate_ahead import PopulateAhead
 from flextensor.shm.store_layout import StoreLayout, record_key, store_layout
 from flextensor.shm.tensor_store import SharedTensorStore
@@ -165,7 +166,7 @@ def _write(view: torch.Tensor, value: Any) -> None:
         view.copy_(value)
 
 
-def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], owner: Any,
+def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], owner: ShmOwner,
                   weights: Mapping[str, Any] | None, *, window: int,
                   stop: Callable[[], BaseException | None] | None = None) -> SharedTensorStore:
     """Publish ``names`` (the plan's resident tensors) into the store and point the model's host tensors at their

@@ -68,7 +68,7 @@ from flextensor.api import get_offload_manager
 from flextensor.sharing.attach_prefetch import ELECT_LOCK_WAIT_S, FollowerPrefetch
 from flextensor.configuration.config import OffloadConfig
 from flextensor.sharing.creator_source import CreatorSource
-from flextensor.manager import compute_device
+from flextensor.manager import OffloadManager, compute_device
 from flextensor.profiles import read_profile
 from flextensor.sharing.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, BlockReads, PublishPlan, arena_plan,
                                 fill_blocks, plan_publish, populate_window, publish_store, read_queued)
@@ -283,7 +283,7 @@ class SharedOffloadSession:
         return cfg
 
     # ------------------------------------------------------------------------------------------ creator
-    def _publish(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, profile_dir: str,
+    def _publish(self, share: ManagerShare, manager: OffloadManager, cfg: OffloadConfig, profile_dir: str,
                  source: CreatorSource) -> nn.Module:
         coordinator = share.coordinator
         owner = coordinator.memory_owner
@@ -411,7 +411,7 @@ class SharedOffloadSession:
         return model, reads
 
     # ------------------------------------------------------------------------------------------ follower
-    def _attach(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, deadline: _Deadline,
+    def _attach(self, share: ManagerShare, manager: OffloadManager, cfg: OffloadConfig, deadline: _Deadline,
                 factory: Callable[[], nn.Module]) -> nn.Module:
         """A follower of a generation not READY yet: a thread waits for READY, reads the plan and opens the store,
         host blocks and resident copies while the factory builds the model (see ``flextensor.sharing.attach_prefetch``),
@@ -432,7 +432,7 @@ class SharedOffloadSession:
         share.wait_s = steps["wait"]
         return self._adopt_published(share, manager, cfg, model, prefetch)
 
-    def _adopt_published(self, share: ManagerShare, manager: Any, cfg: OffloadConfig, model: nn.Module,
+    def _adopt_published(self, share: ManagerShare, manager: OffloadManager, cfg: OffloadConfig, model: nn.Module,
                          prefetch: FollowerPrefetch) -> nn.Module:
         """The follower's last steps, with the store and arena attached: check, install, adopt, register.
 
@@ -470,7 +470,7 @@ class SharedOffloadSession:
         return proxy
 
     # ------------------------------------------------------------------------------------------ teardown
-    def _abandon(self, share: ManagerShare, manager: Any) -> None:
+    def _abandon(self, share: ManagerShare, manager: OffloadManager) -> None:
         """Undo a failed ``offload_from_profile``; what cannot be undone stays for ``close()`` to retry."""
         try:
             self._release_share(share, manager, preserve=False)
@@ -478,7 +478,7 @@ class SharedOffloadSession:
             logger.warning("session %s/%s: cleanup after failure incomplete (%s); call close() to retry",
                            self.namespace, share.name, exc)
 
-    def _release_share(self, share: ManagerShare, manager: Any, *, preserve: bool) -> None:
+    def _release_share(self, share: ManagerShare, manager: OffloadManager, *, preserve: bool) -> None:
         if not share.released:
             if manager.model is not None:
                 model = manager.model

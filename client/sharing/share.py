@@ -23,6 +23,7 @@ from flextensor.shm.blocks import SharedBlockAllocator
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.ftd_client import register_participant
 from flextensor.shm.names import lock_directory
+from flextensor.shm.owner import ShmOwner
 from flextensor.shm.tensor_store import SharedTensorStore
 from flextensor.state import TensorManagerState, model_tensors
 
@@ -72,7 +73,7 @@ def run_factory_while_attaching(prefetch: FollowerPrefetch, factory: Callable[[]
     return model
 
 
-def read_published_plan(owner: Any, namespace: str) -> TensorManagerState:
+def read_published_plan(owner: ShmOwner, namespace: str) -> TensorManagerState:
     """The plan the creator of ``namespace``'s generation published (``PLAN_KIND``), validated."""
     return TensorManagerState.from_json(owner.read_blob(PLAN_KIND), source=f"published plan of {namespace}")
 
