@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+from torch import nn
 
 from flextensor.engine.context import SwitchInputs
 from flextensor.engine.warmup import warm_samples
@@ -95,11 +96,29 @@ def _layout_entry(t: torch.Tensor, name: str) -> tuple[str, torch.dtype, tuple[i
     return name, t.dtype, tuple(t.shape), packed_stride(t)
 
 
+def warn_traps_never_called(ctx: EngineContext, called: list[str]) -> None:
+    """Name the traps no warm-up pass entered: their weights stay on the device. The usual cause is a trap on a
+    container nothing calls (the default ``["*"]`` traps a model's top-level children, and a ``ModuleList`` of
+    layers is one of them; the model's forward calls the layers, never the list), which would otherwise leave
+    a user with an offload that offloads nothing and no word of why."""
+    seen = set(called)
+    idle = [trap for trap in ctx.traps.values() if trap.kind == "module" and trap.label not in seen]
+    if not idle:
+        return
+    held = sum(tensor_nbytes(ctx.tensors[n].tensor) for trap in idle for n in ctx.exclusive.get(trap.label, ()))
+    hints = [f"{trap.label!r} ({type(trap.module).__name__}, never called: name its layers, e.g. "
+             f"include_patterns=['{trap.label}.*'])" if trap.module is not None
+             and type(trap.module).forward is nn.Module.forward else repr(trap.label) for trap in idle]
+    logger.warning("manager %r: %d trap(s) were never called during the warm-up, so their %.1f MiB stay on the "
+                   "device: %s", ctx.name, len(idle), held / 2**20, "; ".join(hints))
+
+
 def plan_switch(ctx: EngineContext) -> Plan:
     """End of PROFILING: fit the transfers, plan with the strategy, and record the timings in ``ctx.plan``."""
     cfg = ctx.config
     sequence = ctx.sequence
     order = list(dict.fromkeys(sequence))
+    warn_traps_never_called(ctx, order)
     tensors = ctx.tensors
     inputs = ctx.profile.switch_inputs if ctx.profile.switch_inputs is not None else prepare_switch(ctx)
     ctx.profile.switch_inputs = None  # used once: a later plan (after a release) starts from the model again

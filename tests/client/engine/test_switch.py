@@ -313,3 +313,30 @@ def test_a_trap_first_entered_in_the_last_pass_is_planned_from_its_reading(monke
     assert traps["first"].compute_s == statistics.median(om.engine.profile.durations["first"])  # all 4 read
     om.wait_for_host_blocks()
     _passes(model, x, ref, 2)
+
+
+def test_a_trap_never_called_is_named_with_the_patterns_that_reach_its_layers(caplog):
+    model = tiny_transformer()  # its blocks live in a ModuleList: "*" traps the list, which nothing calls
+    ids = token_ids().to(DEVICE)
+    with torch.no_grad():
+        expected = model(ids)
+    om = ft.get_offload_manager()
+    with caplog.at_level("WARNING", logger="flextensor.manager"):
+        ft.offload(model, cpu_config())  # the default include_patterns, ["*"]
+        with torch.no_grad():
+            for _ in range(om.iters_before_inference + 1):
+                assert torch.equal(model(ids), expected)
+    assert om.phase is Phase.INFERENCE
+    warnings = [r.getMessage() for r in caplog.records if "never called" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "'blocks' (ModuleList, never called: name its layers, e.g. include_patterns=['blocks.*'])" in warnings[0]
+    # a model whose traps are all called says nothing
+    caplog.clear()
+    ft.release()
+    om = ft.get_offload_manager()
+    with caplog.at_level("WARNING", logger="flextensor.manager"):
+        ft.offload(model, cpu_config(include_patterns=["blocks.*"]))
+        with torch.no_grad():
+            for _ in range(om.iters_before_inference + 1):
+                model(ids)
+    assert not [r for r in caplog.records if "never called" in r.getMessage()]
