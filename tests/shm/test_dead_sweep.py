@@ -108,6 +108,20 @@ def test_a_spent_budget_leaves_the_rest_for_the_next_sweep(namespace, children):
     assert all(shm_names(ns) == [] for ns in names)
 
 
+def test_a_namespace_whose_lock_is_taken_is_left_for_the_next_sweep(namespace, children):
+    """An election (or a cleanup) holding the coordinator lock right now wins: the sweep does not wait for it."""
+    ns = manager_namespace(namespace, "busy")
+    crashed, electing = children(2)
+    _publish(crashed, ns)
+    crashed.kill()
+    electing.ok("hold_lock", ns=ns)
+    sweep = sweep_dead_namespaces()
+    assert sweep.reclaimed == [] and [(s.namespace, s.reason) for s in sweep.skipped] == [(ns, "busy")]
+    assert len(shm_names(ns)) == 4
+    electing.ok("release_lock")
+    assert [r.namespace for r in ft.cleanup_dead_namespaces()] == [ns] and shm_names(ns) == []
+
+
 def test_interrupted_creation_journal_without_coordinator_is_reclaimed(namespace):
     ns = manager_namespace(namespace, "aborted")
     journal = lock_directory() / f"{ns}.journal"
