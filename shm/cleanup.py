@@ -62,7 +62,7 @@ from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordin
 from flextensor.shm.journal import Intent, Journal, JournalHeader, read_journal
 from flextensor.shm.leases import LeaseSlot, LeaseTable
 from flextensor.shm.locks import FileLock
-from flextensor.shm.orphans import derived_resources
+from flextensor.shm.orphans import SHM_DIR as SHM_DIR_PATH, derived_resources
 from flextensor.shm.names import (
     coordinator_lock_path,
     coordinator_segment_name,
@@ -70,7 +70,7 @@ from flextensor.shm.names import (
     resolve_lock_directory,
     validate_namespace,
 )
-from flextensor.shm.segment import SharedSegment
+from flextensor.shm.segment import SHM_DIR, SharedSegment
 
 __all__ = ["CleanupReport", "NamespaceState", "check_not_held", "cleanup_manager_namespace", "held_error",
            "inspect_namespace_locked"]
@@ -161,6 +161,16 @@ def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | 
     try:
         if state.header is not None:
             if not state.journal_exists:
+                foreign = _foreign_owner(coordinator_segment_name(namespace), namespace_owner(state.lock_dir))
+                if foreign is not None:
+                    raise PermissionError(
+                        f"coordinator segment {SHM_DIR}{coordinator_segment_name(namespace)} (generation "
+                        f"{state.header.generation}) belongs to {foreign}, not to this user (uid "
+                        f"{namespace_owner(state.lock_dir)}): another user runs a job on the same namespace (the "
+                        "same base namespace and manager name). Nothing was removed. Use another base namespace or "
+                        "manager name, or have that user stop the job (or root remove its files with `ftd cleanup "
+                        "NS` as that user)"
+                    )
                 raise ShmProtocolError(
                     f"coordinator segment {coordinator_segment_name(namespace)} exists (generation "
                     f"{state.header.generation}) but its ownership journal {jpath} does not. Nothing was removed. "
@@ -340,11 +350,17 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
     if force:
         return _force_cleanup(namespace, directory, deadline, start)
     lock = FileLock(coordinator_lock_path(namespace, directory))
+    existed = lock.path.exists()
     try:
         while True:
             lock.acquire(max(0.0, deadline - time.monotonic()))
             try:
-                state = inspect_namespace_locked(namespace, directory)
+                try:
+                    state = inspect_namespace_locked(namespace, directory)
+                except (ShmProtocolError, PermissionError):
+                    if not existed:
+                        lock.unlink_if_held()  # refused: leave no lock file where there was none
+                    raise
                 try:
                     live = state.live_slots()
                     held = [s for s in live if s.durable]
@@ -415,7 +431,39 @@ def _force_cleanup(namespace: str, directory: Path, deadline: float, start: floa
         lock.close()
     if removed:
         logger.warning("forced cleanup of %s removed %s", namespace, ", ".join(removed))
+    owner = namespace_owner(directory)
+    blocking = [path for path in derived_resources(namespace, directory, owner_uid=None).all()
+                if path.parent == SHM_DIR_PATH and _foreign_owner_of(path, owner) is not None]
+    if blocking:
+        shown = ", ".join(f"{path} ({_foreign_owner_of(path, owner)})" for path in blocking)
+        raise PermissionError(
+            f"forced cleanup of namespace {namespace!r} removed {len(removed)} entries of this user (uid {owner}), "
+            f"but {shown} belong to another user and still block the namespace. They are not this user's to "
+            f"remove: their owner or root must (`rm {' '.join(str(p) for p in blocking)}`), or use another base "
+            "namespace or manager name"
+        )
     return CleanupReport(namespace, generation, removed, absent, time.monotonic() - start)
+
+
+def _foreign_owner_of(path: Path, owner_uid: int) -> str | None:
+    """``"uid N (name)"`` when ``path`` exists and belongs to a uid other than ``owner_uid``, else None."""
+    try:
+        uid = os.lstat(path).st_uid
+    except FileNotFoundError:
+        return None
+    if uid == owner_uid:
+        return None
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (KeyError, ImportError):
+        return f"uid {uid}"
+
+
+def _foreign_owner(name: str, owner_uid: int) -> str | None:
+    """:func:`_foreign_owner_of` for the POSIX name ``name`` in ``/dev/shm``."""
+    return _foreign_owner_of(SHM_DIR_PATH / name.lstrip("/"), owner_uid)
 
 
 def sweep_orphans_locked(namespace: str, lock_dir: str | os.PathLike[str] | None = None) -> list[str]:

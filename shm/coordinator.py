@@ -5,7 +5,8 @@ is bounded by ``timeout`` (the participant's heartbeat thread starts right after
 
 1. ``/{ns}.c`` absent -> this handle is the **creator** of a new generation: if a journal is left over (a
    crash during creation or cleanup) its resources are reclaimed first and the new generation is its
-   generation + 1, else 1. The journal header is written, then ``/{ns}.c`` created (O_EXCL), the creator's
+   generation + 1, else 1, moved past any number whose names another uid took (``_unsquatted_generation``).
+   The journal header is written, then ``/{ns}.c`` created (O_EXCL), the creator's
    lease claimed and the header written with state INITIALIZING (magic last).
 2. ``/{ns}.c`` present and valid, with at least one live lease -> **follower**: claim a lease slot. Joining
    needs a live lease: it is what keeps the generation's resources alive.
@@ -40,6 +41,7 @@ handle that is never closed keeps its lease (and the generation) alive until its
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -74,6 +76,7 @@ from flextensor.shm.journal import create_journal, remove_journal
 from flextensor.shm.leases import Heartbeat, LeaseTable
 from flextensor.shm.locks import FileLock
 from flextensor.shm.names import coordinator_lock_path, coordinator_segment_name, manager_namespace, validate_namespace
+from flextensor.shm.orphans import squatted_generations
 from flextensor.shm.owner import ShmOwner
 from flextensor.shm.segment import SharedSegment
 
@@ -250,7 +253,7 @@ class ShmCoordinator:
             else:
                 previous = None
                 sweep_orphans_locked(self._namespace)
-            self._create((previous or 0) + 1)
+            self._create(self._unsquatted_generation((previous or 0) + 1))
             return True
         finally:
             state.close()
@@ -269,6 +272,24 @@ class ShmCoordinator:
         self._segment, state.segment = state.segment, None  # keep the mapping
         self._table = table
         self._header = header
+
+    def _unsquatted_generation(self, generation: int) -> int:
+        """``generation``, or the first later one none of whose names another uid has taken in ``/dev/shm``.
+
+        The names of generation N are derived (``names.py``), so any user can create ``{ns}.g{N+1}.sd`` while
+        generation N runs, and the restart after a crash would fail on it. A creator therefore skips every
+        number with a name of another uid (WARNING naming the uid and the entry); the journal and the header
+        record the number chosen, so followers, cleanup and ftd follow it. A name taken after this choice, while
+        the creator publishes, still fails that creation (FileExistsError naming the owner); the restart after
+        it skips that number too."""
+        squatted = squatted_generations(self._namespace, os.geteuid())
+        while generation in squatted:
+            entry, uid = squatted[generation]
+            logger.warning("namespace %s: generation %d skipped, /dev/shm/%s belongs to uid %d, not to this user "
+                           "(uid %d); that user or root can remove it (`rm /dev/shm/%s`)", self._namespace,
+                           generation, entry, uid, os.geteuid(), entry)
+            generation += 1
+        return generation
 
     def _create(self, generation: int) -> None:
         create_journal(self._namespace, generation, base=self._labels[0], manager=self._labels[1])

@@ -19,8 +19,10 @@ below NAME_MAX (255) and below the 64 characters some tools (and old BSD-derived
 The lock directory lives under ``TMPDIR`` (read from the environment at every call: not through ``tempfile``,
 which caches its choice at first use and silently falls back to ``/tmp`` when ``TMPDIR`` is full or not
 writable; a lock directory that cannot be made or written is an error naming it) and is private
-to the uid: it is created 0700 and refused when someone else owns it or can write into it, because a foreign
-writer there could plant lock files or journals that make us unlink the wrong resources.
+to the uid: it is created 0700 and refused when group or others can write into it, because a foreign writer
+there could plant lock files or journals that make us unlink the wrong resources. In a shared sticky ``TMPDIR``
+another user can take the name ``flextensor-{uid}`` first; the user's lock directory is then a numbered
+fallback it owns (:func:`find_lock_directory` has the protocol), with a WARNING naming the other uid.
 
 Every function that derives a path inside the lock directory takes an optional ``lock_dir``.  ``None`` (the
 default, what workers use) means :func:`lock_directory` of the calling process.  An explicit directory is used
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import stat
@@ -52,6 +55,7 @@ __all__ = [
     "generation_resource_name",
     "lock_directory",
     "lock_directory_path",
+    "find_lock_directory",
     "temp_base",
     "resolve_lock_directory",
     "coordinator_lock_path",
@@ -241,33 +245,117 @@ def temp_base() -> Path:
     return Path("/tmp")
 
 
+def _owner_of(path: Path) -> tuple[bool, int] | None:
+    """``(is a real directory, owner uid)`` of ``path`` (symlinks not followed), None when it does not exist."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return stat.S_ISDIR(st.st_mode), st.st_uid
+
+
+def _fallbacks(base: Path, uid: int) -> list[tuple[int, Path]]:
+    """The fallback lock directories ``flextensor-{uid}.{n}`` (n >= 1) that exist in ``base``, by n."""
+    prefix = f"flextensor-{uid}."
+    found: list[tuple[int, Path]] = []
+    try:
+        with os.scandir(base) as entries:
+            for entry in entries:
+                rest = entry.name[len(prefix):] if entry.name.startswith(prefix) else ""
+                if rest.isdigit() and rest[0] != "0":
+                    found.append((int(rest), base / entry.name))
+    except OSError:
+        return []
+    return sorted(found)
+
+
+def find_lock_directory(base: str | os.PathLike[str], uid: int) -> tuple[Path, list[tuple[Path, int]]]:
+    """Where ``uid``'s lock directory under ``base`` is, neither created nor checked; also the squatted
+    candidates passed over, as ``(path, owner uid)``.
+
+    Protocol (every worker, cleanup and ``ftd`` of the user agree on it without talking): the directory is
+    ``{base}/flextensor-{uid}`` when that is a directory ``uid`` owns. When another uid has taken that name (in a
+    shared sticky ``TMPDIR`` anyone may create it first), the lock directory is the lowest-numbered
+    ``{base}/flextensor-{uid}.{n}`` (n >= 1) that ``uid`` owns, else the lowest ``n`` still free, which the
+    first worker creates. An existing directory of ``uid`` always wins over a free name, so a squatter that
+    removes its directory later cannot make two workers of one job pick different ones. A squatter can only
+    ever push the directory to a later name, never into one it controls.
+    """
+    base = Path(base)
+    primary = base / f"flextensor-{uid}"
+    owner = _owner_of(primary)
+    if owner is not None and (owner[1] == uid):
+        return primary, []  # ours (a non-directory of ours is reported by lock_directory)
+    skipped = [] if owner is None else [(primary, owner[1])]
+    taken: set[int] = set()
+    for n, path in _fallbacks(base, uid):
+        found = _owner_of(path)
+        if found is None:
+            continue
+        if found == (True, uid):
+            return path, skipped
+        taken.add(n)
+        skipped.append((path, found[1]))
+    if owner is None:
+        return primary, skipped
+    n = 1
+    while n in taken:
+        n += 1
+    return base / f"flextensor-{uid}.{n}", skipped
+
+
+_warned_squatters: set[tuple[str, int]] = set()
+
+
+def _warn_squatted(skipped: list[tuple[Path, int]], chosen: Path) -> None:
+    for path, owner in skipped:
+        if (str(path), owner) in _warned_squatters:
+            continue
+        _warned_squatters.add((str(path), owner))
+        logging.getLogger(__name__).warning(
+            "lock directory %s belongs to uid %d, not to this user (uid %d): another user may be trying to block "
+            "this user's jobs; using %s instead. That user or root can remove it (`rm -r %s`); a TMPDIR private to "
+            "each user avoids it", path, owner, os.getuid(), chosen, path)
+
+
 def lock_directory_path() -> Path:
-    """Where :func:`lock_directory` is, ``$TMPDIR/flextensor-{uid}``, neither created nor checked: for tools that
+    """Where :func:`lock_directory` is (``$TMPDIR/flextensor-{uid}``, or the fallback of
+    :func:`find_lock_directory` when another user took that name), neither created nor checked: for tools that
     only look (a sweep of dead namespaces, the ``ftd`` command line), which must leave nothing behind."""
-    return temp_base() / f"flextensor-{os.getuid()}"
+    return find_lock_directory(temp_base(), os.getuid())[0]
 
 
 def lock_directory() -> Path:
-    """``$TMPDIR/flextensor-{uid}``, created 0700 when missing and checked to be private to this uid.
+    """``$TMPDIR/flextensor-{uid}`` (or its fallback, see :func:`find_lock_directory`, with a WARNING naming the
+    uid that took the name), created 0700 when missing and checked to be private to this uid.
 
-    Raises ``PermissionError`` when the path exists but is not a real directory owned by us, or when group or
+    Raises ``PermissionError`` when the directory found is not a real directory of ours, or when group or
     others may write into it; ``OSError`` naming the directory when it cannot be created (``TMPDIR`` missing,
-    full or read-only): there is no silent fall-back to another directory, which would hide the journals
-    from the other workers and from cleanup.
+    full or read-only): there is no silent fall-back to another ``TMPDIR``, which would hide the journals from
+    the other workers and from cleanup.
     """
     uid = os.getuid()
     base = temp_base()
-    path = lock_directory_path()
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise type(exc)(exc.errno, f"cannot create the flextensor lock directory {path} ({exc.strerror}): "
-                        f"TMPDIR={str(base)!r} must be an existing, writable directory with free space, the "
-                        "same for every worker of a job", str(path)) from exc
+    for _ in range(100):  # each turn loses a mkdir race to another uid; a squatter cannot win them forever
+        path, skipped = find_lock_directory(base, uid)
+        if skipped:
+            _warn_squatted(skipped, path)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            found = _owner_of(path)
+            if found is not None and found[1] != uid:
+                continue  # another uid made this name between our look and our mkdir: look again
+        except OSError as exc:
+            raise type(exc)(exc.errno, f"cannot create the flextensor lock directory {path} ({exc.strerror}): "
+                            f"TMPDIR={str(base)!r} must be an existing, writable directory with free space, the "
+                            "same for every worker of a job", str(path)) from exc
+        else:
+            os.chmod(path, 0o700)  # mkdir honours the umask; make the mode exact
+        break
     else:
-        os.chmod(path, 0o700)  # mkdir honours the umask; make the mode exact
+        raise PermissionError(f"every lock directory name tried under {base} was taken by another user as this one "
+                              "was made; point TMPDIR at a directory private to this user")
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise PermissionError(f"lock directory {path} exists but is not a directory (or is a symlink); remove "

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from flextensor.shm.names import validate_namespace
 
-__all__ = ["Derived", "derived_resources", "squatters", "SHM_DIR"]
+__all__ = ["Derived", "derived_resources", "squatters", "squatted_generations", "SHM_DIR"]
 
 SHM_DIR = Path("/dev/shm")
 _KIND = r"[A-Za-z][A-Za-z0-9_-]*"
@@ -100,6 +100,25 @@ def squatters(names: list[str], owner_uid: int, shm_dir: Path = SHM_DIR) -> list
             continue
         if st.st_uid != owner_uid:
             out.append((name, st.st_uid))
+    return out
+
+
+def squatted_generations(namespace: str, owner_uid: int, shm_dir: Path = SHM_DIR) -> dict[int, tuple[str, int]]:
+    """Generations of ``namespace`` that have a name in ``/dev/shm`` (segment or semaphore) owned by a uid other
+    than ``owner_uid``: ``{generation: (first such entry, its uid)}``. A creator skips these numbers (see
+    ``coordinator.py``): another user who made ``{ns}.g{N}.sd`` first would otherwise fail generation N."""
+    pattern = re.compile(rf"(?:sem\.)?{re.escape(validate_namespace(namespace))}\.g(\d+)\.{_KIND}")
+    out: dict[int, tuple[str, int]] = {}
+    for entry in sorted(_listdir(shm_dir)):
+        match = pattern.fullmatch(entry)
+        if match is None:
+            continue
+        try:
+            uid = os.lstat(shm_dir / entry).st_uid
+        except FileNotFoundError:
+            continue
+        if uid != owner_uid:
+            out.setdefault(int(match.group(1)), (entry, uid))
     return out
 
 

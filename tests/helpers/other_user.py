@@ -15,7 +15,7 @@ import sys
 import textwrap
 from collections.abc import Iterable
 
-__all__ = ["run_as_user"]
+__all__ = ["run_as_user", "start_as_user"]
 
 _PRELUDE = """\
 import importlib, json, os, pkgutil, sys, time, traceback
@@ -45,3 +45,13 @@ def run_as_user(uid: int, code: str, *, tmpdir: str, timeout: float = 60.0, extr
     env = {**os.environ, "TMPDIR": tmpdir}
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout,
                           cwd="/")
+
+
+def start_as_user(uid: int, code: str, *, tmpdir: str, extra_modules: Iterable[str] = (),
+                  prepare: str = "") -> subprocess.Popen[str]:
+    """As :func:`run_as_user`, but started in the background (stdin, stdout and stderr are pipes, as text): for a
+    job of that uid that must still run, or be SIGKILLed, while the test acts."""
+    script = (_PRELUDE.format(uid=int(uid), extra=tuple(extra_modules), prepare=textwrap.dedent(prepare))
+              + textwrap.dedent(code))
+    return subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": tmpdir}, cwd="/")

@@ -165,3 +165,15 @@ def test_cleanup_with_an_explicit_lock_dir_from_another_tmpdir(ns, tmp_path, mon
     monkeypatch.setenv("TMPDIR", str(workers_dir.parent))
     c.close()
     assert lock_files() == []
+
+
+def test_cleanup_refused_for_another_lock_directory_leaves_no_lock_file_there(namespace, tmp_path):
+    ns = manager_namespace(namespace, "wrong-tmpdir")
+    elsewhere = tmp_path / "elsewhere" / f"flextensor-{os.getuid()}"
+    elsewhere.mkdir(parents=True, mode=0o700)
+    with ShmCoordinator(ns, lease_seconds=5) as c:
+        c.notify_ready()
+        with pytest.raises(ShmProtocolError, match="ownership journal .* does not"):
+            cleanup_manager_namespace(ns, timeout=0, lock_dir=elsewhere)
+        assert list(elsewhere.iterdir()) == []  # refused: nothing created where the workers' files are not
+    assert shm_names(ns) == []

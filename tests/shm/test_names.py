@@ -229,14 +229,21 @@ def test_lock_directory_refuses_symlink(isolated_host, tmp_path):
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="changing a directory's owner needs root")
-def test_lock_directory_refuses_foreign_owner(isolated_host):
+def test_lock_directory_of_a_foreign_owner_is_passed_over_for_a_fallback_of_ours(isolated_host, caplog):
     path = lock_directory()
     os.chown(path, 12345, -1)
+    fallback = path.with_name(path.name + ".1")
     try:
-        with pytest.raises(PermissionError, match="owned by uid 12345"):
-            lock_directory()
+        with caplog.at_level("WARNING", logger="flextensor.shm.names"):
+            assert lock_directory() == fallback == names.lock_directory_path()
+        assert f"lock directory {path} belongs to uid 12345" in caplog.text and f"using {fallback}" in caplog.text
+        assert os.stat(fallback).st_uid == os.getuid() and os.stat(fallback).st_mode & 0o777 == 0o700
+        path.rmdir()  # the other user gives the name back: the journals live in the fallback now, it stays
+        assert lock_directory() == fallback and not path.exists()
     finally:
-        os.chown(path, 0, -1)
+        if path.exists():
+            os.chown(path, os.getuid(), -1)
+        fallback.rmdir()
 
 
 def test_module_does_not_import_torch():

@@ -20,7 +20,8 @@ import pytest
 from flextensor.shm import allocation_gate
 from flextensor.shm.names import manager_namespace
 from flextensor.shm.segment import SHM_DIR, SharedSegment
-from tests.helpers.other_user import run_as_user
+from tests.helpers.other_user import run_as_user, start_as_user
+from tests.leftovers import shm_names
 
 SQUATTER, VICTIM = 65534, 65533
 
@@ -126,3 +127,155 @@ def test_allocation_gate_names_its_holder_and_still_waits_for_a_creator_of_the_s
     fd = allocation_gate.acquire(SHM_DIR, 4 << 20)
     assert fd is not None  # free again: taken at once
     allocation_gate.release(fd)
+
+
+@pytest.fixture
+def shared_tmp():
+    """A shared sticky TMPDIR like /tmp (mode 1777), as the deploy files set up for several users."""
+    path = Path(tempfile.mkdtemp(prefix="ft-shared-", dir="/tmp"))
+    os.chmod(path, 0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_JOB_WITH_LOGS = """
+import logging
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("flextensor").addHandler(Keep())
+logging.getLogger("flextensor").setLevel(logging.WARNING)
+from flextensor.shm.coordinator import ShmCoordinator
+from flextensor.shm.names import lock_directory
+out = {{}}
+try:
+    with ShmCoordinator({ns!r}, lease_seconds=5, timeout=5) as c:
+        c.memory_owner.create_segment("sd", 4096).close()
+        c.notify_ready()
+        out["generation"] = c.generation
+        out["lock_dir"] = str(lock_directory())
+        out["lock_files"] = sorted(os.listdir(out["lock_dir"]))
+except Exception as exc:
+    out["error"] = f"{{type(exc).__name__}}: {{exc}}"
+out["warnings"] = records
+print(json.dumps(out))
+"""
+
+
+def _run_job(uid: int, ns: str, tmpdir: Path) -> dict:
+    if uid == 0:
+        code = "import json, os\n" + _JOB_WITH_LOGS.format(ns=ns)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "TMPDIR": str(tmpdir)})
+    else:
+        run = run_as_user(uid, _JOB_WITH_LOGS.format(ns=ns), tmpdir=str(tmpdir), timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("owner", [0, VICTIM])
+def test_lock_directory_taken_by_another_uid_falls_back_to_one_the_owner_owns(ns, shared_tmp, owner):
+    squat = run_as_user(SQUATTER, f"os.mkdir({str(shared_tmp / f'flextensor-{owner}')!r}, 0o700)\n"
+                                  f"os.mkdir({str(shared_tmp / f'flextensor-{owner}.1')!r}, 0o700)\n",
+                        tmpdir=str(shared_tmp))
+    assert squat.returncode == 0, squat.stderr
+    fallback = shared_tmp / f"flextensor-{owner}.2"
+    first = _run_job(owner, ns, shared_tmp)
+    assert "error" not in first, first
+    assert first["lock_dir"] == str(fallback) and first["lock_files"] == [f"{ns}.journal", f"{ns}.lock"]
+    assert os.stat(fallback).st_uid == owner and os.stat(fallback).st_mode & 0o777 == 0o700
+    for taken in (f"flextensor-{owner}", f"flextensor-{owner}.1"):
+        assert any(f"lock directory {shared_tmp / taken} belongs to uid {SQUATTER}" in w and str(fallback) in w
+                   for w in first["warnings"]), first["warnings"]
+    # The squatter gives the first name back: the owner's next job keeps the directory its journals are in.
+    shutil.rmtree(shared_tmp / f"flextensor-{owner}")
+    again = _run_job(owner, ns, shared_tmp)
+    assert again["lock_dir"] == str(fallback) and again["generation"] == 1, again
+    assert sorted(os.listdir(fallback)) in ([], [f"{ns}.lock"])  # the job left: nothing of it remains
+    assert shm_names(ns) == []
+
+
+_FIRST_JOB = """
+from flextensor.shm.coordinator import ShmCoordinator
+c = ShmCoordinator({ns!r}, lease_seconds=5, timeout=5)
+c.memory_owner.create_segment("sd", 4096).close()
+c.notify_ready()
+print(json.dumps({{"generation": c.generation}}), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("owner", [0, VICTIM])
+def test_generation_names_squatted_while_a_job_runs_are_skipped_by_its_restart(ns, shared_tmp, owner):
+    squatted = [f"/{ns}.g2.{kind}" for kind in ("h", "sd", "sm", "p", "b0")] + [f"/{ns}.g3.sd"]
+    job = start_as_user(owner, _FIRST_JOB.format(ns=ns), tmpdir=str(shared_tmp))
+    try:
+        assert json.loads(job.stdout.readline() or "{}").get("generation") == 1, job.stderr.read()
+        squat = run_as_user(SQUATTER, "from flextensor.shm.segment import SharedSegment\n"
+                                      f"for name in {squatted!r}:\n"
+                                      "    SharedSegment.create(name, 4096).close()\n", tmpdir="/tmp")
+        assert squat.returncode == 0, squat.stderr
+        job.kill()  # the whole job dies; its restart must create generation 2
+        job.wait(timeout=30)
+        restart = _run_job(owner, ns, shared_tmp)
+        assert "error" not in restart and restart["generation"] == 4, restart
+        for generation, entry in ((2, f"{ns}.g2.b0"), (3, f"{ns}.g3.sd")):
+            assert any(f"generation {generation} skipped, /dev/shm/{entry} belongs to uid {SQUATTER}" in w
+                       for w in restart["warnings"]), restart["warnings"]
+        # The restart reclaimed generation 1 and left; only the squatter's names remain, untouched.
+        assert shm_names(ns) == sorted(name[1:] for name in squatted)
+        assert all(os.stat(SHM_DIR + name).st_uid == SQUATTER for name in squatted)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=30)
+        for name in squatted:
+            SharedSegment.unlink_name(name)
+
+
+_FORCED_CLEANUP = """
+from flextensor.shm.cleanup import cleanup_manager_namespace
+try:
+    report = cleanup_manager_namespace({ns!r}, timeout=1, force=True)
+except OSError as exc:
+    print(json.dumps({{"error": f"{{type(exc).__name__}}: {{exc}}"}}))
+else:
+    print(json.dumps({{"removed": report.removed}}))
+"""
+
+
+def _as(uid: int, code: str, tmpdir: Path) -> dict:
+    if uid == 0:
+        run = subprocess.run([sys.executable, "-c", "import json, os, sys\n" + code], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "TMPDIR": str(tmpdir)})
+    else:
+        run = run_as_user(uid, code, tmpdir=str(tmpdir), timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("owner", [0, VICTIM])
+def test_another_users_job_on_the_same_namespace_is_named_with_a_remedy_that_works(ns, shared_tmp, owner):
+    other = start_as_user(SQUATTER, _FIRST_JOB.format(ns=ns), tmpdir=str(shared_tmp))
+    try:
+        assert json.loads(other.stdout.readline() or "{}").get("generation") == 1, other.stderr.read()
+        refused = _run_job(owner, ns, shared_tmp)
+        assert refused["error"].startswith("PermissionError"), refused
+        assert f"/dev/shm/{ns}.c" in refused["error"] and f"belongs to uid {SQUATTER} (nobody)" in refused["error"]
+        assert "another namespace" in refused["error"] or "another base namespace" in refused["error"]
+        # --force removes what is the owner's and says what still blocks it, instead of reporting success.
+        forced = _as(owner, _FORCED_CLEANUP.format(ns=ns), shared_tmp)
+        assert forced["error"].startswith("PermissionError"), forced
+        assert f"/dev/shm/{ns}.c (uid {SQUATTER} (nobody))" in forced["error"], forced
+        assert "`rm /dev/shm/" in forced["error"] and f"/dev/shm/{ns}.c`" in forced["error"]
+        assert os.stat(f"{SHM_DIR}/{ns}.c").st_uid == SQUATTER  # nothing of the other user's was touched
+    finally:
+        other.kill()
+        other.wait(timeout=30)
+    # The remedy named: that user cleans up its namespace; then the owner's job runs.
+    cleaned = run_as_user(SQUATTER, "from flextensor.shm.cleanup import cleanup_manager_namespace\n"
+                                    f"cleanup_manager_namespace({ns!r}, timeout=5)\n", tmpdir=str(shared_tmp))
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert _run_job(owner, ns, shared_tmp)["generation"] == 1
+    assert shm_names(ns) == []
