@@ -367,15 +367,16 @@ def _cmd_cleanup_dead(args: argparse.Namespace) -> int:
 
 
 def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str, *, force: bool = False) -> list[dict]:
-    """Cleanup in this process (no daemon): the lock directory must be this user's (flextensor-<uid>)."""
+    """Cleanup in this process (no daemon): the lock directory must be this user's (flextensor-<uid>, or its
+    fallback flextensor-<uid>.<n> when another user took that name)."""
     import os
     from pathlib import Path
 
-    from flextensor.daemon.lockdirs import inspect_lock_dir, segment_owner_uid
+    from flextensor.daemon.lockdirs import inspect_lock_dir, lock_dir_name_uid, segment_owner_uid
     from flextensor.shm.cleanup import cleanup_manager_namespace
     from flextensor.shm.errors import ShmNamespaceHeldError, ShmProtocolError
 
-    if Path(lock_dir).name != f"flextensor-{os.getuid()}":
+    if lock_dir_name_uid(Path(lock_dir).name) != os.getuid():
         raise CommandError(f"local cleanup can only use this user's lock directory (flextensor-{os.getuid()}), not "
                            f"{lock_dir}; run it as the workers' user, or through the daemon")
     try:

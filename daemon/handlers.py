@@ -270,22 +270,22 @@ class RequestHandler:
                 pass
         targets = list(namespaces)
         if whole_base is not None:
-            targets = [v.namespace for v in reg.views.values() if v.base == whole_base]
-            previous = reg.draining_bases.get(whole_base)
-            if previous is not None and peer.uid not in (0, previous):
-                raise _Refused("forbidden", f"drain refused: base {whole_base!r} was drained by uid {previous}")
+            # Every user's drain of a base is its own (registry.is_draining): another user's drain of the same
+            # name neither blocks this one nor is undone by it. Only the requester's own namespaces are targets.
+            targets = [v.namespace for v in reg.views.values() if v.base == whole_base
+                       and (peer.uid == 0 or self._owner_uid(v.namespace, v.lock_dir.uid) == peer.uid)]
         for ns in targets:
-            self._authorize(ns, peer, "drain", fallback_owner=reg.draining.get(ns, fallback))
+            self._authorize(ns, peer, "drain", fallback_owner=fallback)
         released = []
         if request.undo:
             for ns in targets:
-                reg.draining.pop(ns, None)
+                reg.undrain(ns, peer.uid)
             if whole_base is not None:
-                reg.draining_bases.pop(whole_base, None)
+                reg.undrain_base(whole_base, peer.uid)
             what = ", ".join(targets) or f"base {request.base}"
             return proto.OkReply(message=f"no longer draining {what}")
         for ns in targets:
-            reg.draining[ns] = peer.uid
+            reg.draining.setdefault(ns, set()).add(peer.uid)
             hold = reg.holds.pop(ns, None)
             if hold is not None:
                 try:
@@ -295,7 +295,7 @@ class RequestHandler:
                     raise
                 released.append(ns)
         if whole_base is not None:
-            reg.draining_bases[whole_base] = peer.uid
+            reg.draining_bases.setdefault(whole_base, set()).add(peer.uid)
         what = ", ".join(targets) if targets else "no known namespace yet"
         base = f" (base {request.base!r}: future registrations refused too)" if not namespaces else ""
         extra = f"; released the hold on {', '.join(released)}" if released else ""

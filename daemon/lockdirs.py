@@ -13,17 +13,22 @@ import dataclasses
 import logging
 import os
 import pwd
+import re
 import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from flextensor.shm.names import coordinator_segment_name, validate_namespace
+from flextensor.shm.names import coordinator_segment_name, find_lock_directory, validate_namespace
 from flextensor.shm.segment import SHM_DIR
 
-__all__ = ["LockDir", "inspect_lock_dir", "acting_in", "segment_owner_uid"]
+__all__ = ["LockDir", "inspect_lock_dir", "acting_in", "segment_owner_uid", "configured_lock_dir",
+           "lock_dir_name_uid"]
 
 logger = logging.getLogger(__name__)
+
+#: ``flextensor-<uid>`` or its fallback ``flextensor-<uid>.<n>`` (see ``flextensor.shm.names.find_lock_directory``).
+_LOCK_DIR_NAME = re.compile(r"flextensor-(0|[1-9][0-9]*)(?:\.[1-9][0-9]*)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +53,10 @@ def inspect_lock_dir(path: str | os.PathLike[str]) -> LockDir:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise PermissionError(f"lock directory {p} is writable by group or others (mode "
                               f"{stat.S_IMODE(st.st_mode):04o}); refusing to act on journals anyone could forge")
-    if p.name != f"flextensor-{st.st_uid}":
+    if lock_dir_name_uid(p.name) != st.st_uid:
         raise PermissionError(f"{p} is not a flextensor lock directory: it must be named flextensor-{st.st_uid} "
-                              "(flextensor-<uid of its owner>, as workers create it under their TMPDIR)")
+                              f"or flextensor-{st.st_uid}.<n> (flextensor-<uid of its owner>, as workers create it "
+                              "under their TMPDIR, or its fallback when another user took that name)")
     euid = os.geteuid()
     if euid != 0 and st.st_uid != euid:
         raise PermissionError(f"lock directory {p} belongs to uid {st.st_uid}; this daemon runs as uid {euid} and "
@@ -103,6 +109,23 @@ def acting_in(lock_dir: LockDir) -> Iterator[None]:
                 logger.critical("could not switch back to root after acting for uid %d; exiting", lock_dir.uid)
                 os._exit(70)
 
+
+def lock_dir_name_uid(name: str) -> int | None:
+    """The uid a lock directory's name gives (``flextensor-<uid>`` or ``flextensor-<uid>.<n>``), else None."""
+    match = _LOCK_DIR_NAME.fullmatch(name)
+    return None if match is None else int(match.group(1))
+
+
+def configured_lock_dir(path: str) -> tuple[str, list[tuple[str, int]]]:
+    """The directory to watch for a configured ``.../flextensor-<uid>``: itself, or when another uid took that
+    name, the fallback the user's workers use (``find_lock_directory``); also the squatted paths passed over as
+    ``(path, owner uid)``, for a WARNING. Paths of any other shape are returned as they are."""
+    p = Path(os.path.abspath(path))
+    match = _LOCK_DIR_NAME.fullmatch(p.name)
+    if match is None or "." in p.name:
+        return str(p), []
+    chosen, skipped = find_lock_directory(p.parent, int(match.group(1)))
+    return str(chosen), [(str(q), uid) for q, uid in skipped]
 
 
 def segment_owner_uid(namespace: str) -> int | None:

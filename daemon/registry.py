@@ -61,7 +61,7 @@ from flextensor.shm.leases import LeaseTable, SlotState
 from flextensor.shm.names import coordinator_segment_name
 from flextensor.shm.segment import SHM_DIR, SharedSegment
 
-from flextensor.daemon.lockdirs import LockDir, inspect_lock_dir, segment_owner_uid
+from flextensor.daemon.lockdirs import LockDir, configured_lock_dir, inspect_lock_dir, segment_owner_uid
 
 __all__ = ["Participant", "NamespaceView", "Registry"]
 
@@ -147,11 +147,12 @@ class Registry:
         self.participants: dict[tuple[str, str], Participant] = {}  # (namespace, token) -> watched process
         self.by_fd: dict[int, list[Participant]] = {}
         self.holds: dict[str, Hold] = {}
-        self.draining: dict[str, int] = {}  # per-manager namespace -> uid that drained it
-        self.draining_bases: dict[str, int] = {}  # base namespace -> uid that drained it
+        self.draining: dict[str, set[int]] = {}  # per-manager namespace -> uids that drained it
+        self.draining_bases: dict[str, set[int]] = {}  # base namespace -> uids that drained it
         self.labels: dict[str, tuple[str | None, str | None]] = {}  # namespace -> (base, manager)
         self.metrics = metrics
         self._logged_dir_errors: set[str] = set()
+        self._logged_squatters: set[tuple[str, int]] = set()  # squatted lock directory names (logged once each)
         self._distrusted: set[tuple[str, str, str]] = set()  # journals ignored (logged once each)
         self._boot_id = boot_id()
         self.on_watch_added = lambda fd: None  # set by the server: start polling a pidfd
@@ -161,7 +162,14 @@ class Registry:
     def lock_dirs(self) -> list[LockDir]:
         """Every lock directory that exists and may be acted in (configured first, then learned)."""
         out: dict[str, LockDir] = {}
-        for path in self.configured_lock_dirs:
+        for configured in self.configured_lock_dirs:
+            path, squatted = configured_lock_dir(configured)
+            for other, uid in squatted:
+                if (other, uid) not in self._logged_squatters:
+                    self._logged_squatters.add((other, uid))
+                    logger.warning("lock directory %s belongs to uid %d, not to the uid its name gives: another user "
+                                   "may be trying to block that user's jobs; watching %s instead (the workers use "
+                                   "it too). That user or root can remove it (`rm -r %s`)", other, uid, path, other)
             try:
                 out[path] = inspect_lock_dir(path)
                 self._logged_dir_errors.discard(path)
@@ -556,12 +564,30 @@ class Registry:
         A drain only ever applies to namespaces its requester owns (or root's drains, to anyone's): a user who
         drains a name another user has not used yet must not be able to refuse that user's workers.
         """
-        def applies(drainer: int | None) -> bool:
-            return drainer is not None and (drainer == 0 or owner_uid is None or drainer == owner_uid)
+        def applies(drainers: set[int]) -> bool:
+            return any(d == 0 or owner_uid is None or d == owner_uid for d in drainers)
 
-        if applies(self.draining.get(namespace)):
+        if applies(self.draining.get(namespace, set())):
             return True
-        return base is not None and applies(self.draining_bases.get(base))
+        return base is not None and applies(self.draining_bases.get(base, set()))
+
+    def undrain(self, namespace: str, uid: int) -> None:
+        """Undo ``uid``'s drain of ``namespace`` (root: every user's)."""
+        self._undo(self.draining, namespace, uid)
+
+    def undrain_base(self, base: str, uid: int) -> None:
+        """Undo ``uid``'s drain of base namespace ``base`` (root: every user's)."""
+        self._undo(self.draining_bases, base, uid)
+
+    @staticmethod
+    def _undo(table: dict[str, set[int]], key: str, uid: int) -> None:
+        drainers = table.get(key, set())
+        if uid == 0:
+            drainers.clear()
+        else:
+            drainers.discard(uid)
+        if not drainers:
+            table.pop(key, None)
 
     def row_state(self, view: NamespaceView) -> str:
         base = view.base or self.labels.get(view.namespace, (None, None))[0]
@@ -579,7 +605,7 @@ class Registry:
         m.participants.set(sum(v.live for v in views))
         m.registered.set(len(self.participants))
         m.held.set(len(self.holds))
-        m.draining.set(len(self.draining) + len(self.draining_bases))
+        m.draining.set(len(self.draining) + len(self.draining_bases))  # names, whoever drained them
 
     def close(self) -> None:
         for ns in list(self.views):

@@ -61,7 +61,7 @@ from flextensor.daemon.handlers import RequestHandler, peer_of
 from flextensor.daemon.holds import HoldGone, drop_hold, restore_hold
 from flextensor.daemon.metrics import DaemonMetrics
 from flextensor.daemon.reaper import Reaper
-from flextensor.daemon.lockdirs import inspect_lock_dir, segment_owner_uid
+from flextensor.daemon.lockdirs import configured_lock_dir, inspect_lock_dir, lock_dir_name_uid, segment_owner_uid
 from flextensor.daemon.registry import Registry
 from flextensor.daemon.state_file import (
     PersistedHold,
@@ -142,7 +142,10 @@ def _check_lock_dirs(paths: list[str]) -> None:
     """Refuse to start with a configured lock directory that can never be watched (a daemon that serves on,
     logging one ERROR, would silently never reclaim anything there).  A directory that does not exist *yet* is
     fine when its parent does (no worker of that user ran yet): it is checked again at every scan."""
-    for path in paths:
+    for configured in paths:
+        # A name another uid took in a shared TMPDIR stands for the fallback its user's workers take (the
+        # registry watches that one and names the squatter in a WARNING): it must not stop the daemon.
+        path, _squatted = configured_lock_dir(configured)
         try:
             inspect_lock_dir(path)
         except FileNotFoundError:
@@ -150,7 +153,7 @@ def _check_lock_dirs(paths: list[str]) -> None:
             if not parent.is_dir():
                 raise StartupError(f"lock directory {path}: its parent {parent} does not exist; pass the workers' "
                                    "$TMPDIR/flextensor-<uid>") from None
-            if not Path(path).name.startswith("flextensor-") or not Path(path).name[len("flextensor-"):].isdigit():
+            if lock_dir_name_uid(Path(path).name) is None:
                 raise StartupError(f"lock directory {path} is not a flextensor lock directory: it must be named "
                                    "flextensor-<uid of its owner> ($TMPDIR/flextensor-<uid> of the workers)") from None
         except (PermissionError, OSError) as exc:

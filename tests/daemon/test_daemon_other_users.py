@@ -1,0 +1,99 @@
+"""Another user cannot stop ``ftd`` or misdirect it: a lock directory name taken in a shared sticky TMPDIR, a
+drain of the owner's base name, a foreign coordinator on the owner's namespace. The other user is uid 65534,
+played by children of this (root) test; the non-root owner is uid 65533."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from flextensor.shm.names import manager_namespace
+from tests.daemon.helpers import Daemon, wait_until
+from tests.helpers.other_user import run_as_user
+from tests.leftovers import shm_names
+
+SQUATTER, OWNER = 65534, 65533
+
+pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to play other uids")
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every uid can traverse (pytest's tmp_path is 0700), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="ftd-others-", dir="/tmp"))
+    os.chmod(path, 0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_lock_directory_name_taken_by_another_uid_stops_neither_the_job_nor_ftd(shared_dir, workers, namespace):
+    tmp = shared_dir / "tmp"
+    tmp.mkdir()
+    os.chmod(tmp, 0o1777)  # the workers' TMPDIR is shared and sticky, as deploy/ sets it up
+    taken = tmp / "flextensor-0"
+    squat = run_as_user(SQUATTER, f"os.mkdir({str(taken)!r}, 0o700)\n", tmpdir=str(tmp))
+    assert squat.returncode == 0, squat.stderr
+    sock = shared_dir / "run" / "ftd.sock"
+    daemon = Daemon(sock, taken).start()  # configured as deploy/ftd.yaml does: <TMPDIR>/flextensor-<uid>
+    fallback = tmp / "flextensor-0.1"
+    ns = manager_namespace(namespace, "m")
+    try:
+        w = workers(namespace, "m", "--lease", "30", socket=sock, env=dict(os.environ, TMPDIR=str(tmp)))
+        assert w.wait_event("joined")["registered"] is True
+        w.wait_event("published")
+        assert (fallback / f"{ns}.journal").exists() and os.stat(fallback).st_uid == 0
+        _, rows, _ = daemon.cli("ls")
+        assert [(r["namespace"], r["state"]) for r in rows] == [(ns, "READY")]
+        w.signal(signal.SIGKILL)
+        assert wait_until(lambda: shm_names(ns) == [], 5.0), shm_names(ns)  # ftd reclaims in the fallback
+        assert sorted(os.listdir(fallback)) in ([], [f"{ns}.lock"])
+        assert f"lock directory {taken} belongs to uid {SQUATTER}" in w.stderr()
+        assert f"lock directory {taken} belongs to uid {SQUATTER}" in daemon.read_log()
+        assert f"watching {fallback} instead" in daemon.read_log()
+        assert os.stat(taken).st_uid == SQUATTER  # the other user's directory is theirs: untouched
+        w.kill()
+    finally:
+        daemon.stop()
+        shutil.rmtree(fallback, ignore_errors=True)
+        shutil.rmtree(taken, ignore_errors=True)
+
+
+def _cli_as(uid: int, socket_path: Path, *args: str) -> tuple[int, dict]:
+    """The ftd CLI as ``uid`` (tests/helpers/other_user.py: everything imported, then the uid dropped before it
+    connects, so the daemon sees that uid)."""
+    argv = list(args) + ["--socket", str(socket_path), "--json"]
+    run = run_as_user(uid, f"sys.exit(cli.main({argv!r}))\n", tmpdir="/tmp", timeout=30,
+                      extra_modules=["zmq", "flextensor.daemon.cli", "flextensor.daemon.config",
+                                     "flextensor.daemon.lockdirs"],
+                      prepare="import flextensor.daemon.cli as cli\ncli.build_parser()\n")
+    return run.returncode, json.loads(run.stdout) if run.stdout.strip() else {"stderr": run.stderr}
+
+
+@pytest.mark.parametrize("scope", ["base", "manager"])
+def test_another_users_drain_of_the_same_name_never_blocks_the_owners_drain_or_undo(shared_dir, lock_dir, namespace,
+                                                                                    scope):
+    sock = shared_dir / "run" / "ftd.sock"
+    daemon = Daemon(sock, lock_dir).start()
+    os.chmod(sock.parent, 0o711)
+    os.chmod(sock, 0o666)  # both other uids may connect (a socket group holds one of them only)
+    name = [namespace] if scope == "base" else [namespace, "--manager", "m"]
+    try:
+        code, reply = _cli_as(SQUATTER, sock, "drain", *name)  # nobody has used the name yet
+        assert code == 0 and reply["ok"] is True, reply
+        code, reply = _cli_as(OWNER, sock, "drain", *name)
+        assert code == 0 and reply["ok"] is True, reply  # before: "forbidden: ... was drained by uid 65534"
+        code, reply = _cli_as(OWNER, sock, "drain", *name, "--undo")
+        assert code == 0 and reply["ok"] is True, reply
+        # The owner undid its own drain only; the other user's stays until that user (or root) undoes it.
+        draining = daemon.cli("status")[1]["draining"]
+        assert draining == ([f"base:{namespace}"] if scope == "base" else [manager_namespace(namespace, "m")])
+        assert _cli_as(SQUATTER, sock, "drain", *name, "--undo")[0] == 0
+        assert daemon.cli("status")[1]["draining"] == []
+    finally:
+        daemon.stop()
