@@ -572,6 +572,13 @@ class SharedOffloadSession:
             remaining = max(0.0, deadline - time.monotonic())
             reports.append(cleanup_manager_namespace(manager_namespace(namespace, name), timeout=remaining,
                                                      lock_dir=lock_dir, force=force))
+        if all(r.generation is None and not r.removed for r in reports):
+            # A no-op, as the guide says; but a wrong manager name or TMPDIR looks just like it, so say so.
+            logger.warning("cleanup_namespace(%r, manager_names=%r) found nothing to reclaim (namespaces %s, in "
+                           "/dev/shm and the lock directory %s): if workers were killed, pass the base namespace "
+                           "and manager names they used and their TMPDIR (or lock_dir); `ftd ls` lists what is "
+                           "there", namespace, names, ", ".join(r.namespace for r in reports),
+                           lock_dir if lock_dir is not None else "of this process's TMPDIR")
         return reports
 
     # ------------------------------------------------------------------------------------------ reservations

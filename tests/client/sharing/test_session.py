@@ -336,7 +336,7 @@ def test_wait_timeout_expiry_raises_timeout_error(namespace: str, profile: str, 
 
 
 def test_cleanup_after_sigkill_refuses_malformed_state_then_leaves_nothing_and_repeats_as_a_no_op(
-        namespace: str, profile: str) -> None:
+        namespace: str, profile: str, caplog: pytest.LogCaptureFixture) -> None:
     """The workers of a generation are SIGKILLed. Cleanup refuses a malformed journal or coordinator header and
     deletes nothing; once both are intact it reclaims everything at once, and a second cleanup is a no-op."""
     procs = [spawn(namespace, profile, "--hold") for _ in range(3)]
@@ -366,6 +366,12 @@ def test_cleanup_after_sigkill_refuses_malformed_state_then_leaves_nothing_and_r
     assert shm_names(ns) == before
     with open(header, "r+b") as f:
         f.write(good_header)
+
+    # A wrong manager name finds nothing: a no-op, with a WARNING that says what was looked for.
+    with caplog.at_level("WARNING"):
+        wrong = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["default"], timeout=0)
+    assert wrong[0].generation is None and shm_names(ns) == before
+    assert "found nothing to reclaim" in caplog.text and "manager_names=['default']" in caplog.text
 
     # Killed on this host: their leases are dead at once, so timeout=0 reclaims right away.
     reports = ft.SharedOffloadSession.cleanup_namespace(namespace, manager_names=["model"], timeout=0)
