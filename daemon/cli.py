@@ -383,7 +383,14 @@ def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str, *, forc
         checked = inspect_lock_dir(lock_dir).path
     except FileNotFoundError:  # no worker ever ran with this TMPDIR: nothing is journaled there
         for ns in namespaces:
-            if segment_owner_uid(ns) is not None:
+            owner = segment_owner_uid(ns)
+            if owner is not None and owner != os.getuid():
+                raise CommandError(f"coordinator segment /dev/shm/{ns}.c belongs to uid {owner}, not to this user "
+                                   f"(uid {os.getuid()}): another user runs a job on the same namespace. Nothing was "
+                                   f"removed; that user or root must remove its files (`rm /dev/shm/{ns}.c` and its "
+                                   f"/dev/shm/{ns}.g*), or use another base namespace or manager name",
+                                   "conflict") from None
+            if owner is not None:
                 raise CommandError(f"coordinator segment of {ns} exists but the lock directory {lock_dir} (its "
                                    "journal) does not: run cleanup with the workers' TMPDIR", "conflict") from None
         return [{"namespace": ns, "generation": None, "removed": [], "already_absent": [], "waited_s": 0.0}

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from flextensor.shm.names import manager_namespace
-from tests.daemon.helpers import Daemon, wait_until
-from tests.helpers.other_user import run_as_user
+from tests.daemon.helpers import Daemon, run_cli, wait_until
+from tests.helpers.other_user import run_as_user, start_as_user
 from tests.leftovers import shm_names
 
 SQUATTER, OWNER = 65534, 65533
@@ -97,3 +97,29 @@ def test_another_users_drain_of_the_same_name_never_blocks_the_owners_drain_or_u
         assert daemon.cli("status")[1]["draining"] == []
     finally:
         daemon.stop()
+
+
+def test_ftd_cleanup_force_never_reports_success_while_another_users_job_holds_the_namespace(shared_dir, namespace):
+    ns = manager_namespace(namespace, "m")
+    tmp = shared_dir / "tmp"
+    tmp.mkdir()
+    os.chmod(tmp, 0o1777)
+    job = start_as_user(SQUATTER, f"""
+from flextensor.shm.coordinator import ShmCoordinator
+c = ShmCoordinator({ns!r}, lease_seconds=5, timeout=5)
+c.notify_ready()
+print("ready", flush=True)
+sys.stdin.read()
+c.close()
+""", tmpdir=str(tmp))
+    try:
+        assert job.stdout.readline().strip() == "ready", job.stderr.read()
+        code, reply, err = run_cli("cleanup", namespace, "--manager", "m", "--force", "--json", expect=None)
+        assert code == 1, (reply, err)
+        message = json.dumps(reply) + err
+        assert f"/dev/shm/{ns}.c belongs to uid {SQUATTER}" in message and "`rm /dev/shm/" in message
+        assert os.stat(f"/dev/shm/{ns}.c").st_uid == SQUATTER
+    finally:
+        job.stdin.close()  # the other user's job leaves cleanly: nothing of it remains
+        job.wait(timeout=30)
+    assert shm_names(ns) == []
