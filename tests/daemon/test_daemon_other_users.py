@@ -123,3 +123,32 @@ c.close()
         job.stdin.close()  # the other user's job leaves cleanly: nothing of it remains
         job.wait(timeout=30)
     assert shm_names(ns) == []
+
+
+def test_with_ftd_a_restart_skips_generation_names_another_user_took_after_the_reclaim(daemon, workers, namespace):
+    """ftd reclaims a dead job at once, so its restart would start again at generation 1: another user who took
+    ``<ns>.g1.*`` meanwhile must not stop it either."""
+    ns = manager_namespace(namespace, "m")
+    first = workers(namespace, "m", "--lease", "30", socket=daemon.socket)
+    assert first.wait_event("joined")["generation"] == 1
+    first.wait_event("published")
+    first.signal(signal.SIGKILL)
+    assert wait_until(lambda: shm_names(ns) == [], 5.0), shm_names(ns)  # reclaimed by ftd
+    squatted = [f"/{ns}.g1.{kind}" for kind in ("h", "sd", "sm", "p", "b0")]
+    squat = run_as_user(SQUATTER, "from flextensor.shm.segment import SharedSegment\n"
+                                  f"for name in {squatted!r}:\n    SharedSegment.create(name, 4096).close()\n",
+                        tmpdir="/tmp")
+    assert squat.returncode == 0, squat.stderr
+    try:
+        again = workers(namespace, "m", "--lease", "30", socket=daemon.socket)
+        assert again.wait_event("joined")["generation"] == 2
+        again.wait_event("published")
+        assert f"generation 1 skipped, /dev/shm/{ns}.g1.b0 belongs to uid {SQUATTER}" in again.stderr()
+        assert again.close() == 0
+        assert wait_until(lambda: shm_names(ns) == sorted(n[1:] for n in squatted), 5.0), shm_names(ns)
+        first.kill()
+    finally:
+        from flextensor.shm.segment import SharedSegment
+
+        for name in squatted:
+            SharedSegment.unlink_name(name)
