@@ -4,14 +4,14 @@ Why
 ---
 CUDA registration is per process: every follower must ``cudaHostRegister`` its own mapping of the shared host
 blocks (page-aligned ranges of the arena's segments, ``blocks.py``) before the device can DMA from them at full
-speed. On the H200 host that costs 63-150 ms/GiB and grows when several followers register at once (the driver
-serialises them), so registering everything before the model is handed back made a follower's time to ready
-5-10x what the rest of attaching costs. Nothing needs a block registered before the first copy *from that
-block*: the pinner registers the blocks one by one on a thread of its own, in schedule order, while the follower
-returns its model and starts its first forward; the engine waits for a block only when it is about to copy it
-(:meth:`BackgroundPinner.wait`). Threads do not make registration itself faster (measured: 1, 4, 8 and 16
-threads took the same time), but pre-faulting the pages from several threads does, so a small pool pre-faults
-the next blocks while the pinner registers the current one.
+speed. That costs about a tenth of a second per GiB and grows when several followers register at once (the
+driver serialises them), so registering everything before the model is handed back made a follower's time to
+ready several times what the rest of attaching costs (docs/benchmarks.md, Figures behind the code). Nothing
+needs a block registered before the first copy *from that block*: the pinner registers the blocks one by one on
+a thread of its own, in schedule order, while the follower returns its model and starts its first forward; the
+engine waits for a block only when it is about to copy it (:meth:`BackgroundPinner.wait`). Threads do not make
+registration itself faster (one thread or sixteen take the same time), but pre-faulting the pages from several
+threads does, so a small pool pre-faults the next blocks while the pinner registers the current one.
 
 Threads and states
 ------------------

@@ -3,8 +3,8 @@
 Why
 ---
 A process that registered a segment's ranges with CUDA must unregister them (``cudaHostUnregister``) before it
-unmaps them, and that is slow: up to 3.8 s for the 18 GiB of host blocks a follower of a 24 GiB model registered,
-on the H200 host. Nobody needs to wait for it. The coordinator's close unlinks the namespace's names whether or
+unmaps them, and that is slow: seconds for the host blocks of a large model (docs/benchmarks.md, Figures behind
+the code). Nobody needs to wait for it. The coordinator's close unlinks the namespace's names whether or
 not this process still maps the memory, and the pages are freed when the last mapping goes. So ``close()`` hands
 its pinned segments to one process-wide thread (``ft-release``) and returns. The thread unregisters each range
 in its own driver call, pausing :data:`PAUSE_S` between two calls (each call holds a driver lock that the

@@ -3,12 +3,12 @@
 Why a few segments, not one per block or one for all
 ----------------------------------------------------
 A follower maps the creator's host blocks before it is ready, and each mapping is a ``shm_open`` + ``fstat`` +
-``mmap`` + ``close``: 0.8-1.5 ms per segment on the virtualised H200 host when several followers attach at
-once, so 24 blocks in 24 segments cost 20-37 ms of a follower's time to ready. One segment for everything, on
-the other hand, caps how fast a creator gets its pages: tmpfs allocates the pages of one file under that file's
-locks, so parallel ``MADV_POPULATE_WRITE`` on one segment stops at 4.5-5.3 GB/s on the H200 host (16 cores)
-whatever the thread count, while 8 segments with a thread each reach 11.3 GB/s and 16 reach 12.2 GB/s
-(``bench/shm_rates.py``). Allocating those pages is the slow part of publishing a model built in RAM. So the
+``mmap`` + ``close``, about a millisecond per segment on a virtualised host when several followers attach at
+once, so one segment per block adds tens of milliseconds to a follower's time to ready. One segment for
+everything, on the other hand, caps how fast a creator gets its pages: tmpfs allocates the pages of one file
+under that file's locks, so parallel ``MADV_POPULATE_WRITE`` on one segment stops at a fraction of what several
+segments reach, whatever the thread count (``bench/shm_rates.py``; the figures are in docs/benchmarks.md,
+Figures behind the code). Allocating those pages is the slow part of publishing a model built in RAM. So the
 arena is cut into parts: at most :data:`ARENA_MAX_PARTS`, each of at least :data:`ARENA_PART_MIN_BYTES` (a
 small arena stays one segment), and blocks go to the parts in turn (block ``i`` to part ``i % parts``), so the
 blocks a creator fills next, in index order, lie in different files and their pages are allocated in parallel.
@@ -50,8 +50,8 @@ ARENA_KIND = "h"
 #: where it is larger (64 KiB on some aarch64 kernels); every participant runs on the same host, so all of them
 #: compute the same layout.
 ARENA_ALIGN = max(4096, mmap.PAGESIZE)
-#: The most parts an arena is cut into: 8 parts allocate 2.4x faster than one on the H200 host, 16 only 7% more
-#: than 8, and each part is one more open for a follower.
+#: The most parts an arena is cut into: past 8 parts allocation gains little (docs/benchmarks.md, Figures behind
+#: the code), and each part is one more open for a follower.
 ARENA_MAX_PARTS = 8
 #: An arena part holds at least this many bytes of blocks.
 ARENA_PART_MIN_BYTES = 256 << 20

@@ -11,11 +11,11 @@ The flag is ``cudaHostRegisterPortable`` (1): the memory counts as pinned for ev
 process, not just the current device's, so one registration serves all GPUs a worker uses.
 
 Segments that the device only reads (every host block: copies go host -> device only) can be registered with
-``cudaHostRegisterReadOnly`` (8) as well: the driver then pins the pages without asking for write access. On
-the H200 host a fresh read-only mapping of 1.5 GiB registered in 94-101 ms that way instead of 203-225 ms
-(``bench/experiment_register.py``; the read-write mappings the engine uses were not measured separately).
-Platforms without read-only registration refuse the flag (invalid value / not supported): the call is repeated
-without it, and later calls skip it; any other refusal is retried without the flag and reported as usual.
+``cudaHostRegisterReadOnly`` (8) as well: the driver then pins the pages without asking for write access, which
+roughly halved the registration of a fresh mapping (``bench/experiment_register.py``; docs/benchmarks.md,
+Figures behind the code). Platforms without read-only registration refuse the flag (invalid value / not
+supported): the call is repeated without it, and later calls skip it; any other refusal is retried without the
+flag and reported as usual.
 
 Registration locks the pages in RAM and is charged against ``RLIMIT_MEMLOCK`` on many systems; a low
 ``ulimit -l`` is the most common cause of failure, hence the hint in the error.

@@ -24,9 +24,9 @@ is the time the caller spent waiting for allocation, the part of the fill the wi
 
 Several workers
 ---------------
-tmpfs allocates the pages of one file under that file's locks, so threads on one segment stop at about 5 GB/s,
-while separate segments allocate in parallel (see ``flextensor.shm.blocks``). With ``workers > 1`` each worker
-takes ranges in turn and allocates its range from ``threads`` threads of its own, so ranges in different
+tmpfs allocates the pages of one file under that file's locks, so threads on one segment stop at a fraction of
+what several segments reach, which allocate in parallel (see ``flextensor.shm.blocks``). With ``workers > 1``
+each worker takes ranges in turn and allocates its range from ``threads`` threads of its own, so ranges in different
 segments (an arena's parts hold consecutive blocks) are allocated at once; ranges still complete out of order,
 and :meth:`wait` waits for its own range only. The threads per range are the cores shared among the ranges the
 window lets be in flight, at most what one file can use (``prefault.WRITE_THREADS_PER_FILE``).

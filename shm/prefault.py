@@ -1,8 +1,8 @@
 """Allocate a fresh segment's pages before use, in parallel.
 
 Why not only ``posix_fallocate``: on tmpfs it allocates and zeroes every 4 KiB page under the inode lock, in
-one thread. Measured on the H200 host (16 cores, 2026-11-29) that is ~190 ms/GiB, while a copy into fresh
-anonymous memory (transparent huge pages) runs at 13-18 GB/s, so publishing was 4x slower than a plain copy.
+one thread, several times slower than a plain copy into fresh anonymous memory (transparent huge pages), and
+publishing paid for it (docs/benchmarks.md, Figures behind the code).
 ``MADV_POPULATE_WRITE`` (Linux 5.14) write-faults a range in without touching its bytes and leaves the pages
 mapped for the creator's copy; faults on separate ranges proceed in parallel up to the file's own locks (a few
 threads per file, :data:`WRITE_THREADS_PER_FILE`; separate files allocate side by side, which is why a large
@@ -10,9 +10,9 @@ arena is cut into parts, ``blocks.py``). Like ``posix_fallocate`` it reports a f
 SIGBUS later). On kernels without it (``EINVAL``) the caller falls back to ``posix_fallocate``.
 
 ``MADV_POPULATE_READ`` is the follower's counterpart: the pages exist already, a fresh mapping only lacks page-
-table entries. Filling them from several threads before ``cudaHostRegister`` halves a follower's registration
-(measured on the H200 host: 1.5 GiB registered in 95-114 ms with the read-populate, 210-225 ms without), because
-the driver's own walk of the range faults the pages in one at a time, in one thread.
+table entries. Filling them from several threads before ``cudaHostRegister`` roughly halves a follower's
+registration (docs/benchmarks.md, Figures behind the code), because the driver's own walk of the range faults
+the pages in one at a time, in one thread.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ MADV_POPULATE_WRITE = 23
 CHUNK = 64 << 20
 MAX_THREADS = 16
 #: Threads that allocate the pages of one file by default. tmpfs allocates a file's pages under that file's locks,
-#: so more threads only wait for each other (H200 host, one 2 GiB segment: 1 thread 2.6 GB/s, 4 threads 5.3 GB/s,
-#: 8 threads 4.5 GB/s, 16 threads 4.8 GB/s), and their waiting takes cores from whatever fills other files
-#: meanwhile (a creator fills its store beside the arena's parts: ``flextensor.shm.blocks``).
+#: so past a few threads more only wait for each other (docs/benchmarks.md, Figures behind the code), and their
+#: waiting takes cores from whatever fills other files meanwhile (a creator fills its store beside the arena's
+#: parts: ``flextensor.shm.blocks``).
 WRITE_THREADS_PER_FILE = 4
 #: A range being allocated (``populate_write_range``) is cut into pieces of at least this size, as many as there
 #: are threads: a creator allocates record by record and block by block, often tens of MiB each, and whole
-#: ``CHUNK``-sized pieces would leave most threads idle (one thread allocated 2.7 GB/s on the H200 host, several
-#: 4.6 GB/s).
+#: ``CHUNK``-sized pieces would leave most threads idle (several threads allocate a range almost twice as fast as
+#: one).
 MIN_PIECE = 4 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)

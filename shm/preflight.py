@@ -6,8 +6,8 @@ Two things stop a shared publish half-way on real deployments:
   with ``hostIPC`` or an ``emptyDir`` of ``medium: Memory`` mounted at ``/dev/shm``. Writing past the limit
   would otherwise surface as ENOSPC (or SIGBUS on a sparse mapping) in the middle of a multi-GiB copy.
 - Pinning and ``RLIMIT_MEMLOCK``. ``mlock`` beyond the limit needs it raised or ``CAP_IPC_LOCK``.
-  ``cudaHostRegister`` is not charged to it by the NVIDIA driver: on an H200 (driver 580, 2026-11-29) an
-  unprivileged process with a 64 KiB limit registered 256 MiB. ``memlock_shortfall`` therefore only reports
+  ``cudaHostRegister`` is not charged to it by the NVIDIA driver: an unprivileged process registered far more
+  than its limit (docs/benchmarks.md, Figures behind the code). ``memlock_shortfall`` therefore only reports
   the gap, and the session logs it as a warning (other pinning mechanisms, or a future driver, may enforce
   it); a registration that does fail raises with the CUDA error and is published to the followers.
 

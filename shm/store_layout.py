@@ -3,9 +3,9 @@
 Why parts
 ---------
 A creator whose model is in RAM allocates the store's pages as it copies, and tmpfs allocates one file's pages
-under that file's locks (about 5 GB/s on the H200 host, whatever the thread count; separate files allocate in
-parallel: ``flextensor.shm.blocks`` gives the numbers). So the data is cut into parts like the arena: part 0 is
-``/{ns}.g{gen}.sd``, part ``k`` is ``.sd{k}`` (:func:`data_kind`).
+under that file's locks (threads on one file stop at a fraction of what several files reach, whatever their
+number; separate files allocate in parallel: ``flextensor.shm.blocks``). So the data is cut into parts like the
+arena: part 0 is ``/{ns}.g{gen}.sd``, part ``k`` is ``.sd{k}`` (:func:`data_kind`).
 
 Layout
 ------
