@@ -17,9 +17,12 @@ has reason to trust:
   the directory's inode and looks the holder's pid up in ``/proc`` (its owner uid);
 - a holder of this effective uid is one of our own creators: wait for it, re-checking the holder every
   ``HOLDER_RECHECK_S``, at most ``ALLOCATION_LOCK_WAIT_S`` in all (a stopped process of ours must not wedge us);
-- a holder of another uid, or one this process cannot see (gone, or in another pid namespace, where
-  ``/proc/locks`` shows pid 0), is not waited for: the creator allocates without the gate at once and logs
-  a WARNING, once per holder, that names the uid (or says it is unknown).
+- a holder of another uid, or one this process cannot see, is not waited for: the creator allocates without
+  the gate at once and logs a WARNING, once per holder, that names the uid (or says it is unknown). Unseen
+  means its pid cannot be looked up (gone), or the lock is busy but ``/proc/locks`` lists no holder twice in a
+  row, ``INVISIBLE_RECHECK_S`` apart: the kernel leaves out locks of processes outside the reader's pid
+  namespace (another container sharing the host's IPC), and a lock released between the two reads is simply
+  taken at the next try.
 
 What that costs: between jobs of different users (or pid namespaces) that allocate at the same moment, the race
 the gate prevents can happen again; both creators still check the free space before they allocate and unlink a
@@ -34,8 +37,8 @@ import logging
 import os
 import time
 
-__all__ = ["ALLOCATION_LOCK_MIN_BYTES", "ALLOCATION_LOCK_WAIT_S", "HOLDER_RECHECK_S", "acquire", "release",
-           "gate_holder"]
+__all__ = ["ALLOCATION_LOCK_MIN_BYTES", "ALLOCATION_LOCK_WAIT_S", "HOLDER_RECHECK_S", "INVISIBLE_RECHECK_S",
+           "acquire", "release", "gate_holder"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ ALLOCATION_LOCK_MIN_BYTES = 1 << 20
 ALLOCATION_LOCK_WAIT_S = 120.0
 #: How often a waiting creator looks again at who holds the gate (the holder may change).
 HOLDER_RECHECK_S = 0.5
+#: Second look when the lock is busy and no holder is listed: a holder this process cannot see if still unlisted.
+INVISIBLE_RECHECK_S = 0.05
 _POLL_S = 0.005
 
 _warned_holders: set[tuple[int, int | None]] = set()
@@ -52,9 +57,9 @@ _warned_holders: set[tuple[int, int | None]] = set()
 
 def gate_holder(directory_fd: int) -> tuple[int, int | None] | None:
     """``(pid, uid)`` of the process ``/proc/locks`` names as the holder of an ``flock`` on the directory open
-    as ``directory_fd``; ``uid`` is None when that pid cannot be looked up (gone, or outside our pid namespace,
-    where the pid reads 0). None when no holder is listed (the lock was just released) or ``/proc/locks`` cannot
-    be read."""
+    as ``directory_fd``; ``uid`` is None when that pid cannot be looked up (it has exited). None when no holder
+    is listed (the lock was just released, or its holder is outside our pid namespace) or ``/proc/locks``
+    cannot be read."""
     st = os.fstat(directory_fd)
     key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
@@ -96,7 +101,8 @@ def _warn_once(directory: str, pid: int, uid: int | None) -> None:
     if (pid, uid) in _warned_holders:
         return
     _warned_holders.add((pid, uid))
-    who = f"uid {uid} (pid {pid})" if uid is not None else f"a process this one cannot see (pid {pid} as listed)"
+    who = (f"uid {uid} (pid {pid})" if uid is not None else f"a process that has exited (pid {pid})" if pid > 0
+           else "a process this one cannot see (another pid namespace)")
     logger.warning("the allocation lock on %s is held by %s, not by a creator of this user (uid %d); allocating "
                    "without it. Two creators that allocate at once may then both find %s full (ShmSpaceError); "
                    "the holder's owner or root can end it (`grep FLOCK /proc/locks` lists it)",
@@ -115,6 +121,7 @@ def acquire(directory: str, size: int) -> int | None:
         return None
     start = time.monotonic()
     next_look = start
+    unlisted = 0  # consecutive looks that found the lock busy and no holder listed
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -127,11 +134,14 @@ def acquire(directory: str, size: int) -> int | None:
         now = time.monotonic()
         if now >= next_look:
             holder = gate_holder(fd)
+            unlisted = unlisted + 1 if holder is None else 0
+            if unlisted >= 2:
+                holder = (0, None)  # busy, yet listed for nobody: a holder outside our pid namespace
             if holder is not None and holder[1] != os.geteuid():
                 _warn_once(directory, *holder)
                 os.close(fd)
                 return None
-            next_look = now + HOLDER_RECHECK_S
+            next_look = now + (INVISIBLE_RECHECK_S if unlisted else HOLDER_RECHECK_S)
         if now - start >= ALLOCATION_LOCK_WAIT_S:
             logger.warning("the allocation lock on %s was held by a process of this user for more than %.0f s; "
                            "allocating without it", directory, ALLOCATION_LOCK_WAIT_S)

@@ -104,6 +104,27 @@ def test_allocation_gate_held_by_another_uid_does_not_delay_a_creator(ns, owner)
     assert not os.path.exists(SHM_DIR + name)
 
 
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a pid namespace")
+def test_allocation_gate_held_where_the_creator_cannot_see_the_holder_does_not_delay_it(ns):
+    """A creator in its own pid namespace (a container sharing the host's IPC) is not shown the holder in
+    /proc/locks: the lock is busy, held by nobody it can see."""
+    name = f"/{ns}.gate"
+    holder = _hold_gate(SQUATTER)
+    try:
+        code = "import json, time\n" + _CREATE_UNDER_GATE.format(name=name)
+        run = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        result = json.loads(run.stdout)
+        assert holder.poll() is None
+        assert result["elapsed"] < allocation_gate.ALLOCATION_LOCK_WAIT_S / 4, result
+        [warning] = result["warnings"]
+        assert "held by a process this one cannot see (another pid namespace)" in warning, warning
+    finally:
+        _stop(holder)
+    assert not os.path.exists(SHM_DIR + name)
+
+
 def test_allocation_gate_names_its_holder_and_still_waits_for_a_creator_of_the_same_uid(monkeypatch, caplog):
     foreign = _hold_gate(SQUATTER)
     try:
