@@ -269,6 +269,10 @@ def _fallbacks(base: Path, uid: int) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+#: (TMPDIR, uid) -> the fallback lock directory of that uid found there (re-checked at every use).
+_fallbacks_found: dict[tuple[str, int], Path] = {}
+
+
 def find_lock_directory(base: str | os.PathLike[str], uid: int) -> tuple[Path, list[tuple[Path, int]]]:
     """Where ``uid``'s lock directory under ``base`` is, neither created nor checked; also the squatted
     candidates passed over, as ``(path, owner uid)``.
@@ -287,12 +291,16 @@ def find_lock_directory(base: str | os.PathLike[str], uid: int) -> tuple[Path, l
     if owner is not None and (owner[1] == uid):
         return primary, []  # ours (a non-directory of ours is reported by lock_directory)
     skipped = [] if owner is None else [(primary, owner[1])]
+    known = _fallbacks_found.get((str(base), uid))
+    if known is not None and _owner_of(known) == (True, uid):
+        return known, skipped  # found before: no listing of a TMPDIR that may hold thousands of entries
     taken: set[int] = set()
     for n, path in _fallbacks(base, uid):
         found = _owner_of(path)
         if found is None:
             continue
         if found == (True, uid):
+            _fallbacks_found[(str(base), uid)] = path
             return path, skipped
         taken.add(n)
         skipped.append((path, found[1]))
