@@ -150,6 +150,19 @@ def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | 
             state.journal_exists = True
     except FileNotFoundError:
         pass
+    owner = namespace_owner(state.lock_dir)
+    foreign = _foreign_owner(coordinator_segment_name(namespace), owner)
+    if foreign is not None:
+        # Whatever its content (a live job, a planted zero or garbage header), it is not this user's to read as
+        # metadata or to reclaim: /dev/shm is shared by every user, and names are derived from the namespace.
+        raise PermissionError(
+            f"coordinator segment {SHM_DIR}{coordinator_segment_name(namespace)} belongs to {foreign}, not to this "
+            f"user (uid {owner}): another user runs a job on the same namespace (the same base namespace and "
+            "manager name), or left or planted that file. Nothing was removed. Either use another namespace "
+            "(another base namespace or manager name), or have that user stop its job or remove the file (root "
+            "can too: `rm "
+            f"{SHM_DIR}{coordinator_segment_name(namespace)}`)"
+        )
     try:
         state.segment, state.header = open_coordinator_segment(namespace)
         state.coordinator_exists = True
@@ -161,16 +174,6 @@ def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | 
     try:
         if state.header is not None:
             if not state.journal_exists:
-                foreign = _foreign_owner(coordinator_segment_name(namespace), namespace_owner(state.lock_dir))
-                if foreign is not None:
-                    raise PermissionError(
-                        f"coordinator segment {SHM_DIR}{coordinator_segment_name(namespace)} (generation "
-                        f"{state.header.generation}) belongs to {foreign}, not to this user (uid "
-                        f"{namespace_owner(state.lock_dir)}): another user runs a job on the same namespace (the "
-                        "same base namespace and manager name). Nothing was removed. Use another base namespace or "
-                        "manager name, or have that user stop the job (or root remove its files with `ftd cleanup "
-                        "NS` as that user)"
-                    )
                 raise ShmProtocolError(
                     f"coordinator segment {coordinator_segment_name(namespace)} exists (generation "
                     f"{state.header.generation}) but its ownership journal {jpath} does not. Nothing was removed. "

@@ -300,3 +300,22 @@ def test_another_users_job_on_the_same_namespace_is_named_with_a_remedy_that_wor
     assert cleaned.returncode == 0, cleaned.stderr
     assert _run_job(owner, ns, shared_tmp)["generation"] == 1
     assert shm_names(ns) == []
+
+
+@pytest.mark.parametrize("owner", [0, VICTIM])
+@pytest.mark.parametrize("content", ["zeros", "garbage"])
+def test_a_coordinator_segment_planted_by_another_uid_is_named_and_left_alone(ns, shared_tmp, owner, content):
+    name = f"/{ns}.c"
+    data = b"\0" * 4096 if content == "zeros" else b"garbage!" * 512
+    plant = run_as_user(SQUATTER, f"open({SHM_DIR + name!r}, 'wb').write({data!r})\n", tmpdir="/tmp")
+    assert plant.returncode == 0, plant.stderr
+    try:
+        refused = _run_job(owner, ns, shared_tmp)
+        assert refused["error"].startswith("PermissionError"), refused
+        assert f"{SHM_DIR}{name} belongs to uid {SQUATTER} (nobody)" in refused["error"], refused
+        assert "use another namespace" in refused["error"] and f"`rm {SHM_DIR}{name}`" in refused["error"]
+        with open(SHM_DIR + name, "rb") as f:
+            assert f.read() == data  # neither reclaimed as an aborted creation nor touched
+        assert shm_names(ns) == [name[1:]]
+    finally:
+        SharedSegment.unlink_name(name)
