@@ -431,8 +431,7 @@ class SharedSegment:
         ``read_only``: the device only reads this range (host -> device copies), which lets the driver pin
         faster where supported. ``prefault``: first map every existing page of the range into this process from
         several threads (``MADV_POPULATE_READ``), for a fresh mapping of pages another process wrote. Each
-        roughly halved the registration of a fresh 1.5 GiB mapping on the H200 host (see ``pinning.py`` and
-        ``prefault.py``).
+        roughly halves the registration of a fresh mapping (``pinning.py`` and ``prefault.py`` say why).
         """
         nbytes = self.size - offset if nbytes is None else nbytes
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset % mmap.PAGESIZE:
