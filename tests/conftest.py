@@ -4,6 +4,7 @@ that nothing it created is left in /dev/shm or the lock directory afterwards."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -92,3 +93,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _dir_in_tmp(prefix: str, mode: int):
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chmod(path, mode)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every uid can traverse (mode 0711; pytest's tmp_path is 0700), removed afterwards."""
+    yield from _dir_in_tmp("ft-traverse-", 0o711)
+
+
+@pytest.fixture
+def shared_tmp():
+    """A TMPDIR every uid can use, sticky like /tmp (mode 1777), as the deploy files set up for several users."""
+    yield from _dir_in_tmp("ft-shared-", 0o1777)

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,6 @@ from tests.leftovers import shm_names
 SQUATTER, OWNER = 65534, 65533
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to play other uids")
-
-
-@pytest.fixture
-def shared_dir():
-    """A directory every uid can traverse (pytest's tmp_path is 0700), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="ftd-others-", dir="/tmp"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_lock_directory_name_taken_by_another_uid_stops_neither_the_job_nor_ftd(shared_dir, workers, namespace):

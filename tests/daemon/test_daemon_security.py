@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -111,15 +109,6 @@ def test_fuzz_random_bytes_and_msgpack(daemon):
         s.close(0)
     assert daemon.answers() and daemon.proc.poll() is None
     assert "Traceback" not in daemon.read_log()
-
-
-@pytest.fixture
-def shared_dir():
-    """A directory nobody-uid can traverse (pytest's tmp_path is 0700), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="ftd-sec-", dir="/tmp"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _cli_as_nobody(socket_path: Path, *args: str) -> subprocess.CompletedProcess:

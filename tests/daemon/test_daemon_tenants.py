@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,14 +19,6 @@ from tests.leftovers import shm_names
 from tests.daemon.test_daemon_security import NOBODY, _cli_as_nobody
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to play another uid")
-
-
-@pytest.fixture
-def shared_dir():
-    path = Path(tempfile.mkdtemp(prefix="ftd-tenants-", dir="/tmp"))
-    os.chmod(path, 0o711)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _foreign_lock_dir(shared_dir: Path) -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -132,15 +131,6 @@ def test_interrupted_creation_journal_without_coordinator_is_reclaimed(namespace
 
 
 # ------------------------------------------------------------------------------------------------ other users
-@pytest.fixture
-def shared_tmp():
-    """A TMPDIR both root and uid 65534 can use (pytest's tmp_path is 0700), sticky like /tmp."""
-    path = Path(tempfile.mkdtemp(prefix="ft-dead-", dir="/tmp"))
-    os.chmod(path, 0o1777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 _CRASH_AS_NOBODY = """
 from flextensor.shm.coordinator import ShmCoordinator
 c = ShmCoordinator({ns!r}, lease_seconds=30)

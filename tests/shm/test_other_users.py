@@ -149,15 +149,6 @@ def test_allocation_gate_names_its_holder_and_still_waits_for_a_creator_of_the_s
     allocation_gate.release(fd)
 
 
-@pytest.fixture
-def shared_tmp():
-    """A shared sticky TMPDIR like /tmp (mode 1777), as the deploy files set up for several users."""
-    path = Path(tempfile.mkdtemp(prefix="ft-shared-", dir="/tmp"))
-    os.chmod(path, 0o1777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 _JOB_WITH_LOGS = """
 import logging
 records = []
