@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
+from flextensor.shm.text_table import format_columns
 from flextensor.shm.sizes import format_bytes as _format_bytes
 
 from flextensor.planning.plan_model import Plan, TransferModel, TrapCost
@@ -36,15 +37,9 @@ def format_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[obj
     """An aligned table. ``align`` has one letter per column, ``l`` or ``r``; by default the first column
     (labels) is left-aligned and the others (numbers) right-aligned."""
     align = align or "l" + "r" * (len(headers) - 1)
-    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[j]) for row in cells) for j in range(len(headers))]
-
-    def line(row: list[str]) -> str:
-        parts = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(row, widths, align)]
-        return "  ".join(parts).rstrip()
-
-    rule = "-" * len(line(["-" * w for w in widths]))
-    out = [title, rule, line(cells[0]), rule, *(line(r) for r in cells[1:]), rule, *footer]
+    header, *body = format_columns(headers, rows, align)
+    rule = "-" * max(len(line) for line in [header, *body])
+    out = [title, rule, header, rule, *body, rule, *footer]
     return "\n".join(out)
 
 
