@@ -11,27 +11,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.measured import MeasuredLines
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 VENV_BIN = Path(sys.executable).parent
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
-#: (test, line) pairs printed in the terminal summary.
-MEASURED: list[tuple[str, str]] = []
-
-
-def record(request: pytest.FixtureRequest, line: str) -> None:
-    """Keep a measured number for the end-of-run summary (and print it, for ``-s`` runs)."""
-    MEASURED.append((request.node.nodeid, line))
-    print(line)
+MEASURED = MeasuredLines("launcher examples: measured")
+record = MEASURED.record
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if MEASURED:
-        terminalreporter.section("launcher examples: measured")
-        for nodeid, line in MEASURED:
-            terminalreporter.write_line(f"{nodeid.split('::')[-1]}: {line}")
+    MEASURED.write(terminalreporter)
 
 
 def free_port() -> int:

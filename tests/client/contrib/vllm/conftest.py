@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.measured import MeasuredLines
+
 REPO = Path(__file__).resolve().parents[4]
 #: Prompts of the tiny tokenizer's words (``w<N>``), greedy.
 PROMPTS = ["w1 w2 w3 w4 w5", "w10 w20 w30"]
@@ -28,19 +30,12 @@ MAX_TOKENS = 6
 #: The model: big enough that the engines' own growth (KV cache, buffers) is small beside it.
 LAYERS, HIDDEN, INTERMEDIATE, VOCAB = 10, 1024, 2816, 8192
 
-MEASURED: list[tuple[str, str]] = []
-
-
-def record(request: pytest.FixtureRequest, line: str) -> None:
-    MEASURED.append((request.node.nodeid.split("::")[-1], line))
-    print(line)
+MEASURED = MeasuredLines("vLLM workers: measured")
+record = MEASURED.record
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if MEASURED:
-        terminalreporter.section("vLLM workers: measured")
-        for name, line in MEASURED:
-            terminalreporter.write_line(f"{name}: {line}")
+    MEASURED.write(terminalreporter)
 
 
 def vllm_python() -> Path:
