@@ -57,10 +57,10 @@ def teardown(ctx: EngineContext, preserve_model: bool) -> None:
     _restore_from_blocks(ctx, preserve_model)
     for name, entry in ctx.tensors.items():
         t = entry.tensor
-        orig = ctx.orig_device.get(name, torch.device("cpu"))
-        target = torch.device("cpu") if orig.type == "meta" else orig
-        if name not in ctx.inference.placement and preserve_model and not t.is_meta and t.device != target:
-            t.data = t.data.to(target)
+        if name not in ctx.inference.placement and preserve_model and not t.is_meta:
+            target = _home_device(ctx, name)
+            if t.device != target:
+                t.data = t.data.to(target)
     for trap in ctx.traps.values():
         trap.uninstall()
     close_resources(ctx)
@@ -72,7 +72,7 @@ def _restore_from_blocks(ctx: EngineContext, preserve_model: bool) -> None:
     all at once, a model held in host blocks would exist twice at the peak of ``release()``; block by block it
     exists once plus an arena. The engine's references to the blocks go as they are released (the loader's
     went before), so an arena's memory is returned as soon as its last block is."""
-    blocks: list[HostBlock | None] = list(ctx.inference.host_blocks)
+    blocks: list[HostBlock | None] = list(ctx.inference.host_blocks)  # None once released
     ctx.inference.host_blocks = []
     by_block: dict[int, list[str]] = {}
     for name, (index, _placement) in ctx.inference.placement.items():
@@ -80,20 +80,26 @@ def _restore_from_blocks(ctx: EngineContext, preserve_model: bool) -> None:
     provider = ctx.inference.provider
     for index in sorted(by_block):
         block = blocks[index]
+        assert block is not None
         for name in by_block[index]:
             t = ctx.tensors[name].tensor
             p = ctx.inference.placement[name][1]
-            if preserve_model and block is not None:
-                orig = ctx.orig_device.get(name, torch.device("cpu"))
-                target = torch.device("cpu") if orig.type == "meta" else orig
+            if preserve_model:
+                target = _home_device(ctx, name)
                 host_view = block_view(block.tensor, p)
                 t.data = host_view.clone() if target.type == "cpu" else host_view.to(target)
                 del host_view
             else:
                 assign_data(t, torch.empty_strided(p.shape, p.stride, dtype=p.dtype, device="meta"))
-        blocks[index] = block = None
+        blocks[index] = block = None  # the engine's last reference to the block: its arena may go now
         if provider is not None:
             provider.release_block(index)
+
+
+def _home_device(ctx: EngineContext, name: str) -> torch.device:
+    """Where tensor ``name`` goes back to: the device it came from (the CPU for one that came on ``meta``)."""
+    orig = ctx.orig_device.get(name, torch.device("cpu"))
+    return torch.device("cpu") if orig.type == "meta" else orig
 
 
 def close_resources(ctx: EngineContext) -> None:
