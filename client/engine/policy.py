@@ -32,12 +32,19 @@ class EnginePolicy:
     warmup: WarmupChoice | None = None
     #: A CPU compute device streams through the block loader as a GPU does, instead of computing in place.
     stream_on_cpu: bool = False
+    #: The device memory's read rate (bytes/s) that bounds latency-mode compute from below (Note [the smallest
+    #: pass] in ``flextensor.runtime.device_read_rate``), instead of the device's own; on a CPU, where the
+    #: device has none of its own, this is how a test plans with the bound. ``float("inf")`` turns it off.
+    device_read_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.warmup not in (None, "resident", "stream"):
             raise ValueError(f"EnginePolicy.warmup must be None, 'resident' or 'stream', got {self.warmup!r}")
         if not isinstance(self.stream_on_cpu, bool):
             raise ValueError(f"EnginePolicy.stream_on_cpu must be a bool, got {self.stream_on_cpu!r}")
+        rate = self.device_read_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+            raise ValueError(f"EnginePolicy.device_read_rate must be None or a number > 0 (bytes/s), got {rate!r}")
 
 
 _lock = threading.Lock()

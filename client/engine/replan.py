@@ -41,7 +41,7 @@ import torch
 
 from flextensor.engine.context import StrategyReplanState
 from flextensor.engine.hooks import assign_data
-from flextensor.engine.switch import resolve_device_budget, trap_stream_cost
+from flextensor.engine.switch import read_floor_s, resolve_device_budget, trap_stream_cost
 from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
 from flextensor.planning.strategies import AdaptiveStrategy
 from flextensor.runtime.loaders.arena_loader import make_loader
@@ -339,10 +339,12 @@ def _start_planner(ctx: EngineContext, report: OffloadTimingReport | None, threa
     floor = replan.floor_s
     if not floor:
         floor.update(ctx.plan.compute_s)
+    read = read_floor_s(ctx)  # latency mode: no pass reads its weights faster than the device's memory
     compute: dict[str, float] = {}
     for label in dict.fromkeys(ctx.sequence):
         seen = measured.get(label, floor.get(label, 0.0))
-        compute[label] = min(seen, floor.get(label, seen)) if latency else seen
+        bound = read.get(label, 0.0) if read is not None else seen
+        compute[label] = min(seen, floor.get(label, seen), bound) if latency else seen
         floor[label] = min(seen, floor.get(label, seen))
     if latency:  # a memory-mode plan streams what its budget needs, stalls or not
         replan.excluded |= set(replan.stalled)

@@ -12,9 +12,10 @@ The strategy's ``offloaded`` map becomes packed block layouts, one per offloaded
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -24,6 +25,8 @@ from flextensor.engine.context import SwitchInputs
 from flextensor.engine.warmup import warm_samples
 from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
 from flextensor.planning.strategies import AdaptiveStrategy, resolve_budget
+from flextensor.planning.warmup_rule import warmup_margin
+from flextensor.runtime.device_read_rate import device_read_rate
 from flextensor.runtime.host_memory import ALIGN, BlockLayout, pack_block, packed_stride
 from flextensor.runtime.sweep import device_memory, transfer_sweep
 from flextensor.shm.sizes import align_up
@@ -32,7 +35,8 @@ from flextensor.state import tensor_nbytes
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
 
-__all__ = ["Plan", "plan_switch", "prepare_switch", "resolve_device_budget", "trap_stream_cost"]
+__all__ = ["Plan", "latency_capacity", "plan_switch", "prepare_switch", "read_floor_s", "resolve_device_budget",
+           "trap_stream_cost"]
 
 logger = logging.getLogger("flextensor.manager")
 NOTICE = 25  # the block assignment table is logged at "NOTICE" level
@@ -125,11 +129,14 @@ def plan_switch(ctx: EngineContext) -> Plan:
     durations = ctx.profile.durations
     record = ctx.plan
     record.compute_s = {label: statistics.median(durations.get(label) or [0.0]) for label in order}
+    floor = read_floor_s(ctx)  # latency mode: plan for the smallest pass, not only the profiled one
     calls = Counter(sequence)
     costs = []
     offloadable: set[str] = set()
     for label in order:
         compute = record.compute_s[label]
+        if floor is not None:
+            compute = min(compute, floor.get(label, 0.0))
         template = inputs.traps.get(label)
         if template is None or not template.tensors:  # a gap trap: its compute only widens the next window
             costs.append(TrapCost(label, compute) if template is None else template.timed(compute))
@@ -155,6 +162,11 @@ def plan_switch(ctx: EngineContext) -> Plan:
                                arena=cfg.transfer_mode == "raw_block_transfer",
                                calls=tuple(position[label] for label in sequence))
         plan = strategy.plan(plan_input)
+        capacity = latency_capacity(ctx) if budget is None else None
+        if capacity is not None and plan.peak_device_bytes > capacity:  # latency first, within what the device has
+            logger.info("manager %r: the latency-mode plan needs %d bytes on the device, %d are available: planned "
+                        "at that budget instead", ctx.name, plan.peak_device_bytes, capacity)
+            plan = strategy.plan(replace(plan_input, budget_bytes=capacity))
         offloaded = {label: tuple(names) for label, names in plan.offloaded.items()}
         num_slots = plan.num_blocks
         small_slot = plan.small_slot_bytes
@@ -197,6 +209,32 @@ def trap_stream_cost(compute_s: float, host: Sequence[float] | None, calls: int)
     host_s = statistics.median(host) if host else compute_s
     spare = max(0.0, compute_s - host_s) / calls
     return calls * max(STREAMED_TRAP_DEVICE_S, STREAMED_TRAP_COST_S - spare)
+
+
+def read_floor_s(ctx: EngineContext) -> dict[str, float] | None:
+    """Latency mode's lower bound on each trap's compute at any batch size: its exclusive weights' bytes over the
+    device memory's read rate (Note [the smallest pass] in ``flextensor.runtime.device_read_rate``); a trap without
+    weights is bounded by 0. None where no bound applies: memory mode, a CPU computing in place, or no rate (a
+    CPU without ``EnginePolicy.device_read_rate``, or that rate infinite)."""
+    if ctx.budget_bytes is not None or ctx.config.max_gpu_mem_fraction is not None or ctx.in_place:
+        return None
+    rate = ctx.policy.device_read_rate if ctx.policy.device_read_rate is not None else device_read_rate(ctx.device)
+    if rate is None or math.isinf(rate):
+        return None
+    tensors = ctx.tensors
+    return {label: sum(tensor_nbytes(tensors[n].tensor) for n in names if n in tensors) / rate
+            for label, names in ctx.exclusive.items()}
+
+
+def latency_capacity(ctx: EngineContext) -> int | None:
+    """The device bytes a latency-mode plan may hold on CUDA (None elsewhere): free memory plus what the model
+    holds there now, less the warm-up's safety margin. A plan for the smallest pass keeps most of the model
+    resident; where it does not fit, the switch plans at this budget instead."""
+    if ctx.device.type != "cuda":
+        return None
+    total, free = device_memory(ctx.device)
+    held = sum(tensor_nbytes(e.tensor) for e in ctx.tensors.values() if e.tensor.device == ctx.device)
+    return max(0, free + held - warmup_margin(total))
 
 
 def resolve_device_budget(ctx: EngineContext) -> int | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -46,9 +48,21 @@ def test_the_engine_takes_the_managers_policy(stream_on_cpu: bool):
     ft.offload(model, cpu_config(include_patterns=["0", "1", "2", "3"]))
     with pytest.raises(RuntimeError, match="release\\(\\) it before changing its engine policy"):
         om.set_engine_policy(warmup="stream")
-    assert om.engine.policy == EnginePolicy(warmup="resident", stream_on_cpu=stream_on_cpu)
+    assert om.engine.policy == replace(default_engine_policy(), warmup="resident", stream_on_cpu=stream_on_cpu)
     assert om.engine.warm.decision is not None and om.engine.warm.decision.forced
     with torch.no_grad():
         for _ in range(om.iters_before_inference + 2):
             assert torch.equal(model(x), expected)
     assert om.engine.in_place is not stream_on_cpu
+
+
+@pytest.mark.parametrize("rate", [0, -1.0, "fast", True, float("nan")])
+def test_device_read_rate_must_be_a_positive_number(rate):
+    with pytest.raises(ValueError, match="device_read_rate must be None or a number > 0"):
+        EnginePolicy(device_read_rate=rate)
+
+
+def test_device_read_rate_accepts_none_a_rate_and_infinity():
+    assert EnginePolicy().device_read_rate is None
+    assert EnginePolicy(device_read_rate=3.35e12).device_read_rate == 3.35e12
+    assert EnginePolicy(device_read_rate=float("inf")).device_read_rate == float("inf")
