@@ -35,11 +35,14 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees for ``ft.X`` (r
         resume_profiling as resume_profiling,
         save_profile as save_profile,
         set_config as set_config,
+        sleep as sleep,
         strategy_replan_status as strategy_replan_status,
         suspend_profiling as suspend_profiling,
         update_offload_timing as update_offload_timing,
         update_state as update_state,
+        wake as wake,
     )
+    from flextensor.errors import ModelAsleepError as ModelAsleepError
     from flextensor.configuration.config import OffloadConfig as OffloadConfig
     from flextensor.loading.lazy_init import (
         init_empty_weights as init_empty_weights,
@@ -73,6 +76,8 @@ if TYPE_CHECKING:  # pragma: no cover - what a type checker sees for ``ft.X`` (r
     from flextensor.shm.errors import (
         ShmCreatorDiedError as ShmCreatorDiedError,
         ShmCreatorFailedError as ShmCreatorFailedError,
+        WeightsUpdateIncompleteError as WeightsUpdateIncompleteError,
+        WorkersAwakeError as WorkersAwakeError,
     )
 
 # public name -> module that defines it
@@ -109,6 +114,9 @@ _LAZY: dict[str, str] = {
     "offload_units": "flextensor.api",
     "resident_units": "flextensor.api",
     "update_state": "flextensor.api",
+    "sleep": "flextensor.api",
+    "wake": "flextensor.api",
+    "ModelAsleepError": "flextensor.errors",
     # lazy initialisation from a checkpoint
     "load_model_from_profile": "flextensor.loading.lazy_init",
     "init_empty_weights": "flextensor.loading.lazy_init",
@@ -129,12 +137,14 @@ _LAZY: dict[str, str] = {
     "SharedOffloadSession": "flextensor.sharing.session",
     "ShmCreatorFailedError": "flextensor.shm.errors",
     "ShmCreatorDiedError": "flextensor.shm.errors",
+    "WorkersAwakeError": "flextensor.shm.errors",
+    "WeightsUpdateIncompleteError": "flextensor.shm.errors",
     "cleanup_dead_namespaces": "flextensor.shm.dead_sweep",
 }
 
 __all__ = [  # every name of _LAZY, and the version (tests/client/test_api_surface.py checks they agree)
     "AdaptiveStrategy", "BudgetFillStrategy", "DEFAULT_MANAGER_NAME", "GPUMemoryUsage", "GreedyStrategy",
-    "KnapsackStrategy", "NthLayerStrategy", "OffloadConfig", "OffloadManager", "OffloadTimingReport",
+    "KnapsackStrategy", "ModelAsleepError", "NthLayerStrategy", "OffloadConfig", "OffloadManager", "OffloadTimingReport",
     "OffloadTimingSnapshot", "Phase", "SharedOffloadSession", "ShmCreatorDiedError", "ShmCreatorFailedError",
     "StrategyReplanStatus", "TrapTimingRecord", "TrapTimingStats", "__version__", "cleanup_dead_namespaces",
     "clear_profiling_durations",
@@ -142,8 +152,8 @@ __all__ = [  # every name of _LAZY, and the version (tests/client/test_api_surfa
     "init_empty_weights", "load_config", "load_config_from_env", "load_config_from_file", "load_model_from_profile",
     "load_profile", "offload", "offload_block", "offload_from_profile", "offload_from_state", "offload_units",
     "pause_profiling", "release", "request_strategy_replan", "reset_offload_timing", "resident_units",
-    "resume_profiling", "save_profile", "set_config", "strategy_replan_status", "suspend_profiling",
-    "update_offload_timing", "update_state",
+    "resume_profiling", "save_profile", "set_config", "sleep", "strategy_replan_status", "suspend_profiling",
+    "update_offload_timing", "update_state", "wake", "WeightsUpdateIncompleteError", "WorkersAwakeError",
 ]
 
 

@@ -46,6 +46,8 @@ __all__ = [
     "offload_from_state",
     "release",
     "release_all",
+    "sleep",
+    "wake",
     "clear_profiling_durations",
     "suspend_profiling",
     "resume_profiling",
@@ -181,6 +183,19 @@ def release(name: str = DEFAULT_MANAGER_NAME, *, preserve_model: bool = True) ->
     with _registry_lock:
         if _registry.get(name) is manager:
             del _registry[name]
+
+
+def sleep(name: str = DEFAULT_MANAGER_NAME) -> None:
+    """Free the device memory of manager ``name``'s model, keeping its plan and one host copy of its weights
+    (``OffloadManager.sleep``); passes raise ``ModelAsleepError`` until :func:`wake`. In a shared session the
+    worker's lease says it sleeps, which lets ``SharedOffloadSession.update_weights`` write new weights."""
+    get_offload_manager(name).sleep()
+
+
+def wake(name: str = DEFAULT_MANAGER_NAME) -> float:
+    """Bring manager ``name``'s sleeping model back onto its device with the same plan, from the host copy (with
+    the newest weights a session published); returns the seconds it took (``OffloadManager.wake``)."""
+    return get_offload_manager(name).wake()
 
 
 def release_all(*, preserve_model: bool = True) -> None:

@@ -13,6 +13,10 @@ the current phase handler, and it is the only place the handler changes (Note [p
 at each trap's entry and exit. It also owns what outlives a model: the config, the memory budget, a profile
 loaded ahead of ``offload()``, and a shared-memory namespace it joined for ``shm_enabled`` without a session.
 
+``sleep()`` frees the device memory of a model in INFERENCE and ``wake()`` brings it back with the same plan
+(Note [sleep and wake] in ``flextensor.engine.sleep``); a shared session hands the manager the host copy its
+resident tensors come back from (``set_host_copy``).
+
 Threading: a manager belongs to the thread that created it; any other thread gets ``RuntimeError``.
 """
 
@@ -41,6 +45,8 @@ from flextensor.engine.hooks import RootForward, Trap
 from flextensor.engine.phase import Phase, PhaseHandler
 from flextensor.engine.policy import EnginePolicy, default_engine_policy
 from flextensor.engine.profiling import clear_durations, resolve_windows
+from flextensor.engine.sleep import HostCopy, SleepingHandler, SleepState, put_to_sleep, restore_on_host, wake_up
+from flextensor.errors import ModelAsleepError
 from flextensor.engine import replan
 from flextensor.engine.replan import StrategyReplanStatus
 from flextensor.engine.teardown import teardown
@@ -86,6 +92,7 @@ class OffloadManager:
         self._root: RootForward | None = None
         self._active: Trap | None = None
         self._active_handler: PhaseHandler | None = None
+        self._host_copy: HostCopy | None = None  # set_host_copy(): where a sleeping model's resident tensors are
 
     @property
     def owner_thread(self) -> int:
@@ -192,6 +199,8 @@ class OffloadManager:
 
     def _require_inference(self, what: str) -> EngineContext:
         ctx = self._inference_context()
+        if ctx is None and self.phase is Phase.SLEEPING:
+            raise ModelAsleepError(f"{what}: manager {self.name!r} is asleep; call wake() first")
         if ctx is None:
             phase = self.phase.value if self.phase is not None else "none (no model offloaded)"
             raise RuntimeError(f"{what}: manager {self.name!r} is in phase {phase}; {what} needs INFERENCE, which "
@@ -486,6 +495,56 @@ class OffloadManager:
             return
         install_deferred(ctx)
 
+    # ------------------------------------------------------------------------------------------------ sleep
+    @property
+    def asleep(self) -> bool:
+        """The model's device memory is freed (``sleep()``); passes raise ``ModelAsleepError`` until ``wake()``."""
+        return isinstance(self._handler, SleepingHandler)
+
+    @property
+    def sleep_state(self) -> SleepState | None:
+        """While asleep, what the sleep freed and kept (``flextensor.engine.sleep.SleepState``): for reports and
+        tests; None while awake."""
+        return self._handler.state if isinstance(self._handler, SleepingHandler) else None
+
+    def set_host_copy(self, host_copy: HostCopy | None) -> None:
+        """Where the resident tensors of this manager's model wake from instead of a private host copy made at
+        each sleep: a shared session's tensor store (``flextensor.sharing``). For the model offloaded now."""
+        self.check_thread()
+        if self._ctx is None:
+            raise RuntimeError(f"manager {self.name!r} offloads no model: set_host_copy() applies to the model "
+                               "offloaded now")
+        self._host_copy = host_copy
+
+    def sleep(self) -> None:
+        """Free the device memory the offloaded model holds (rotating blocks or arena, resident tensors), keeping
+        its plan and one host copy of every weight; a no-op when asleep. Passes raise ``ModelAsleepError`` until
+        :meth:`wake`. Needs INFERENCE, between passes (Note [sleep and wake] in ``flextensor.engine.sleep``)."""
+        self.check_thread()
+        if self.asleep:
+            return
+        ctx = self._require_inference("sleep()")
+        if self._root is not None and self._root.depth:
+            raise RuntimeError(f"sleep() on manager {self.name!r} was called inside a forward pass; call it "
+                               "between passes")
+        self.wait_for_host_blocks()
+        assert self._handler is not None
+        state = put_to_sleep(ctx, self._host_copy)
+        self._handler = SleepingHandler(ctx, state, self._handler)
+
+    def wake(self) -> float:
+        """Bring a sleeping model's device memory back (resident tensors at link rate from their host copy, a
+        new loader for the same plan) and resume INFERENCE; returns the seconds it took (0.0 when awake)."""
+        self.check_thread()
+        handler = self._handler
+        if not isinstance(handler, SleepingHandler):
+            self._require_inference("wake()")
+            return 0.0
+        assert self._ctx is not None
+        seconds = wake_up(self._ctx, handler.state, self._host_copy)
+        self._handler = handler.awake
+        return seconds
+
     # ------------------------------------------------------------------------------------------------ release
     def release(self, preserve_model: bool = True) -> None:
         """Undo everything: weights back into the model (unless ``preserve_model=False``), forwards unpatched,
@@ -501,6 +560,8 @@ class OffloadManager:
         """``flextensor.engine.teardown`` for the current context, then the root forward and the namespace."""
         ctx = self._ctx
         try:
+            if ctx is not None and isinstance(self._handler, SleepingHandler):
+                restore_on_host(ctx, self._handler.state, self._host_copy, preserve_model)
             if ctx is not None:
                 teardown(ctx, preserve_model)
         finally:
@@ -522,6 +583,9 @@ class OffloadManager:
         self.wait_for_host_blocks()
         if not self.enabled:
             return GPUMemoryUsage(0, 0, 0)
+        if self.asleep:  # what a sleeping model still holds on its device: nothing the engine knows of
+            assert self._ctx is not None
+            return engine_memory_usage(self._ctx)
         return engine_memory_usage(self._require_inference("get_gpu_memory_usage"))
 
     @property

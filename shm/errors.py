@@ -19,6 +19,8 @@ __all__ = [
     "ShmSpaceError",
     "HostMemoryError",
     "ShmNamespaceHeldError",
+    "WorkersAwakeError",
+    "WeightsUpdateIncompleteError",
 ]
 
 
@@ -43,6 +45,28 @@ class ShmCreatorFailedError(ShmError):
 
 class ShmCreatorDiedError(ShmError):
     """The creator's lease expired while the namespace was still INITIALIZING (it crashed or was killed)."""
+
+
+class WorkersAwakeError(ShmError):
+    """New weights were refused because a participant of the namespace may still read the host copy (it is
+    awake: ``wake()`` was called, or it never slept) or another update is being written.
+
+    Raised before any byte is written. ``pids`` are the awake participants' (or the writer's) process ids; the
+    message names them and the fix: every worker calls ``ft.sleep(name)`` first.
+    """
+
+    def __init__(self, message: str, pids: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.pids = tuple(pids)
+
+    def __reduce__(self):  # keep pids when the error crosses a process boundary
+        return (type(self), (str(self), self.pids))
+
+
+class WeightsUpdateIncompleteError(ShmError):
+    """An update of the shared weights stopped midway (its writer raised or died), so the host copy holds part
+    old and part new weights: no worker may wake from it or join it until a participant writes a complete set
+    again (``update_weights`` with every tensor), or every worker stops and the next start publishes afresh."""
 
 
 class ShmNamespaceHeldError(TimeoutError):

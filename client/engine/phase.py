@@ -3,7 +3,8 @@
 Note [phases and handlers]
 --------------------------
 An offloaded model goes DISCOVERY -> PROFILING -> INFERENCE (adoption of a profile or state starts in
-INFERENCE; ``skip_discovery`` starts in PROFILING). Each phase is a :class:`PhaseHandler` holding the
+INFERENCE; ``skip_discovery`` starts in PROFILING); from INFERENCE, ``sleep()`` and ``wake()`` go to SLEEPING
+and back, between passes. Each phase is a :class:`PhaseHandler` holding the
 :class:`~flextensor.engine.context.EngineContext`. The manager is the one owner of the current handler:
 
 - the patched root forward calls ``begin_pass()`` before a pass and ``end_pass(ok)`` after it; ``end_pass``
@@ -32,6 +33,7 @@ class Phase(enum.Enum):
     DISCOVERY = "discovery"
     PROFILING = "profiling"
     INFERENCE = "inference"
+    SLEEPING = "sleeping"  # INFERENCE with the device memory freed (Note [sleep and wake] in flextensor.engine.sleep)
 
 
 class PhaseHandler:

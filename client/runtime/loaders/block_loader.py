@@ -201,6 +201,11 @@ class StreamingLoader:
         self._unpinned: list[int] | None = None  # scheduled blocks with a pageable source, known after a pass
         self._pinning_known = False
 
+    @property
+    def host_block_gate(self) -> Callable[[int], None] | None:
+        """The gate every copy from a host block waits on (a loader made again after a sleep keeps it)."""
+        return self._gate
+
     def host_views(self, block: int) -> list[torch.Tensor]:
         """Zero-copy host views of block ``block``'s tensors (layout order)."""
         views = self._host_views.get(block)
