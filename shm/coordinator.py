@@ -29,6 +29,11 @@ READY returns, FAILED raises ``ShmCreatorFailedError`` with the creator's messag
 ending while INITIALIZING (its process gone, its heartbeat expired or ended by ``ftd``) raises
 ``ShmCreatorDiedError``.
 
+Sleeping, waking and new weights: each participant's activity (serving, sleeping, updating) in its lease slot
+and the generation's weights version in the header, changed under the lock through ``participation``
+(Note [sleeping participants and weight updates] in ``activity.py``). The election waits while an update is
+being written, and refuses a copy one left torn.
+
 Leaving (``close``): wait for local setup through the owner; a creator that never published marks the
 generation FAILED so followers learn it at once; then, under the lock, stop the heartbeat, free the slot,
 and if no live lease remains unlink everything the journal names, the coordinator segment, the journal and
@@ -47,6 +52,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from flextensor.shm import activity
 from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import (
     NamespaceState,
@@ -73,7 +79,7 @@ from flextensor.shm.header import (
 )
 from flextensor.shm.identity import ParticipantIdentity
 from flextensor.shm.journal import create_journal, remove_journal
-from flextensor.shm.leases import Heartbeat, LeaseTable
+from flextensor.shm.leases import Activity, Heartbeat, LeaseTable
 from flextensor.shm.locks import FileLock
 from flextensor.shm.names import coordinator_lock_path, coordinator_segment_name, manager_namespace, validate_namespace
 from flextensor.shm.orphans import squatted_generations
@@ -150,6 +156,8 @@ class ShmCoordinator:
         self._left = False
         self._closed = False
         self._header: HeaderInfo | None = None
+        self._updating = False  # the last election waited for new weights being written
+        self._participation: activity.Participation | None = None
         self._elect_until_admitted(join_wait)
         assert self._header is not None and self._table is not None
         self._is_creator: bool = self._header.creator.token == self._identity.token
@@ -219,9 +227,14 @@ class ShmCoordinator:
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             patient = time.monotonic() - start < _DOOMED_WAIT_S and (deadline is None or time.monotonic() < deadline)
+            self._updating = False
             with self._locked(remaining):
                 if self._elect(wait_if_doomed=patient):
                     return
+            if self._updating and deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"namespace {self._namespace!r}: new weights were still being written into its "
+                                   f"host copy after {timeout:g} s, and a participant joins only once they are "
+                                   "complete; pass a longer timeout")
             time.sleep(_DOOMED_RETRY_S)
 
     def _elect(self, *, wait_if_doomed: bool = False) -> bool:
@@ -237,6 +250,10 @@ class ShmCoordinator:
                         logger.info("namespace %s generation %d: its creator (%s) died while INITIALIZING; waiting "
                                     "for its %d remaining participant(s) to leave before electing a new creator",
                                     self._namespace, header.generation, header.creator.describe(), len(live))
+                        return False
+                    table = LeaseTable(state.segment.buffer, header.slot_count, segment=header.segment)
+                    if not activity.check_readable(state.segment.buffer, table, self._namespace):
+                        self._updating = True  # joining reads the host copy: wait until the update is written
                         return False
                     self._join(state)
                     return True
@@ -269,6 +286,8 @@ class ShmCoordinator:
             )
         table = LeaseTable(state.segment.buffer, header.slot_count, segment=header.segment)
         self._slot = table.join(self._identity, self._lease_ns)
+        table.set_activity(self._slot, self._identity, Activity.SERVING,
+                           activity.weights_version(state.segment.buffer))
         self._segment, state.segment = state.segment, None  # keep the mapping
         self._table = table
         self._header = header
@@ -456,6 +475,17 @@ class ShmCoordinator:
                 raise InterruptedError(f"waiting for namespace {self._namespace!r} generation {self._generation} "
                                        "to be READY was cancelled by its caller")
 
+    @property
+    def participation(self) -> activity.Participation:
+        """This participant's activity and the generation's weights version: sleep, wake and weight updates
+        (Note [sleeping participants and weight updates] in ``activity.py``)."""
+        if self._participation is None:
+            assert self._table is not None
+            self._participation = activity.Participation(
+                self._namespace, self._table, self._slot, self._identity, self._buffer,
+                lambda timeout: self._locked(self._timeout if timeout is None else timeout), self._timeout)
+        return self._participation
+
     # ------------------------------------------------------------------ leaving
     def close(self, timeout: float | None = None) -> None:
         """Leave the generation; the last participant removes all of it. Idempotent; retry if it raised.
@@ -479,8 +509,9 @@ class ShmCoordinator:
             self._remove_if_last()
         self._lock.close()
         if self._segment is not None:
-            self._heartbeat = None  # both hold the mapping's memoryview: drop them so close() can unmap
+            self._heartbeat = None  # they hold the mapping's memoryview: drop them so close() can unmap
             self._table = None
+            self._participation = None
             self._segment.close()
             self._segment = None
         self._closed = True

@@ -8,11 +8,11 @@ Byte order is the host's native order (the segment never leaves the host); every
 aligned to its own size, so the state and the lease heartbeats can be read and written with single aligned
 4/8-byte loads and stores (``ctypes.c_uint32/c_uint64.from_buffer``), which other processes never see torn.
 
-Header page (protocol 2, ``HEADER_SIZE`` = 4096 bytes)::
+Header page (protocol 3, ``HEADER_SIZE`` = 4096 bytes)::
 
     offset size  field             meaning
     0      8     magic             b"FLXTNSR\\0"
-    8      4     protocol          u32, PROTOCOL_VERSION (2); another value -> ShmProtocolError
+    8      4     protocol          u32, PROTOCOL_VERSION (3); another value -> ShmProtocolError
     12     4     header_size       u32, 4096: the lease table starts here
     16     16    library_version   ASCII, NUL padded: flextensor.__version__ of the creator
     32     4     state             u32, State: 1 INITIALIZING, 2 READY, 3 FAILED (aligned store)
@@ -26,7 +26,11 @@ Header page (protocol 2, ``HEADER_SIZE`` = 4096 bytes)::
     120    4     failure_len       u32, bytes of failure message used (<= FAILURE_CAPACITY)
     124    4     reserved          0
     128    2048  failure message   UTF-8, truncated with TRUNCATION_MARKER when longer
-    2176   1920  reserved          0
+    2176   8     weights_version   u64, version of the weights in the host copy (0: as the creator published
+                                   them; each update_weights stores a larger one; aligned store)
+    2184   4     update_state      u32, UpdateState: 0 IDLE, 1 WRITING (an update is writing the host copy),
+                                   2 TORN (an update stopped midway); rules in ``activity.py``
+    2188   1908  reserved          0
 
 Identity record (48 bytes, relative to its start)::
 
@@ -91,7 +95,7 @@ __all__ = [
 ]
 
 MAGIC = b"FLXTNSR\x00"
-PROTOCOL_VERSION = 2  # 2: 128-byte lease slots with pid namespace and flags
+PROTOCOL_VERSION = 3  # 2: 128-byte lease slots with pid namespace and flags; 3: activity and weights versions
 HEADER_SIZE = 4096
 SLOT_SIZE = 128
 DEFAULT_SLOT_COUNT = 128
@@ -115,6 +119,8 @@ OFF_CREATOR_SLOT = 68
 OFF_CREATOR = 72
 OFF_FAILURE_LEN = 120
 OFF_FAILURE = 128
+OFF_WEIGHTS_VERSION = 2176
+OFF_UPDATE_STATE = 2184
 
 _IDENTITY = struct.Struct("=II Q 16s 16s")  # pid, reserved, start_time, boot_id, token
 assert _IDENTITY.size == IDENTITY_BYTES

@@ -4,7 +4,7 @@ Every participant of a generation (creator and followers, one per ``ShmCoordinat
 of the table that follows the 4 KiB header page of ``/{ns}.c``. A participant is alive while its slot is
 ACTIVE, its heartbeat is fresher than its lease, and its process is not *known* to be gone.
 
-Slot layout (``SLOT_SIZE`` = 128 bytes at ``HEADER_SIZE + index * 128``, native byte order, protocol 2)::
+Slot layout (``SLOT_SIZE`` = 128 bytes at ``HEADER_SIZE + index * 128``, native byte order, protocol 3)::
 
     offset size field         meaning
     0      4    state         u32 SlotState: 0 FREE, 1 ACTIVE, 2 DEAD (ended by close-less death / ftd)
@@ -16,7 +16,13 @@ Slot layout (``SLOT_SIZE`` = 128 bytes at ``HEADER_SIZE + index * 128``, native 
     48     16   token         16 random bytes of the handle's identity
     64     8    pid_ns        u64 inode of the holder's pid namespace (0: unknown, judge by heartbeat only)
     72     4    flags         u32 bit 0 DURABLE: the lease outlives its process (an ftd hold, see below)
-    76     52   reserved      0
+    76     4    activity      u32 Activity: 0 SERVING (its model may read the host copy), 1 SLEEPING,
+                              2 UPDATING (it writes new weights into the host copy); ``activity.py``
+    80     8    held_version  u64 the weights version its model holds (set at join and at each wake)
+    88     40   reserved      0
+
+A slot is claimed SERVING (zeros) and stores its activity with single aligned stores under the coordinator lock
+(``activity.py`` says why the lock); readers outside the lock (``ftd``) only report it.
 
 The one liveness rule (``LeaseTable._live_at``; every reader uses it: the last-participant check, the
 election, a follower's wait for READY, cleanup and ``ftd``)::
@@ -75,7 +81,7 @@ from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns,
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.shm.segment import SharedSegment
 
-__all__ = ["SlotState", "LeaseSlot", "LeaseTable", "Heartbeat"]
+__all__ = ["SlotState", "Activity", "LeaseSlot", "LeaseTable", "Heartbeat"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +94,8 @@ OFF_BOOT_ID = 32
 OFF_TOKEN = 48
 OFF_PID_NS = 64
 OFF_FLAGS = 72
+OFF_ACTIVITY = 76
+OFF_HELD_VERSION = 80
 
 FLAG_DURABLE = 1
 
@@ -99,6 +107,14 @@ class SlotState(enum.IntEnum):
 
 
 _SLOT_STATES = frozenset(int(state) for state in SlotState)
+
+
+class Activity(enum.IntEnum):
+    """What a participant does with the host copy (slot offset 76; the rules are in ``activity.py``)."""
+
+    SERVING = 0
+    SLEEPING = 1
+    UPDATING = 2
 
 
 class LeaseSlot(msgspec.Struct, frozen=True):
@@ -113,6 +129,8 @@ class LeaseSlot(msgspec.Struct, frozen=True):
     pid_ns: int = 0
     durable: bool = False
     process_gone: bool = False  # its process is known to be gone (it may still be heartbeat-fresh)
+    activity: int = Activity.SERVING  # an Activity value (an unknown one is reported as it is, never trusted)
+    held_version: int = 0  # the weights version its model holds
 
 
 def _uuid_bytes(text: str) -> bytes:
@@ -241,6 +259,8 @@ class LeaseTable:
             pid_ns=load_u64(self._buf, base + OFF_PID_NS),
             durable=bool(load_u32(self._buf, base + OFF_FLAGS) & FLAG_DURABLE),
             process_gone=gone,
+            activity=load_u32(self._buf, base + OFF_ACTIVITY),
+            held_version=load_u64(self._buf, base + OFF_HELD_VERSION),
         )
 
     def slots(self, now: int | None = None) -> list[LeaseSlot]:
@@ -345,6 +365,19 @@ class LeaseTable:
         elif load_u32(self._buf, base + OFF_STATE) != SlotState.ACTIVE:
             return False
         store_u32(self._buf, base + OFF_STATE, SlotState.DEAD)
+        return True
+
+    def set_activity(self, index: int, identity: ParticipantIdentity, activity: Activity,
+                     held_version: int | None = None) -> bool:
+        """Store slot ``index``'s activity (and the weights version its model holds) if ``identity`` still holds
+        it; the caller holds the coordinator lock. The version is stored before the activity, so a reader that
+        sees SERVING sees the version it serves. False when the slot was lost."""
+        base = self._base(index)
+        if not self._holds(base, identity):
+            return False
+        if held_version is not None:
+            store_u64(self._buf, base + OFF_HELD_VERSION, held_version)
+        store_u32(self._buf, base + OFF_ACTIVITY, int(activity))
         return True
 
     def heartbeat(self, index: int, identity: ParticipantIdentity) -> bool:

@@ -8,7 +8,8 @@ them with SIGKILL where a test needs a crash. ``Child`` is the parent-side handl
 Commands (``op``): open(ns, lease, timeout), ready, fail(message), wait(timeout), wait_close(timeout),
 segment(kind, size),
 lock(kind, backend), write_blob(kind, data), read_blob(kind), state, close(timeout), hold_lock(ns),
-release_lock, exit. Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": <type>, "message": ...,
+release_lock, sleep, wake(timeout), begin_update(version, complete), end_update(version), abort_update,
+versions, exit. Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": <type>, "message": ...,
 "creator_message": ...}``.
 """
 
@@ -92,6 +93,25 @@ def _serve() -> None:
             elif op == "release_lock":
                 held.close()
                 held = None
+            elif op == "sleep":
+                coordinator.participation.sleep()
+            elif op == "wake":
+                start = time.monotonic()
+                try:
+                    out["version"] = coordinator.participation.wake(cmd.get("timeout"))
+                finally:
+                    out["elapsed"] = time.monotonic() - start
+            elif op == "begin_update":
+                out["version"] = coordinator.participation.begin_update(cmd.get("version"),
+                                                                        complete=cmd.get("complete", True))
+            elif op == "end_update":
+                coordinator.participation.end_update(cmd["version"])
+            elif op == "abort_update":
+                coordinator.participation.abort_update()
+            elif op == "versions":
+                participation = coordinator.participation
+                out = {"published": participation.weights_version, "held": participation.held_version,
+                       "activity": participation.activity.name}
             elif op == "exit":
                 reply({"ok": True})
                 return
@@ -100,7 +120,8 @@ def _serve() -> None:
             reply({"ok": True, **out})
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the test
             reply({"ok": False, "error": type(exc).__name__, "message": str(exc),
-                   "creator_message": getattr(exc, "creator_message", None), **out})
+                   "creator_message": getattr(exc, "creator_message", None), "pids": getattr(exc, "pids", None),
+                   **out})
 
 
 # --------------------------------------------------------------------------------------------- parent side

@@ -393,7 +393,7 @@ def _header_bytes() -> bytearray:
 def test_header_layout_is_fixed():
     buf = _header_bytes()
     assert buf[0:8] == MAGIC == b"FLXTNSR\x00"
-    assert struct.unpack_from("=II", buf, 8) == (PROTOCOL_VERSION, HEADER_SIZE) == (2, 4096)
+    assert struct.unpack_from("=II", buf, 8) == (PROTOCOL_VERSION, HEADER_SIZE) == (3, 4096)
     assert buf[16:32].rstrip(b"\x00").decode() == validate_header(memoryview(buf), "/x.c").library_version
     assert struct.unpack_from("=IIQQQII", buf, 32) == (State.INITIALIZING, 4, 7, 123, 99, 128, 2)
     pid, _, start, boot, token = struct.unpack_from("=IIQ16s16s", buf, 72)
