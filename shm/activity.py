@@ -228,7 +228,7 @@ class Participation:
             buf = self._buffer()
             store_weights_version(buf, version)
             store_update_state(buf, UpdateState.IDLE)
-            self._set(Activity.SLEEPING, version)
+            self._set(Activity.SLEEPING)  # its model holds the new version once it wakes, as every other's
 
     def abort_update(self) -> None:
         """Writing the new weights failed midway: the host copy is TORN until a complete update."""

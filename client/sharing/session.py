@@ -36,6 +36,10 @@ follower
     registration, the plan) while the factory runs; if the lock stays busy, or the join elected this process
     creator after all, the session goes on along the paths above (the model built is used, or dropped).
 
+A worker sleeps and wakes through ``ft.sleep(name)`` / ``ft.wake(name)``: its resident tensors wake from the
+store (``flextensor.sharing.host_copy``), and its lease says whether it sleeps, so that :meth:`update_weights`
+can write new weights into the host copy in place while every worker sleeps (``flextensor.sharing.weight_update``).
+
 Before each join the session reclaims the dead namespaces of its user's lock directory (every participant gone,
 nobody restarted them: ``flextensor.shm.dead_sweep.sweep_before_join``, bounded in time, logged), so the next job
 to start on a host without ``ftd`` frees what crashed jobs left.
@@ -68,6 +72,7 @@ from flextensor.api import get_offload_manager
 from flextensor.sharing.attach_prefetch import ELECT_LOCK_WAIT_S, FollowerPrefetch
 from flextensor.configuration.config import OffloadConfig
 from flextensor.sharing.creator_source import CreatorSource
+from flextensor.sharing.host_copy import SharedHostCopy
 from flextensor.manager import OffloadManager, compute_device
 from flextensor.profiles import read_profile
 from flextensor.sharing.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, BlockReads, PublishPlan, arena_plan,
@@ -83,6 +88,7 @@ from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
 from flextensor.sharing.share import (PLAN_KIND, ManagerShare, block_pinner, check_offloaded_metadata, device_index,
                               privatize_shared_views, read_published_plan, register_with_daemon,
                               run_factory_while_attaching, timed_step)
+from flextensor.sharing.weight_update import UpdateReport, WeightsSource, update_host_copy
 from flextensor.state import TensorManagerState
 
 logger = logging.getLogger(__name__)
@@ -215,6 +221,8 @@ class SharedOffloadSession:
             self._abandon(share, manager)
             raise
         share.model = model
+        assert share.store is not None
+        manager.set_host_copy(SharedHostCopy(share.store, share.coordinator))  # a sleep keeps no private copy
         share.ready_s = time.monotonic() - start
         logger.info("session %s/%s: %s ready in %.3f s (%.1f MiB shared)", self.namespace, name, share.role,
                     share.ready_s, share.shared_bytes / 2**20)
@@ -533,6 +541,32 @@ class SharedOffloadSession:
         except Exception as close_exc:  # noqa: BLE001
             logger.error("session %s: close() failed while handling %s: %s; call close() again to retry",
                          self.namespace, exc_type.__name__, close_exc)
+
+    # ------------------------------------------------------------------------------------------ new weights
+    def update_weights(self, source: WeightsSource, *, name: str = "default",
+                       version: int | None = None) -> UpdateReport:
+        """Write new weights into the host copy of manager ``name``'s namespace in place, block by block, for
+        every worker of the host; ``version`` (default: the current one + 1) is published with them.
+
+        ``source``: a state dict, an iterable of ``(name, tensor)`` pairs, or a safetensors file or directory;
+        any subset of the published tensors. Names, dtypes and shapes are checked first (``KeyError``,
+        ``ValueError``); ``WorkersAwakeError`` while any worker of the namespace, this one included, is awake
+        (``ft.sleep(name)`` first). Workers that wake afterwards compute with the new weights."""
+        self._check_thread()
+        share = self._shares.get(name)
+        manager = get_offload_manager(name)
+        if share is None or share.store is None or manager.engine is None:
+            raise RuntimeError(f"this session offloads no model under manager {name!r}: offload_from_profile first")
+        return update_host_copy(manager.engine, share.store, share.coordinator.participation, source, version)
+
+    def weights_version(self, name: str = "default") -> int:
+        """The version of the weights manager ``name``'s model holds: since it attached or last woke (0: as the
+        creator published them)."""
+        self._check_thread()
+        share = self._shares.get(name)
+        if share is None:
+            raise RuntimeError(f"this session offloads no model under manager {name!r}")
+        return share.coordinator.participation.held_version
 
     # ------------------------------------------------------------------------------------------ reporting
     def report(self) -> list[dict[str, Any]]:

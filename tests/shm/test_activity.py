@@ -75,7 +75,9 @@ def test_slot_and_header_fields_sit_where_the_layout_says(ns):
             assert struct.unpack_from("=QI", segment.buffer, 2176) == (0, UpdateState.WRITING)
             coordinator.participation.end_update(version)
             assert struct.unpack_from("=QI", segment.buffer, 2176) == (1, UpdateState.IDLE)
-            assert struct.unpack_from("=IQ", segment.buffer, base + 76) == (Activity.SLEEPING, 1)
+            assert struct.unpack_from("=IQ", segment.buffer, base + 76) == (Activity.SLEEPING, 0)
+            assert coordinator.participation.wake() == 1
+            assert struct.unpack_from("=IQ", segment.buffer, base + 76) == (Activity.SERVING, 1)
             assert header.protocol == 3
         finally:
             segment.close()
