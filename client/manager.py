@@ -292,7 +292,7 @@ class OffloadManager:
 
             assert cfg.shm_namespace is not None
             self._shm_coordinator = ShmCoordinator(manager_namespace(cfg.shm_namespace, self.name),
-                                                   timeout=cfg.shm_wait_timeout or None)
+                                                   timeout=cfg.shm_wait_timeout or None, shm_dir=cfg.shm_dir)
         return self._shm_coordinator.memory_owner
 
     # ------------------------------------------------------------------------------------------------ passes

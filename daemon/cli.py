@@ -166,7 +166,9 @@ def _is_per_manager(name: str, lock_dir: str | None) -> bool:
         return False
     import os
 
-    if os.path.exists(f"/dev/shm/{name}.c"):
+    from flextensor.shm.segment_dir import segment_path
+
+    if os.path.exists(segment_path(f"/{name}.c")):
         return True
     return lock_dir is not None and os.path.exists(os.path.join(lock_dir, f"{name}.journal"))
 
@@ -226,6 +228,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), "config") from None
     logging.basicConfig(stream=sys.stderr, level=settings.log_level_number,
                         format="%(asctime)s ftd[%(process)d] %(levelname)s %(name)s: %(message)s")
+    if settings.shm_dir is not None:
+        from flextensor.shm.segment_dir import set_default_directory
+
+        set_default_directory(settings.shm_dir)
     try:
         return run(settings)
     except StartupError as exc:
@@ -266,9 +272,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     from flextensor.shm.text_table import format_columns
 
     print("\n".join(format_columns(
-        ["NAMESPACE", "MANAGER", "ID", "GENERATION", "STATE", "PARTICIPANTS", "BYTES", "AGE"],
+        ["NAMESPACE", "MANAGER", "ID", "GENERATION", "STATE", "PARTICIPANTS", "BYTES", "PAGES", "SHM_DIR", "AGE"],
         [[r["base"] or "?", r["manager"] or "?", r["namespace"], str(r["generation"] or "-"), r["state"],
-          str(r["participants"]), format_bytes(r["bytes"]), f"{r['age']:.0f}s"] for r in rows],
+          str(r["participants"]), format_bytes(r["bytes"]), format_bytes(r["page_size"], digits=0), r["shm_dir"],
+          f"{r['age']:.0f}s"] for r in rows],
     )))
     return 0
 
@@ -317,7 +324,7 @@ def _cmd_cleanup(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
                     for path in report["removed"]:
                         print(f"  removed {path}")
     if not matched:
-        print(f"ftd cleanup: {args.namespace!r} matches nothing in {lock_dir} or /dev/shm (looked for "
+        print(f"ftd cleanup: {args.namespace!r} matches nothing in {lock_dir} or the shared-memory directory (looked for "
               f"{', '.join(namespaces)}): check the name and --manager (`ftd ls` lists namespaces), and pass the "
               "workers' lock directory with --lock-dir", file=sys.stderr)
         return 1
@@ -339,6 +346,7 @@ def _refuse_if_held(namespace: str, lock_dir: str) -> None:
 def _cmd_cleanup_dead(args: argparse.Namespace) -> int:
     from flextensor.shm.dead_sweep import sweep_dead_namespaces
     from flextensor.shm.sizes import format_bytes
+    from flextensor.shm.segment_dir import namespace_directory
 
     sweep = sweep_dead_namespaces(args.lock_dir, look_in_shm=True)
     if args.json:
@@ -353,7 +361,7 @@ def _cmd_cleanup_dead(args: argparse.Namespace) -> int:
         for r in sweep.reclaimed:
             name = f"{r.base} / {r.manager} ({r.report.namespace})" if r.base else r.report.namespace
             print(f"{name}: generation {r.report.generation} removed, {len(r.report.removed)} resources, "
-                  f"{format_bytes(r.shm_bytes)} of /dev/shm (dead)")
+                  f"{format_bytes(r.shm_bytes)} of {namespace_directory(r.report.namespace)} (dead)")
         counts = {reason: sum(1 for s in sweep.skipped if s.reason == reason) for reason in ("live", "held", "busy")}
         kept = ", ".join(f"{n} {reason}" for reason, n in counts.items() if n)
         freed = format_bytes(sum(r.shm_bytes for r in sweep.reclaimed))
@@ -375,6 +383,7 @@ def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str, *, forc
     from flextensor.daemon.lockdirs import inspect_lock_dir, lock_dir_name_uid, segment_owner_uid
     from flextensor.shm.cleanup import cleanup_manager_namespace
     from flextensor.shm.errors import ShmNamespaceHeldError, ShmProtocolError
+    from flextensor.shm.segment_dir import namespace_directory
 
     if lock_dir_name_uid(Path(lock_dir).name) != os.getuid():
         raise CommandError(f"local cleanup can only use this user's lock directory (flextensor-{os.getuid()}), not "
@@ -385,10 +394,11 @@ def _local_cleanup(namespaces: list[str], timeout: float, lock_dir: str, *, forc
         for ns in namespaces:
             owner = segment_owner_uid(ns)
             if owner is not None and owner != os.getuid():
-                raise CommandError(f"coordinator segment /dev/shm/{ns}.c belongs to uid {owner}, not to this user "
+                where = namespace_directory(ns)
+                raise CommandError(f"coordinator segment {where}/{ns}.c belongs to uid {owner}, not to this user "
                                    f"(uid {os.getuid()}): another user runs a job on the same namespace. Nothing was "
-                                   f"removed; that user or root must remove its files (`rm /dev/shm/{ns}.c` and its "
-                                   f"/dev/shm/{ns}.g*), or use another base namespace or manager name",
+                                   f"removed; that user or root must remove its files (`rm {where}/{ns}.c` and its "
+                                   f"{where}/{ns}.g*), or use another base namespace or manager name",
                                    "conflict") from None
             if owner is not None:
                 raise CommandError(f"coordinator segment of {ns} exists but the lock directory {lock_dir} (its "

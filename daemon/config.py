@@ -11,11 +11,15 @@ YAML file (``--config FILE`` or ``$FT_DAEMON_CONFIG``), every key optional::
     log_level: INFO                    # DEBUG, INFO, WARNING, ERROR
     max_frame_bytes: 65536             # largest request answered (<= the protocol's MAX_FRAME_BYTES)
     keep_holds_on_exit: false          # true: SIGTERM/SIGINT leave holds to the next daemon instead of releasing
+    shm_dir: null                      # the workers' directory of segments (null: $FT_SHM_DIR or /dev/shm)
 
 Environment: ``FT_DAEMON_SOCKET``, ``FT_DAEMON_SOCKET_GROUP``, ``FT_DAEMON_METRICS_PORT``,
 ``FT_DAEMON_METRICS_HOST``, ``FT_DAEMON_REAP_INTERVAL``, ``FT_DAEMON_LOCK_DIRS`` (``os.pathsep``-separated),
 ``FT_DAEMON_LOG_LEVEL``, ``FT_DAEMON_MAX_FRAME_BYTES``, ``FT_DAEMON_KEEP_HOLDS_ON_EXIT`` (``1``/``true``/``yes``/``on``
-or ``0``/``false``/``no``/``off``), ``FT_DAEMON_CONFIG``.  ``FT_DAEMON_SOCKET`` is also what
+or ``0``/``false``/``no``/``off``), ``FT_DAEMON_SHM_DIR``, ``FT_DAEMON_CONFIG``.
+
+``shm_dir`` matters only where no journal says where a namespace's segments are (a journal records its
+directory, ``flextensor.shm.segment_dir``): ``ftd cleanup --force`` and namespaces found without a journal.  ``FT_DAEMON_SOCKET`` is also what
 workers read, so one variable points both sides at the same socket.
 
 Unknown YAML keys and malformed values raise ``ValueError`` naming the key and where it came from: a typo in
@@ -58,6 +62,7 @@ class DaemonSettings:
     log_level: str = "INFO"
     max_frame_bytes: int = MAX_FRAME_BYTES
     keep_holds_on_exit: bool = False
+    shm_dir: str | None = None
 
     def __post_init__(self) -> None:
         self.validate("settings")
@@ -89,6 +94,10 @@ class DaemonSettings:
                              f"{self.max_frame_bytes!r}")
         if self.socket_group is not None and (not isinstance(self.socket_group, (str, int)) or self.socket_group == ""):
             raise ValueError(f"{source}: socket_group must be a group name or gid, got {self.socket_group!r}")
+        if self.shm_dir is not None:
+            from flextensor.shm.segment_dir import check_directory
+
+            self.shm_dir = check_directory(self.shm_dir, f"{source}: shm_dir")
         if not isinstance(self.keep_holds_on_exit, bool):
             raise ValueError(f"{source}: keep_holds_on_exit must be true or false, got {self.keep_holds_on_exit!r}")
 
@@ -114,7 +123,7 @@ def _from_text(name: str, text: str, source: str) -> Any:
             return float(text)
         if name == "lock_dirs":
             return [part for part in text.split(os.pathsep) if part]
-        if name == "socket_group":
+        if name in ("socket_group", "shm_dir"):
             return text or None
         if name == "keep_holds_on_exit":
             return parse_bool(text)

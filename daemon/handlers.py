@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable
 
 from flextensor.shm import ftd_protocol as proto
+from flextensor.shm import segment_dir
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.names import manager_namespace, validate_namespace
 
@@ -199,6 +200,7 @@ class RequestHandler:
         now = time.time()
         rows = []
         for view in sorted(self.registry.views.values(), key=lambda v: v.namespace):
+            pages = segment_dir.page_info(view.shm_dir)
             rows.append(proto.GenerationRow(
                 namespace=view.namespace,
                 manager=view.manager,
@@ -208,6 +210,9 @@ class RequestHandler:
                 bytes=view.bytes,
                 age=round(max(0.0, now - view.created_at), 3) if view.created_at else 0.0,
                 base=view.base,
+                shm_dir=view.shm_dir,
+                page_size=pages.size,
+                pages=pages.describe(),
             ))
         return proto.ListReply(rows=rows)
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flextensor.shm.names import coordinator_segment_name, find_lock_directory, validate_namespace
-from flextensor.shm.segment import SHM_DIR
+from flextensor.shm.segment_dir import segment_path
 
 __all__ = ["LockDir", "inspect_lock_dir", "acting_in", "segment_owner_uid", "configured_lock_dir",
            "lock_dir_name_uid"]
@@ -129,8 +129,8 @@ def configured_lock_dir(path: str) -> tuple[str, list[tuple[str, int]]]:
 
 
 def segment_owner_uid(namespace: str) -> int | None:
-    """uid owning ``/dev/shm/{ns}.c`` (None when it does not exist)."""
+    """uid owning ``{shm_dir}/{ns}.c`` (None when it does not exist; ``segment_dir.py`` says where)."""
     try:
-        return os.stat(SHM_DIR + coordinator_segment_name(validate_namespace(namespace))).st_uid
+        return os.stat(segment_path(coordinator_segment_name(validate_namespace(namespace)))).st_uid
     except FileNotFoundError:
         return None

@@ -59,7 +59,8 @@ from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns,
 from flextensor.shm.journal import MAX_JOURNAL_BYTES, list_journals, read_journal
 from flextensor.shm.leases import LeaseTable, SlotState
 from flextensor.shm.names import coordinator_segment_name
-from flextensor.shm.segment import SHM_DIR, SharedSegment
+from flextensor.shm import segment_dir
+from flextensor.shm.segment import SharedSegment
 
 from flextensor.daemon.lockdirs import LockDir, configured_lock_dir, inspect_lock_dir, segment_owner_uid
 
@@ -116,6 +117,7 @@ class NamespaceView:
     state: str = "ORPHAN"  # INITIALIZING / READY / FAILED (header), ORPHAN (no coordinator), CORRUPT, CREATING
     live: int = 0
     bytes: int = 0
+    shm_dir: str = segment_dir.DEFAULT_DIRECTORY  # where its segments are (the journal's shm_dir)
     created_at: float | None = None  # wall clock seconds
     error: str | None = None
     owner_uid: int | None = None  # uid owning the coordinator segment (else the lock directory's)
@@ -256,7 +258,7 @@ class Registry:
 
     def _map(self, view: NamespaceView) -> LeaseTable | None:
         """Map (or keep mapped) ``/{ns}.c``; None when it does not exist.  Raises what the header raises."""
-        path = SHM_DIR + coordinator_segment_name(view.namespace)
+        path = segment_dir.segment_path(coordinator_segment_name(view.namespace))  # where the journal said
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -295,6 +297,7 @@ class Registry:
             else:
                 journal = read_journal(journal_file)
                 header = journal.header
+                view.shm_dir = header.shm_dir
                 if header.base is not None and ns not in self.labels:  # read_journal checked they derive ns
                     self.labels[ns] = (header.base, header.manager)
                     view.base, view.manager = header.base, header.manager
@@ -404,7 +407,7 @@ class Registry:
         total = 0
         for name in names:
             try:
-                total += os.stat(SHM_DIR + name).st_size
+                total += os.stat(segment_dir.segment_path(name)).st_size
             except OSError:
                 pass
         return total

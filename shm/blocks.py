@@ -17,8 +17,11 @@ Layout (part 0 is ``/{ns}.g{gen}.h``, part ``k`` is ``/{ns}.g{gen}.h{k}``, each 
 creator through its ``ShmOwner``, so journaled before it exists and unlinked by the last participant)::
 
     parts   = min(ARENA_MAX_PARTS, number of blocks, total block bytes // ARENA_PART_MIN_BYTES), at least 1
-    block i in part i % parts, at the end of the previous block of that part rounded up to ARENA_ALIGN
-    part k's size: the end of its last block, rounded up to ARENA_ALIGN
+    block i in part i % parts, at the end of the previous block of that part rounded up to align
+    part k's size: the end of its last block, rounded up to align
+
+``align`` is the page of the namespace's directory (``ARENA_ALIGN``, 4 KiB, on ``/dev/shm``; 2 MiB on huge pages:
+``segment_dir.block_alignment``, ``ShmOwner.block_alignment``), so every block has its pages to itself.
 
 The layout is a pure function of the block sizes in index order (:func:`arena_layout`), which every participant
 reads from the published plan, so no offsets are published: every block of the plan names its part's segment,
@@ -88,8 +91,11 @@ class ArenaLayout:
         return {arena_kind(part): size for part, size in enumerate(self.part_sizes)}
 
 
-def arena_layout(sizes: Sequence[int]) -> ArenaLayout:
-    """Where each block of ``sizes`` (bytes, by block index) lives in the arena; ``ValueError`` for a size <= 0."""
+def arena_layout(sizes: Sequence[int], *, align: int = ARENA_ALIGN) -> ArenaLayout:
+    """Where each block of ``sizes`` (bytes, by block index) lives in the arena, each starting on a multiple of
+    ``align`` bytes (a power of two, at least :data:`ARENA_ALIGN`); ``ValueError`` for a size <= 0."""
+    if align < ARENA_ALIGN or align & (align - 1):
+        raise ValueError(f"arena alignment must be a power of two >= {ARENA_ALIGN}, got {align!r}")
     for index, size in enumerate(sizes):
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"host block {index} must have a positive integer size, got {size!r}")
@@ -100,7 +106,7 @@ def arena_layout(sizes: Sequence[int]) -> ArenaLayout:
         part = index % count
         parts.append(part)
         offsets.append(ends[part])
-        ends[part] = align_up(ends[part] + size, ARENA_ALIGN)
+        ends[part] = align_up(ends[part] + size, align)
     return ArenaLayout(tuple(offsets), tuple(int(s) for s in sizes), tuple(parts),
                        tuple(ends) if sizes else ())
 

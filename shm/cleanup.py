@@ -62,7 +62,8 @@ from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordin
 from flextensor.shm.journal import Intent, Journal, JournalHeader, read_journal
 from flextensor.shm.leases import LeaseSlot, LeaseTable
 from flextensor.shm.locks import FileLock
-from flextensor.shm.orphans import SHM_DIR as SHM_DIR_PATH, derived_resources
+from flextensor.shm import segment_dir
+from flextensor.shm.orphans import derived_resources, shm_directories
 from flextensor.shm.names import (
     coordinator_lock_path,
     coordinator_segment_name,
@@ -70,7 +71,7 @@ from flextensor.shm.names import (
     resolve_lock_directory,
     validate_namespace,
 )
-from flextensor.shm.segment import SHM_DIR, SharedSegment
+from flextensor.shm.segment import SharedSegment
 
 __all__ = ["CleanupReport", "NamespaceState", "check_not_held", "cleanup_manager_namespace", "held_error",
            "inspect_namespace_locked"]
@@ -155,13 +156,14 @@ def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | 
     if foreign is not None:
         # Whatever its content (a live job, a planted zero or garbage header), it is not this user's to read as
         # metadata or to reclaim: /dev/shm is shared by every user, and names are derived from the namespace.
+        coordinator_path = segment_dir.segment_path(coordinator_segment_name(namespace))
         raise PermissionError(
-            f"coordinator segment {SHM_DIR}{coordinator_segment_name(namespace)} belongs to {foreign}, not to this "
+            f"coordinator segment {coordinator_path} belongs to {foreign}, not to this "
             f"user (uid {owner}): another user runs a job on the same namespace (the same base namespace and "
             "manager name), or left or planted that file. Nothing was removed. Either use another namespace "
             "(another base namespace or manager name), or have that user stop its job or remove the file (root "
             "can too: `rm "
-            f"{SHM_DIR}{coordinator_segment_name(namespace)}`)"
+            f"{coordinator_path}`)"
         )
     try:
         state.segment, state.header = open_coordinator_segment(namespace)
@@ -436,7 +438,7 @@ def _force_cleanup(namespace: str, directory: Path, deadline: float, start: floa
         logger.warning("forced cleanup of %s removed %s", namespace, ", ".join(removed))
     owner = namespace_owner(directory)
     blocking = [path for path in derived_resources(namespace, directory, owner_uid=None).all()
-                if path.parent == SHM_DIR_PATH and _foreign_owner_of(path, owner) is not None]
+                if path.parent in shm_directories(namespace) and _foreign_owner_of(path, owner) is not None]
     if blocking:
         shown = ", ".join(f"{path} ({_foreign_owner_of(path, owner)})" for path in blocking)
         raise PermissionError(
@@ -465,8 +467,8 @@ def _foreign_owner_of(path: Path, owner_uid: int) -> str | None:
 
 
 def _foreign_owner(name: str, owner_uid: int) -> str | None:
-    """:func:`_foreign_owner_of` for the POSIX name ``name`` in ``/dev/shm``."""
-    return _foreign_owner_of(SHM_DIR_PATH / name.lstrip("/"), owner_uid)
+    """:func:`_foreign_owner_of` for the segment ``name`` (its file, ``segment_dir.segment_path``)."""
+    return _foreign_owner_of(Path(segment_dir.segment_path(name)), owner_uid)
 
 
 def sweep_orphans_locked(namespace: str, lock_dir: str | os.PathLike[str] | None = None) -> list[str]:

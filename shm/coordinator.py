@@ -13,6 +13,10 @@ is bounded by ``timeout`` (the participant's heartbeat thread starts right after
 3. ``/{ns}.c`` present but no live lease (everyone died or was ended by ``ftd``), or an aborted creation ->
    reclaim that generation with the cleanup code (WARNING naming it) and become the creator of the next.
 
+Where: the segments live in ``shm_dir`` (``segment_dir.py``; default ``$FT_SHM_DIR`` or ``/dev/shm``), which the
+creator records in the journal. A participant configured with another directory than a live generation's
+journal names is refused with ``ValueError`` naming both: it would otherwise create a second copy beside it.
+
 Anything that cannot be trusted (bad magic, another protocol, a truncated segment, a malformed journal, a
 different flextensor version) raises ``ShmProtocolError`` and changes nothing.
 
@@ -49,9 +53,11 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from flextensor.shm import segment_dir
 from flextensor.shm import activity
 from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import (
@@ -104,7 +110,8 @@ def _describe_error(error: BaseException | str) -> str:
 
 
 def peek_ready(namespace: str) -> bool:
-    """A hint, read without the coordinator lock: does ``namespace`` have a generation that is READY?
+    """A hint, read without the coordinator lock: does ``namespace`` have a generation that is READY (its
+    segments in the namespace's directory, ``segment_dir.py``)?
 
     A caller that sees one will almost certainly join it as a follower, and may start its follower work before
     the join (``SharedOffloadSession``). Only the join, under the lock, decides: the generation may end between
@@ -129,12 +136,16 @@ class ShmCoordinator:
     election and every later registration and close. ``base``/``manager``: the names ``namespace`` was derived
     from, recorded in the journal so that operators' tools can show them. ``join_timeout``, when given, bounds
     the election's wait alone (a caller that would rather do something else than wait long for the join, as a follower's attach
-    thread does); the later waits keep ``timeout``.
+    thread does); the later waits keep ``timeout``. ``shm_dir``: the directory of the segments (None:
+    ``$FT_SHM_DIR``, else ``/dev/shm``; ``ValueError`` when it is not a directory).
     """
 
     def __init__(self, namespace: str, *, lease_seconds: float = 30.0, timeout: float | None = None,
-                 join_timeout: float | None = None, base: str | None = None, manager: str | None = None) -> None:
+                 join_timeout: float | None = None, base: str | None = None, manager: str | None = None,
+                 shm_dir: str | None = None) -> None:
         self._namespace = validate_namespace(namespace)
+        self._shm_dir = segment_dir.check_directory(shm_dir) if shm_dir is not None else \
+            segment_dir.default_directory()
         derived = manager_namespace(base, manager) if base is not None and manager is not None else None
         if (base is None) != (manager is None) or derived not in (None, namespace):
             raise ValueError(f"base {base!r} and manager {manager!r} must both be given and derive namespace "
@@ -158,6 +169,7 @@ class ShmCoordinator:
         self._header: HeaderInfo | None = None
         self._updating = False  # the last election waited for new weights being written
         self._participation: activity.Participation | None = None
+        segment_dir.bind_namespace(namespace, self._shm_dir)
         self._elect_until_admitted(join_wait)
         assert self._header is not None and self._table is not None
         self._is_creator: bool = self._header.creator.token == self._identity.token
@@ -173,9 +185,10 @@ class ShmCoordinator:
             self.close()  # leave the slot claimed above (and, if last, remove what the election created)
             raise
         logger.info(
-            "%s namespace %s generation %d as %s (lease slot %d, lease %.1f s)",
+            "%s namespace %s generation %d as %s (lease slot %d, lease %.1f s; segments in %s, %s)",
             "created" if self._is_creator else "joined", namespace, self._generation,
-            "creator" if self._is_creator else "follower", self._slot, self._lease_ns / 1e9,
+            "creator" if self._is_creator else "follower", self._slot, self._lease_ns / 1e9, self._shm_dir,
+            segment_dir.page_info(self._shm_dir).describe(),
         )
 
     # ------------------------------------------------------------------ locking
@@ -239,11 +252,12 @@ class ShmCoordinator:
 
     def _elect(self, *, wait_if_doomed: bool = False) -> bool:
         """One election under the lock; False (nothing changed) when the caller should retry later."""
-        state = inspect_namespace_locked(self._namespace)
+        state = inspect_namespace_locked(self._namespace)  # reading the journal binds the directory it records
         try:
             if state.header is not None:
                 live = state.live_slots()
                 if live:
+                    self._check_directory(state)
                     header = state.header
                     creator_live = any(s.index == header.creator_slot and s.identity == header.creator for s in live)
                     if wait_if_doomed and header.state == State.INITIALIZING and not creator_live:
@@ -270,10 +284,21 @@ class ShmCoordinator:
             else:
                 previous = None
                 sweep_orphans_locked(self._namespace)
+            segment_dir.bind_namespace(self._namespace, self._shm_dir)  # the next generation lives where we say
             self._create(self._unsquatted_generation((previous or 0) + 1))
             return True
         finally:
             state.close()
+
+    def _check_directory(self, state: NamespaceState) -> None:
+        """``ValueError`` when the live generation's segments are in another directory than this handle's."""
+        recorded = state.journal.header.shm_dir if state.journal is not None else self._shm_dir
+        if recorded != self._shm_dir:
+            segment_dir.bind_namespace(self._namespace, self._shm_dir)
+            raise ValueError(
+                f"namespace {self._namespace!r} is served from segments in {recorded} (its journal says so), but "
+                f"this worker is configured for {self._shm_dir}: every worker of a namespace must use the same "
+                f"shm_dir ({segment_dir.ENV_VAR}); set it to {recorded} here, or stop the running job first")
 
     def _join(self, state: NamespaceState) -> None:
         header = state.header
@@ -301,17 +326,20 @@ class ShmCoordinator:
         record the number chosen, so followers, cleanup and ftd follow it. A name taken after this choice, while
         the creator publishes, still fails that creation (FileExistsError naming the owner); the restart after
         it skips that number too."""
-        squatted = squatted_generations(self._namespace, os.geteuid())
+        squatted = squatted_generations(self._namespace, os.geteuid(), Path(self._shm_dir))
         while generation in squatted:
             entry, uid = squatted[generation]
-            logger.warning("namespace %s: generation %d skipped, /dev/shm/%s belongs to uid %d, not to this user "
-                           "(uid %d); that user or root can remove it (`rm /dev/shm/%s`)", self._namespace,
-                           generation, entry, uid, os.geteuid(), entry)
+            where = self._shm_dir if os.path.lexists(os.path.join(self._shm_dir, entry)) else \
+                segment_dir.DEFAULT_DIRECTORY
+            logger.warning("namespace %s: generation %d skipped, %s/%s belongs to uid %d, not to this user "
+                           "(uid %d); that user or root can remove it (`rm %s/%s`)", self._namespace,
+                           generation, where, entry, uid, os.geteuid(), where, entry)
             generation += 1
         return generation
 
     def _create(self, generation: int) -> None:
-        create_journal(self._namespace, generation, base=self._labels[0], manager=self._labels[1])
+        create_journal(self._namespace, generation, base=self._labels[0], manager=self._labels[1],
+                       shm_dir=self._shm_dir)
         try:
             segment = SharedSegment.create(self._segment_name, coordinator_segment_size(DEFAULT_SLOT_COUNT))
         except BaseException:

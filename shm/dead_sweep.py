@@ -52,6 +52,8 @@ from flextensor.shm.errors import ShmNamespaceHeldError, ShmProtocolError
 from flextensor.shm.journal import JOURNAL_SUFFIX, JournalHeader, read_journal
 from flextensor.shm.leases import LeaseTable
 from flextensor.shm.names import lock_directory_path, validate_namespace
+from flextensor.shm import segment_dir
+from flextensor.shm.names import coordinator_segment_name
 from flextensor.shm.orphans import SHM_DIR, derived_resources
 
 __all__ = ["DeadSweep", "ReclaimedNamespace", "SkippedNamespace", "SKIP_REASONS", "JOIN_SWEEP_BUDGET_S",
@@ -136,8 +138,9 @@ _UNSURE = "unsure"  # _peek: no coordinator segment, or one that cannot be read 
 
 
 def _peek(ns: str, uid: int) -> SkippedNamespace | str:
-    """A lock-free look at ``/{ns}.c``: why the namespace is left alone, or ``_DEAD`` / ``_UNSURE``."""
-    path = SHM_DIR / f"{ns}.c"
+    """A lock-free look at ``/{ns}.c`` (in the directory its journal names, read just before: ``segment_dir.py``):
+    why the namespace is left alone, or ``_DEAD`` / ``_UNSURE``."""
+    path = Path(segment_dir.segment_path(coordinator_segment_name(ns)))
     try:
         owner = os.stat(path).st_uid
     except FileNotFoundError:
@@ -177,8 +180,8 @@ def _shm_bytes(ns: str, directory: Path, uid: int) -> int:
     return total
 
 
-def _reclaim(ns: str, directory: Path, uid: int) -> ReclaimedNamespace | SkippedNamespace | None:
-    labels = _labels(ns, directory)
+def _reclaim(ns: str, directory: Path, uid: int, labels: JournalHeader | None
+             ) -> ReclaimedNamespace | SkippedNamespace | None:
     shm_bytes = _shm_bytes(ns, directory, uid)
     try:
         report = cleanup_manager_namespace(ns, timeout=0, lock_dir=directory)
@@ -197,9 +200,22 @@ def _reclaim(ns: str, directory: Path, uid: int) -> ReclaimedNamespace | Skipped
 
 
 def _dead_elsewhere(directory: Path, uid: int, journaled: set[str]) -> list[SkippedNamespace]:
-    """Dead coordinator segments of ``uid`` whose journal is not in ``directory`` (see ``elsewhere``)."""
+    """Dead coordinator segments of ``uid`` whose journal is not in ``directory`` (see ``elsewhere``), in
+    ``/dev/shm`` and this process's default directory of segments."""
     out = []
-    for entry in sorted(os.listdir(SHM_DIR)):
+    shm_dirs = dict.fromkeys([SHM_DIR, Path(segment_dir.default_directory())])
+    for shm_dir in shm_dirs:
+        out += _dead_in(shm_dir, directory, uid, journaled)
+    return out
+
+
+def _dead_in(shm_dir: Path, directory: Path, uid: int, journaled: set[str]) -> list[SkippedNamespace]:
+    out = []
+    try:
+        entries = sorted(os.listdir(shm_dir))
+    except OSError:
+        return out
+    for entry in entries:
         if not entry.endswith(".c"):
             continue
         try:
@@ -209,12 +225,13 @@ def _dead_elsewhere(directory: Path, uid: int, journaled: set[str]) -> list[Skip
         if ns in journaled:
             continue
         try:
-            if os.lstat(SHM_DIR / entry).st_uid != uid:
+            if os.lstat(shm_dir / entry).st_uid != uid:
                 continue
         except FileNotFoundError:
             continue
+        segment_dir.bind_namespace(ns, shm_dir)  # no journal to say where: it is where it was found
         if _peek(ns, uid) == _DEAD:
-            out.append(SkippedNamespace(ns, "elsewhere", f"{SHM_DIR / entry} has no live lease, but its journal is "
+            out.append(SkippedNamespace(ns, "elsewhere", f"{shm_dir / entry} has no live lease, but its journal is "
                                         f"not in {directory}: its workers used another TMPDIR. Reclaim it from "
                                         "theirs: `ftd cleanup --dead --lock-dir THEIR_TMPDIR/flextensor-"
                                         f"{uid}`"))
@@ -261,8 +278,9 @@ def sweep_dead_namespaces(lock_dir: str | os.PathLike[str] | None = None, *, bud
         if journal_uid != uid:
             sweep.skipped.append(SkippedNamespace(ns, "other-user", f"its journal belongs to uid {journal_uid}"))
             continue
+        labels = _labels(ns, directory)  # reading the journal also tells where its segments are
         peeked = _peek(ns, uid)
-        outcome = peeked if isinstance(peeked, SkippedNamespace) else _reclaim(ns, directory, uid)
+        outcome = peeked if isinstance(peeked, SkippedNamespace) else _reclaim(ns, directory, uid, labels)
         if isinstance(outcome, ReclaimedNamespace):
             sweep.reclaimed.append(outcome)
         elif outcome is not None:
@@ -278,7 +296,7 @@ def _describe(item: ReclaimedNamespace) -> str:
 
     name = f"{item.base} / {item.manager} ({item.report.namespace})" if item.base else item.report.namespace
     return (f"{name} generation {item.report.generation}: {len(item.report.removed)} resources, "
-            f"{format_bytes(item.shm_bytes)} of /dev/shm")
+            f"{format_bytes(item.shm_bytes)} of {segment_dir.namespace_directory(item.report.namespace)}")
 
 
 def _log(sweep: DeadSweep, context: str) -> None:

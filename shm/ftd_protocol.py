@@ -232,6 +232,9 @@ class GenerationRow(msgspec.Struct, forbid_unknown_fields=True):
     bytes: int
     age: float  # seconds since the generation's creator wrote its header
     base: str | None = None  # the base namespace it derives from, when known (journal, registration, request)
+    shm_dir: str = "/dev/shm"  # the directory of its segments (the journal's)
+    page_size: int = 4096  # bytes per page its segments get there (segment_dir.page_info)
+    pages: str = ""  # how that directory gives them, e.g. "2 MiB pages (tmpfs huge=always)"
 
 
 class ListReply(_Message, tag="ls_reply"):

@@ -3,10 +3,11 @@
 ``{lock_dir}/{ns}.journal`` (mode 0600) is a JSON-lines file; every line is one msgspec Struct
 tagged by its ``record`` field:
 
-line 1, ``JournalHeader`` (``base`` and ``manager`` only when the creator was given them)::
+line 1, ``JournalHeader`` (``base`` and ``manager`` only when the creator was given them; ``shm_dir`` only when
+the segments live elsewhere than ``/dev/shm``)::
 
     {"record": "header", "protocol": 1, "library_version": "0.1.0", "namespace": "<ns>", "generation": 3,
-     "base": "my_run", "manager": "default"}
+     "base": "my_run", "manager": "default", "shm_dir": "/mnt/ft-huge"}
 
 lines 2.., ``Intent`` (one per resource, appended and fsynced *before* the resource is created)::
 
@@ -23,6 +24,10 @@ each ``create``; the last participant to leave (or offline cleanup) unlinks ever
 coordinator segment, then the journal, then the lock file. So a journal can name resources that were never
 created (a crash between the intent and the create): removing them is an ENOENT, which is fine.
 
+Where the segments are: the header's ``shm_dir`` (``segment_dir.py``). Reading a journal binds its namespace to that
+directory in the reading process, so whoever reclaims or lists the namespace (cleanup, the dead sweep, ``ftd``)
+finds the segments where the creator made them, whatever its own default.
+
 Reading trusts nothing (``read_journal``): an unknown protocol, a line that is not a known record, a
 generation that differs from the header's, or a name outside this namespace and generation raises
 ``ShmProtocolError`` naming the file and the line. Cleanup never guesses, so it deletes nothing then.
@@ -38,6 +43,7 @@ from typing import Literal
 
 import msgspec
 
+from flextensor.shm import segment_dir
 from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.header import LIBRARY_VERSION
 from flextensor.shm.names import journal_path, resolve_lock_directory, validate_namespace
@@ -77,6 +83,8 @@ class JournalHeader(msgspec.Struct, tag="header", tag_field="record", forbid_unk
     #: them): what operators type, shown by ``ftd ls``. Readers check ``manager_namespace(base, manager)``.
     base: str | None = None
     manager: str | None = None
+    #: The directory of the namespace's segments (absolute; omitted for ``/dev/shm``).
+    shm_dir: str = segment_dir.DEFAULT_DIRECTORY
 
 
 class Intent(msgspec.Struct, tag="intent", tag_field="record", forbid_unknown_fields=True, frozen=True):
@@ -148,10 +156,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def create_journal(namespace: str, generation: int, *, lock_dir: str | os.PathLike[str] | None = None,
-                   base: str | None = None, manager: str | None = None) -> Path:
+                   base: str | None = None, manager: str | None = None, shm_dir: str | None = None) -> Path:
     """Create ``{ns}.journal`` holding only the header (exclusively; caller holds the coordinator lock).
 
-    ``lock_dir`` defaults to ``lock_directory()``. ``FileExistsError`` when a journal is already there
+    ``lock_dir`` defaults to ``lock_directory()``; ``shm_dir`` (the directory of the segments) to the namespace's
+    (``segment_dir.namespace_directory``). ``FileExistsError`` when a journal is already there
     (reclaim it first).
     """
     validate_namespace(namespace)
@@ -163,8 +172,11 @@ def create_journal(namespace: str, generation: int, *, lock_dir: str | os.PathLi
 
         if manager_namespace(base, manager) != namespace:  # type: ignore[arg-type]
             raise ValueError(f"base {base!r} and manager {manager!r} do not derive namespace {namespace!r}")
+    directory = shm_dir or segment_dir.namespace_directory(namespace)
+    if directory == segment_dir.DEFAULT_DIRECTORY:
+        directory = segment_dir.DEFAULT_DIRECTORY  # the default object itself: msgspec omits a default by identity
     header = JournalHeader(protocol=PROTOCOL_VERSION, library_version=LIBRARY_VERSION, namespace=namespace,
-                           generation=generation, base=base, manager=manager)
+                           generation=generation, base=base, manager=manager, shm_dir=directory)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
         _write_line(fd, header, path)
@@ -221,8 +233,8 @@ def _fail(path: Path, lineno: int, problem: str) -> ShmProtocolError:
 
 
 def read_journal(ns_or_path: str | os.PathLike[str], *, lock_dir: str | os.PathLike[str] | None = None) -> Journal:
-    """Read and validate a journal (by namespace, in ``lock_dir``, or by path). ``FileNotFoundError`` when it
-    does not exist."""
+    """Read and validate a journal (by namespace, in ``lock_dir``, or by path), and bind its namespace to the
+    directory of its segments (see the module docstring). ``FileNotFoundError`` when it does not exist."""
     path = resolve_journal_path(ns_or_path, lock_dir)
     with open(path, "rb") as f:
         data = f.read(MAX_JOURNAL_BYTES + 1)
@@ -276,6 +288,9 @@ def read_journal(ns_or_path: str | os.PathLike[str], *, lock_dir: str | os.PathL
         if derived != header.namespace:
             raise _fail(path, 1, f"base {header.base!r} and manager {header.manager!r} do not derive namespace "
                                  f"{header.namespace!r}")
+    if "\x00" in header.shm_dir or not os.path.isabs(header.shm_dir) or \
+            os.path.normpath(header.shm_dir) != header.shm_dir:
+        raise _fail(path, 1, f"shm_dir {header.shm_dir!r} is not an absolute, normalised directory path")
     intents: list[Intent] = []
     for lineno, record in enumerate(records[1:], start=2):
         if not isinstance(record, Intent):
@@ -285,6 +300,7 @@ def read_journal(ns_or_path: str | os.PathLike[str], *, lock_dir: str | os.PathL
         except ShmProtocolError as exc:
             raise _fail(path, lineno, str(exc)) from None
         intents.append(record)
+    segment_dir.bind_namespace(header.namespace, header.shm_dir)
     return Journal(path=str(path), header=header, intents=intents)
 
 

@@ -3,8 +3,8 @@
 The journal is the record of what a generation created, but names are also *derivable*: every resource of
 namespace ``ns`` is one of (``names.py``)::
 
-    /dev/shm/{ns}.c                              coordinator segment
-    /dev/shm/{ns}.g{N}.{kind}                    generation N's segments
+    {shm_dir}/{ns}.c                             coordinator segment
+    {shm_dir}/{ns}.g{N}.{kind}                   generation N's segments
     /dev/shm/sem.{ns}.g{N}.{kind}                generation N's semaphores (glibc's file for "/{ns}.g{N}.{kind}")
     {lock_dir}/{ns}.lock, {lock_dir}/{ns}.journal
     {lock_dir}/{ns}.g{N}.{kind}.lock             generation N's file locks
@@ -21,6 +21,9 @@ Two users of this list:
 * forced cleanup (``cleanup_manager_namespace(..., force=True)``, ``ftd cleanup --force``) removes the whole
   list, for an operator who stopped every worker and whose metadata is corrupt or lost.
 
+``{shm_dir}`` is the namespace's directory (``segment_dir.py``); ``/dev/shm`` is always looked in too (the
+semaphores are there, and so are the segments of a run that used the default).
+
 Only entries owned by ``owner_uid`` are listed: ``/dev/shm`` is shared by every user of the host, and a
 same-named entry of another user is never ours to remove (``squatters`` lists those, for error messages).
 """
@@ -31,11 +34,12 @@ import os
 import re
 from pathlib import Path
 
+from flextensor.shm import segment_dir
 from flextensor.shm.names import validate_namespace
 
-__all__ = ["Derived", "derived_resources", "squatters", "squatted_generations", "SHM_DIR"]
+__all__ = ["Derived", "derived_resources", "squatters", "squatted_generations", "SHM_DIR", "shm_directories"]
 
-SHM_DIR = Path("/dev/shm")
+SHM_DIR = Path(segment_dir.DEFAULT_DIRECTORY)
 _KIND = r"[A-Za-z][A-Za-z0-9_-]*"
 
 
@@ -43,7 +47,7 @@ class Derived:
     """Paths of one namespace's resources that exist now, split by where they live."""
 
     def __init__(self) -> None:
-        self.coordinator: list[Path] = []  # /dev/shm/{ns}.c
+        self.coordinator: list[Path] = []  # {shm_dir}/{ns}.c
         self.generation_shm: list[Path] = []  # segments and semaphore files of any generation
         self.generation_locks: list[Path] = []  # {ns}.g{N}.{kind}.lock
         self.namespace_files: list[Path] = []  # {ns}.journal, {ns}.lock
@@ -67,18 +71,27 @@ def _owned(path: Path, owner_uid: int | None) -> bool:
     return owner_uid is None or st.st_uid == owner_uid
 
 
+def shm_directories(namespace: str, shm_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Where ``namespace``'s shared-memory files may be: ``shm_dir`` (default: the namespace's directory,
+    ``segment_dir.namespace_directory``), then ``/dev/shm`` if that is another."""
+    first = Path(shm_dir if shm_dir is not None else segment_dir.namespace_directory(namespace))
+    return [first] if first == SHM_DIR else [first, SHM_DIR]
+
+
 def derived_resources(namespace: str, lock_dir: str | os.PathLike[str], *, owner_uid: int | None,
-                      shm_dir: Path = SHM_DIR) -> Derived:
-    """The resources of ``namespace`` that exist now and belong to ``owner_uid`` (None: anyone's)."""
+                      shm_dir: str | os.PathLike[str] | None = None) -> Derived:
+    """The resources of ``namespace`` that exist now and belong to ``owner_uid`` (None: anyone's), looked for in
+    :func:`shm_directories` and ``lock_dir``."""
     shm_re, lock_re, ns_re = _patterns(namespace)
     out = Derived()
-    for entry in sorted(_listdir(shm_dir)):
-        path = shm_dir / entry
-        if entry == f"{namespace}.c":
-            if _owned(path, owner_uid):
-                out.coordinator.append(path)
-        elif shm_re.fullmatch(entry) and _owned(path, owner_uid):
-            out.generation_shm.append(path)
+    for directory in shm_directories(namespace, shm_dir):
+        for entry in sorted(_listdir(directory)):
+            path = directory / entry
+            if entry == f"{namespace}.c":
+                if _owned(path, owner_uid):
+                    out.coordinator.append(path)
+            elif shm_re.fullmatch(entry) and _owned(path, owner_uid):
+                out.generation_shm.append(path)
     directory = Path(lock_dir)
     for entry in sorted(_listdir(directory)):
         path = directory / entry
@@ -103,22 +116,24 @@ def squatters(names: list[str], owner_uid: int, shm_dir: Path = SHM_DIR) -> list
     return out
 
 
-def squatted_generations(namespace: str, owner_uid: int, shm_dir: Path = SHM_DIR) -> dict[int, tuple[str, int]]:
-    """Generations of ``namespace`` that have a name in ``/dev/shm`` (segment or semaphore) owned by a uid other
-    than ``owner_uid``: ``{generation: (first such entry, its uid)}``. A creator skips these numbers (see
-    ``coordinator.py``): another user who made ``{ns}.g{N}.sd`` first would otherwise fail generation N."""
+def squatted_generations(namespace: str, owner_uid: int, shm_dir: str | os.PathLike[str] | None = None
+                         ) -> dict[int, tuple[str, int]]:
+    """Generations of ``namespace`` that have a name in :func:`shm_directories` (segment or semaphore) owned by a
+    uid other than ``owner_uid``: ``{generation: (first such entry, its uid)}``. A creator skips these numbers
+    (see ``coordinator.py``): another user who made ``{ns}.g{N}.sd`` first would otherwise fail generation N."""
     pattern = re.compile(rf"(?:sem\.)?{re.escape(validate_namespace(namespace))}\.g(\d+)\.{_KIND}")
     out: dict[int, tuple[str, int]] = {}
-    for entry in sorted(_listdir(shm_dir)):
-        match = pattern.fullmatch(entry)
-        if match is None:
-            continue
-        try:
-            uid = os.lstat(shm_dir / entry).st_uid
-        except FileNotFoundError:
-            continue
-        if uid != owner_uid:
-            out.setdefault(int(match.group(1)), (entry, uid))
+    for directory in shm_directories(namespace, shm_dir):
+        for entry in sorted(_listdir(directory)):
+            match = pattern.fullmatch(entry)
+            if match is None:
+                continue
+            try:
+                uid = os.lstat(directory / entry).st_uid
+            except FileNotFoundError:
+                continue
+            if uid != owner_uid:
+                out.setdefault(int(match.group(1)), (entry, uid))
     return out
 
 

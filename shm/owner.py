@@ -95,6 +95,14 @@ class ShmOwner:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def block_alignment(self) -> int:
+        """Where the arena's blocks start in this namespace's directory (``segment_dir.block_alignment``: a page
+        of its mount, 2 MiB at most); every participant lays the arena out with it."""
+        from flextensor.shm import segment_dir
+
+        return segment_dir.block_alignment(segment_dir.namespace_directory(self._namespace))
+
     def resource_name(self, kind: str) -> str:
         """``/{ns}.g{gen}.{kind}`` (``ValueError`` for a bad kind)."""
         return generation_resource_name(self._namespace, self._generation, kind)

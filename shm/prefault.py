@@ -9,6 +9,11 @@ threads per file, :data:`WRITE_THREADS_PER_FILE`; separate files allocate side b
 arena is cut into parts, ``blocks.py``). Like ``posix_fallocate`` it reports a full ``/dev/shm`` as an error (never as
 SIGBUS later). On kernels without it (``EINVAL``) the caller falls back to ``posix_fallocate``.
 
+With huge pages (``segment_dir.py``) a fault allocates and zeroes a whole 2 MiB page, 512 times fewer faults, and
+the file's locks are taken that much less often: a range is cut into pieces of whole huge pages (two threads
+never fault one page, which would make one wait for the other's zeroing), at least :data:`MIN_HUGE_PIECE` each,
+so a few threads reach memory speed with fewer, larger calls.
+
 ``MADV_POPULATE_READ`` is the follower's counterpart: the pages exist already, a fresh mapping only lacks page-
 table entries. Filling them from several threads before ``cudaHostRegister`` roughly halves a follower's
 registration (docs/benchmarks.md, Figures behind the code), because the driver's own walk of the range faults
@@ -38,6 +43,10 @@ WRITE_THREADS_PER_FILE = 4
 #: ``CHUNK``-sized pieces would leave most threads idle (several threads allocate a range almost twice as fast as
 #: one).
 MIN_PIECE = 4 << 20
+#: The least piece on huge pages: zeroing 2 MiB per fault runs at memory speed, so small pieces only add calls.
+MIN_HUGE_PIECE = 32 << 20
+#: Threads that pre-fault a range of huge pages for reading (:func:`read_threads`).
+HUGE_READ_THREADS = 1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -51,26 +60,37 @@ def _populate(address: int, length: int, advice: int) -> int:
     return ctypes.get_errno()
 
 
-def populate_write(mapping: mmap.mmap, size: int) -> bool:
-    """Allocate and map every page of ``mapping``; False when the kernel lacks ``MADV_POPULATE_WRITE``.
+def populate_write(mapping: mmap.mmap, size: int, *, page_size: int = mmap.PAGESIZE) -> bool:
+    """Allocate and map every page of ``mapping`` (whose mount has pages of ``page_size`` bytes); False when the
+    kernel lacks ``MADV_POPULATE_WRITE``.
 
     Raises ``OSError`` with the kernel's errno otherwise (``EFAULT``/``ENOMEM``/``ENOSPC``: no room left).
     """
     anchor = ctypes.c_char.from_buffer(mapping)
     try:
-        return populate_write_range(ctypes.addressof(anchor), size)
+        return populate_write_range(ctypes.addressof(anchor), size, page_size=page_size)
     finally:
         del anchor  # release the buffer export so the mapping can be closed later
 
 
-def populate_write_range(address: int, size: int, *, threads: int | None = None) -> bool:
-    """Allocate and map every page of ``size`` bytes at ``address`` (a shared mapping), from as many threads as
-    the range has :data:`MIN_PIECE` pieces (at most ``threads``, by default :data:`WRITE_THREADS_PER_FILE`);
+def populate_write_range(address: int, size: int, *, threads: int | None = None,
+                         page_size: int = mmap.PAGESIZE) -> bool:
+    """Allocate and map every page of ``size`` bytes at ``address`` (a shared mapping whose mount has pages of
+    ``page_size`` bytes), from as many threads as the range has :data:`MIN_PIECE` pieces (:data:`MIN_HUGE_PIECE`
+    on huge pages, each a whole number of them; at most ``threads``, by default :data:`WRITE_THREADS_PER_FILE`);
     False when the kernel lacks ``MADV_POPULATE_WRITE``. ``OSError`` as :func:`populate_write`."""
     threads = max(1, min(threads or WRITE_THREADS_PER_FILE, MAX_THREADS, os.cpu_count() or 1))
-    piece = max(MIN_PIECE, min(CHUNK, -(-size // threads)))
-    piece += -piece % mmap.PAGESIZE
+    huge = page_size > mmap.PAGESIZE
+    piece = max(MIN_HUGE_PIECE if huge else MIN_PIECE, min(CHUNK, -(-size // threads)))
+    piece += -piece % page_size
     return _populate_range(address, size, MADV_POPULATE_WRITE, piece=piece, threads=threads)
+
+
+def read_threads(page_size: int) -> int:
+    """Threads worth pre-faulting a fresh mapping from (``populate_read``): :data:`MAX_THREADS` on base pages,
+    where the faults are the cost; :data:`HUGE_READ_THREADS` on huge pages, where one fault maps 2 MiB and a
+    GiB is 512 of them, so more threads only contend for the mapping's lock."""
+    return HUGE_READ_THREADS if page_size > mmap.PAGESIZE else MAX_THREADS
 
 
 def populate_read(address: int, size: int, *, threads: int = MAX_THREADS) -> bool:

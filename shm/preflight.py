@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 
+from flextensor.shm import segment_dir
 from flextensor.shm.errors import HostMemoryError, ShmSpaceError
 from flextensor.shm.pinning import memlock_limit
 from flextensor.shm.segment import SHM_DIR
@@ -35,10 +36,10 @@ from flextensor.shm.sizes import format_bytes
 _CAP_IPC_LOCK = 14
 
 
-def shm_free_bytes() -> int:
-    """Bytes an unprivileged writer can still allocate in ``/dev/shm``."""
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
+def shm_free_bytes(directory: str = SHM_DIR) -> int:
+    """Bytes an unprivileged writer can still allocate in ``directory`` (a hugetlbfs: its free huge pages)."""
+    free = segment_dir.free_bytes(directory)
+    return 0 if free is None else free
 
 
 def _round_up_gib(nbytes: int) -> int:
@@ -46,15 +47,24 @@ def _round_up_gib(nbytes: int) -> int:
 
 
 def check_shm_capacity(namespace: str, nbytes: int, *, headroom: float = 0.02) -> None:
-    """Raise ``ShmSpaceError`` when ``/dev/shm`` cannot hold ``nbytes`` more (plus a small headroom)."""
+    """Raise ``ShmSpaceError`` when the namespace's directory (``segment_dir.py``) cannot hold ``nbytes`` more (plus
+    a small headroom)."""
     if nbytes < 0:
         raise ValueError(f"bytes to publish must be >= 0, got {nbytes}")
-    free = shm_free_bytes()
+    directory = segment_dir.namespace_directory(namespace)
+    free = shm_free_bytes(directory)
     needed = int(nbytes * (1 + headroom))
     if needed <= free:
         return
-    st = os.statvfs(SHM_DIR)
+    st = os.statvfs(directory)
     total = st.f_blocks * st.f_frsize
+    if directory != SHM_DIR:
+        raise ShmSpaceError(
+            f"cannot publish {format_bytes(nbytes)} for namespace {namespace!r}: {directory} "
+            f"({segment_dir.page_info(directory).describe()}) has only {format_bytes(free)} free. Give it more "
+            "room: a larger size= of its mount, or more huge pages for a hugetlbfs (`echo N > "
+            "/proc/sys/vm/nr_hugepages`); docs/huge-pages.md",
+            segment=namespace, wanted=nbytes, free=free)
     size_gib = _round_up_gib(total - free + needed)
     raise ShmSpaceError(
         f"cannot publish {format_bytes(nbytes)} for namespace {namespace!r}: {SHM_DIR} has only "

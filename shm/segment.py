@@ -1,11 +1,14 @@
-"""One POSIX shared-memory segment, mapped into this process, with zero-copy torch views.
+"""One shared-memory segment, mapped into this process, with zero-copy torch views.
 
 Life of a segment
 -----------------
-``create`` makes the name exclusively (``O_CREAT|O_EXCL`` through posix_ipc), fixes the mode with ``fchmod``
-(``shm_open`` honours the umask, we want the mode asked for), passes the host-wide allocation gate
+A segment is a file of the directory ``segment_dir.py`` names for it: ``/dev/shm`` by default, where it is exactly
+the file ``shm_open`` makes, or a tmpfs or hugetlbfs of huge pages the operator chose. ``create`` makes the file
+exclusively (``O_CREAT|O_EXCL|O_NOFOLLOW``), fixes the mode with ``fchmod`` (the umask applies at creation, we
+want the mode asked for), passes the host-wide allocation gate
 (``allocation_gate.py``: one creator at a time, never held up by another user), checks the free space, sizes it with
-``ftruncate``, maps it and allocates every page up front: ``MADV_POPULATE_WRITE`` over ranges in parallel
+``ftruncate`` (in whole pages of its mount where those are huge: a hugetlbfs refuses anything else), maps it
+(asking for huge pages with ``MADV_HUGEPAGE`` on a tmpfs mounted ``huge=advise``) and allocates every page up front: ``MADV_POPULATE_WRITE`` over ranges in parallel
 threads (``prefault.py``; 4-5x faster than ``posix_fallocate``, which zeroes tmpfs pages in one thread under
 the inode lock), or ``posix_fallocate`` on kernels older than 5.14. On tmpfs that step is what actually
 reserves memory: without it a full ``/dev/shm`` would surface much later as a SIGBUS on first touch, in
@@ -42,14 +45,12 @@ import os
 import stat
 from typing import TYPE_CHECKING, Any
 
-import posix_ipc
-
-from . import allocation_gate
+from . import allocation_gate, segment_dir
 from .errors import ShmSpaceError
 from .manifest import contiguous_stride
 from .names import validate_posix_name
 from .pinning import host_register, host_unregister
-from .prefault import populate_read, populate_write, populate_write_range
+from .prefault import populate_read, populate_write, populate_write_range, read_threads
 from .sizes import align_up, format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily: flextensor.shm must import in milliseconds
@@ -59,8 +60,10 @@ __all__ = ["SharedSegment", "SHM_DIR", "format_bytes", "check_file_intact", "squ
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
+#: The default directory of segments (``segment_dir.py`` says where a given segment lives).
+SHM_DIR = segment_dir.DEFAULT_DIRECTORY
 _NAME_MAX = 255
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC  # shm_open's flags
 
 
 def _page_end(n: int) -> int:
@@ -82,24 +85,25 @@ def check_file_intact(name: str, size: int, inode: int | None) -> None:
     """
     if inode is None:
         return
+    path = segment_dir.segment_path(name)
     try:
-        st = os.stat(SHM_DIR + name)
+        st = os.stat(path)
     except FileNotFoundError:
         return
     if st.st_ino == inode and st.st_size < size:
         from .errors import ShmProtocolError
 
         raise ShmProtocolError(
-            f"shared-memory segment {name!r} ({SHM_DIR}{name}) was truncated to {st.st_size} bytes while in use "
+            f"shared-memory segment {name!r} ({path}) was truncated to {st.st_size} bytes while in use "
             f"({size} expected): another process of the same user (uid {st.st_uid}) changed it. Nothing of it "
             "can be trusted: stop every worker of this namespace, clean it up and start again"
         )
 
 
 def squatter_hint(name: str, path: str | None = None) -> str:
-    """When POSIX name ``name`` (file ``path``, default ``/dev/shm{name}``) exists and belongs to another user:
+    """When POSIX name ``name`` (file ``path``, default the segment's file) exists and belongs to another user:
     who, and what to do (else "")."""
-    path = path or SHM_DIR + name
+    path = path or segment_dir.segment_path(name)
     try:
         st = os.stat(path)
     except OSError:
@@ -116,28 +120,28 @@ def squatter_hint(name: str, path: str | None = None) -> str:
             f"it (`rm {path}`, or `ftd cleanup --force` as that user), or use another namespace")
 
 
-def _shm_free_bytes() -> int | None:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 def _space_error(name: str, size: int, err: int) -> ShmSpaceError:
-    free = _shm_free_bytes()
+    directory = segment_dir.directory_of(name)
+    free = segment_dir.free_bytes(directory)
     cause = {
-        errno.ENOSPC: f"no space in {SHM_DIR}",
-        errno.EFBIG: f"size too large for {SHM_DIR}",
-        errno.ENOMEM: f"out of memory (ENOMEM: e.g. the container's memory limit) while filling {SHM_DIR}",
-    }.get(err, f"no space in {SHM_DIR}")
+        errno.ENOSPC: f"no space in {directory}",
+        errno.EFBIG: f"size too large for {directory}",
+        errno.ENOMEM: f"out of memory (ENOMEM: e.g. the container's memory limit, or too few free huge pages) "
+                      f"while filling {directory}",
+    }.get(err, f"no space in {directory}")
+    if directory == SHM_DIR:
+        fix = (f"Enlarge {SHM_DIR}: `docker run --shm-size=<size>` for Docker, an emptyDir volume with "
+               "`medium: Memory` (and a sizeLimit) mounted at /dev/shm on Kubernetes, or "
+               f"`mount -o remount,size=<size> {SHM_DIR}` on a host")
+    elif segment_dir.page_info(directory).hugetlbfs:
+        fix = (f"Reserve more huge pages (`echo N > /proc/sys/vm/nr_hugepages`, or the `hugepages-2Mi` resource "
+               f"on Kubernetes) or raise the size= of the hugetlbfs mounted at {directory}")
+    else:
+        fix = f"Enlarge the file system mounted at {directory} (`mount -o remount,size=<size> {directory}`)"
     message = (
         f"{cause} for shared-memory segment {name!r}: it needs {size} bytes ({format_bytes(size)}) and "
         f"{free if free is not None else 'an unknown number of'} bytes ({format_bytes(free)}) are free there. "
-        f"Enlarge {SHM_DIR}: `docker run --shm-size=<size>` for Docker, an emptyDir volume with "
-        "`medium: Memory` (and a sizeLimit) mounted at /dev/shm on Kubernetes, or "
-        f"`mount -o remount,size=<size> {SHM_DIR}` on a host; or free space by cleaning up stale namespaces "
-        "(`ftd cleanup`)"
+        f"{fix}; or free space by cleaning up stale namespaces (`ftd cleanup`)"
     )
     return ShmSpaceError(message, segment=name, wanted=size, free=free)
 
@@ -163,6 +167,8 @@ class SharedSegment:
         self._pinned: dict[int, int] = {}  # registered ranges: offset -> bytes
         self.inode: int | None = None  # of the file mapped (set by create/open): check_intact() compares it
         self.reserved = True  # every page allocated (False: ranges are reserved one by one, reserve_range)
+        self.directory = segment_dir.directory_of(name)  # where its file is (segment_dir.py)
+        self.page_size = mmap.PAGESIZE  # what its mount gives it (set by create/open)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -171,7 +177,8 @@ class SharedSegment:
         """Create ``name`` exclusively with ``size`` bytes of allocated, zeroed memory and map it.
 
         ``FileExistsError`` when the name exists; ``ShmSpaceError`` (an ``OSError`` with ``errno.ENOSPC``)
-        when ``/dev/shm`` is too small, with nothing left behind; ``ValueError`` for a bad name or size.
+        when its directory is too small, with nothing left behind; ``ValueError`` for a bad name or size. In a
+        directory of huge pages the size is rounded up to a whole page (``size`` then says how much was mapped).
         ``populate=True`` (the default, for a creator about to write) also maps every page into this process;
         ``populate=False`` only reserves them, for a segment that this process will not touch soon.
         ``reserve=False`` allocates nothing yet: the creator reserves each range with :meth:`reserve_range`
@@ -184,30 +191,40 @@ class SharedSegment:
             raise ValueError(f"invalid size {size!r} for segment {name!r}: it must be an int > 0 (bytes)")
         if not isinstance(mode, int) or mode & ~0o777:
             raise ValueError(f"invalid mode {mode!r} for segment {name!r}: use permission bits such as 0o600")
+        directory = segment_dir.directory_of(name)
+        path = directory + name
+        pages = segment_dir.page_info(directory)
+        if pages.huge:
+            size = align_up(size, pages.size)
         try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)
-        except posix_ipc.ExistentialError:
+            fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:
             raise FileExistsError(errno.EEXIST, f"shared-memory segment {name!r} already exists "
-                                  f"({SHM_DIR}{name}); another process created it, or a crashed run left it "
+                                  f"({path}); another process created it, or a crashed run left it "
                                   f"(clean up with `ftd cleanup`){squatter_hint(name)}") from None
-        except posix_ipc.PermissionsError as exc:
-            raise PermissionError(errno.EACCES, f"cannot create shared-memory segment {name!r}: {exc}"
-                                  f"{squatter_hint(name)}") from None
-        fd = shm.fd
-        reservation = allocation_gate.acquire(SHM_DIR, size)  # see allocation_gate.py: who is waited for
+        except PermissionError as exc:
+            raise PermissionError(errno.EACCES, f"cannot create shared-memory segment {name!r} ({path}): "
+                                  f"{exc.strerror}{squatter_hint(name)}") from None
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"cannot create shared-memory segment {name!r}: its directory "
+                                    f"{directory} does not exist; mount it or fix shm_dir / "
+                                    f"{segment_dir.ENV_VAR}") from None
+        reservation = allocation_gate.acquire(directory, size)  # see allocation_gate.py: who is waited for
         try:
-            os.fchmod(fd, mode)  # shm_open applied the umask; make the mode exactly what was asked
-            free = _shm_free_bytes()
+            os.fchmod(fd, mode)  # the umask applied at creation; make the mode exactly what was asked
+            free = segment_dir.free_bytes(directory)
             if free is not None and size > free:
                 raise _space_error(name, size, errno.ENOSPC)
             mapping = None
             try:
                 os.ftruncate(fd, size)
                 mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                if pages.advise:
+                    mapping.madvise(mmap.MADV_HUGEPAGE)
                 # Allocate every page now, so a full /dev/shm fails here and not as SIGBUS in the middle of a
                 # copy: populate=True also maps them in this process (parallel MADV_POPULATE_WRITE, see
                 # prefault.py; the fast path), populate=False only reserves them (posix_fallocate, one thread).
-                if reserve and not (populate and populate_write(mapping, size)):
+                if reserve and not (populate and populate_write(mapping, size, page_size=pages.size)):
                     os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 if mapping is not None:
@@ -216,17 +233,20 @@ class SharedSegment:
                     raise _space_error(name, size, exc.errno) from None
                 raise
         except BaseException:
-            shm.close_fd()
+            os.close(fd)
             cls.unlink_name(name)
             raise
         finally:
             allocation_gate.release(reservation)
         inode = os.fstat(fd).st_ino
-        shm.close_fd()
-        logger.debug("created shared-memory segment %s (%d bytes, mode %04o)", name, size, mode)
+        os.close(fd)
+        logger.debug("created shared-memory segment %s (%d bytes, mode %04o, %s in %s)", name, size, mode,
+                     pages.describe(), directory)
+        segment_dir.warn_if_small_pages(name, size, pages, directory)
         segment = cls(name, size, True, mapping)
         segment.inode = inode
         segment.reserved = reserve
+        segment.page_size = pages.size
         return segment
 
     @classmethod
@@ -238,17 +258,20 @@ class SharedSegment:
         the page tables (useful before a bulk read); by default pages fault in on first touch.
         """
         _validate_name(name)
+        directory = segment_dir.directory_of(name)
         try:
-            shm = posix_ipc.SharedMemory(name, 0)
-        except posix_ipc.ExistentialError:
+            fd = os.open(directory + name, _OPEN_FLAGS)
+        except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {name!r} does not exist "
-                                    f"({SHM_DIR}{name}): its creator has not made it yet, or it was already "
+                                    f"({directory}{name}): its creator has not made it yet, or it was already "
                                     "removed") from None
-        except posix_ipc.PermissionsError as exc:
+        except PermissionError as exc:
             hint = squatter_hint(name) or "; it belongs to another user or has a restrictive mode"
-            raise PermissionError(errno.EACCES, f"cannot open shared-memory segment {name!r}: {exc}{hint}") from None
+            raise PermissionError(errno.EACCES, f"cannot open shared-memory segment {name!r}: {exc.strerror}"
+                                  f"{hint}") from None
+        pages = segment_dir.page_info(directory)
         try:
-            st = os.fstat(shm.fd)
+            st = os.fstat(fd)
             size = st.st_size
             if size == 0 or size < min_size:
                 raise ValueError(
@@ -256,11 +279,14 @@ class SharedSegment:
                     "expected: it is truncated, still being created, or belongs to another protocol version"
                 )
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            mapping = mmap.mmap(shm.fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if pages.advise:
+                mapping.madvise(mmap.MADV_HUGEPAGE)
         finally:
-            shm.close_fd()
+            os.close(fd)
         segment = cls(name, size, False, mapping)
         segment.inode = st.st_ino
+        segment.page_size = pages.size
         return segment
 
     def check_intact(self) -> None:
@@ -278,7 +304,7 @@ class SharedSegment:
         """
         self._mapping()
         try:
-            fd = os.open(SHM_DIR + self.name, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.directory + self.name, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {self.name!r} was removed; read it "
                                     "through the mapping") from None
@@ -301,18 +327,18 @@ class SharedSegment:
         sticky: only its owner or root may remove it)."""
         _validate_name(name)
         try:
-            posix_ipc.unlink_shared_memory(name)
-        except posix_ipc.ExistentialError:
+            os.unlink(segment_dir.segment_path(name))
+        except FileNotFoundError:
             return False
-        except posix_ipc.PermissionsError as exc:
-            raise PermissionError(errno.EACCES, f"cannot remove shared-memory segment {name!r}: {exc}"
+        except PermissionError as exc:
+            raise PermissionError(errno.EACCES, f"cannot remove shared-memory segment {name!r}: {exc.strerror}"
                                   f"{squatter_hint(name)}") from None
         return True
 
     @staticmethod
     def mode_of(name: str) -> int:
-        """Permission bits of an existing segment (from ``/dev/shm``)."""
-        return stat.S_IMODE(os.stat(SHM_DIR + _validate_name(name)).st_mode)
+        """Permission bits of an existing segment (from its file)."""
+        return stat.S_IMODE(os.stat(segment_dir.segment_path(_validate_name(name))).st_mode)
 
     # ------------------------------------------------------------------ access
     def _mapping(self) -> mmap.mmap:
@@ -399,16 +425,18 @@ class SharedSegment:
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(f"range [{offset}, {offset + nbytes}) is not inside segment {self.name!r} "
                              f"({self.size} bytes)")
-        start = offset - offset % mmap.PAGESIZE
-        length = _page_end(offset + nbytes) - start
+        page = self.page_size  # whole pages of the mount: a huge page is allocated whole anyway
+        start = offset - offset % page
+        length = align_up(offset + nbytes, page) - start
         length = min(length, self.size - start)
         try:
-            if not populate_write_range(self.address + start, length, threads=threads):  # kernels before 5.14
-                shm = posix_ipc.SharedMemory(self.name, 0)
+            if not populate_write_range(self.address + start, length, threads=threads,
+                                        page_size=page):  # kernels before 5.14
+                fd = os.open(self.directory + self.name, _OPEN_FLAGS)
                 try:
-                    os.posix_fallocate(shm.fd, start, length)
+                    os.posix_fallocate(fd, start, length)
                 finally:
-                    shm.close_fd()
+                    os.close(fd)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EFAULT):
                 raise _space_error(self.name, self.size, exc.errno) from None
@@ -449,7 +477,7 @@ class SharedSegment:
                                  f"registered range [{start}, {start + length}); unpin() first")
         ptr = self.address + offset
         if prefault:
-            populate_read(ptr, nbytes)
+            populate_read(ptr, nbytes, threads=read_threads(self.page_size))
         host_register(ptr, nbytes, read_only=read_only)
         self._pinned[offset] = nbytes
 

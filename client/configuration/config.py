@@ -211,6 +211,15 @@ def _check_shm_namespace(name: str, value: Any) -> str | None:
     return value
 
 
+def _check_shm_dir(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    # The rules live with the code that makes the segments there (flextensor.shm.segment_dir).
+    from flextensor.shm.segment_dir import check_directory
+
+    return check_directory(value, f"OffloadConfig option {name!r}")
+
+
 def _check_optional_path(name: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -254,6 +263,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "shm_enabled": _check_bool,
     "shm_namespace": _check_shm_namespace,
     "shm_wait_timeout": _check_shm_wait_timeout,
+    "shm_dir": _check_shm_dir,
     "max_gpu_mem_fraction": _check_max_gpu_mem_fraction,
     "skip_discovery": _check_bool,
     "discovery_iters": _int_check(1),
@@ -311,6 +321,9 @@ class OffloadConfig:
     shm_enabled: bool = False
     shm_namespace: str | None = None
     shm_wait_timeout: float = 0.0
+    #: The directory of the shared segments: None is ``$FT_SHM_DIR``, else ``/dev/shm``; a tmpfs mounted with
+    #: ``huge=always`` or a hugetlbfs gives them huge pages (docs/huge-pages.md).
+    shm_dir: str | None = None
     max_gpu_mem_fraction: float | None = None
     # profiling
     skip_discovery: bool = False

@@ -12,7 +12,7 @@ options that are not strings):
 - int, float: Python literals (``int("4")``, ``float("0.8")``); ranges are checked by ``OffloadConfig``.
 - list (pattern options): comma-separated, whitespace around items stripped, empty items dropped.
 - optional float (``max_gpu_mem_fraction``): ``none``, ``null`` or empty mean ``None``.
-- optional str (``shm_namespace``, ``profile_storage_dir``): empty means ``None``. ``none``/``null`` are NOT
+- optional str (``shm_namespace``, ``shm_dir``, ``profile_storage_dir``): empty means ``None``. ``none``/``null`` are NOT
   special there: they are legal directory and namespace names.
 
 Environment-only loading (``load_config_from_env``, or ``load_config`` with ``use_env=True`` and no file)

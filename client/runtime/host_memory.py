@@ -525,7 +525,7 @@ class ShmProvider(HostBlockProvider):
         from flextensor.shm.blocks import arena_layout
 
         creator = bool(self.owner.is_creator)
-        layout = arena_layout(sizes)  # once, for the segments and the views
+        layout = arena_layout(sizes, align=self.owner.block_alignment)  # once, for the segments and the views
         self._parts = self._allocator.create(layout) if creator else self._allocator.attach(layout)
         self._views = self._allocator.views(self._parts, layout)
         self._ranges = self._allocator.ranges(self._parts, layout)

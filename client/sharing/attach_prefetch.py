@@ -188,7 +188,7 @@ class FollowerPrefetch:
             self._slots = slot_count(slots, sum(label in streamed for label in self.state.schedule)) \
                 if self._blocks else 0
             # The arena's layout, once (the session reuses it): which part and offset each block has.
-            self.layout = arena_layout([b.nbytes for b in self._blocks])
+            self.layout = arena_layout([b.nbytes for b in self._blocks], align=self._owner.block_alignment)
             parts = SharedBlockAllocator(self._owner).names(self.layout)
             for position, block in enumerate(self._blocks):
                 if block.index != position or block.name != parts[self.layout.parts[position]]:

@@ -59,7 +59,7 @@ from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
 from flextensor.runtime.thread_join import join_through_interrupts
-from flextensor.shm.blocks import ArenaLayout, SharedBlockAllocator, arena_layout
+from flextensor.shm.blocks import ARENA_ALIGN, ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.manifest import DTYPE_SIZES
 from flextensor.shm.owner import ShmOwner
 from flextensor.shm.populate_ahead import PopulateAhead
@@ -135,10 +135,12 @@ class PublishPlan:
         return {**self.store.kinds, **(self.arena.kinds if self.layouts else {})}
 
 
-def plan_publish(state: TensorManagerState, device: torch.device, *, pinned_memory: bool) -> PublishPlan:
-    """The :class:`PublishPlan` of a profile ``state`` (its blocks, placements and schedule checked)."""
+def plan_publish(state: TensorManagerState, device: torch.device, *, pinned_memory: bool,
+                 align: int = ARENA_ALIGN) -> PublishPlan:
+    """The :class:`PublishPlan` of a profile ``state`` (its blocks, placements and schedule checked); the arena's
+    blocks start on multiples of ``align`` (``ShmOwner.block_alignment``)."""
     return PublishPlan(state=state, layouts=layouts_from_state(state),
-                       arena=arena_layout([b.nbytes for b in state.blocks]),
+                       arena=arena_layout([b.nbytes for b in state.blocks], align=align),
                        resident=[t.name for t in state.tensors if not t.offloaded], store=plan_store_layout(state),
                        device=device, pin=pinned_memory and device.type == "cuda")
 

@@ -85,6 +85,7 @@ from flextensor.shm.dead_sweep import sweep_before_join
 from flextensor.shm.header import State
 from flextensor.shm.names import manager_namespace, validate_base_namespace, validate_manager_name
 from flextensor.shm.preflight import check_shm_capacity, memlock_shortfall
+from flextensor.shm.segment_dir import bind_namespace
 from flextensor.sharing.share import (PLAN_KIND, ManagerShare, block_pinner, check_offloaded_metadata, device_index,
                               privatize_shared_views, read_published_plan, register_with_daemon,
                               run_factory_while_attaching, timed_step)
@@ -183,13 +184,15 @@ class SharedOffloadSession:
         prefetch: FollowerPrefetch | None = None
         sweep_before_join(ns)  # what crashed jobs of this user left on the host (flextensor.shm.dead_sweep)
         try:
+            if cfg.shm_dir is not None:  # where to peek (the coordinator binds it again when it joins)
+                bind_namespace(ns, cfg.shm_dir)
             if peek_ready(ns):
                 share, built, prefetch, built_s = self._join_while_building(name, ns, cfg, deadline,
                                                                             follower_model_factory)
             if share is None:
                 begin = time.monotonic()
                 coordinator = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=deadline.remaining(),
-                                             base=self.namespace, manager=name)
+                                             base=self.namespace, manager=name, shm_dir=cfg.shm_dir)
                 share = self._new_share(name, ns, coordinator, joined_s=time.monotonic() - begin)
                 with timed_step(share.steps, "daemon"):
                     register_with_daemon(coordinator, self.namespace, name)
@@ -255,7 +258,7 @@ class SharedOffloadSession:
             wait = ELECT_LOCK_WAIT_S if remaining is None else min(ELECT_LOCK_WAIT_S, remaining)
             try:  # only the election's wait is short; later registrations and the close keep the session's
                 joined = ShmCoordinator(ns, lease_seconds=self.lease_seconds, timeout=remaining, join_timeout=wait,
-                                        base=self.namespace, manager=name)
+                                        base=self.namespace, manager=name, shm_dir=cfg.shm_dir)
             except TimeoutError:
                 return None, None
             steps["join"] = time.monotonic() - begin
@@ -298,7 +301,8 @@ class SharedOffloadSession:
         steps = share.steps
         try:
             device = compute_device(cfg)
-            plan = plan_publish(read_profile(profile_dir), device, pinned_memory=cfg.pinned_memory)
+            plan = plan_publish(read_profile(profile_dir), device, pinned_memory=cfg.pinned_memory,
+                                align=owner.block_alignment)
             check_shm_capacity(share.namespace, plan.shared_bytes)
             if plan.pin:
                 shortfall = memlock_shortfall(plan.shared_bytes)

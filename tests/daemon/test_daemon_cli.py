@@ -10,11 +10,13 @@ import time
 
 from flextensor.shm.header import coordinator_segment_size
 from flextensor.shm.names import manager_namespace
+from flextensor.shm.segment_dir import page_info
 
 from tests.daemon.helpers import PY, REPO, Daemon, run_cli, wait_until
 from tests.leftovers import shm_names
 
-LS_KEYS = {"namespace", "base", "manager", "generation", "state", "participants", "bytes", "age"}
+LS_KEYS = {"namespace", "base", "manager", "generation", "state", "participants", "bytes", "age", "shm_dir",
+           "page_size", "pages"}
 WEIGHTS = 1 << 20
 
 
@@ -63,6 +65,8 @@ def test_ls_shows_participants_and_bytes_while_workers_run(daemon, workers, name
     assert set(row) == LS_KEYS
     assert row["manager"] == "m" and row["generation"] == 1 and row["state"] == "READY"
     assert row["participants"] == 2
+    assert (row["shm_dir"], row["page_size"]) == ("/dev/shm", page_info("/dev/shm").size)
+    assert row["pages"] == page_info("/dev/shm").describe()
     assert row["bytes"] == WEIGHTS + coordinator_segment_size()
     assert 0 <= row["age"] < 60
     _, status, _ = daemon.cli("status")

@@ -70,11 +70,14 @@ def _touch(path: str | None) -> None:
 
 
 def shm_ranges() -> list[tuple[int, int]]:
-    """The address ranges of this process's /dev/shm mappings."""
+    """The address ranges of this process's mappings of segments (in /dev/shm, or the FT_SHM_DIR given)."""
+    from flextensor.shm.segment_dir import default_directory
+
+    where = default_directory().rstrip("/") + "/"
     ranges = []
     with open("/proc/self/maps") as maps:
         for line in maps:
-            if "/dev/shm/" in line:
+            if where in line:
                 start, end = (int(x, 16) for x in line.split()[0].split("-"))
                 ranges.append((start, end))
     return ranges

@@ -410,9 +410,9 @@ def test_a_follower_lays_out_the_arena_once(held_ns: str, profile: str, monkeypa
 
     laid_out: list[int] = []  # the number of blocks of each layout computed in this (the follower's) process
 
-    def counted(sizes):
+    def counted(sizes, **kwargs):
         laid_out.append(len(sizes))
-        return arena_layout(sizes)
+        return arena_layout(sizes, **kwargs)
 
     for module in (blocks_mod, prefetch_mod, session_mod):  # wherever the follower's path could call it from
         monkeypatch.setattr(module, "arena_layout", counted, raising=False)

@@ -1,0 +1,144 @@
+"""Where segments live and what pages they get (``flextensor.shm.segment_dir``), on huge-page mounts and here.
+
+The mounted cases run in a private mount namespace (``tests/helpers/huge_mount.py``): a tmpfs mounted with
+``huge=always``, and a hugetlbfs where this host can reserve huge pages (skipped, naming why, elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from flextensor.shm import segment_dir
+from flextensor.shm.blocks import ARENA_ALIGN, arena_layout
+from flextensor.shm.journal import create_journal, read_journal, remove_journal
+from flextensor.shm.names import manager_namespace
+from flextensor.shm.segment import SharedSegment
+
+from tests.helpers.huge_mount import reserved_huge_pages, run_mounted
+
+HUGE = 2 << 20
+
+
+@pytest.fixture(autouse=True)
+def fresh_bindings(monkeypatch: pytest.MonkeyPatch):
+    """Each test starts from no binding and no default set in this process (both are process-wide)."""
+    monkeypatch.setattr(segment_dir, "_bound", {})
+    monkeypatch.setattr(segment_dir, "_default", None)
+
+
+# ------------------------------------------------------------------------------------------ in this process
+def test_dev_shm_is_the_default_and_ft_shm_dir_moves_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert segment_dir.default_directory() == "/dev/shm"
+    assert segment_dir.segment_path("/ftx-0123456789abcdef.g1.sd") == "/dev/shm/ftx-0123456789abcdef.g1.sd"
+    monkeypatch.setenv("FT_SHM_DIR", str(tmp_path) + "/")
+    assert segment_dir.default_directory() == str(tmp_path)
+    monkeypatch.setenv("FT_SHM_DIR", "relative/dir")
+    with pytest.raises(ValueError, match="FT_SHM_DIR must be an absolute directory path"):
+        segment_dir.default_directory()
+    monkeypatch.setenv("FT_SHM_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="is not an existing directory: mount a tmpfs"):
+        segment_dir.default_directory()
+
+
+def test_a_namespace_binding_wins_and_the_longest_namespace_decides(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    segment_dir.bind_namespace("ns", tmp_path / "a")
+    segment_dir.bind_namespace("ns.x", tmp_path / "b")
+    assert segment_dir.segment_path("/ns.g1.sd") == f"{tmp_path}/a/ns.g1.sd"
+    assert segment_dir.segment_path("/ns.x.g1.sd") == f"{tmp_path}/b/ns.x.g1.sd"
+    assert segment_dir.segment_path("/other.g1.sd") == "/dev/shm/other.g1.sd"
+    assert segment_dir.namespace_directory("ns") == f"{tmp_path}/a"
+
+
+def test_dev_shm_segments_are_exactly_what_shm_open_makes(namespace: str) -> None:
+    import posix_ipc
+
+    name = f"/{namespace}.g1.sd"
+    with SharedSegment.create(name, 12345, mode=0o640) as seg:
+        assert seg.size == 12345 and seg.directory == "/dev/shm"
+        seg.buffer[:5] = b"hello"
+        other = posix_ipc.SharedMemory(name, 0)  # the POSIX name reaches the same file
+        try:
+            assert os.pread(other.fd, 5, 0) == b"hello" and os.fstat(other.fd).st_size == 12345
+        finally:
+            other.close_fd()
+        assert SharedSegment.mode_of(name) == 0o640
+        with pytest.raises(FileExistsError, match=f"already exists \\(/dev/shm{name}\\)"):
+            SharedSegment.create(name, 4096)
+    assert SharedSegment.unlink_name(name) and not SharedSegment.unlink_name(name)
+
+
+def test_a_journal_records_the_directory_and_reading_it_binds_the_namespace(tmp_path: Path) -> None:
+    ns = manager_namespace("hp", "m")
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    create_journal(ns, 1, shm_dir=str(huge))
+    try:
+        lines = (Path(os.environ["TMPDIR"]) / f"flextensor-{os.getuid()}" / f"{ns}.journal").read_text()
+        assert json.loads(lines.splitlines()[0])["shm_dir"] == str(huge)
+        assert segment_dir.namespace_directory(ns) == "/dev/shm"  # nothing read yet
+        assert read_journal(ns).header.shm_dir == str(huge)
+        assert segment_dir.segment_path(f"/{ns}.g1.sd") == f"{huge}/{ns}.g1.sd"
+    finally:
+        remove_journal(ns)
+    create_journal(ns, 1, shm_dir="/dev/shm")  # the default directory is left out of the line, as before
+    try:
+        assert "shm_dir" not in (Path(os.environ["TMPDIR"]) / f"flextensor-{os.getuid()}" / f"{ns}.journal").read_text()
+        assert read_journal(ns).header.shm_dir == "/dev/shm"
+    finally:
+        remove_journal(ns)
+
+
+def test_arena_blocks_start_on_the_alignment_given() -> None:
+    sizes = [3 << 20, 5000, 1 << 20]
+    assert arena_layout(sizes).offsets == (0, align := 3 << 20, align + 8192)
+    layout = arena_layout(sizes, align=HUGE)
+    assert layout.offsets == (0, 4 << 20, 6 << 20) and layout.part_sizes == (8 << 20,)
+    with pytest.raises(ValueError, match="power of two"):
+        arena_layout(sizes, align=3 * ARENA_ALIGN)
+
+
+def test_page_info_of_dev_shm_and_block_alignment() -> None:
+    info = segment_dir.page_info("/dev/shm")
+    assert info.fs == "tmpfs" and info.size >= mmap.PAGESIZE
+    assert segment_dir.block_alignment("/dev/shm") == min(max(ARENA_ALIGN, info.size), HUGE)
+    assert info.describe().endswith("(tmpfs)") or "huge=" in info.describe() or "shmem_enabled" in info.describe()
+
+
+# ------------------------------------------------------------------------------------------ huge-page mounts
+def test_segments_on_a_huge_tmpfs(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    token = request.node.ft_token
+    report = run_mounted("tmpfs", tmp_path / "huge", "segment", token)
+    assert (report["fs"], report["source"], report["page_size"]) == ("tmpfs", "huge=always", HUGE)
+    assert report["describe"] == "2 MiB pages (tmpfs huge=always)"
+    # sized in whole huge pages, and the kernel really mapped them huge
+    assert report["size"] == 4 * 2**20 and report["segment_page_size"] == HUGE
+    assert report["huge_mapped"] == report["size"]
+    # another process sees the same bytes through the same name; pread reads the file
+    assert report["reader_sum"] == report["expected_sum"] and report["pread_ok"] and report["mode"] == 0o600
+    # a range reserved on huge pages allocates the whole pages around it: [1 MiB + 3, 6 MiB + 3) -> [0, 8 MiB)
+    assert report["lazy_allocated"] == 8 * 2**20
+    assert "no space in" in report["space_error"] and str(tmp_path / "huge") in report["space_error"]
+    assert "remount,size=" in report["space_error"] and not report["big_left"]
+    assert report["removed"] == [True, True]
+    assert report["left"] == {"dir": [], "dev_shm": [], "lock_dir": []}
+
+
+def test_segments_on_hugetlbfs(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    token = request.node.ft_token
+    with reserved_huge_pages(16):
+        report = run_mounted("hugetlbfs", tmp_path / "huge", "segment", token, size="32M")
+    assert (report["fs"], report["page_size"]) == ("hugetlbfs", HUGE)
+    assert report["describe"] == "2 MiB pages (hugetlbfs pagesize=2M)"
+    # hugetlbfs refuses a size that is not whole pages: the segment is rounded up, and all of it is huge
+    assert report["size"] == 4 * 2**20 and report["huge_mapped"] == report["size"]
+    assert report["reader_sum"] == report["expected_sum"] and report["pread_ok"]
+    assert report["lazy_allocated"] in (0, 8 * 2**20)  # hugetlbfs may count reserved pages in st_blocks or not
+    assert "Reserve more huge pages" in report["space_error"] and not report["big_left"]
+    assert report["left"] == {"dir": [], "dev_shm": [], "lock_dir": []}
