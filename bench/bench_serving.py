@@ -125,7 +125,8 @@ def main() -> int:
         group = run_group(params, args.workers)
 
     fixed_rows = [[f["batch"], f"{f['first']:.3f}x", f"{f['worst']:.3f}x", f"{f['median']:.3f}x",
-                   _status(f["worst"] <= (PROFILED_GOAL if f["batch"] == args.profile_batch else FIRST_GOAL))]
+                   _status(f["median"] <= PROFILED_GOAL if f["batch"] == args.profile_batch
+                           else f["worst"] <= FIRST_GOAL)]
                   for f in fixed]
     trace_rows = _trace_rows(summary, "1 process")
     group_rows: list[list] = []
@@ -179,8 +180,9 @@ def main() -> int:
             f"twin runs once more before it.")
     sections = [
         ("Goals", common.table(["measure", "value", "goal", "status"], goals)),
-        ("Fixed batches, in the order served (offloaded / resident per pass)",
-         common.table(["batch", "first pass", f"worst of {args.repeat}", "median", "goal"], fixed_rows)),
+        ("Fixed batches, in the order served (each offloaded pass / the resident twin's median in the same loop)",
+         common.table(["batch", "first pass", f"worst of {args.repeat}", "median",
+                      f"goal (worst <= {FIRST_GOAL}x; the profiled batch: median <= {PROFILED_GOAL}x)"], fixed_rows)),
         (f"Random trace, {args.passes} passes, one process", common.table(headers, trace_rows) + "\n\n" + note),
     ]
     if group_rows:
