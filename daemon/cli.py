@@ -29,8 +29,10 @@ another lock directory (its workers had another ``TMPDIR``) is named on stderr, 
 ``--json`` prints ``{"lock_dir", "reclaimed": [...], "skipped": [...], "elapsed_s"}``.
 
 Exit status: 0 success, 1 error (message on stderr; with ``--json`` also ``{"error", "message"}`` on stdout),
-2 usage error.  ``ls --json`` prints a list of objects with exactly the keys ``namespace``, ``manager``,
-``generation``, ``state``, ``participants``, ``bytes``, ``age``.
+2 usage error.  ``ls --json`` prints a list of objects with exactly the keys of ``GenerationRow``
+(``flextensor.shm.ftd_protocol``): ``namespace``, ``manager``, ``generation``, ``state``, ``participants``,
+``bytes``, ``age`` and the others listed in docs/daemon.md, ``members`` among them: each live participant's
+pid, slot, state (serving, sleeping, updating, held) and weights version.
 """
 
 from __future__ import annotations
@@ -264,7 +266,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     reply = _ask(args, proto.ListRequest())
-    rows = [msgspec.structs.asdict(r) for r in reply.rows]
+    rows = msgspec.to_builtins(reply.rows)  # nested rows (members) too
     if args.json:
         _print_json(rows)
         return 0
@@ -272,10 +274,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     from flextensor.shm.text_table import format_columns
 
     print("\n".join(format_columns(
-        ["NAMESPACE", "MANAGER", "ID", "GENERATION", "STATE", "PARTICIPANTS", "BYTES", "PAGES", "SHM_DIR", "AGE"],
+        ["NAMESPACE", "MANAGER", "ID", "GENERATION", "STATE", "PARTICIPANTS", "SLEEPING", "WEIGHTS", "BYTES", "PAGES",
+         "SHM_DIR", "AGE"],
         [[r["base"] or "?", r["manager"] or "?", r["namespace"], str(r["generation"] or "-"), r["state"],
-          str(r["participants"]), format_bytes(r["bytes"]), format_bytes(r["page_size"], digits=0), r["shm_dir"],
-          f"{r['age']:.0f}s"] for r in rows],
+          str(r["participants"]), str(r["sleeping"]), f"v{r['weights_version']}", format_bytes(r["bytes"]),
+          format_bytes(r["page_size"], digits=0), r["shm_dir"], f"{r['age']:.0f}s"] for r in rows],
     )))
     return 0
 

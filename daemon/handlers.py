@@ -213,6 +213,10 @@ class RequestHandler:
                 shm_dir=view.shm_dir,
                 page_size=pages.size,
                 pages=pages.describe(),
+                sleeping=sum(1 for member in view.members if member[2] == "sleeping"),
+                weights_version=view.weights_version,
+                members=[proto.MemberRow(pid=pid, slot=slot, state=state, weights_version=version)
+                         for pid, slot, state, version in view.members],
             ))
         return proto.ListReply(rows=rows)
 

@@ -57,7 +57,8 @@ from flextensor.shm.errors import ShmProtocolError
 from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordinator_segment, read_state
 from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns, process_start_time
 from flextensor.shm.journal import MAX_JOURNAL_BYTES, list_journals, read_journal
-from flextensor.shm.leases import LeaseTable, SlotState
+from flextensor.shm.activity import weights_version
+from flextensor.shm.leases import Activity, LeaseSlot, LeaseTable, SlotState
 from flextensor.shm.names import coordinator_segment_name
 from flextensor.shm import segment_dir
 from flextensor.shm.segment import SharedSegment
@@ -65,6 +66,16 @@ from flextensor.shm.segment import SharedSegment
 from flextensor.daemon.lockdirs import LockDir, configured_lock_dir, inspect_lock_dir, segment_owner_uid
 
 __all__ = ["Participant", "NamespaceView", "Registry"]
+
+
+def _member_state(slot: LeaseSlot) -> str:
+    """What ``ftd ls`` says a live participant does: its activity, or ``held`` for an ftd hold."""
+    if slot.durable:
+        return "held"
+    try:
+        return Activity(slot.activity).name.lower()
+    except ValueError:
+        return f"unknown ({slot.activity})"
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +141,8 @@ class NamespaceView:
     adoption_checked: set[str] = dataclasses.field(default_factory=set)
     dead_at_ns: dict[str, int] = dataclasses.field(default_factory=dict)  # token -> host clock of death
     logged_error: str | None = None
+    members: list[tuple[int, int, str, int]] = dataclasses.field(default_factory=list)  # pid, slot, state, version
+    weights_version: int = 0  # the header's (shm/activity.py)
 
     def close_mapping(self) -> None:
         self.table = None
@@ -328,10 +341,14 @@ class Registry:
             view.generation = view.header.generation
             view.created_at = view.header.created_at_ns / 1e9
             view.live = sum(1 for s in slots if s.live)
+            view.members = [(s.identity.pid, s.index, _member_state(s), s.held_version) for s in slots
+                            if s.live and s.identity is not None]
+            view.weights_version = weights_version(view.segment.buffer)  # type: ignore[union-attr]
             self._track_slots(view, slots, now)
         else:
             state = state or "ORPHAN"
             view.live = 0
+            view.members, view.weights_version = [], 0
             view.reclaimable_since_ns = view.reclaimable_since_ns or now
             if journal is not None:
                 view.generation = journal.generation

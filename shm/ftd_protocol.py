@@ -221,6 +221,15 @@ class StatusReply(_Message, tag="status_reply"):
     metrics_port: int | None = None
 
 
+class MemberRow(msgspec.Struct, forbid_unknown_fields=True):
+    """One live participant of a generation in ``ftd ls --json`` (``members``)."""
+
+    pid: int
+    slot: int
+    state: str  # serving / sleeping / updating (its lease slot's activity, shm/activity.py), or held (ftd hold)
+    weights_version: int  # the weights version its model holds
+
+
 class GenerationRow(msgspec.Struct, forbid_unknown_fields=True):
     """One row of ``ftd ls``; the JSON keys of ``ftd ls --json`` are exactly these field names."""
 
@@ -235,6 +244,9 @@ class GenerationRow(msgspec.Struct, forbid_unknown_fields=True):
     shm_dir: str = "/dev/shm"  # the directory of its segments (the journal's)
     page_size: int = 4096  # bytes per page its segments get there (segment_dir.page_info)
     pages: str = ""  # how that directory gives them, e.g. "2 MiB pages (tmpfs huge=always)"
+    sleeping: int = 0  # live participants whose models sleep (ft.sleep)
+    weights_version: int = 0  # the version of the weights in its host copy (0: as published; update_weights)
+    members: list[MemberRow] = []  # the live participants, each with its state
 
 
 class ListReply(_Message, tag="ls_reply"):

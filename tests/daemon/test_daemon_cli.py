@@ -16,7 +16,7 @@ from tests.daemon.helpers import PY, REPO, Daemon, run_cli, wait_until
 from tests.leftovers import shm_names
 
 LS_KEYS = {"namespace", "base", "manager", "generation", "state", "participants", "bytes", "age", "shm_dir",
-           "page_size", "pages"}
+           "page_size", "pages", "sleeping", "weights_version", "members"}
 WEIGHTS = 1 << 20
 
 
@@ -64,7 +64,9 @@ def test_ls_shows_participants_and_bytes_while_workers_run(daemon, workers, name
     (row,) = [r for r in rows if r["namespace"] == ns]
     assert set(row) == LS_KEYS
     assert row["manager"] == "m" and row["generation"] == 1 and row["state"] == "READY"
-    assert row["participants"] == 2
+    assert row["participants"] == 2 and (row["sleeping"], row["weights_version"]) == (0, 0)
+    assert sorted((m["pid"], m["state"]) for m in row["members"]) == sorted(
+        [(creator.pid, "serving"), (follower.pid, "serving")])
     assert (row["shm_dir"], row["page_size"]) == ("/dev/shm", page_info("/dev/shm").size)
     assert row["pages"] == page_info("/dev/shm").describe()
     assert row["bytes"] == WEIGHTS + coordinator_segment_size()
@@ -210,3 +212,22 @@ def test_version_prints_the_package_version_and_needs_no_daemon():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"ftd (flextensor) {flextensor.__version__}"
+
+
+def test_ls_shows_sleeping_workers_and_a_killed_sleeper_is_reclaimed(daemon, workers, namespace):
+    ns = manager_namespace(namespace, "m")
+    creator = workers(namespace, "m", "--lease", "5", socket=daemon.socket)
+    creator.wait_event("published")
+    sleeper = workers(namespace, "m", "--lease", "5", "--sleep", socket=daemon.socket)
+    sleeper.wait_event("asleep")
+    (row,) = [r for r in daemon.cli("ls")[1] if r["namespace"] == ns]
+    assert (row["participants"], row["sleeping"]) == (2, 1)
+    assert {m["pid"]: m["state"] for m in row["members"]} == {creator.pid: "serving", sleeper.pid: "sleeping"}
+    code, human, _ = run_cli("ls", "--socket", str(daemon.socket))
+    assert "SLEEPING" in human and "WEIGHTS" in human
+    sleeper.kill()  # a sleeping worker dies as any other: its lease ends at once
+    assert wait_until(lambda: [(r["participants"], r["sleeping"]) for r in daemon.cli("ls")[1]
+                               if r["namespace"] == ns] == [(1, 0)], 3.0)
+    creator.close()
+    assert wait_until(lambda: daemon.cli("ls")[1] == [], 3.0)
+    assert shm_names(ns) == []

@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--no-publish", action="store_true", help="creator stays INITIALIZING")
     parser.add_argument("--publish-delay", type=float, default=0.0)
     parser.add_argument("--exit-after-ready", action="store_true", help="close and exit once READY")
+    parser.add_argument("--sleep", action="store_true", help="once READY, record that its model sleeps")
     parser.add_argument("--checkpoint", help="creator: load this file's bytes as the weights (size = file size)")
     parser.add_argument("--as-uid", type=int, help="drop to this uid/gid after the imports (tests of other users)")
     args = parser.parse_args()
@@ -111,6 +112,9 @@ def main() -> int:
             checksum = hashlib.sha256(segment.buffer).hexdigest()
             segment.close()
             emit("ready", checksum=checksum, wait_s=time.monotonic() - t_wait, attach_s=attach_s)
+        if args.sleep:
+            coord.participation.sleep()
+            emit("asleep")
         if not args.exit_after_ready:
             # Wait for SIGTERM or for stdin to close (the test dropped us); SIGKILL needs no cooperation.
             threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
