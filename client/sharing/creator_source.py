@@ -4,8 +4,8 @@ straight into the shared blocks.
 Why it matters for host RAM: the point of one host copy is that the host holds the weights once.
 
 - In RAM (``creator_model_factory``): the model exists in private memory before the shared blocks do. The blocks'
-  pages are taken a window ahead of the copy, and each private tensor is dropped as soon as it is copied
-  (``flextensor.sharing.publish``), so the creator holds about one copy plus the window, never two.
+  pages are taken a window ahead of the copy, and each private tensor gives its pages back as its copy advances
+  (``flextensor.sharing.publish``), so the creator holds one copy plus the window and a piece, never two.
 - From a checkpoint (``checkpoint=``): the model is built with its parameters on ``meta`` (the follower's factory,
   under :func:`flextensor.loading.lazy_init.init_empty_weights`, so buffers the constructor computes stay real) and every
   tensor is read once from the safetensors files into its shared block (or into the resident copy), while the

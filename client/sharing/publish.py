@@ -22,8 +22,12 @@ the store itself and hands the engine the filled blocks (``host_blocks``, as a f
 Memory: one copy plus a window
 ------------------------------
 Each model tensor is pointed at its shared copy (its block view, or its store record) as soon as that copy is
-made, which frees the private copy; pages ahead of the copy are bounded by :func:`populate_window`. So a creator
-whose factory built the model in RAM holds about one copy of the weights plus the window, never two. A tensor
+made, which frees the private copy; pages ahead of the copy are bounded by :func:`populate_window`. The arena is
+allocated and copied in pieces (:func:`fill_piece`), and a streamed tensor that nothing else reads gives its
+private pages back behind its copy, piece by piece (``flextensor.runtime.source_pages``): so a creator whose
+factory built the model in RAM holds one copy of the weights plus the window and a piece, whatever the size of
+its blocks and tensors (a store record, or a tensor something else still reads, counts whole until its copy
+ends). A tensor
 on ``meta`` (a checkpoint creator) gets its bytes from ``weights``: a checkpoint tensor's read is queued into its
 place (``read_into``) and the queued reads run together, in file order, over several threads (:func:`read_queued`):
 the store's once it is laid out, then every block's in one run on a thread (:class:`BlockReads`), the arena's
@@ -58,6 +62,7 @@ from flextensor.engine.adoption import layouts_from_state
 from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
+from flextensor.runtime.source_pages import SourcePages, releasable
 from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ARENA_ALIGN, ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.manifest import DTYPE_SIZES
@@ -67,7 +72,8 @@ from flextensor.shm.store_layout import StoreLayout, record_key, store_layout
 from flextensor.shm.tensor_store import SharedTensorStore
 from flextensor.state import ModelTensor, TensorManagerState
 
-__all__ = ["POPULATE_AHEAD_BYTES", "STORE_PIN_MIN_BYTES", "PublishPlan", "plan_publish", "populate_window",
+__all__ = ["POPULATE_AHEAD_BYTES", "POPULATE_AHEAD_MIN_BYTES", "FILL_PIECE_BYTES", "FILL_PIECE_MIN_BYTES",
+           "STORE_PIN_MIN_BYTES", "PublishPlan", "plan_publish", "populate_window", "fill_piece", "block_pieces",
            "arena_plan", "plan_store_layout", "publish_store", "fill_blocks", "BlockReads", "read_queued",
            "BackgroundCall"]
 
@@ -75,15 +81,38 @@ logger = logging.getLogger(__name__)
 
 #: The most bytes of pages allocated ahead of the copy (see :func:`populate_window`).
 POPULATE_AHEAD_BYTES = 1 << 30
+#: The fewest (a smaller segment is allocated whole ahead).
+POPULATE_AHEAD_MIN_BYTES = 4 << 20
+#: The largest piece in which the arena's pages are allocated and a private tensor's pages given back
+#: (:func:`fill_piece`).
+FILL_PIECE_BYTES = 32 << 20
+#: The smallest such piece: a huge page.
+FILL_PIECE_MIN_BYTES = 2 << 20
 #: A smaller store is not registered with CUDA: moving its tensors to the device from pageable memory is cheaper.
 STORE_PIN_MIN_BYTES = 64 << 20
 
 
 def populate_window(total: int) -> int:
-    """Bytes of pages that may be allocated ahead of the copy into a segment of ``total`` bytes: 1/16 of it, at
-    most :data:`POPULATE_AHEAD_BYTES`. A block larger than that is allocated only when its copy starts: a model
-    of a few large blocks keeps its bound of one copy plus the block being filled."""
-    return max(1, min(POPULATE_AHEAD_BYTES, total // 16))
+    """Bytes of pages that may be allocated ahead of the copy into segments of ``total`` bytes: 1/32 of them,
+    at least :data:`POPULATE_AHEAD_MIN_BYTES` and at most :data:`POPULATE_AHEAD_BYTES` (never more than
+    ``total``).
+
+    Why: the pages ahead are what a creator whose model is in RAM holds beyond the model (its private pages go
+    back behind the copy, :func:`fill_blocks`), so 1/32 keeps that near 3% of the model, and 1 GiB is a few
+    blocks of any model. Allocating tmpfs pages is slower than copying into them and runs one file at a time
+    under that file's locks, so the publish runs at the allocation rate of the parts that have pages in flight;
+    a window of several blocks keeps several parts allocating at once (``flextensor.shm.blocks``). A range
+    larger than the window (a large store record) is allocated only when its copy starts."""
+    return max(1, min(total, POPULATE_AHEAD_BYTES, max(POPULATE_AHEAD_MIN_BYTES, total // 32)))
+
+
+def fill_piece(window: int) -> int:
+    """The piece in which the arena's pages are allocated and a private tensor's pages given back, for a
+    ``window`` (:func:`populate_window`): a quarter of it, so pages are allocated for the next pieces while one
+    is copied, in whole huge pages, from :data:`FILL_PIECE_MIN_BYTES` to :data:`FILL_PIECE_BYTES`. Beyond the
+    model a creator then holds the window and one piece."""
+    quarter = window // 4
+    return max(FILL_PIECE_MIN_BYTES, min(FILL_PIECE_BYTES, quarter - quarter % FILL_PIECE_MIN_BYTES))
 
 
 def arena_plan(state: TensorManagerState, names: Sequence[str], layout: ArenaLayout) -> TensorManagerState:
@@ -193,45 +222,114 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
                                                window=window)
 
 
+class _BlockPieces:
+    """One block's pieces in a :class:`PopulateAhead` (ranges ``first ..``, block-relative ``bounds``): waits for
+    the pages under the bytes about to be written and reports the pieces written, in order (nothing to do when
+    the arena's pages were all allocated ahead: ``populate`` None)."""
+
+    def __init__(self, populate: PopulateAhead | None, first: int, bounds: Sequence[tuple[int, int]]) -> None:
+        self._populate, self._first, self._bounds = populate, first, bounds
+        self._waited = 0  # pieces [0, _waited) were waited for
+        self._written = 0  # pieces [0, _written) were reported written
+
+    def wait_through(self, end: int) -> None:
+        """The pages of bytes ``[0, end)`` of the block are allocated (raises the allocation's error)."""
+        while self._waited < len(self._bounds) and self._bounds[self._waited][0] < end:
+            if self._populate is not None:
+                self._populate.wait(self._first + self._waited)
+            self._waited += 1
+
+    def written_through(self, end: int) -> None:
+        """Bytes ``[0, end)`` of the block are written: their whole pieces leave the window."""
+        while self._written < len(self._bounds) and self._bounds[self._written][1] <= end:
+            if self._populate is not None:
+                self._populate.done(self._first + self._written)
+            self._written += 1
+
+    def spans(self, start: int, end: int) -> list[tuple[int, int]]:
+        """``[start, end)`` cut at the pieces' edges."""
+        return [(max(lo, start), min(hi, end)) for lo, hi in self._bounds if lo < end and hi > start]
+
+
+def block_pieces(sizes: Sequence[int], piece: int) -> list[list[tuple[int, int]]]:
+    """Each block's ``[0, size)`` cut into pieces of at most ``piece`` bytes (the last one shorter)."""
+    return [[(lo, min(lo + piece, size)) for lo in range(0, size, piece)] or [(0, 0)] for size in sizes]
+
+
+def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, pieces: _BlockPieces) -> int:
+    """Copy ``tensor`` into ``view`` (its place at block byte ``offset``) piece by piece, each piece once its pages
+    are allocated, giving the tensor's private pages back behind the copy where nothing else can read them
+    (``flextensor.runtime.source_pages``). Returns the bytes given back."""
+    nbytes = view.numel() * view.element_size()
+    release = SourcePages(tensor) if releasable(tensor) else None  # asked before detach() makes an alias
+    source = tensor.detach()
+    if not (nbytes and source.is_contiguous() and view.is_contiguous()):
+        pieces.wait_through(offset + nbytes)
+        view.copy_(source)
+        return 0
+    into, out_of = view.view(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
+    for lo, hi in pieces.spans(offset, offset + nbytes):
+        pieces.wait_through(hi)
+        into[lo - offset:hi - offset].copy_(out_of[lo - offset:hi - offset])
+        if release is not None:
+            release.through(hi - offset)
+        pieces.written_through(hi)
+    return release.released_bytes if release is not None else 0
+
+
 def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayout], blocks: Sequence[torch.Tensor],
                 arenas: Sequence[Any], layout: ArenaLayout, weights: Mapping[str, Any] | None, *, label: str,
                 cancel: threading.Event | None = None) -> dict[str, float]:
     """Copy every streamed tensor into its place in its block (``blocks``: views of the arena's parts ``arenas``
     laid out by ``layout``), block by block in index order, pointing each model tensor at its place as soon as it
-    is copied. Pages not allocated yet come ahead of the copy, a worker per part (consecutive blocks lie in
-    different parts, whose pages are allocated in parallel: see ``flextensor.shm.blocks``). Returns seconds spent
-    waiting for them and the allocating threads' seconds; stops before the next block once ``cancel`` is set (the
-    caller failed elsewhere). (A checkpoint's reads go through :class:`BlockReads` instead.)"""
+    is copied.
+
+    Pages not allocated yet come a window ahead of the copy (:func:`populate_window`), in pieces
+    (:func:`fill_piece`), a worker per part (consecutive blocks lie in different parts, whose pages are
+    allocated in parallel: see ``flextensor.shm.blocks``); each tensor is copied piece by piece and its private
+    pages go back behind the copy where nothing else can read them, so beyond the model the creator holds the
+    window and about a piece (a whole tensor where its pages cannot go back early). Returns seconds spent waiting
+    for pages, the allocating threads' seconds and the bytes given back early; stops before the next block once
+    ``cancel`` is set (the caller failed elsewhere). (A checkpoint's reads go through :class:`BlockReads`.)"""
     populate = None
     window = populate_window(layout.total)
+    bounds = block_pieces([b.nbytes for b in layouts], fill_piece(window))
+    first = [0]
+    for block_bounds in bounds:
+        first.append(first[-1] + len(block_bounds))
     if not all(arena.reserved for arena in arenas) and layouts:
-        populate = PopulateAhead(SharedBlockAllocator.ranges(arenas, layout), window=window,
-                                 workers=len(arenas)).start()
+        ranges = [(arenas[layout.parts[b.index]], layout.offsets[b.index] + lo, hi - lo)
+                  for b, block_bounds in zip(layouts, bounds) for lo, hi in block_bounds]
+        populate = PopulateAhead(ranges, window=window, workers=len(arenas)).start()
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
+    released = 0
     try:
-        for block_layout, block in zip(layouts, blocks):
+        for k, (block_layout, block) in enumerate(zip(layouts, blocks)):
             if cancel is not None and cancel.is_set():
                 return {}
-            if populate is not None:
-                populate.wait(block_layout.index)
+            pieces = _BlockPieces(populate, first[k], bounds[k])
             for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
                 entry = tensors[placement.name]
                 tensor = entry.tensor
+                end = placement.byte_offset + placement.nbytes
                 if tensor.is_meta:  # a weight supplied as a tensor (the engine points the model at the view)
+                    pieces.wait_through(end)
                     _write(view, _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape))
                 else:
-                    view.copy_(tensor.detach())
-                    assign_data(tensor, view)  # frees the private copy
+                    released += _copy_in_pieces(view, tensor, placement.byte_offset, pieces)
+                    assign_data(tensor, view)  # frees the private copy (what is left of it)
+                pieces.written_through(end)
                 progress.add(placement.nbytes)
+            pieces.wait_through(block_layout.nbytes)  # every page of the block is allocated, padding included
+            pieces.written_through(block_layout.nbytes)
             if populate is not None:
-                populate.done(block_layout.index)
                 return_free_heap()  # the private copies just freed go back before more pages are taken
         progress.finish()
     finally:
         if populate is not None:
             populate.close()
     return {"populate_wait_s": populate.waited_s if populate else 0.0,
-            "populate_s": populate.populate_s if populate else 0.0}
+            "populate_s": populate.populate_s if populate else 0.0, "released_early_bytes": float(released)}
 
 
 class BlockReads:

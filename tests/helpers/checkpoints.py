@@ -34,8 +34,8 @@ def big_mlp_meta(**kwargs) -> BigMLP:
         return BigMLP(**kwargs).eval()
 
 
-def big_input(seed: int = 1) -> torch.Tensor:
-    return torch.randn(2, BIG["d"], generator=torch.Generator().manual_seed(seed))
+def big_input(seed: int = 1, d: int = BIG["d"]) -> torch.Tensor:
+    return torch.randn(2, d, generator=torch.Generator().manual_seed(seed))
 
 
 def model_bytes(model: nn.Module) -> int:

@@ -1,9 +1,11 @@
 """One process that loads the 512 MiB test model one way and reports its peak RSS growth, for the checkpoint
 memory tests.
 
-Run as ``python -m tests.helpers.ckpt_worker --mode MODE --profile DIR [--checkpoint PATH] [--ns NS]``. Prints one
-JSON line: ``role``, ``growth`` (bytes: the process's peak RSS during the call, ``VmHWM``, minus its ``VmRSS``
-just before it; the peak is reset first through ``/proc/self/clear_refs`` so only the call counts),
+Run as ``python -m tests.helpers.ckpt_worker --mode MODE --profile DIR [--checkpoint PATH] [--ns NS]
+[--shape N,D,H]`` (``--shape``: ``BigMLP``'s block count and widths, default ``BIG``; the CUDA warm-up runs a block
+of ``BIG``'s whatever it says). Prints one JSON line: ``role``, ``growth`` (bytes: the process's peak RSS during
+the call, ``VmHWM``, minus its ``VmRSS`` just before it; the peak is reset first through ``/proc/self/clear_refs``
+so only the call counts),
 ``by_kind`` (``RssAnon``/``RssFile``/``RssShmem`` after the call minus before: where the growth stayed),
 ``cuda_init_bytes`` (the RSS that starting CUDA took before the baseline), ``kernels_init_bytes`` (the RSS that
 the first forward of one of the model's blocks on the device took before the baseline: see :func:`start_cuda`),
@@ -100,6 +102,7 @@ def main() -> int:
     parser.add_argument("--lease", type=float, default=1.0)
     parser.add_argument("--hold", action="store_true", help="keep the session open until a line arrives on stdin")
     parser.add_argument("--log", action="store_true")
+    parser.add_argument("--shape", help="N,D,H of the test model (default: BIG's)")
     parser.add_argument("--stream-on-cpu", action="store_true", help="mode profile without CUDA: see the docstring")
     parser.add_argument("--warmup", choices=["resident", "stream"], default="resident",
                         help="with --stream-on-cpu: the warm-up the build follows")
@@ -110,11 +113,12 @@ def main() -> int:
     in_ram = args.mode in ("offload", "profile")
     pinning = dict(pinned_memory=cuda, pinned_memory_mode="host_register" if cuda and in_ram else "torch")
     config = ft.OffloadConfig(**pinning, num_blocks=2, min_blocks=2)
-    x = big_input()
+    shape = dict(zip(("n", "d", "h"), map(int, args.shape.split(",")))) if args.shape else dict(BIG)
+    x = big_input(d=shape["d"])
     session = None
     try:
-        model_in_ram = big_mlp() if args.mode in ("offload", "profile") else None
-        size = model_bytes(big_mlp_meta())
+        model_in_ram = big_mlp(**shape) if args.mode in ("offload", "profile") else None
+        size = model_bytes(big_mlp_meta(**shape))
         for module in ("flextensor.loading.lazy_init", "flextensor.sharing.session"):  # a one-time cost per process: not measured
             importlib.import_module(module)
 
@@ -160,8 +164,8 @@ def main() -> int:
                                                      follower_model_factory=big_mlp_meta, checkpoint=args.checkpoint)
             else:
                 model = session.offload_from_profile(args.profile, config=config, name="model",
-                                                     creator_model_factory=big_mlp,
-                                                     follower_model_factory=big_mlp_meta)
+                                                     creator_model_factory=lambda: big_mlp(**shape),
+                                                     follower_model_factory=lambda: big_mlp_meta(**shape))
             role = session.role("model")
         ready_s = time.monotonic() - start
         growth = max(passes_peak, status_bytes("VmHWM")) - before
