@@ -116,3 +116,22 @@ def test_sleep_needs_inference():
     ft.offload(model, cpu_config(load_strategy=ALL))
     with pytest.raises(RuntimeError, match="needs INFERENCE"):
         ft.sleep()
+
+
+@pytest.mark.cuda
+def test_on_cuda_sleep_returns_the_models_device_memory_and_wake_takes_it_back():
+    (torch.ones(8, 8, device=DEVICE) @ torch.ones(8, 8, device=DEVICE)).sum().item()  # cuBLAS' workspace first
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    model, ids, ref, om = _offloaded_transformer(load_strategy=ft.NthLayerStrategy(2), pinned_memory=True)
+    torch.cuda.synchronize()
+    inputs_and_reference = ids.numel() * ids.element_size() + ref.numel() * ref.element_size()
+    held = torch.cuda.memory_allocated() - base - inputs_and_reference
+    assert held >= om.get_gpu_memory_usage().total_bytes > 0
+    ft.sleep()
+    left = torch.cuda.memory_allocated() - base - inputs_and_reference
+    assert left <= 0.05 * held, (left, held)
+    assert om.sleep_state.block.tensor.is_pinned()  # the private copy the wake reads at link rate
+    ft.wake()
+    with torch.no_grad():
+        assert same(model(ids), ref)

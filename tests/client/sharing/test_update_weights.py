@@ -123,3 +123,23 @@ def test_close_of_a_sleeping_session_worker_leaves_nothing(namespace: str, profi
     ft.sleep()
     session.close()
     assert shm_names(manager_namespace(namespace, "default")) == []
+
+
+@pytest.mark.cuda
+def test_on_cuda_new_weights_from_the_device_reach_the_woken_model(namespace: str, tmp_path: Path):
+    cuda_profile = make_profile(tmp_path / "profile")
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(cuda_profile, config=cpu_config(pinned_memory=True), name="default",
+                                             creator_model_factory=lambda: tiny_transformer(seed=0),
+                                             follower_model_factory=lambda: tiny_transformer(seed=0))
+        _out(model)  # a pass: the background registration of the blocks has begun
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        ft.sleep()
+        assert torch.cuda.memory_allocated() < held
+        trainer = tiny_transformer(seed=5).to(DEVICE)  # the new weights live on the device, as a trainer's do
+        report = session.update_weights(trainer.state_dict())
+        assert report.complete
+        ft.wake()
+        expected = reference(tiny_transformer(seed=5), token_ids())
+        assert torch.allclose(_out(model).float(), expected.float(), atol=1e-4, rtol=1e-4)
