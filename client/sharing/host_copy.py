@@ -21,11 +21,16 @@ __all__ = ["SharedHostCopy"]
 
 
 class SharedHostCopy:
-    """The engine's ``HostCopy`` over a session share's tensor store and coordinator."""
+    """The engine's ``HostCopy`` over a session share's tensor store and coordinator, for a model on ``device``.
 
-    def __init__(self, store: SharedTensorStore, coordinator: ShmCoordinator) -> None:
+    On a CUDA device the copy's pinned ring is registered on a thread while the model sleeps, so the wake finds
+    it ready; :meth:`close` releases a ring no wake used (the session closes it with the share)."""
+
+    def __init__(self, store: SharedTensorStore, coordinator: ShmCoordinator, device: torch.device) -> None:
         self._store = store
         self._coordinator = coordinator
+        self._device = device
+        self._copier: StagedCopy | None = None
 
     def names(self) -> set[str]:
         return {name for record in self._store.records for name in record.all_names}
@@ -38,7 +43,7 @@ class SharedHostCopy:
         if device.type == "cpu":
             views = {record.name: store.tensor(record) for record in store.records}
         else:
-            copier = StagedCopy()
+            copier, self._copier = self._copier or StagedCopy(), None
             try:
                 views = store.copies_on(device, fill=copier.copy_pieces)
                 torch.cuda.current_stream(device).synchronize()
@@ -48,6 +53,16 @@ class SharedHostCopy:
 
     def fell_asleep(self) -> None:
         self._coordinator.participation.sleep()
+        if self._device.type == "cuda" and self._copier is None:
+            self._copier = StagedCopy()
+            if self._store.nbytes >= self._copier.min_bytes:
+                self._copier.prepare_in_background(self._device)
 
     def waking(self) -> None:
         self._coordinator.participation.wake()
+
+    def close(self) -> None:
+        """Release a ring prepared for a wake that never came."""
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.close()

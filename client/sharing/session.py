@@ -225,7 +225,8 @@ class SharedOffloadSession:
             raise
         share.model = model
         assert share.store is not None
-        manager.set_host_copy(SharedHostCopy(share.store, share.coordinator))  # a sleep keeps no private copy
+        share.host_copy = SharedHostCopy(share.store, share.coordinator, compute_device(cfg))
+        manager.set_host_copy(share.host_copy)  # a sleep keeps no private copy
         share.ready_s = time.monotonic() - start
         logger.info("session %s/%s: %s ready in %.3f s (%.1f MiB shared)", self.namespace, name, share.role,
                     share.ready_s, share.shared_bytes / 2**20)
@@ -498,6 +499,8 @@ class SharedOffloadSession:
                 if preserve and share.store is not None:
                     privatize_shared_views(model, share.store)
             share.released = True
+        if share.host_copy is not None:
+            share.host_copy.close()
         if share.pinner is not None:  # no registration may race the unpin and unmap below
             share.pinner.close()
         share.block_views = []

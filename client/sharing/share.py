@@ -99,6 +99,7 @@ class ManagerShare:
     block_views: list[Any] = field(default_factory=list)  # a creator's views of the arena, handed to the engine
     publish: dict[str, float] = field(default_factory=dict)  # a creator's publish: rate, waits, registration
     resident_copy: dict[str, Any] = field(default_factory=dict)  # a CUDA follower's copy of the resident tensors
+    host_copy: Any = None  # flextensor.sharing.host_copy.SharedHostCopy: what its model wakes from
 
     def take_from(self, prefetch: FollowerPrefetch) -> None:
         """Own what a follower's attach thread opened (store, arena), so the session's cleanup closes it, and

@@ -62,7 +62,6 @@ class Target:
 
     name: str
     view: torch.Tensor
-    where: str  # "block <i>" or "store"
     order: tuple[int, int]  # (block index, or one past the last for the store; position within)
     persistent: bool  # a parameter or persistent buffer (what a state_dict holds)
 
@@ -92,13 +91,13 @@ def resolve_targets(ctx: EngineContext, store: SharedTensorStore) -> tuple[dict[
         views = block_views(inference.host_blocks[layout.index].tensor, layout.tensors)
         for position, (placement, view) in enumerate(zip(layout.tensors, views)):
             entry = ctx.tensors[placement.name]
-            target = Target(placement.name, view, f"block {layout.index}", (layout.index, position), entry.persistent)
+            target = Target(placement.name, view, (layout.index, position), entry.persistent)
             count += target.persistent
             for alias in (placement.name, *ctx.tensors[placement.name].aliases):
                 targets[alias] = target
     last = len(inference.layouts)
     for position, record in enumerate(store.records):
-        target = Target(record.name, store.tensor(record), "store", (last, position), record.persistent)
+        target = Target(record.name, store.tensor(record), (last, position), record.persistent)
         count += target.persistent
         for alias in record.all_names:
             targets[alias] = target
