@@ -23,10 +23,11 @@ host weights. Beside the memory, each row gives the time from the call to stream
 streamed pass rate against the pinned host-to-device rate measured in a process of its own (``pinned H2D``).
 
 Then, per size, a sharing group of ``--workers`` (default 4) processes adopts the memory-mode profile through one
-``SharedOffloadSession`` (``host_memory_group.py``): the creator's growth over the model, the workers' summed PSS
-once ready and after serving, outputs, and the shut-down of all of them at once after serving (``close()`` and
-the exit after it, then what ``/dev/shm`` holds); with ``--kill`` a second group runs with ``ftd`` and is
-SIGKILLed instead (time until ``/dev/shm`` is clean).
+``SharedOffloadSession`` (``host_memory_group.py``): the creator's growth over the model (and its parts: the
+factory's own peak, the publish's peak over the RSS the factory ended at) and its publish rate, the workers'
+summed PSS once ready and after serving, outputs, and the shut-down of all of them at once after serving
+(``close()`` and the exit after it, then what ``/dev/shm`` holds); with ``--kill`` a second group runs with
+``ftd`` and is SIGKILLed instead (time until ``/dev/shm`` is clean).
 
 Model (``mlp_stack.py``): MLP blocks of ``d x h`` and ``h x d`` bfloat16 weights (256 MiB a block); ``--sizes`` in
 GiB picks the layer count. A model larger than the GPU works the same: it is built in host RAM, and the
@@ -136,15 +137,17 @@ def _spawn(*argv: str, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
-GROUP_HEADERS = ["model", "ready: creator / slowest", "creator growth / model", "sum of PSS / model: ready, served",
-                 "served PSS growth / model", "outputs equal", "slowest pass, batch 1 / 4096", "shut-down", "left in /dev/shm"]
+GROUP_HEADERS = ["model", "ready: creator / slowest", "creator growth / model",
+                 "of which: factory's peak / publish over the factory's end", "creator publish",
+                 "sum of PSS / model: ready, served", "served PSS growth / model", "outputs equal",
+                 "slowest pass, batch 1 / 4096", "shut-down", "left in /dev/shm"]
 
 
 def group_row(result: dict) -> list[str]:
     """One row of the group table from :func:`host_memory_group.run_group`'s measures."""
     size = f"{result['size_gib']} GiB"
     if "error" in result:
-        return [size, "error: " + result["error"][:120], "", "", "", "", "", "", ""]
+        return [size, "error: " + result["error"][:120], *[""] * (len(GROUP_HEADERS) - 2)]
     model = result["model_bytes"]
     ready = result["ready"]
     creator = next(r for r in ready if r["role"] == "creator")
@@ -154,8 +157,15 @@ def group_row(result: dict) -> list[str]:
     else:
         closes, exits = zip(*result["closed"])
         shutdown = f"close() <= {max(closes):.3f} s, exit after it <= {max(exits):.3f} s"
+    parts, rate = "-", "-"
+    if "factory_peak" in creator:  # runs before the factory's and the publish's peaks were read apart: "-"
+        parts = (f"{(creator['factory_peak'] - creator['before']) / model:.3f}x / "
+                 f"+{(creator['publish_peak'] - creator['factory_rss']) / model:.3f}x")
+    publish = creator.get("publish") or {}
+    if publish.get("gbps"):
+        rate = f"{publish['gbps']:.1f} GB/s, {publish['seconds']:.2f} s"
     return [size, f"{creator['ready_s']:.1f} / {max(r['ready_s'] for r in ready):.1f} s",
-            f"{(creator['peak'] - creator['before']) / model:.3f}x",
+            f"{(creator['peak'] - creator['before']) / model:.3f}x", parts, rate,
             f"{result['pss_ready'] / model:.3f}x, {result['pss_served'] / model:.3f}x",
             f"{(result['pss_served'] - sum(r['before'] for r in ready)) / model:.3f}x",
             "yes" if all(s["equal"] for s in result["served"]) else "NO",

@@ -1,13 +1,18 @@
 """Host RAM and shut-down of a sharing group: ``--workers`` processes of one ``SharedOffloadSession``.
 
 Why: one pinned copy per host is what sharing promises, and a worker's shut-down is what a supervisor restarting a
-job waits for. Each worker (``bench_host_memory``'s model and memory-mode configuration, adopting that size's
-saved profile) creates its CUDA context, then all start at once as a server's workers do: one is elected and its
-factory builds the model in host RAM (and writes the layer-by-layer reference output), the others build on
+job waits for. Before the group starts, a process of its own computes the layer-by-layer reference output from
+the model's recipe (``mlp_stack.recipe_reference``: no model in host RAM), and reports what its first forward's
+math libraries took (RSS). Each worker (``bench_host_memory``'s model and memory-mode configuration, adopting
+that size's saved profile) creates its CUDA context, then all start at once as a server's workers do: one is
+elected and its factory builds the model in host RAM, as a user's factory does (nothing else: the reference is
+not computed there, so the creator does not load the math libraries inside its session), the others build on
 ``meta`` and attach. Measured:
 
 - the creator's ``VmHWM`` over its RSS at the session's start: growth over the model's bytes (the factory's model
-  is one copy; the blocks replace it as they are published);
+  is one copy; the blocks replace it as they are published), and its two parts: the factory's own peak, and the
+  publish's peak over the RSS the factory ended at (the pages ahead of the copy, the piece being copied, the
+  session's runtime); the publish's rate (``session.report()``);
 - every worker's PSS once all are ready and again after serving, summed, over the model's bytes;
 - serving: a checked forward, then ``serve_passes`` passes alternating through ``serve_batches``, all workers at
   once (the pinned staging, the resident copies and the registrations are all in use when they close);
@@ -44,7 +49,7 @@ class GroupParams:
 
     layers: int
     profile: str
-    reference: str  # the creator writes the checked output here; the others read it once all are ready
+    reference: str  # the checked output, written before the workers start (``write_reference``)
     namespace: str = ""
     batch: int = 16
     serve_batches: list[int] = field(default_factory=lambda: [1, 4096])
@@ -87,10 +92,9 @@ def _serve(p: GroupParams, proxy) -> dict:
 
 def worker_session(p: GroupParams) -> None:
     import torch
-    from safetensors.torch import save_file
 
     import flextensor as ft
-    from mlp_stack import build, build_meta, inputs, reference
+    from mlp_stack import build, build_meta
 
     torch.ones(1, device="cuda").sum().item()  # the CUDA context: a per-process constant, before the baseline
     ft.SharedOffloadSession  # resolve the lazy import before the clock starts
@@ -101,10 +105,9 @@ def worker_session(p: GroupParams) -> None:
     def creator_factory():
         info["role"] = "creator"
         model = build(p.layers, "cpu")
-        tmp = p.reference + ".tmp"
-        save_file({"out": reference(model, inputs(p.batch)).contiguous()}, tmp)
-        os.replace(tmp, p.reference)
-        torch.cuda.empty_cache()
+        # The factory's own peak, then the publish's from here (the call's peak is the higher of the two).
+        info.update(factory_peak=proc_status("VmHWM"), factory_rss=proc_status("VmRSS"))
+        reset_peak_rss()
         return model
 
     session = ft.SharedOffloadSession(p.namespace, wait_timeout=p.wait_timeout)
@@ -115,6 +118,9 @@ def worker_session(p: GroupParams) -> None:
                                              follower_model_factory=lambda: build_meta(p.layers))
         torch.cuda.synchronize()
         info.update(ready_s=time.monotonic() - start, peak=proc_status("VmHWM"), rss=proc_status("VmRSS"))
+        if info["role"] == "creator":
+            info.update(publish_peak=info["peak"], peak=max(info["peak"], info["factory_peak"]),
+                        publish=session.report()[0].get("publish", {}))
         print(json.dumps(info), flush=True)
         command = sys.stdin.readline().strip()
         if command == "serve":
@@ -126,6 +132,43 @@ def worker_session(p: GroupParams) -> None:
             print(json.dumps({"close_s": time.perf_counter() - begin}), flush=True)
     finally:
         session.close()  # idempotent; the process exits right after, as a worker that shuts down would
+
+
+def reference_main(raw: str) -> None:
+    """``--reference PARAMS_JSON``: write the checked output from the recipe; print the RSS that starting CUDA and
+    the first forward (the math libraries' kernels and handles) took in this process."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mlp_stack import D, DTYPE, inputs, recipe_reference
+
+    p = GroupParams(**json.loads(raw))
+    before = proc_status("VmRSS")
+    torch.ones(1, device="cuda").sum().item()
+    context = proc_status("VmRSS") - before
+    before = proc_status("VmRSS")
+    x = torch.ones(p.batch, D, dtype=DTYPE, device="cuda")
+    (x @ torch.ones(D, D, dtype=DTYPE, device="cuda")).sum().item()
+    kernels = proc_status("VmRSS") - before
+    tmp = p.reference + ".tmp"
+    save_file({"out": recipe_reference(p.layers, inputs(p.batch)).contiguous()}, tmp)
+    os.replace(tmp, p.reference)
+    print(json.dumps({"context_rss": context, "first_forward_rss": kernels}), flush=True)
+
+
+def write_reference(p: GroupParams, timeout: float) -> dict:
+    """The reference output of ``p``'s model, written to ``p.reference`` by a process of its own; what that
+    process's CUDA start and first forward took in RSS (a creator that computed the reference in its factory would
+    count them as growth of its session)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, __file__, "--reference", json.dumps(asdict(p))], capture_output=True,
+                          text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the reference process failed (exit status {proc.returncode}): "
+                           + (proc.stderr or proc.stdout)[-2000:])
+    return json.loads(lines[-1])
 
 
 def worker_main(raw: str) -> None:
@@ -183,6 +226,7 @@ def run_group(params: GroupParams, workers: int, kill: bool, timeout: float) -> 
     daemon = _start_daemon(tmp) if kill else None
     started: list[Worker] = []
     try:
+        out["reference_process"] = write_reference(params, timeout)
         started = [Worker(params) for _ in range(workers)]
         out["ready"] = start_together(started, timeout)
         out["pss_ready"] = _pss_sum(started)
@@ -216,5 +260,7 @@ def run_group(params: GroupParams, workers: int, kill: bool, timeout: float) -> 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         worker_main(sys.argv[3])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--reference":
+        reference_main(sys.argv[2])
     else:
         sys.exit("host_memory_group.py is run by bench_host_memory.py")

@@ -48,16 +48,29 @@ def build_meta(layers: int) -> Stack:
         return Stack(layers).to(DTYPE).eval()
 
 
-def build(layers: int, device: str) -> Stack:
-    """The model in bfloat16 on ``device``, built without a float32 copy: one random block, copied and scaled."""
-    model = build_meta(layers)
+def scale_of(layer: int) -> float:
+    """Layer ``layer``'s weights are the base block's times this (1.0 for layer 0)."""
+    return 1.0 + 0.01 * (layer % 7)
+
+
+def base_weights() -> tuple[torch.Tensor, torch.Tensor]:
+    """The one random block every layer is scaled from (``up``, ``down``), in bfloat16 on the host."""
     gen = torch.Generator().manual_seed(0)
-    up = (torch.randn(H, D, generator=gen) * D ** -0.5).to(DTYPE).to(device)
-    down = (torch.randn(D, H, generator=gen) * (0.1 * H ** -0.5)).to(DTYPE).to(device)
+    up = (torch.randn(H, D, generator=gen) * D ** -0.5).to(DTYPE)
+    down = (torch.randn(D, H, generator=gen) * (0.1 * H ** -0.5)).to(DTYPE)
+    return up, down
+
+
+def build(layers: int, device: str) -> Stack:
+    """The model in bfloat16 on ``device``, built without a float32 copy: one random block, copied and scaled.
+    Layer 0 holds the random block itself, so nothing beside the model's own weights is alive once the first
+    layer is built (a factory that held a spare block would add it to a creator's peak)."""
+    model = build_meta(layers)
+    up, down = (w.to(device) for w in base_weights())
     for i, block in enumerate(model.blocks):
-        scale = 1.0 + 0.01 * (i % 7)
-        block.up.weight = nn.Parameter(up * scale, requires_grad=False)
-        block.down.weight = nn.Parameter(down * scale, requires_grad=False)
+        scale = scale_of(i)
+        block.up.weight = nn.Parameter(up if i == 0 else up * scale, requires_grad=False)
+        block.down.weight = nn.Parameter(down if i == 0 else down * scale, requires_grad=False)
     return model
 
 
@@ -73,6 +86,24 @@ def reference(model: Stack, x: torch.Tensor) -> torch.Tensor:
         for block in model.blocks:
             up, down = block.up.weight.cuda(), block.down.weight.cuda()
             x = x + torch.relu(x @ up.t()) @ down.t()
+        return x.cpu()
+
+
+def recipe_reference(layers: int, x: torch.Tensor, device: str = "cuda") -> torch.Tensor:
+    """What :func:`reference` gives for ``build(layers, ...)``, from the recipe alone (the base block scaled per
+    layer, on the host as :func:`build` scales it): no model in host RAM, so any process can compute it at any
+    size, before the process that builds the model exists."""
+    up, down = base_weights()
+    scaled: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():
+        x = x.to(device)
+        for i in range(layers):
+            k = i % 7
+            if k not in scaled:
+                scale = scale_of(i)
+                scaled[k] = ((up if k == 0 else up * scale).to(device), (down if k == 0 else down * scale).to(device))
+            w_up, w_down = scaled[k]
+            x = x + torch.relu(x @ w_up.t()) @ w_down.t()
         return x.cpu()
 
 
