@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -277,6 +278,14 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
     return release.released_bytes if release is not None else 0
 
 
+def _populate_workers(parts: int, window: int, piece: int) -> int:
+    """Threads that allocate the arena's pieces ahead of the copy: one per piece the window holds (at most two per
+    core), and at least one per part. Why so many: the pieces ahead are the next blocks' pieces in order, a block's
+    in one part, and tmpfs allocates one file's pages a few threads at a time but different files side by side;
+    with a worker per part only, the window's first block would hold every worker, one file at a time."""
+    return max(parts, min(window // piece, 2 * (os.cpu_count() or 1)))
+
+
 def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayout], blocks: Sequence[torch.Tensor],
                 arenas: Sequence[Any], layout: ArenaLayout, weights: Mapping[str, Any] | None, *, label: str,
                 cancel: threading.Event | None = None) -> dict[str, float]:
@@ -285,22 +294,25 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     is copied.
 
     Pages not allocated yet come a window ahead of the copy (:func:`populate_window`), in pieces
-    (:func:`fill_piece`), a worker per part (consecutive blocks lie in different parts, whose pages are
-    allocated in parallel: see ``flextensor.shm.blocks``); each tensor is copied piece by piece and its private
-    pages go back behind the copy where nothing else can read them, so beyond the model the creator holds the
-    window and about a piece (a whole tensor where its pages cannot go back early). Returns seconds spent waiting
+    (:func:`fill_piece`), on several threads (consecutive blocks lie in different parts, whose pages are
+    allocated in parallel: see ``flextensor.shm.blocks`` and :func:`_populate_workers`); each tensor is copied
+    piece by piece and its private pages go back behind the copy where nothing else can read them, so beyond the
+    model the creator holds the window and about a piece (a whole tensor where its pages cannot go back early).
+    Returns seconds spent waiting
     for pages, the allocating threads' seconds and the bytes given back early; stops before the next block once
     ``cancel`` is set (the caller failed elsewhere). (A checkpoint's reads go through :class:`BlockReads`.)"""
     populate = None
     window = populate_window(layout.total)
-    bounds = block_pieces([b.nbytes for b in layouts], fill_piece(window))
+    piece = fill_piece(window)
+    bounds = block_pieces([b.nbytes for b in layouts], piece)
     first = [0]
     for block_bounds in bounds:
         first.append(first[-1] + len(block_bounds))
     if not all(arena.reserved for arena in arenas) and layouts:
         ranges = [(arenas[layout.parts[b.index]], layout.offsets[b.index] + lo, hi - lo)
                   for b, block_bounds in zip(layouts, bounds) for lo, hi in block_bounds]
-        populate = PopulateAhead(ranges, window=window, workers=len(arenas)).start()
+        workers = _populate_workers(len(arenas), window, piece)
+        populate = PopulateAhead(ranges, window=window, workers=workers).start()
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
     released = 0
     try:
