@@ -135,3 +135,20 @@ def test_on_cuda_sleep_returns_the_models_device_memory_and_wake_takes_it_back()
     ft.wake()
     with torch.no_grad():
         assert same(model(ids), ref)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU computing from its host blocks in place")
+def test_a_cpu_computing_in_place_keeps_its_tensors_as_they_are_and_copies_nothing():
+    from flextensor.engine.policy import EnginePolicy
+
+    ft.get_offload_manager().set_engine_policy(EnginePolicy())  # not the streaming path of this folder's tests
+    model, ids, ref, om = _offloaded_transformer(load_strategy=ft.NthLayerStrategy(2))
+    assert om.loader is None and om.engine.in_place
+    storages = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
+    ft.sleep()
+    state = om.sleep_state
+    assert state.block is None and state.kept and state.freed_bytes == 0  # host memory already: no copy
+    ft.wake()
+    assert {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()} == storages
+    with torch.no_grad():
+        assert same(model(ids), ref)
