@@ -31,6 +31,13 @@ segments (an arena's parts hold consecutive blocks) are allocated at once; range
 and :meth:`wait` waits for its own range only. The threads per range are the cores shared among the ranges the
 window lets be in flight, at most what one file can use (``prefault.WRITE_THREADS_PER_FILE``).
 
+Pieces
+------
+A writer that frees what it copies as it goes (a creator's private tensor) gains from ranges smaller than what it
+copies at once: one block, or one record, is then several ranges, allocated a piece at a time within the window,
+and :class:`PieceCursor` keeps the writer's place in such a run (wait for the pieces under the bytes it is about to
+write, report the pieces it wrote, in order).
+
 Not the checkpoint reader's
 ---------------------------
 ``flextensor.loading.checkpoint_pages`` also allocates pages on a thread ahead of writers, for the checkpoint reader, but
@@ -47,7 +54,7 @@ from typing import Any, Sequence
 
 from .prefault import WRITE_THREADS_PER_FILE
 
-__all__ = ["PopulateAhead"]
+__all__ = ["PopulateAhead", "PieceCursor", "cut_into_pieces"]
 
 
 class PopulateAhead:
@@ -152,3 +159,37 @@ class PopulateAhead:
             with self._cond:
                 self._allocated[index] = True
                 self._cond.notify_all()
+
+
+def cut_into_pieces(size: int, piece: int) -> list[tuple[int, int]]:
+    """``[0, size)`` cut into ``[start, end)`` pieces of at most ``piece`` bytes (one empty piece for size 0)."""
+    return [(lo, min(lo + piece, size)) for lo in range(0, size, piece)] or [(0, 0)]
+
+
+class PieceCursor:
+    """A writer's place in one run of consecutive ranges of a :class:`PopulateAhead`: ranges ``first ..``, whose
+    bytes are ``bounds`` (``(start, end)`` from the run's start, in order). ``populate`` None: every page was
+    allocated ahead and there is nothing to wait for."""
+
+    def __init__(self, populate: PopulateAhead | None, first: int, bounds: Sequence[tuple[int, int]]) -> None:
+        self._populate, self._first, self._bounds = populate, first, bounds
+        self._waited = 0  # ranges [0, _waited) of the run were waited for
+        self._written = 0  # ranges [0, _written) of the run were reported written
+
+    def wait_through(self, end: int) -> None:
+        """Bytes ``[0, end)`` of the run may be written: their pages are allocated (raises the allocation's error)."""
+        while self._waited < len(self._bounds) and self._bounds[self._waited][0] < end:
+            if self._populate is not None:
+                self._populate.wait(self._first + self._waited)
+            self._waited += 1
+
+    def written_through(self, end: int) -> None:
+        """Bytes ``[0, end)`` of the run are written: their whole ranges leave the window."""
+        while self._written < len(self._bounds) and self._bounds[self._written][1] <= end:
+            if self._populate is not None:
+                self._populate.done(self._first + self._written)
+            self._written += 1
+
+    def spans(self, start: int, end: int) -> list[tuple[int, int]]:
+        """``[start, end)`` cut at the ranges' edges."""
+        return [(max(lo, start), min(hi, end)) for lo, hi in self._bounds if lo < end and hi > start]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 from flextensor.shm.errors import ShmProtocolError
-from flextensor.shm.populate_ahead import PopulateAhead
+from flextensor.shm.populate_ahead import PieceCursor, PopulateAhead, cut_into_pieces
 from flextensor.shm.sizes import align_up
 from flextensor.shm.store_layout import (ALIGNMENT, DATA_KIND, STORE_MAX_PARTS, STORE_PART_MIN_BYTES, StoreLayout,
                                          data_kind, record_key, store_layout)
@@ -197,9 +197,10 @@ class SharedTensorStore:
         names: Iterable[str] | None = None,
         shm_owner: "ShmOwner | None" = None,
         lease_seconds: float = 30.0,
-        fill: "Callable[[TensorRecord, torch.Tensor, torch.Tensor], None] | None" = None,
+        fill: "Callable[..., None] | None" = None,
         window: int = 0,
         part_min_bytes: int | None = None,
+        piece: int = 0,
     ) -> "SharedTensorStore":
         """Copy ``model``'s selected parameters and buffers (all when ``names`` is None) into shared memory.
 
@@ -208,7 +209,12 @@ class SharedTensorStore:
         checkpoint; the fill may also point the model at the view). Parts the owner prepared without their pages
         (``prepare_segments(..., reserve=False)``, sizes from :func:`store_layout`) get them record by record,
         allocated up to ``window`` bytes ahead of the copy, a worker per part (``populate_ahead.py``; 0: each just
-        before its copy). ``part_min_bytes``: the least bytes per part (default :data:`STORE_PART_MIN_BYTES`)."""
+        before its copy). ``part_min_bytes``: the least bytes per part (default :data:`STORE_PART_MIN_BYTES`).
+
+        ``piece`` (with ``fill``): each record's pages come in pieces of at most that many bytes, and the fill
+        takes a fourth argument, the record's :class:`~flextensor.shm.populate_ahead.PieceCursor` (bytes from the
+        record's start): it must wait through it before writing and may report what it wrote as it goes, so a
+        fill that frees its source as it copies holds a piece of the record twice, not the whole record."""
         owner, coordinator = _resolve_owner(namespace, shm_owner, lease_seconds, creating=True)
         segments: list[SharedSegment] = []
         try:
@@ -218,21 +224,30 @@ class SharedTensorStore:
                 segments.append(owner.create_segment(kind, size))
                 segments[-1].check_intact()
             populate = None
+            in_pieces = piece > 0 and fill is not None
+            bounds = [cut_into_pieces(r.nbytes, piece if in_pieces else max(1, r.nbytes)) for r in records]
+            first = [0]
+            for record_bounds in bounds:
+                first.append(first[-1] + len(record_bounds))
             if not all(segment.reserved for segment in segments):
-                populate = PopulateAhead([(segments[r.part], r.byte_offset, r.nbytes) for r in records],
+                populate = PopulateAhead([(segments[r.part], r.byte_offset + lo, hi - lo)
+                                          for r, record_bounds in zip(records, bounds) for lo, hi in record_bounds],
                                          window=max(1, window), workers=len(segments)).start()
             try:
                 for index, (record, source) in enumerate(zip(records, sources)):
-                    if populate is not None:
-                        populate.wait(index)
+                    cursor = PieceCursor(populate, first[index], bounds[index])
+                    if not in_pieces:
+                        cursor.wait_through(record.nbytes)
                     view = segments[record.part].tensor(_torch_dtype(record.dtype), record.shape, record.stride,
                                                         record.byte_offset)
                     if fill is None:
                         view.copy_(source.detach())
+                    elif in_pieces:
+                        fill(record, view, source, cursor)
+                        cursor.wait_through(record.nbytes)
                     else:
                         fill(record, view, source)
-                    if populate is not None:
-                        populate.done(index)
+                    cursor.written_through(record.nbytes)
             finally:
                 if populate is not None:
                     populate.close()

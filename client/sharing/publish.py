@@ -22,12 +22,12 @@ the store itself and hands the engine the filled blocks (``host_blocks``, as a f
 Memory: one copy plus a window
 ------------------------------
 Each model tensor is pointed at its shared copy (its block view, or its store record) as soon as that copy is
-made, which frees the private copy; pages ahead of the copy are bounded by :func:`populate_window`. The arena is
-allocated and copied in pieces (:func:`fill_piece`), and a streamed tensor that nothing else reads gives its
+made, which frees the private copy; pages ahead of the copy are bounded by :func:`populate_window`. The arena and
+the store are allocated and copied in pieces (:func:`fill_piece`), and a tensor that nothing else reads gives its
 private pages back behind its copy, piece by piece (``flextensor.runtime.source_pages``): so a creator whose
-factory built the model in RAM holds one copy of the weights plus the window and a piece, whatever the size of
-its blocks and tensors (a store record, or a tensor something else still reads, counts whole until its copy
-ends). A tensor
+factory built the model in RAM holds one copy of the weights plus the windows and a piece of each (the arena's
+and the store's fill run side by side), whatever the size of its blocks and tensors (a tensor something else
+still reads counts whole until its copy ends). A tensor
 on ``meta`` (a checkpoint creator) gets its bytes from ``weights``: a checkpoint tensor's read is queued into its
 place (``read_into``) and the queued reads run together, in file order, over several threads (:func:`read_queued`):
 the store's once it is laid out, then every block's in one run on a thread (:class:`BlockReads`), the arena's
@@ -68,7 +68,7 @@ from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ARENA_ALIGN, ArenaLayout, SharedBlockAllocator, arena_layout
 from flextensor.shm.manifest import DTYPE_SIZES
 from flextensor.shm.owner import ShmOwner
-from flextensor.shm.populate_ahead import PopulateAhead
+from flextensor.shm.populate_ahead import PieceCursor, PopulateAhead, cut_into_pieces
 from flextensor.shm.store_layout import StoreLayout, record_key, store_layout
 from flextensor.shm.tensor_store import SharedTensorStore
 from flextensor.state import ModelTensor, TensorManagerState
@@ -200,64 +200,45 @@ def _write(view: torch.Tensor, value: Any) -> None:
 
 def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], owner: ShmOwner,
                   weights: Mapping[str, Any] | None, *, window: int,
-                  stop: Callable[[], BaseException | None] | None = None) -> SharedTensorStore:
+                  stop: Callable[[], BaseException | None] | None = None,
+                  report: dict[str, float] | None = None) -> SharedTensorStore:
     """Publish ``names`` (the plan's resident tensors) into the store and point the model's host tensors at their
-    shared copies, record by record (a tensor on a device is copied and left there).
+    shared copies, record by record (a tensor on a device is copied and left there). A record's pages come in
+    pieces (:func:`fill_piece`) and a host tensor is copied piece by piece, giving its private pages back behind
+    the copy where nothing else reads them, as the arena's (:func:`fill_blocks`).
 
     ``stop`` is asked before each record: an error it returns (the arena's fill beside the store failed) is
-    raised at once, so the publish fails without filling the rest of a store it would throw away."""
+    raised at once, so the publish fails without filling the rest of a store it would throw away. ``report``
+    gets the bytes given back early (``store_released_early_bytes``)."""
+    released = 0
 
-    def fill(record: Any, view: torch.Tensor, source: torch.Tensor) -> None:
+    def fill(record: Any, view: torch.Tensor, source: torch.Tensor, pieces: PieceCursor) -> None:
+        nonlocal released
         failure = stop() if stop is not None else None
         if failure is not None:
             raise failure
         if source.is_meta:
+            pieces.wait_through(record.nbytes)
             _write(view, _weight(weights, record.all_names, source.dtype, source.shape))
         else:
-            view.copy_(source.detach())
+            released += _copy_in_pieces(view, source, 0, pieces)
             if source.device.type != "cpu":
                 return
         assign_data(source, view)  # frees the private copy (its bytes, for a meta tensor, come at read_queued)
 
-    return SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
-                                               window=window)
-
-
-class _BlockPieces:
-    """One block's pieces in a :class:`PopulateAhead` (ranges ``first ..``, block-relative ``bounds``): waits for
-    the pages under the bytes about to be written and reports the pieces written, in order (nothing to do when
-    the arena's pages were all allocated ahead: ``populate`` None)."""
-
-    def __init__(self, populate: PopulateAhead | None, first: int, bounds: Sequence[tuple[int, int]]) -> None:
-        self._populate, self._first, self._bounds = populate, first, bounds
-        self._waited = 0  # pieces [0, _waited) were waited for
-        self._written = 0  # pieces [0, _written) were reported written
-
-    def wait_through(self, end: int) -> None:
-        """The pages of bytes ``[0, end)`` of the block are allocated (raises the allocation's error)."""
-        while self._waited < len(self._bounds) and self._bounds[self._waited][0] < end:
-            if self._populate is not None:
-                self._populate.wait(self._first + self._waited)
-            self._waited += 1
-
-    def written_through(self, end: int) -> None:
-        """Bytes ``[0, end)`` of the block are written: their whole pieces leave the window."""
-        while self._written < len(self._bounds) and self._bounds[self._written][1] <= end:
-            if self._populate is not None:
-                self._populate.done(self._first + self._written)
-            self._written += 1
-
-    def spans(self, start: int, end: int) -> list[tuple[int, int]]:
-        """``[start, end)`` cut at the pieces' edges."""
-        return [(max(lo, start), min(hi, end)) for lo, hi in self._bounds if lo < end and hi > start]
+    store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
+                                                window=window, piece=fill_piece(window))
+    if report is not None:
+        report["store_released_early_bytes"] = float(released)
+    return store
 
 
 def block_pieces(sizes: Sequence[int], piece: int) -> list[list[tuple[int, int]]]:
     """Each block's ``[0, size)`` cut into pieces of at most ``piece`` bytes (the last one shorter)."""
-    return [[(lo, min(lo + piece, size)) for lo in range(0, size, piece)] or [(0, 0)] for size in sizes]
+    return [cut_into_pieces(size, piece) for size in sizes]
 
 
-def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, pieces: _BlockPieces) -> int:
+def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, pieces: PieceCursor) -> int:
     """Copy ``tensor`` into ``view`` (its place at block byte ``offset``) piece by piece, each piece once its pages
     are allocated, giving the tensor's private pages back behind the copy where nothing else can read them
     (``flextensor.runtime.source_pages``). Returns the bytes given back."""
@@ -319,7 +300,7 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
         for k, (block_layout, block) in enumerate(zip(layouts, blocks)):
             if cancel is not None and cancel.is_set():
                 return {}
-            pieces = _BlockPieces(populate, first[k], bounds[k])
+            pieces = PieceCursor(populate, first[k], bounds[k])
             for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
                 entry = tensors[placement.name]
                 tensor = entry.tensor

@@ -395,7 +395,8 @@ class SharedOffloadSession:
             with timed_step(steps, "store"):
                 share.store = publish_store(share.namespace, model, plan.resident, owner, source.weights,
                                             window=populate_window(plan.store_bytes),
-                                            stop=None if blocks_fill is None else blocks_fill.failure)
+                                            stop=None if blocks_fill is None else blocks_fill.failure,
+                                            report=share.publish)
                 read_queued(source.weights)  # the resident tensors' checkpoint reads
             if plan.pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
                 store_pin = BackgroundCall(share.store.pin, device=device_index(plan.device))

@@ -183,3 +183,27 @@ def test_with_several_workers_an_error_stops_them_all_and_reaches_the_writer():
     finally:
         ahead.close()
     assert 1 not in segment.calls and len(segment.calls) < 8
+
+
+def test_a_cursor_waits_for_the_pieces_under_the_bytes_written_and_frees_the_window_as_it_goes():
+    """A run of 1 MiB pieces (one record cut by cut_into_pieces) written 1.5 MiB at a time: the writer waits only
+    for the pieces its bytes reach, and each piece it finished leaves the window, so the thread moves on while the
+    rest of the run is still being written."""
+    from flextensor.shm.populate_ahead import PieceCursor, cut_into_pieces
+
+    segment = RecordingSegment()
+    bounds = cut_into_pieces(6 * MIB, MIB)
+    assert bounds == [(i * MIB, (i + 1) * MIB) for i in range(6)] and cut_into_pieces(0, MIB) == [(0, 0)]
+    ahead = PopulateAhead([(segment, lo, hi - lo) for lo, hi in bounds], window=MIB).start()
+    try:
+        cursor = PieceCursor(ahead, 0, bounds)
+        assert cursor.spans(MIB // 2, 2 * MIB + 1) == [(MIB // 2, MIB), (MIB, 2 * MIB), (2 * MIB, 2 * MIB + 1)]
+        cursor.wait_through(MIB + MIB // 2)  # pieces 0 and 1
+        assert segment.settled(2) == [0, 1]  # piece 1 is within the window beyond piece 0: nothing more
+        cursor.written_through(MIB + MIB // 2)  # piece 0 is written, piece 1 only half
+        assert segment.settled(3) == [0, 1, 2]
+        cursor.wait_through(6 * MIB)
+        cursor.written_through(6 * MIB)
+        assert segment.settled(6) == list(range(6))
+    finally:
+        ahead.close()

@@ -1,6 +1,7 @@
 """A session creator whose factory builds the model in RAM holds it once: its growth over its RSS when the session
 starts stays within 1.05x the model (plus a small fixed allowance for the runtime), however large its blocks and
-tensors, and a tensor something else still reads is never given back early.
+tensors, whether they are streamed (the arena) or resident (the store), and a tensor something else still reads
+is never given back early.
 
 The model of the bound has 2 blocks of 2 x 128 MiB, so a creator that held a block, or a whole tensor, beside
 the shared pages being filled would break it (1.5x and 1.25x); the pages allocated ahead of the copy and the piece
@@ -34,22 +35,25 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def large_blocks(tmp_path_factory) -> dict:
-    """The model's profile (every block streamed) and its output."""
+    """The model's profiles (every block streamed; nothing streamed, every tensor in the store) and its output."""
     model = big_mlp(**SHAPE)
     x = big_input(d=SHAPE["d"])
     with torch.no_grad():
         expected = model.to(DEVICE)(x.to(DEVICE)).cpu()
     model.to("cpu")
-    profile = make_profile(model, x, tmp_path_factory.mktemp("creator") / "profile", include=["class:MLPBlock"])
-    return {"profile": profile, "expected": expected}
+    root = tmp_path_factory.mktemp("creator")
+    streamed = make_profile(model, x, root / "streamed", include=["class:MLPBlock"])
+    resident = make_profile(model, x, root / "resident", include=["class:NoSuchModule"])
+    return {"streamed": streamed, "resident": resident, "expected": expected}
 
 
 @pytest.mark.slow
-def test_a_creator_in_ram_grows_by_the_model_once_however_large_its_blocks(large_blocks: dict,
+@pytest.mark.parametrize("plan", ["streamed", "resident"])
+def test_a_creator_in_ram_grows_by_the_model_once_however_large_its_blocks(large_blocks: dict, plan: str,
                                                                           namespace: str) -> None:
     shape = ",".join(str(SHAPE[k]) for k in ("n", "d", "h"))
     proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.ckpt_worker", "--mode", "inram", "--profile",
-                             large_blocks["profile"], "--ns", namespace, "--shape", shape], cwd=REPO,
+                             large_blocks[plan], "--ns", namespace, "--shape", shape], cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     result = read_result(proc, timeout=300)
     assert finish(proc) == 0, result
