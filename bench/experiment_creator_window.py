@@ -14,8 +14,9 @@ builds the model in its factory and publishes it. Printed per creator (JSON line
 the RSS at the session's start / model (the factory's own peak, and the publish's peak over the RSS the factory
 ended at), the publish's rate and seconds, the seconds the copy waited for pages, the bytes given back early.
 
-Usage: ``python bench/experiment_creator_window.py [--sizes 6 24] [--repeat 2]``; ``--quick`` runs 0.5 and 1 GiB
-on the CPU (no CUDA needed: the paths work, the figures mean nothing).
+Usage: ``python bench/experiment_creator_window.py [--sizes 6 24] [--repeat 2] [--plan memory|latency]``
+(``latency``: profiled without a cap, so most of the model is resident and the store's fill is measured);
+``--quick`` runs 0.5 and 1 GiB on the CPU (no CUDA needed: the paths work, the figures mean nothing).
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ def fill_in_blocks() -> None:
     publish.releasable = lambda tensor: False
 
 
-def config(cuda: bool):
+def config(cuda: bool, plan: str = "memory"):
     import flextensor as ft
 
+    if cuda and plan == "latency":  # no cap: what fits stays resident, so the store holds most of the model
+        return ft.OffloadConfig(include_patterns=["class:Block"])
     if cuda:
         from host_memory_group import memory_mode_config
 
@@ -61,7 +64,7 @@ def config(cuda: bool):
                             load_strategy=ft.NthLayerStrategy(1))
 
 
-def profile_main(layers: int, path: str) -> None:
+def profile_main(layers: int, path: str, plan: str) -> None:
     import torch
 
     import flextensor as ft
@@ -69,7 +72,7 @@ def profile_main(layers: int, path: str) -> None:
 
     cuda = torch.cuda.is_available()
     model = build(layers, "cpu")
-    ft.offload(model, config(cuda))
+    ft.offload(model, config(cuda, plan))
     manager = ft.get_offload_manager()
     x = inputs(2).to(manager.device)
     with torch.no_grad():
@@ -80,7 +83,7 @@ def profile_main(layers: int, path: str) -> None:
     print(json.dumps({"profile": path}), flush=True)
 
 
-def creator_main(layers: int, profile: str, fill: str) -> None:
+def creator_main(layers: int, profile: str, fill: str, plan: str) -> None:
     import torch
 
     import flextensor as ft
@@ -105,7 +108,7 @@ def creator_main(layers: int, profile: str, fill: str) -> None:
     session = ft.SharedOffloadSession(f"crwin{uuid.uuid4().hex[:10]}", wait_timeout=600)
     try:
         start = time.monotonic()
-        session.offload_from_profile(profile, config=config(cuda), name="creator", creator_model_factory=factory,
+        session.offload_from_profile(profile, config=config(cuda, plan), name="creator", creator_model_factory=factory,
                                      follower_model_factory=lambda: build_meta(layers))
         info.update(ready_s=time.monotonic() - start, publish_peak=proc_status("VmHWM"),
                     role=session.role("creator"), **{k: v for k, v in session.report()[0].items()
@@ -138,7 +141,8 @@ def _row(size: float, fill: str, runs: list[dict]) -> list[str]:
     rate = med(r["publish"]["gbps"] for r in ok)
     seconds = med(r["publish"]["seconds"] for r in ok)
     waited = med(r["publish"].get("populate_wait_s", 0.0) for r in ok)
-    released = med(r["publish"].get("released_early_bytes", 0.0) for r in ok) / model
+    released = med(r["publish"].get("released_early_bytes", 0.0) + r["publish"].get("store_released_early_bytes", 0.0)
+                   for r in ok) / model
     return [f"{size} GiB", fill, f"{growth:.3f}x", f"{factory:.3f}x / +{publish:.3f}x",
             f"{rate:.2f} GB/s ({seconds:.2f} s)", f"{waited:.2f} s", f"{released:.2f}x", str(len(ok))]
 
@@ -151,19 +155,19 @@ def run(args: argparse.Namespace) -> None:
     for size in args.sizes:
         layers = layers_for(size)
         profile = str(tmp / f"profile-{layers}")
-        made = _spawn("--profile-of", str(layers), profile, timeout=args.timeout)
+        made = _spawn("--profile-of", str(layers), profile, "--plan", args.plan, timeout=args.timeout)
         if "error" in made:
             rows.append([f"{size} GiB", "profile", "error: " + made["error"][-200:], "", "", "", "", ""])
             continue
         runs: dict[str, list[dict]] = {fill: [] for fill in FILLS}
         for repeat in range(args.repeat):
             for fill in (FILLS if repeat % 2 == 0 else FILLS[::-1]):
-                result = _spawn("--creator", str(layers), profile, fill, timeout=args.timeout)
+                result = _spawn("--creator", str(layers), profile, fill, "--plan", args.plan, timeout=args.timeout)
                 result.update(size_gib=size)
                 print(json.dumps(result)[:800], flush=True)
                 runs[fill].append(result)
         rows += [_row(size, fill, runs[fill]) for fill in FILLS]
-    print(f"\nCreator in RAM, alone, {machine_description()}\n")
+    print(f"\nCreator in RAM, alone, {args.plan} plan, {machine_description()}\n")
     print(table(["model", "fill", "growth / model", "factory's peak / publish over its end", "publish",
                  "waited for pages", "given back early / model", "runs"], rows), flush=True)
 
@@ -174,13 +178,16 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--quick", action="store_true", help="0.5 and 1 GiB; runs without CUDA")
+    p.add_argument("--plan", choices=["memory", "latency"], default="memory",
+                   help="the profile's mode: memory (bench_host_memory's, mostly streamed) or latency (no cap, "
+                        "mostly resident: the store's fill)")
     p.add_argument("--profile-of", nargs=2, metavar=("LAYERS", "DIR"), help=argparse.SUPPRESS)
     p.add_argument("--creator", nargs=3, metavar=("LAYERS", "PROFILE", "FILL"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.profile_of:
-        profile_main(int(args.profile_of[0]), args.profile_of[1])
+        profile_main(int(args.profile_of[0]), args.profile_of[1], args.plan)
     elif args.creator:
-        creator_main(int(args.creator[0]), args.creator[1], args.creator[2])
+        creator_main(int(args.creator[0]), args.creator[1], args.creator[2], args.plan)
     else:
         if args.quick:
             args.sizes, args.repeat = [0.5, 1.0], 1
