@@ -57,7 +57,7 @@ import msgspec
 import posix_ipc
 
 from flextensor.shm.checks import check_seconds
-from flextensor.shm.errors import ShmNamespaceHeldError, ShmProtocolError
+from flextensor.shm.errors import ShmDirectoryUnseenError, ShmNamespaceHeldError, ShmProtocolError
 from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordinator_segment
 from flextensor.shm.journal import Intent, Journal, JournalHeader, read_journal
 from flextensor.shm.leases import LeaseSlot, LeaseTable
@@ -151,6 +151,8 @@ def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | 
             state.journal_exists = True
     except FileNotFoundError:
         pass
+    if state.journal is not None:
+        _check_directory_seen(state.journal, jpath)
     owner = namespace_owner(state.lock_dir)
     foreign = _foreign_owner(coordinator_segment_name(namespace), owner)
     if foreign is not None:
@@ -199,6 +201,18 @@ def inspect_namespace_locked(namespace: str, lock_dir: str | os.PathLike[str] | 
         state.close()
         raise
     return state
+
+
+def _check_directory_seen(journal: Journal, jpath: Path) -> None:
+    """``ShmDirectoryUnseenError`` when the journal's directory of segments is another file system here."""
+    header = journal.header
+    if not segment_dir.sees_directory(header.shm_dir, header.shm_dev):
+        raise ShmDirectoryUnseenError(
+            errno.ENOENT,
+            f"ownership journal {jpath} says the segments of namespace {header.namespace!r} are in {header.shm_dir}, "
+            "but that path is another file system in this process (a private mount namespace, another container "
+            "sharing the lock directory, or it was unmounted): their workers may be alive. Nothing was removed. "
+            f"Run cleanup where {header.shm_dir} is the workers' mount, or give every worker and ftd the same mount")
 
 
 def _unlink_intent(intent: Intent, lock_dir: Path) -> bool:
@@ -362,7 +376,7 @@ def cleanup_manager_namespace(namespace: str, *, timeout: float,
             try:
                 try:
                     state = inspect_namespace_locked(namespace, directory)
-                except (ShmProtocolError, PermissionError):
+                except (ShmProtocolError, PermissionError, ShmDirectoryUnseenError):
                     if not existed:
                         lock.unlink_if_held()  # refused: leave no lock file where there was none
                     raise

@@ -29,7 +29,9 @@ listed (``unreadable``) or that group or others may write (``untrusted``: anyone
 metadata that cleanup refuses (``corrupt``: its message names ``ftd cleanup NS --force``), a namespace whose
 lock is taken now (``busy``), and, when asked to look in ``/dev/shm`` (``look_in_shm``, ``ftd cleanup --dead``),
 a dead coordinator segment of this user whose journal is not in this lock directory (``elsewhere``: its workers
-had another ``TMPDIR``; only their lock directory's lock makes a removal safe).
+had another ``TMPDIR``; only their lock directory's lock makes a removal safe); ``elsewhere`` is also a journal
+whose directory of segments is another file system in this process (another mount namespace or container that
+shares the lock directory: its segments may be alive where this process cannot see them).
 
 Cost: one ``listdir`` of the lock directory and, per journal, a lock-free map of ``/{ns}.c`` to read its slots;
 ``/dev/shm`` is listed only to reclaim a namespace (its generation's names and their bytes) or with
@@ -48,7 +50,7 @@ from pathlib import Path
 import msgspec
 
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
-from flextensor.shm.errors import ShmNamespaceHeldError, ShmProtocolError
+from flextensor.shm.errors import ShmDirectoryUnseenError, ShmNamespaceHeldError, ShmProtocolError
 from flextensor.shm.journal import JOURNAL_SUFFIX, JournalHeader, read_journal
 from flextensor.shm.leases import LeaseTable
 from flextensor.shm.names import lock_directory_path, validate_namespace
@@ -191,6 +193,8 @@ def _reclaim(ns: str, directory: Path, uid: int, labels: JournalHeader | None
         return SkippedNamespace(ns, "busy", f"in use right now (a worker is joining or leaving): {exc}")
     except ShmProtocolError as exc:
         return SkippedNamespace(ns, "corrupt", str(exc))
+    except ShmDirectoryUnseenError as exc:
+        return SkippedNamespace(ns, "elsewhere", str(exc))
     except OSError as exc:
         return SkippedNamespace(ns, "error", f"{type(exc).__name__}: {exc}")
     if report.generation is None and not report.removed:

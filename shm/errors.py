@@ -17,6 +17,7 @@ __all__ = [
     "ShmCreatorDiedError",
     "ShmProtocolError",
     "ShmSpaceError",
+    "ShmDirectoryUnseenError",
     "HostMemoryError",
     "ShmNamespaceHeldError",
     "WorkersAwakeError",
@@ -124,6 +125,12 @@ class ShmSpaceError(OSError):
 def _rebuild_space_error(cls: type[ShmSpaceError], message: str, segment: str, wanted: int,
                          free: int | None) -> ShmSpaceError:
     return cls(message, segment=segment, wanted=wanted, free=free)
+
+
+class ShmDirectoryUnseenError(FileNotFoundError):
+    """The directory a namespace's journal names for its segments is not the file system this process sees there
+    (another mount namespace or container, or unmounted since): nothing of the namespace may be judged or
+    removed from here. Raised as ``FileNotFoundError(errno.ENOENT, message)``."""
 
 
 class HostMemoryError(MemoryError):

@@ -24,9 +24,12 @@ each ``create``; the last participant to leave (or offline cleanup) unlinks ever
 coordinator segment, then the journal, then the lock file. So a journal can name resources that were never
 created (a crash between the intent and the create): removing them is an ENOENT, which is fine.
 
-Where the segments are: the header's ``shm_dir`` (``segment_dir.py``). Reading a journal binds its namespace to that
-directory in the reading process, so whoever reclaims or lists the namespace (cleanup, the dead sweep, ``ftd``)
-finds the segments where the creator made them, whatever its own default.
+Where the segments are: the header's ``shm_dir`` (``segment_dir.py``) and that directory's device (``shm_dev``).
+Reading a journal binds its namespace to that directory in the reading process, so whoever reclaims or lists the
+namespace (cleanup, the dead sweep, ``ftd``) finds the segments where the creator made them, whatever its own
+default. A reader that sees another file system at that path (a private mount namespace, another container
+sharing the lock directory) cannot see the segments, and must not take them for gone: cleanup refuses it
+(``ShmDirectoryUnseenError``, ``cleanup.py``).
 
 Reading trusts nothing (``read_journal``): an unknown protocol, a line that is not a known record, a
 generation that differs from the header's, or a name outside this namespace and generation raises
@@ -85,6 +88,9 @@ class JournalHeader(msgspec.Struct, tag="header", tag_field="record", forbid_unk
     manager: str | None = None
     #: The directory of the namespace's segments (absolute; omitted for ``/dev/shm``).
     shm_dir: str = segment_dir.DEFAULT_DIRECTORY
+    #: ``st_dev`` of that directory when the journal was made (0: not recorded): a reader whose ``shm_dir`` is
+    #: another file system (another mount namespace or container) must not take the segments for gone.
+    shm_dev: int = 0
 
 
 class Intent(msgspec.Struct, tag="intent", tag_field="record", forbid_unknown_fields=True, frozen=True):
@@ -176,7 +182,8 @@ def create_journal(namespace: str, generation: int, *, lock_dir: str | os.PathLi
     if directory == segment_dir.DEFAULT_DIRECTORY:
         directory = segment_dir.DEFAULT_DIRECTORY  # the default object itself: msgspec omits a default by identity
     header = JournalHeader(protocol=PROTOCOL_VERSION, library_version=LIBRARY_VERSION, namespace=namespace,
-                           generation=generation, base=base, manager=manager, shm_dir=directory)
+                           generation=generation, base=base, manager=manager, shm_dir=directory,
+                           shm_dev=segment_dir.directory_device(directory))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
         _write_line(fd, header, path)

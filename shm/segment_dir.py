@@ -47,7 +47,8 @@ from pathlib import Path
 
 __all__ = [
     "DEFAULT_DIRECTORY", "ENV_VAR", "HUGE_WARN_BYTES", "PageInfo", "bind_namespace", "block_alignment",
-    "check_directory", "default_directory", "directory_of", "free_bytes", "huge_mapped_bytes", "huge_page_hint",
+    "check_directory", "default_directory", "directory_device", "directory_of", "free_bytes", "huge_mapped_bytes",
+    "huge_page_hint", "sees_directory",
     "namespace_directory",
     "page_info", "segment_path", "set_default_directory", "warn_if_small_pages",
 ]
@@ -287,6 +288,19 @@ def huge_page_hint() -> str:
     if not ways:
         return ""
     return f"set shm_dir / {ENV_VAR} to {' or '.join(ways)}; docs/huge-pages.md"
+
+
+def directory_device(directory: str) -> int:
+    """``st_dev`` of ``directory`` (0 when it cannot be read): the file system a journal's segments are on."""
+    try:
+        return os.stat(directory).st_dev
+    except OSError:
+        return 0
+
+
+def sees_directory(directory: str, device: int) -> bool:
+    """Whether ``directory`` is, in this process, the file system ``device`` recorded (always, when 0)."""
+    return device == 0 or directory_device(directory) == device
 
 
 def huge_mapped_bytes(path: str) -> int:

@@ -28,6 +28,7 @@ class FakeArena:
         self.address = ctypes.addressof(anchor)
         del anchor
         self.size = n * BLOCK
+        self.page_size = mmap.PAGESIZE  # what a SharedSegment's mount gives it (4 KiB pages: /dev/shm)
         self.read_only: dict[int, bool] = {}
 
     def _option(self, name: str, index: int, default):

@@ -38,7 +38,7 @@ def test_format_round_trip_and_mode(ns):
     assert path == journal_path(ns) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines[0] == {"record": "header", "protocol": 1, "library_version": LIBRARY_VERSION, "namespace": ns,
-                        "generation": 3}
+                        "generation": 3, "shm_dev": os.stat("/dev/shm").st_dev}
     assert lines[1] == {"record": "intent", "kind": "segment", "name": f"/{ns}.g3.sd", "generation": 3}
     journal = read_journal(ns)
     assert read_journal(path) == journal

@@ -142,3 +142,60 @@ def test_segments_on_hugetlbfs(tmp_path: Path, request: pytest.FixtureRequest) -
     assert report["lazy_allocated"] in (0, 8 * 2**20)  # hugetlbfs may count reserved pages in st_blocks or not
     assert "Reserve more huge pages" in report["space_error"] and not report["big_left"]
     assert report["left"] == {"dir": [], "dev_shm": [], "lock_dir": []}
+
+
+def test_a_journal_whose_directory_is_another_file_system_here_is_never_reclaimed(tmp_path: Path) -> None:
+    """A process that sees another file system at a journal's directory (another mount namespace or container
+    sharing the lock directory) cannot see the segments: the sweep leaves the namespace alone, cleanup refuses."""
+    import msgspec
+
+    from flextensor.shm.cleanup import cleanup_manager_namespace
+    from flextensor.shm.dead_sweep import sweep_dead_namespaces
+    from flextensor.shm.errors import ShmDirectoryUnseenError
+    from flextensor.shm.header import LIBRARY_VERSION
+    from flextensor.shm.journal import JournalHeader
+    from flextensor.shm.names import journal_path, lock_directory
+
+    ns = manager_namespace("hp-elsewhere", "m")
+    elsewhere = tmp_path / "mounted-elsewhere"
+    elsewhere.mkdir()
+    lock_directory().mkdir(mode=0o700, exist_ok=True)
+    header = JournalHeader(protocol=1, library_version=LIBRARY_VERSION, namespace=ns, generation=1,
+                           shm_dir=str(elsewhere), shm_dev=os.stat(elsewhere).st_dev + 1)
+    path = journal_path(ns)
+    path.write_bytes(msgspec.json.encode(header) + b"\n")
+    try:
+        sweep = sweep_dead_namespaces()
+        assert [(s.namespace, s.reason) for s in sweep.skipped] == [(ns, "elsewhere")] and not sweep.reclaimed
+        assert "another file system in this process" in sweep.skipped[0].detail
+        with pytest.raises(ShmDirectoryUnseenError, match=f"segments of namespace '{ns}' are in {elsewhere}"):
+            cleanup_manager_namespace(ns, timeout=0)
+        assert path.exists() and sorted(p.name for p in lock_directory().iterdir()) == [path.name]
+    finally:
+        path.unlink()
+
+
+def test_a_large_segment_on_small_pages_is_warned_about_once(namespace: str, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Where this host could give huge pages (THP for tmpfs, free hugetlb pages), a segment of 1 GiB or more on
+    4 KiB pages is a WARNING naming the mount option, once per process; nothing is allocated for it here."""
+    monkeypatch.setattr(segment_dir, "_warned", False)
+    if segment_dir.page_info("/dev/shm").huge:
+        pytest.skip("/dev/shm of this host has huge pages already")
+    names = [f"/{namespace}.g1.h", f"/{namespace}.g1.h1", f"/{namespace}.g1.sd"]
+    try:
+        with caplog.at_level("WARNING", logger="flextensor.shm.segment_dir"):
+            SharedSegment.create(names[0], segment_dir.HUGE_WARN_BYTES - 4096, reserve=False).close()
+            assert caplog.records == []  # below the size warned about
+            for name in names[1:]:
+                SharedSegment.create(name, segment_dir.HUGE_WARN_BYTES, reserve=False).close()
+    finally:
+        for name in names:
+            SharedSegment.unlink_name(name)
+    hint = segment_dir.huge_page_hint()
+    if not hint:
+        assert caplog.records == []
+        return
+    (record,) = caplog.records
+    assert names[1] in record.getMessage() and "huge=always" in record.getMessage()
+    assert "4 KiB pages (tmpfs)" in record.getMessage()
