@@ -296,13 +296,18 @@ class Worker(JsonLineWorker):
 
 
 def leftovers(namespace: str) -> list[str]:
+    """Entries of the namespace left in /dev/shm and in the directory of the segments (``FT_SHM_DIR``)."""
     from flextensor.shm.names import manager_namespace
+    from flextensor.shm.segment_dir import default_directory
 
     ns = manager_namespace(namespace, MANAGER)
-    try:
-        return sorted(name for name in os.listdir("/dev/shm") if ns in name)
-    except FileNotFoundError:
-        return []
+    found: set[str] = set()
+    for directory in {"/dev/shm", default_directory()}:
+        try:
+            found.update(name for name in os.listdir(directory) if ns in name)
+        except FileNotFoundError:
+            pass
+    return sorted(found)
 
 
 def run_setup(params: Params, timeout: float) -> dict:
@@ -319,8 +324,9 @@ def run_setup(params: Params, timeout: float) -> dict:
 def wait_for_election(namespace: str, timeout: float) -> None:
     """Return once a worker of ``namespace`` has made the manager's coordinator (the election is under way)."""
     from flextensor.shm.names import coordinator_segment_name, manager_namespace
+    from flextensor.shm.segment_dir import segment_path
 
-    path = "/dev/shm" + coordinator_segment_name(manager_namespace(namespace, MANAGER))
+    path = segment_path(coordinator_segment_name(manager_namespace(namespace, MANAGER)))  # FT_SHM_DIR, or /dev/shm
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline:
