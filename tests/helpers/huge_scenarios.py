@@ -5,6 +5,8 @@ or a hugetlbfs. Each prints one JSON line of what it saw (the test asserts on it
 scenario itself broke:
 
 - ``segment DIR TOKEN``: segments made, mapped, read, reserved and removed there;
+- ``pin DIR TOKEN``: (CUDA) a fresh mapping's blocks registered one by one, as a follower's pinner does, and
+  copied to the device;
 - ``session DIR TOKEN PROFILE``: a creator and a follower (``session_worker``) with ``FT_SHM_DIR=DIR`` and an
   ``ftd`` beside them, what ``ftd ls`` and the journal say, then a clean close;
 - ``crash DIR TOKEN PROFILE``: the same workers SIGKILLed, then ``ftd cleanup --dead`` run with no ``FT_SHM_DIR``;
@@ -78,6 +80,33 @@ def segment(directory: str, token: str) -> dict:
             "reader_sum": int(reader.stdout.strip()), "expected_sum": expected_sum, "pread_ok": pread_ok,
             "mode": mode, "lazy_allocated": lazy_allocated, "space_error": space_error,
             "big_left": os.path.exists(directory + big), "removed": removed, "left": _left(directory, token)}
+
+
+def pin(directory: str, token: str) -> dict:
+    import torch
+
+    from flextensor.shm import segment_dir
+    from flextensor.shm.blocks import arena_layout
+    from flextensor.shm.segment import SharedSegment
+
+    segment_dir.set_default_directory(directory)
+    name = f"/ft{token}.g1.h"
+    layout = arena_layout([3 * 2**20 + 100, 5000, 2**20], align=segment_dir.block_alignment(directory))
+    writer = SharedSegment.create(name, layout.part_sizes[0])
+    data = torch.randint(0, 255, (writer.size,), dtype=torch.uint8)
+    writer.tensor(torch.uint8, (writer.size,)).copy_(data)
+    reader = SharedSegment.open(name)  # a follower's fresh mapping of pages another handle wrote
+    equal = []
+    for offset, size in zip(layout.offsets, layout.sizes):
+        reader.pin(read_only=True, prefault=True, offset=offset, nbytes=size)
+        on_device = reader.tensor(torch.uint8, (size,), offset=offset).to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        equal.append(bool(torch.equal(on_device.cpu(), data[offset:offset + size])))
+    pinned = reader.pinned
+    reader.close()
+    writer.close()
+    SharedSegment.unlink_name(name)
+    return {"offsets": list(layout.offsets), "equal": equal, "pinned": pinned, "left": _left(directory, token)}
 
 
 def _worker(ns: str, profile: str, shm_dir: str | None, *extra: str) -> subprocess.Popen:
@@ -169,7 +198,8 @@ def mismatch(directory: str, token: str, profile: str) -> dict:
 
 def main() -> int:
     scenario, directory, *args = sys.argv[1:]
-    report = {"segment": segment, "session": session, "crash": crash, "mismatch": mismatch}[scenario](directory, *args)
+    scenarios = {"segment": segment, "pin": pin, "session": session, "crash": crash, "mismatch": mismatch}
+    report = scenarios[scenario](directory, *args)
     print(json.dumps(report), flush=True)
     return 0
 

@@ -199,3 +199,20 @@ def test_a_large_segment_on_small_pages_is_warned_about_once(namespace: str, mon
     (record,) = caplog.records
     assert names[1] in record.getMessage() and "huge=always" in record.getMessage()
     assert "4 KiB pages (tmpfs)" in record.getMessage()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fs", ["tmpfs", "hugetlbfs"])
+def test_blocks_on_huge_pages_register_one_by_one_and_copy_to_the_device(fs: str, tmp_path: Path,
+                                                                         request: pytest.FixtureRequest) -> None:
+    """A follower registers the arena block by block: on huge pages each block starts on its own 2 MiB page,
+    and what reaches the device is what was written."""
+    token = request.node.ft_token
+    if fs == "hugetlbfs":
+        with reserved_huge_pages(8):
+            report = run_mounted(fs, tmp_path / "huge", "pin", token, size="16M")
+    else:
+        report = run_mounted(fs, tmp_path / "huge", "pin", token)
+    assert report["offsets"] == [0, 4 << 20, 6 << 20]
+    assert report["equal"] == [True, True, True] and report["pinned"]
+    assert report["left"] == {"dir": [], "dev_shm": [], "lock_dir": []}
