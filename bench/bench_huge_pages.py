@@ -18,8 +18,8 @@ a follower alone ready after READY no slower than on 4 KiB pages, exit after ``c
 
 Run: ``scripts/gpu-suite.sh bench bench_huge_pages`` (GPU host as root: 24 GiB, 4 workers, about 5 minutes),
 ``python bench/bench_huge_pages.py --quick`` (CPU, 0.25 GiB: checks the paths, not the speed). Raw results go to
-``bench_huge_pages.json`` in the results directory; ``--docs-from FILE`` writes a saved Markdown body into
-docs/benchmarks.md.
+``bench_huge_pages.json`` and the Markdown body to ``bench_huge_pages.md`` in the results directory;
+``--docs-from FILE`` writes a saved body into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, report, table, write_docs_section  # noqa: E402
+from common import RESULTS_DIR, docs_body, report, table, write_docs_section  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -196,6 +196,7 @@ def main() -> None:
         data["modes"].append(run_mode(label, options, args, out_dir))
     report("bench_huge_pages", "Huge pages for the shared copy", sections(data), data,
            docs=not args.quick and not args.no_docs)
+    (RESULTS_DIR / "bench_huge_pages.md").write_text(docs_body(sections(data)))  # for --docs-from elsewhere
 
 
 if __name__ == "__main__":
