@@ -8,10 +8,11 @@ which trap uses which parameter, PROFILING times each trap, the switch plans wha
 (``flextensor.engine.build``, ``flextensor.engine.inference``). Adoption of a profile or state starts there.
 
 The manager holds the engine's state in one :class:`~flextensor.engine.context.EngineContext` (``engine``) and
-the current phase handler, and it is the only place the handler changes (Note [phases and handlers] in
-``flextensor.engine.phase``): the root forward calls the handler at each pass's start and end, the trap forwards
-at each trap's entry and exit. It also owns what outlives a model: the config, the memory budget, a profile
-loaded ahead of ``offload()``, and a shared-memory namespace it joined for ``shm_enabled`` without a session.
+a :class:`~flextensor.engine.phase_driver.PhaseDriver` holding the current phase handler, to which the root
+forward and the trap forwards send each pass's start and end and each trap's entry and exit; the manager alone
+hands it a new phase between passes (Note [phases and handlers] in ``flextensor.engine.phase``). It also owns
+what outlives a model: the config, the memory budget, a profile loaded ahead of ``offload()``, and a
+shared-memory namespace it joined for ``shm_enabled`` without a session.
 
 ``sleep()`` frees the device memory of a model in INFERENCE and ``wake()`` brings it back with the same plan
 (Note [sleep and wake] in ``flextensor.engine.sleep``); a shared session hands the manager the host copy its
@@ -41,8 +42,8 @@ from flextensor.engine import adoption
 from flextensor.engine.build import Weight, install_deferred
 from flextensor.engine.context import EngineContext, compute_device
 from flextensor.engine.discovery import start_warmup
-from flextensor.engine.hooks import RootForward, Trap
 from flextensor.engine.phase import Phase, PhaseHandler
+from flextensor.engine.phase_driver import PhaseDriver
 from flextensor.engine.policy import EnginePolicy, default_engine_policy
 from flextensor.engine.profiling import clear_durations, resolve_windows
 from flextensor.engine.sleep import HostCopy, SleepingHandler, SleepState, put_to_sleep, restore_on_host, wake_up
@@ -53,7 +54,6 @@ from flextensor.engine.teardown import teardown
 from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage, offloaded_tensors
 from flextensor.configuration.patterns import PatternSet
 from flextensor.profiles import read_profile, write_instrumentation, write_profile
-from flextensor.runtime.graph_timing import is_capturing
 from flextensor.runtime.host_memory import HostBlockProvider, make_provider
 from flextensor.runtime.loaders.block_loader import StreamingLoader
 from flextensor.runtime.timing import OffloadTimingReport
@@ -88,10 +88,7 @@ class OffloadManager:
     def _reset(self) -> None:
         self.model: nn.Module | None = None
         self._ctx: EngineContext | None = None
-        self._handler: PhaseHandler | None = None
-        self._root: RootForward | None = None
-        self._active: Trap | None = None
-        self._active_handler: PhaseHandler | None = None
+        self._driver: PhaseDriver | None = None  # the current phase handler and the patched forwards' calls
         self._host_copy: HostCopy | None = None  # set_host_copy(): where a sleeping model's resident tensors are
 
     @property
@@ -107,6 +104,11 @@ class OffloadManager:
                 f"OffloadManager {self.name!r} was created by thread {self._thread} and cannot be used from thread "
                 f"{current}: FlexTensor is single-threaded; create a separately named manager (and model) per thread"
             )
+
+    @property
+    def _handler(self) -> PhaseHandler | None:
+        """The current phase's handler (held by the driver); ``None`` without an offloaded model."""
+        return self._driver.handler if self._driver is not None else None
 
     @property
     def enabled(self) -> bool:
@@ -247,20 +249,21 @@ class OffloadManager:
         if not specs:
             logger.warning("manager %r: no module matched include_patterns=%r (exclude_patterns=%r); nothing will "
                            "be offloaded", self.name, cfg.include_patterns, cfg.exclude_patterns)
-        ctx = self._begin(model, tensors, compile_fn, shm_owner)
+        ctx, driver = self._begin(model, tensors, compile_fn, shm_owner)
         try:
-            self._handler = start_warmup(ctx, specs, self._trap_enter, self._trap_exit)
+            handler = start_warmup(ctx, specs, driver.trap_enter, driver.trap_exit)
+            driver.switch_to(handler)
             write_instrumentation(self.name, cfg, ctx)
         except BaseException:
             self._teardown(preserve_model=True)
             raise
         logger.info("manager %r: %d traps on %s; %s for %d passes", self.name, len(ctx.traps), ctx.device,
-                    self._handler.phase.value, self.iters_before_inference)
+                    handler.phase.value, self.iters_before_inference)
         return model
 
     def _begin(self, model: nn.Module, tensors: dict, compile_fn: Any,
-               shm_owner: ShmOwner | None) -> EngineContext:
-        """A fresh engine context for ``model`` and the root forward that frames its passes."""
+               shm_owner: ShmOwner | None) -> tuple[EngineContext, PhaseDriver]:
+        """A fresh engine context for ``model`` and the driver whose root forward frames its passes."""
         cfg = self._config()
         device = compute_device(cfg)
         ctx = EngineContext(self.name, cfg, device, model, tensors, self._provider_factory(cfg, device, shm_owner),
@@ -269,8 +272,8 @@ class OffloadManager:
                             allow_replan=self._allow_replan)
         ctx.profile.suspend, self._suspend_pending = self._suspend_pending, 0
         self.model, self._ctx = model, ctx
-        self._root = RootForward(model, self._begin_pass, self._end_pass)
-        return ctx
+        self._driver = PhaseDriver(ctx, model, self.check_thread)
+        return ctx, self._driver
 
     def _provider_factory(self, cfg: OffloadConfig, device: torch.device,
                           shm_owner: ShmOwner | None) -> Callable[..., HostBlockProvider]:
@@ -295,61 +298,6 @@ class OffloadManager:
                                                    timeout=cfg.shm_wait_timeout or None, shm_dir=cfg.shm_dir)
         return self._shm_coordinator.memory_owner
 
-    # ------------------------------------------------------------------------------------------------ passes
-    def _begin_pass(self) -> None:
-        self.check_thread()
-        assert self._handler is not None and self._ctx is not None
-        if self._handler.phase is not Phase.INFERENCE and is_capturing(self._ctx.device):
-            raise RuntimeError(
-                f"manager {self.name!r}: a CUDA graph capture began in phase {self._handler.phase.value}, whose passes "
-                f"synchronize and read events; capture after INFERENCE starts ({self.iters_before_inference} eager "
-                "forward passes after offload(), then wait_for_host_blocks())"
-            )
-        self._handler.begin_pass()
-
-    def _end_pass(self, ok: bool) -> None:
-        assert self._handler is not None and self._ctx is not None
-        if self._active is not None:  # an exception escaped a trap without its exit (should not happen)
-            self._active = self._active_handler = None
-            self._ctx.warm.loader.unload()
-        self._ctx.warm.loader.pass_ended()
-        self._handler = self._handler.end_pass(ok)
-
-    def _trap_enter(self, trap: Trap) -> None:
-        if self._active is not None:
-            raise RuntimeError(
-                f"trap {trap.label!r} entered while trap {self._active.label!r} is running: traps cannot nest (an "
-                "offload_block around a patched module, or a trap module called from inside another trap); change "
-                "include_patterns or where offload_block is used"
-            )
-        handler = self._handler
-        assert handler is not None and self._ctx is not None
-        self._active, self._active_handler = trap, handler
-        try:
-            handler.enter(trap)
-        except BaseException:
-            self._ctx.warm.loader.unload()
-            self._active = self._active_handler = None
-            self._end_of_a_trap_outside_a_pass()
-            raise
-
-    def _trap_exit(self, trap: Trap) -> None:
-        if self._active is not trap:
-            return
-        handler = self._active_handler
-        try:
-            assert handler is not None
-            handler.exit(trap)
-        finally:
-            self._active = self._active_handler = None
-            self._end_of_a_trap_outside_a_pass()
-
-    def _end_of_a_trap_outside_a_pass(self) -> None:
-        """A trap called outside the model's forward (a submodule called directly, as ``generate`` calls an
-        encoder) has no pass end to give the launches' turn back: its exit does."""
-        if self._ctx is not None and (self._root is None or not self._root.depth):
-            self._ctx.warm.loader.pass_ended()
-
     @contextmanager
     def offload_block(self, block_name: str) -> Iterator[None]:
         """A manual trap around arbitrary code (its exclusive parameters are found during DISCOVERY)."""
@@ -362,24 +310,13 @@ class OffloadManager:
                 f"offload_block({block_name!r}) needs DISCOVERY to learn which tensors the block uses, but "
                 "skip_discovery=True; set skip_discovery=False"
             )
-        if self._ctx is None:
+        if self._driver is None:
             # No model offloaded (yet): the block is plain code, so a model with offload_block markers still
             # runs unmodified (reference runs, enabled=False deployments).
             yield
             return
-        if not isinstance(block_name, str) or not block_name:
-            raise ValueError(f"offload_block needs a non-empty block name, got {block_name!r}")
-        trap = self._ctx.traps.get(block_name)
-        if trap is None:
-            trap = Trap(block_name, None, [], kind="block")
-            self._ctx.traps[block_name] = trap
-        elif trap.kind != "block":
-            raise ValueError(f"offload_block({block_name!r}) clashes with the module trap of the same label; rename the block")
-        self._trap_enter(trap)
-        try:
+        with self._driver.block(block_name):
             yield
-        finally:
-            self._trap_exit(trap)
 
     # ------------------------------------------------------------------------------------------------ profiling control
     def suspend_profiling(self) -> None:
@@ -467,11 +404,11 @@ class OffloadManager:
             raise RuntimeError(f"manager {self.name!r} already offloads a model; release() it first")
         self._allow_replan = bool(allow_strategy_replan)
         checked = adoption.check_state(model, state, cfg, host_blocks=host_blocks, weights=weights)
-        ctx = self._begin(model, checked.tensors, compile_fn, shm_owner)
+        ctx, driver = self._begin(model, checked.tensors, compile_fn, shm_owner)
         try:
-            self._handler = adoption.adopt_state(ctx, checked, self._trap_enter, self._trap_exit,
-                                                 host_blocks=host_blocks, weights=weights,
-                                                 host_block_gate=host_block_gate)
+            driver.switch_to(adoption.adopt_state(ctx, checked, driver.trap_enter, driver.trap_exit,
+                                                  host_blocks=host_blocks, weights=weights,
+                                                  host_block_gate=host_block_gate))
         except BaseException:
             self._teardown(preserve_model=True)
             raise
@@ -490,7 +427,7 @@ class OffloadManager:
         if ctx is None or ctx.inference.deferred is None:
             return
         self.check_thread()
-        if self._root is not None and self._root.depth:
+        if self._driver is not None and self._driver.in_pass:
             ctx.inference.deferred.wait()
             return
         install_deferred(ctx)
@@ -524,13 +461,14 @@ class OffloadManager:
         if self.asleep:
             return
         ctx = self._require_inference("sleep()")
-        if self._root is not None and self._root.depth:
+        if self._driver is not None and self._driver.in_pass:
             raise RuntimeError(f"sleep() on manager {self.name!r} was called inside a forward pass; call it "
                                "between passes")
         self.wait_for_host_blocks()
-        assert self._handler is not None
+        driver, awake = self._driver, self._handler
+        assert driver is not None and awake is not None
         state = put_to_sleep(ctx, self._host_copy)
-        self._handler = SleepingHandler(ctx, state, self._handler)
+        driver.switch_to(SleepingHandler(ctx, state, awake))
 
     def wake(self) -> float:
         """Bring a sleeping model's device memory back (resident tensors at link rate from their host copy, a
@@ -540,9 +478,9 @@ class OffloadManager:
         if not isinstance(handler, SleepingHandler):
             self._require_inference("wake()")
             return 0.0
-        assert self._ctx is not None
+        assert self._ctx is not None and self._driver is not None
         seconds = wake_up(self._ctx, handler.state, self._host_copy)
-        self._handler = handler.awake
+        self._driver.switch_to(handler.awake)
         return seconds
 
     # ------------------------------------------------------------------------------------------------ release
@@ -565,8 +503,8 @@ class OffloadManager:
             if ctx is not None:
                 teardown(ctx, preserve_model)
         finally:
-            if self._root is not None:
-                self._root.uninstall()
+            if self._driver is not None:
+                self._driver.uninstall()
             self._leave_namespace()
             self._reset()
 

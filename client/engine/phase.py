@@ -5,12 +5,13 @@ Note [phases and handlers]
 An offloaded model goes DISCOVERY -> PROFILING -> INFERENCE (adoption of a profile or state starts in
 INFERENCE; ``skip_discovery`` starts in PROFILING); from INFERENCE, ``sleep()`` and ``wake()`` go to SLEEPING
 and back, between passes. Each phase is a :class:`PhaseHandler` holding the
-:class:`~flextensor.engine.context.EngineContext`. The manager is the one owner of the current handler:
+:class:`~flextensor.engine.context.EngineContext`. The manager is the one owner of the current handler, which
+its :class:`~flextensor.engine.phase_driver.PhaseDriver` holds and the manager alone replaces between passes:
 
 - the patched root forward calls ``begin_pass()`` before a pass and ``end_pass(ok)`` after it; ``end_pass``
-  returns the handler for the next pass (itself, or the next phase's), and the manager swaps it in. That is
+  returns the handler for the next pass (itself, or the next phase's), and the driver swaps it in. That is
   the only place a phase changes during passes;
-- each trap's patched forward calls ``enter(trap)`` / ``exit(trap)``; the manager sends ``exit`` to the handler
+- each trap's patched forward calls ``enter(trap)`` / ``exit(trap)``; the driver sends ``exit`` to the handler
   that received the matching ``enter``, even if the phase changed in between (it never does inside a pass).
 
 A handler is a plain object with no hold on the manager: it receives the context (or an immutable plan) and
