@@ -54,13 +54,12 @@ from flextensor.engine.teardown import teardown
 from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage, offloaded_tensors
 from flextensor.configuration.patterns import PatternSet
 from flextensor.profiles import read_profile, write_instrumentation, write_profile
-from flextensor.runtime.host_memory import HostBlockProvider, make_provider
 from flextensor.runtime.loaders.block_loader import StreamingLoader
 from flextensor.runtime.timing import OffloadTimingReport
+from flextensor.standalone_namespace import StandaloneNamespace
 from flextensor.state import TensorManagerState, model_tensors
 
 if TYPE_CHECKING:  # pragma: no cover - the shm modules load at the first shared offload, not at import
-    from flextensor.shm.coordinator import ShmCoordinator
     from flextensor.shm.owner import ShmOwner
 
 __all__ = ["OffloadManager", "Phase", "GPUMemoryUsage", "compute_device"]
@@ -79,7 +78,7 @@ class OffloadManager:
         self._budget_override: int | None = None
         self._policy: EnginePolicy | None = None  # set_engine_policy(); None: the process default
         self._suspend_pending = 0  # suspend_profiling() before offload(): handed to the next engine
-        self._shm_coordinator: ShmCoordinator | None = None  # joined for shm_enabled without a session
+        self._own_namespace = StandaloneNamespace()  # joined for shm_enabled without a session
         self._allow_replan = True
         self._reset()
         if config is not None:
@@ -266,7 +265,8 @@ class OffloadManager:
         """A fresh engine context for ``model`` and the driver whose root forward frames its passes."""
         cfg = self._config()
         device = compute_device(cfg)
-        ctx = EngineContext(self.name, cfg, device, model, tensors, self._provider_factory(cfg, device, shm_owner),
+        providers = self._own_namespace.provider_factory(self.name, cfg, device, shm_owner)
+        ctx = EngineContext(self.name, cfg, device, model, tensors, providers,
                             compile_fn=compile_fn, budget_bytes=self._budget_override,
                             policy=self.engine_policy,
                             allow_replan=self._allow_replan)
@@ -274,29 +274,6 @@ class OffloadManager:
         self.model, self._ctx = model, ctx
         self._driver = PhaseDriver(ctx, model, self.check_thread)
         return ctx, self._driver
-
-    def _provider_factory(self, cfg: OffloadConfig, device: torch.device,
-                          shm_owner: ShmOwner | None) -> Callable[..., HostBlockProvider]:
-        """What the engine calls for its host-block provider. Shared memory needs a namespace membership: the
-        session's (``shm_owner``), or for ``shm_enabled`` without a session (the caller coordinates roles)
-        this manager's own, joined when the first block is needed and left at ``release()``."""
-        def factory(*, register_in_place: bool = False) -> HostBlockProvider:
-            owner = shm_owner
-            if cfg.shm_enabled and owner is None:
-                owner = self._join_namespace(cfg)
-            return make_provider(cfg, device, shm_owner=owner, register_in_place=register_in_place)
-
-        return factory
-
-    def _join_namespace(self, cfg: OffloadConfig) -> ShmOwner:
-        if self._shm_coordinator is None:
-            from flextensor.shm.coordinator import ShmCoordinator
-            from flextensor.shm.names import manager_namespace
-
-            assert cfg.shm_namespace is not None
-            self._shm_coordinator = ShmCoordinator(manager_namespace(cfg.shm_namespace, self.name),
-                                                   timeout=cfg.shm_wait_timeout or None, shm_dir=cfg.shm_dir)
-        return self._shm_coordinator.memory_owner
 
     @contextmanager
     def offload_block(self, block_name: str) -> Iterator[None]:
@@ -490,7 +467,7 @@ class OffloadManager:
         self.check_thread()
         self._pending_state = None
         if self._ctx is None:
-            self._leave_namespace()
+            self._own_namespace.leave()
             return
         self._teardown(preserve_model)
 
@@ -505,15 +482,8 @@ class OffloadManager:
         finally:
             if self._driver is not None:
                 self._driver.uninstall()
-            self._leave_namespace()
+            self._own_namespace.leave()
             self._reset()
-
-    def _leave_namespace(self) -> None:
-        if self._shm_coordinator is not None:
-            try:
-                self._shm_coordinator.close()
-            finally:
-                self._shm_coordinator = None
 
     # ------------------------------------------------------------------------------------------------ reports
     def get_gpu_memory_usage(self) -> GPUMemoryUsage:
