@@ -40,7 +40,7 @@ from torch import nn
 from flextensor.configuration.config import OffloadConfig
 from flextensor.engine import adoption
 from flextensor.engine.build import Weight, install_deferred
-from flextensor.engine.context import EngineContext, compute_device
+from flextensor.engine.context import EngineContext, check_devices, compute_device
 from flextensor.engine.discovery import start_warmup
 from flextensor.engine.phase import Phase, PhaseHandler
 from flextensor.engine.phase_driver import PhaseDriver
@@ -147,16 +147,7 @@ class OffloadManager:
         if self.model is not None:
             raise RuntimeError(f"manager {self.name!r} is offloading a model; release() it before changing its config")
         config = copy.copy(config)  # re-validates, never aliases the caller's lists
-        if config.enabled and config.pinned_memory and not torch.cuda.is_available():
-            raise RuntimeError(
-                "OffloadConfig(pinned_memory=True) needs CUDA, but torch.cuda.is_available() is False on this host; "
-                "set pinned_memory=False on CPU-only hosts (the CPU then serves as the compute device)"
-            )
-        if config.enabled and torch.cuda.is_available() and config.gpu_device >= torch.cuda.device_count():
-            raise ValueError(
-                f"OffloadConfig(gpu_device={config.gpu_device}) but only {torch.cuda.device_count()} CUDA device(s) "
-                "are visible; pick an index below that (CUDA_VISIBLE_DEVICES renumbers devices)"
-            )
+        check_devices(config)
         self.config = config
 
     @property

@@ -45,7 +45,7 @@ from flextensor.state import ModelTensor
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.hooks import Trap
 
-__all__ = ["compute_device", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan",
+__all__ = ["compute_device", "check_devices", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan",
            "ReplanState"]
 
 #: Makes the provider of the INFERENCE host blocks (``register_in_place=True``: never PyTorch's pinned allocator,
@@ -92,6 +92,22 @@ def compute_device(config: OffloadConfig) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", config.gpu_device)
     return torch.device("cpu")
+
+
+def check_devices(config: OffloadConfig) -> None:
+    """Refuse an enabled ``config`` this host cannot run: ``pinned_memory`` without CUDA (``RuntimeError``), or a
+    ``gpu_device`` past the visible ones (``ValueError``). ``OffloadConfig`` itself knows no host, so a manager
+    checks when the config is applied."""
+    if config.enabled and config.pinned_memory and not torch.cuda.is_available():
+        raise RuntimeError(
+            "OffloadConfig(pinned_memory=True) needs CUDA, but torch.cuda.is_available() is False on this host; "
+            "set pinned_memory=False on CPU-only hosts (the CPU then serves as the compute device)"
+        )
+    if config.enabled and torch.cuda.is_available() and config.gpu_device >= torch.cuda.device_count():
+        raise ValueError(
+            f"OffloadConfig(gpu_device={config.gpu_device}) but only {torch.cuda.device_count()} CUDA device(s) "
+            "are visible; pick an index below that (CUDA_VISIBLE_DEVICES renumbers devices)"
+        )
 
 
 @dataclass(eq=False)
