@@ -41,7 +41,7 @@ from flextensor.configuration.config import OffloadConfig
 from flextensor.engine import adoption
 from flextensor.engine.build import Weight, install_deferred
 from flextensor.engine.context import EngineContext, check_devices, compute_device
-from flextensor.engine.discovery import start_warmup
+from flextensor.engine.discovery import select_warmup_traps, start_warmup
 from flextensor.engine.phase import Phase, PhaseHandler
 from flextensor.engine.phase_driver import PhaseDriver
 from flextensor.engine.policy import EnginePolicy, default_engine_policy
@@ -52,7 +52,6 @@ from flextensor.engine import replan
 from flextensor.engine.replan import StrategyReplanStatus
 from flextensor.engine.teardown import teardown
 from flextensor.memory_usage import GPUMemoryUsage, engine_memory_usage, offloaded_tensors
-from flextensor.configuration.patterns import PatternSet
 from flextensor.profiles import read_profile, write_instrumentation, write_profile
 from flextensor.runtime.loaders.block_loader import StreamingLoader
 from flextensor.runtime.timing import OffloadTimingReport
@@ -229,16 +228,7 @@ class OffloadManager:
             state, self._pending_state = self._pending_state, None
             return self.offload_from_state(model, state, compile_fn=compile_fn, shm_owner=shm_owner)
         tensors = model_tensors(model)
-        meta = [n for n, t in tensors.items() if t.tensor.is_meta]
-        if meta:
-            raise ValueError(
-                f"model tensor {meta[0]!r} (and {len(meta) - 1} more) is on the meta device: discovery and profiling "
-                "need real weights; load them first, or use offload_from_profile(..., weights=...) with a saved profile"
-            )
-        specs = PatternSet(cfg.include_patterns, cfg.exclude_patterns).select_traps(model)
-        if not specs:
-            logger.warning("manager %r: no module matched include_patterns=%r (exclude_patterns=%r); nothing will "
-                           "be offloaded", self.name, cfg.include_patterns, cfg.exclude_patterns)
+        specs = select_warmup_traps(self.name, cfg, model, tensors)
         ctx, driver = self._begin(model, tensors, compile_fn, shm_owner)
         try:
             handler = start_warmup(ctx, specs, driver.trap_enter, driver.trap_exit)

@@ -21,8 +21,12 @@ forwards uncompiled while the recorder sees every call, and compile from the fir
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
+from torch import nn
+
+from flextensor.configuration.config import OffloadConfig
+from flextensor.configuration.patterns import PatternSet, TrapSpec
 from flextensor.engine.function_traps import FunctionTrapsHandler, install_function_traps
 from flextensor.engine.hooks import Trap
 from flextensor.engine.phase import Phase, PhaseHandler
@@ -30,14 +34,33 @@ from flextensor.engine.profiling import ProfilingHandler
 from flextensor.engine.warmup import choose_warmup, overlap_stream, preload, stage
 from flextensor.runtime.compile_guard import begin_eager_region, end_eager_region
 from flextensor.runtime.usage_recorder import OUTSIDE, UsageRecorder
+from flextensor.state import ModelTensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.context import EngineContext
     from flextensor.engine.hooks import TrapCallback
 
-__all__ = ["DiscoveryHandler", "start_warmup"]
+__all__ = ["DiscoveryHandler", "select_warmup_traps", "start_warmup"]
 
 logger = logging.getLogger("flextensor.manager")  # the engine logs under the manager's name
+
+
+def select_warmup_traps(name: str, cfg: OffloadConfig, model: nn.Module,
+                        tensors: Mapping[str, ModelTensor]) -> list[TrapSpec]:
+    """The traps a warm-up of ``model`` starts with: its modules that ``cfg``'s patterns select (a warning names
+    the patterns when none matched). A tensor on ``meta`` is refused (``ValueError``): discovery and profiling
+    run the model, so they need its real weights."""
+    meta = [n for n, t in tensors.items() if t.tensor.is_meta]
+    if meta:
+        raise ValueError(
+            f"model tensor {meta[0]!r} (and {len(meta) - 1} more) is on the meta device: discovery and profiling "
+            "need real weights; load them first, or use offload_from_profile(..., weights=...) with a saved profile"
+        )
+    specs = PatternSet(cfg.include_patterns, cfg.exclude_patterns).select_traps(model)
+    if not specs:
+        logger.warning("manager %r: no module matched include_patterns=%r (exclude_patterns=%r); nothing will "
+                       "be offloaded", name, cfg.include_patterns, cfg.exclude_patterns)
+    return specs
 
 
 def start_warmup(ctx: EngineContext, specs: Any, enter: TrapCallback, leave: TrapCallback) -> PhaseHandler:
