@@ -35,8 +35,8 @@ pages allocated by the reader a bounded distance ahead of its reads, so reading 
 pages overlap, and the engine's adoption and the plan's publication overlap the reads. Everything is read before
 READY.
 
-Order (see ``SharedOffloadSession._publish``)
----------------------------------------------
+Order (see ``flextensor.sharing.creator``)
+------------------------------------------
 store (records copied or read, model pointed at them; on CUDA its mapping then registered on a thread, so the
 engine's move of the resident tensors to the device runs at pinned speed) -> arena, block by block in index order
 (from a model in RAM: beside the store, from its start) -> the engine adopts the plan (``host_blocks``; resident

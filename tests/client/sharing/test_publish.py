@@ -195,11 +195,11 @@ def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(na
     import threading
     import time
 
-    import flextensor.sharing.session as session_mod
+    import flextensor.sharing.creator as creator_mod
     from flextensor.profiles import read_profile
 
     filled = _slow_assigns(monkeypatch)  # the store is replaced: these are the arena's
-    monkeypatch.setattr(session_mod, "publish_store", _fails_after(0.05, "the store"))
+    monkeypatch.setattr(creator_mod, "publish_store", _fails_after(0.05, "the store"))
     streamed = sum(t.offloaded for t in read_profile(profile).tensors)
     _creator_raises(namespace, profile, "the store")
     assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]
@@ -214,11 +214,11 @@ def test_an_arena_fill_failure_stops_the_store_beside_it_and_leaves_nothing(name
     """The other way round: when the arena's fill fails (here at once, as a full /dev/shm would make it), the
     store stops before its next record instead of filling to its end, the creator raises the arena's error, and
     nothing is left."""
-    import flextensor.sharing.session as session_mod
+    import flextensor.sharing.creator as creator_mod
     from flextensor.profiles import read_profile
 
     stored = _slow_assigns(monkeypatch)  # the arena's fill is replaced: these are the store's
-    monkeypatch.setattr(session_mod, "fill_blocks", _fails_after(0.03, "the arena"))
+    monkeypatch.setattr(creator_mod, "fill_blocks", _fails_after(0.03, "the arena"))
     resident = sum(not t.offloaded for t in read_profile(profile).tensors)
     _creator_raises(namespace, profile, "the arena")
     assert len(stored) < resident  # the store stopped part way
