@@ -133,7 +133,8 @@ class PhaseDriver:
             trap = Trap(block_name, None, [], kind="block")
             ctx.traps[block_name] = trap
         elif trap.kind != "block":
-            raise ValueError(f"offload_block({block_name!r}) clashes with the module trap of the same label; rename the block")
+            raise ValueError(f"offload_block({block_name!r}) clashes with the module trap of the same label; "
+                             "rename the block")
         self.trap_enter(trap)
         try:
             yield
