@@ -31,10 +31,10 @@ Ordering and ownership
    first) is released before the thread ends. On a CPU device there is no copy, and the thread maps the arena
    itself. PyTorch's stream pool is not made (the loader takes its copy stream at its first copy).
 2. ``join()`` waits for the thread (through an interrupt too, re-raised after) and the caller takes over
-   everything it opened, *also when it failed or the factory failed*: the caller (``SharedOffloadSession``'s
-   ``_attach``, or ``_join_while_building`` for the coordinator too) puts it into the manager's share first, so
-   the session's cleanup closes it, and only then raises the thread's error. Nothing the thread opened is ever
-   left without an owner.
+   everything it opened, *also when it failed or the factory failed*: the caller
+   (``flextensor.sharing.follower.attach_when_ready``, or ``SharedOffloadSession._join_while_building`` for the
+   coordinator too) puts it into the manager's share first, so the session's cleanup closes it, and only then
+   raises the thread's error. Nothing the thread opened is ever left without an owner.
 3. The thread never touches the model or the manager; it only reads the publication.
 
 Joining on the thread

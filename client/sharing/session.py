@@ -9,20 +9,10 @@ creator (elected: the first to create the manager's coordinator segment)
     followers raise ``ShmCreatorFailedError`` with the creator's message, and only then cleaned up.
 
 follower
-    calls ``follower_model_factory()`` (normally a ``meta`` model) while a thread waits for READY
-    (``ShmCreatorDiedError`` when the creator's lease ends first, ``TimeoutError`` after ``wait_timeout``; a
-    failing factory cancels the wait), decodes the plan, attaches the tensor store, maps the arena and copies the
-    resident tensors to the device (``flextensor.sharing.attach_prefetch``), so a follower that arrives before READY has
-    its model built by then; checks the published metadata against the model (naming the offending
-    tensor), installs the resident tensors and adopts the plan over the creator's host blocks, views of the
-    arena (laid out once, on the thread): no private copy. ``session.report()["steps"]`` times each step, the
-    thread's parts included. No step of the caller contains another, so they add up to at most ``ready_s``; the
-    attach thread's (``wait`` and ``plan``, or ``join``, ``daemon`` and ``plan`` when it joined, and every
-    ``prefetch_*`` but ``prefetch_wait``) run beside ``factory`` and ``prefetch_wait``, and on a CUDA device
-    ``prefetch_blocks`` and ``prefetch_slots`` run beside ``prefetch_resident`` (``flextensor.sharing.attach_prefetch``).
-    With pinning on CUDA the follower registers its mappings of the blocks in the background, in schedule order
-    (``flextensor.shm.background_pin``): it is ready as soon as the plan is adopted, and a copy from a block
-    waits only until that block is registered.
+    builds its model with ``follower_model_factory()`` (normally a ``meta`` model) while a thread waits for
+    READY and attaches the store, the arena and the resident tensors' copies, then checks the published metadata
+    against the model and adopts the plan over the creator's host blocks: no private copy
+    (``flextensor.sharing.follower``, which also says what ``session.report()["steps"]`` times).
     When the generation is already READY on arrival (``peek_ready``: a lock-free read of the header, a hint
     only), the thread also does the join itself (the election under the coordinator lock, the daemon
     registration, the plan) while the factory runs; if the lock stays busy, or the join elected this process
@@ -54,19 +44,18 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-import torch
 from torch import nn
 
 # The engine modules a follower needs are imported with the session (adoption among them, through the creator's
-# steps), not on its first attach: a fresh worker's time to ready should not include module imports.
+# and the follower's steps), not on its first attach: a fresh worker's time to ready should not include imports.
 from flextensor.api import get_offload_manager
 from flextensor.sharing.attach_prefetch import ELECT_LOCK_WAIT_S, FollowerPrefetch
 from flextensor.configuration.config import OffloadConfig
 from flextensor.sharing.creator import publish_as_creator
 from flextensor.sharing.creator_source import CreatorSource
+from flextensor.sharing.follower import adopt_published, attach_when_ready
 from flextensor.sharing.host_copy import SharedHostCopy
 from flextensor.manager import OffloadManager, compute_device
-from flextensor.shm.blocks import SharedBlockAllocator
 from flextensor.shm.checks import check_lease_seconds, check_seconds
 from flextensor.shm.cleanup import CleanupReport, cleanup_manager_namespace
 from flextensor.shm.coordinator import ShmCoordinator, peek_ready
@@ -74,9 +63,8 @@ from flextensor.shm.dead_sweep import sweep_before_join
 from flextensor.shm.header import State
 from flextensor.shm.names import manager_namespace, validate_base_namespace, validate_manager_name
 from flextensor.shm.segment_dir import bind_namespace
-from flextensor.sharing.share import (PLAN_KIND, ManagerShare, block_pinner, check_offloaded_metadata,
-                                      privatize_shared_views, read_published_plan, register_with_daemon,
-                                      run_factory_while_attaching, timed_step)
+from flextensor.sharing.share import (PLAN_KIND, ManagerShare, privatize_shared_views, read_published_plan,
+                                      register_with_daemon, run_factory_while_attaching, timed_step)
 from flextensor.sharing.weight_update import UpdateReport, WeightsSource, update_host_copy
 from flextensor.state import TensorManagerState
 
@@ -200,13 +188,13 @@ class SharedOffloadSession:
                 logger.info("session %s/%s: follower of generation %d (joined while the model was built)",
                             self.namespace, name, share.generation)
                 assert built is not None  # the thread's results come with the model built beside it
-                model = self._adopt_published(share, manager, cfg, built, prefetch)
+                model = adopt_published(share, manager, cfg, built, prefetch, base=self.namespace)
             else:
                 logger.info("session %s/%s: follower of generation %d; waiting for the creator",
                             self.namespace, name, share.generation)
                 factory = follower_model_factory if built is None else (lambda: built)
-                model = self._attach(share, manager, cfg, deadline, factory)
-                if built is not None:  # the model was built beside the thread's join, not by _attach
+                model = attach_when_ready(share, manager, cfg, deadline.remaining, factory, base=self.namespace)
+                if built is not None:  # the model was built beside the thread's join, not by attach_when_ready
                     share.steps["factory"] = built_s
         except BaseException:
             self._abandon(share, manager)
@@ -281,65 +269,6 @@ class SharedOffloadSession:
         cfg.shm_wait_timeout = self.wait_timeout
         cfg.validate()
         return cfg
-
-    # ------------------------------------------------------------------------------------------ follower
-    def _attach(self, share: ManagerShare, manager: OffloadManager, cfg: OffloadConfig, deadline: _Deadline,
-                factory: Callable[[], nn.Module]) -> nn.Module:
-        """A follower of a generation not READY yet: a thread waits for READY, reads the plan and opens the store,
-        host blocks and resident copies while the factory builds the model (see ``flextensor.sharing.attach_prefetch``),
-        so a follower that arrives before READY has its model by the time the creator publishes."""
-        coordinator = share.coordinator
-        steps = share.steps
-        cancel = threading.Event()
-
-        def wait_then_read() -> tuple[ShmCoordinator, TensorManagerState]:
-            with timed_step(steps, "wait"):
-                coordinator.wait_for_ready(deadline.remaining(), cancel=cancel)
-            with timed_step(steps, "plan"):
-                return coordinator, read_published_plan(coordinator.memory_owner, share.namespace)
-
-        prefetch = FollowerPrefetch(share.namespace, compute_device(cfg), num_blocks=cfg.num_blocks,
-                                    min_blocks=cfg.min_blocks, elect=wait_then_read, cancel=cancel).start()
-        model = run_factory_while_attaching(prefetch, factory, steps, lambda: share.take_from(prefetch))
-        share.wait_s = steps["wait"]
-        return self._adopt_published(share, manager, cfg, model, prefetch)
-
-    def _adopt_published(self, share: ManagerShare, manager: OffloadManager, cfg: OffloadConfig, model: nn.Module,
-                         prefetch: FollowerPrefetch) -> nn.Module:
-        """The follower's last steps, with the store and arena attached: check, install, adopt, register.
-
-        ``prefetch`` is the attach thread, finished without error: its plan, resident copies and the arena's
-        layout, which it computed once to map the arena and which serves here for the views and the pinning."""
-        steps = share.steps
-        device = compute_device(cfg)
-        state, layout = prefetch.state, prefetch.layout
-        if state is None or layout is None:  # the thread finished without error, so it read both: a bug if not
-            raise RuntimeError(
-                f"internal error in session {self.namespace!r}: the attach thread finished without the published "
-                "plan or the arena layout; please report it (a fresh start of the worker joins again)"
-            )
-        with timed_step(steps, "validate"):
-            check_offloaded_metadata(model, state)
-        assert share.store is not None  # taken from the attach thread, which opened it
-        with timed_step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
-            share.store.materialize(model, device, copies=prefetch.device_copies)
-        sizes = layout.sizes
-        host_blocks = SharedBlockAllocator.views(share.segments, layout) if sizes else []
-        share.shared_bytes = layout.total + share.store.nbytes
-        gate = None
-        if cfg.pinned_memory and torch.cuda.is_available() and sizes:
-            # Registration runs behind the follower's return and first forward, block by block in schedule
-            # order; each copy from a block waits for that block only (see flextensor.shm.background_pin).
-            share.pinner = block_pinner(share.segments, state, layout, device, label=f"session {share.namespace}")
-            gate = share.pinner.wait
-        with timed_step(steps, "adopt"):
-            proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False,
-                                               host_blocks=host_blocks, host_block_gate=gate)
-        if share.pinner is not None:
-            # Started only now: the driver serialises cudaHostRegister with device allocations, so registering
-            # during adoption (which allocates the rotating device blocks) would hold the follower back.
-            share.pinner.start()
-        return proxy
 
     # ------------------------------------------------------------------------------------------ teardown
     def _abandon(self, share: ManagerShare, manager: OffloadManager) -> None:

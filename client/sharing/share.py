@@ -95,7 +95,7 @@ class ManagerShare:
     wait_s: float = 0.0
     shared_bytes: int = 0
     pinner: BackgroundPinner | None = None  # background registration of this process's block mappings
-    steps: dict[str, float] = field(default_factory=dict)  # seconds per step (see _attach and _publish)
+    steps: dict[str, float] = field(default_factory=dict)  # seconds per step: sharing.creator, .follower
     block_views: list[Any] = field(default_factory=list)  # a creator's views of the arena, handed to the engine
     publish: dict[str, float] = field(default_factory=dict)  # a creator's publish: rate, waits, registration
     resident_copy: dict[str, Any] = field(default_factory=dict)  # a CUDA follower's copy of the resident tensors

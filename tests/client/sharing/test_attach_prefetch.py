@@ -390,7 +390,7 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(held_ns: 
             steps = session.report()[0]["steps"]
             assert joined_on_main_thread == [True]  # the thread gave up its join: this thread joined
             assert steps["join"] >= 0.2  # once the lock came free
-            assert steps["factory"] >= 0.05  # the build beside the thread's attempt, not _attach's reuse of it
+            assert steps["factory"] >= 0.05  # the build beside the thread's attempt, not the reuse of its model
             with torch.no_grad():
                 assert matches(model(token_ids().to(DEVICE)).cpu(), expected_output())
     finally:
@@ -405,6 +405,7 @@ def test_a_busy_coordinator_lock_leaves_the_join_to_the_callers_thread(held_ns: 
 def test_a_follower_lays_out_the_arena_once(held_ns: str, profile: str, monkeypatch, join_path):
     """The thread computes the arena's layout to map it and hands it on: the blocks' views, the registration
     ranges and the shared bytes use that layout instead of computing it again from the plan's sizes."""
+    import flextensor.sharing.follower as follower_mod
     import flextensor.sharing.session as session_mod
     import flextensor.shm.blocks as blocks_mod
 
@@ -414,7 +415,8 @@ def test_a_follower_lays_out_the_arena_once(held_ns: str, profile: str, monkeypa
         laid_out.append(len(sizes))
         return arena_layout(sizes, **kwargs)
 
-    for module in (blocks_mod, prefetch_mod, session_mod):  # wherever the follower's path could call it from
+    # wherever the follower's path could call it from
+    for module in (blocks_mod, prefetch_mod, session_mod, follower_mod):
         monkeypatch.setattr(module, "arena_layout", counted, raising=False)
     _follow_and_check(held_ns, profile, _meta_model)
     assert len(laid_out) == 1 and laid_out[0] > 0
