@@ -14,7 +14,7 @@ import torch
 
 import flextensor as ft
 import flextensor.runtime.host_block_build as deferred_mod
-import flextensor.manager as manager_mod
+import flextensor.standalone_namespace as providers_mod  # where the manager's engine gets its providers
 from flextensor.runtime.host_memory import block_view
 from flextensor.engine.phase import Phase
 from tests.helpers.fake_cudart import FakeCudart, inject_staging
@@ -74,14 +74,14 @@ def provider_wrap(monkeypatch):
     made: list[SlowOrFailingProvider] = []
 
     def install(**kwargs):
-        real = manager_mod.make_provider
+        real = providers_mod.make_provider
 
         def make(config, device, **kw):
             wrapper = SlowOrFailingProvider(real(config, device, **kw), **kwargs)
             made.append(wrapper)
             return wrapper
 
-        monkeypatch.setattr(manager_mod, "make_provider", make)
+        monkeypatch.setattr(providers_mod, "make_provider", make)
         return made
 
     return install
