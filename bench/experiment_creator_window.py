@@ -39,14 +39,14 @@ FILLS = ("pieces", "blocks")
 
 def fill_in_blocks() -> None:
     """The whole-block fill: one piece per block, 1/16 of the segments ahead (1 GiB at most), no early release."""
+    import flextensor.sharing.creator as creator
     import flextensor.sharing.publish as publish
-    import flextensor.sharing.session as session
 
     def window(total: int) -> int:
         return max(1, min(1 << 30, total // 16))
 
     publish.populate_window = window
-    session.populate_window = window  # the store's window, taken by name there
+    creator.populate_window = window  # the store's window, taken by name there
     publish.fill_piece = lambda window: 1 << 62
     publish.releasable = lambda tensor: False
 

@@ -44,7 +44,8 @@ import flextensor.planning.basic_strategies as basic  # noqa: E402
 import flextensor.engine.build as build  # noqa: E402
 import flextensor.engine.profiling as profiling  # noqa: E402
 import flextensor.engine.switch as switch  # noqa: E402
-import flextensor.manager as manager  # noqa: E402
+import flextensor.engine.phase_driver as phase_driver  # noqa: E402
+import flextensor.standalone_namespace as standalone_namespace  # noqa: E402
 import flextensor.planning.strategies as strategies  # noqa: E402
 import flextensor.runtime.timing as timing  # noqa: E402
 import flextensor.runtime.trap_windows as trap_windows  # noqa: E402
@@ -107,17 +108,18 @@ def _read_pass(clock: Any, record: Any, check_span: bool = True) -> Any:
 
 
 def instrument() -> None:
-    # The traps bind the manager's _trap_enter/_trap_exit at offload(), so wrapping the class first reaches them
+    # The traps bind the phase driver's trap_enter/trap_exit at offload(), so wrapping the class first reaches them
     # too; a function one engine module imported from another by name is wrapped where it is called.
     handler = profiling.ProfilingHandler
-    for owner, name in [(manager.OffloadManager, "_begin_pass"), (manager.OffloadManager, "_end_pass"),
-                        (manager.OffloadManager, "_trap_enter"), (manager.OffloadManager, "_trap_exit"),
+    driver = phase_driver.PhaseDriver
+    for owner, name in [(driver, "begin_pass"), (driver, "end_pass"), (driver, "trap_enter"), (driver, "trap_exit"),
                         (handler, "begin_pass"), (handler, "end_pass"), (handler, "enter"), (handler, "exit"),
                         (profiling, "resolve_windows"), (profiling, "recycle_windows"), (timing.TimingCollector, "mark"),
                         (profiling, "preload"), (switch, "warm_samples"),
                         (profiling, "plan_switch"), (profiling, "prepare_switch"), (profiling, "enter_inference"),
                         (switch, "pack_block"), (build, "can_defer"), (build, "defer_inference"),
-                        (switch, "resolve_device_budget"), (build, "bypass_untimed_traps"), (manager, "make_provider"),
+                        (switch, "resolve_device_budget"), (build, "bypass_untimed_traps"),
+                        (standalone_namespace, "make_provider"),
                         (strategies.AdaptiveStrategy, "plan"), (basic.NthLayerStrategy, "plan")]:
         _wrap(owner, name)
     timing.TimingCollector.read_windows_ms = _read_windows_ms

@@ -65,7 +65,7 @@ from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
 from flextensor.runtime.source_pages import SourcePages, releasable
 from flextensor.runtime.thread_join import join_through_interrupts
-from flextensor.shm.blocks import ARENA_ALIGN, ArenaLayout, SharedBlockAllocator, arena_layout
+from flextensor.shm.blocks import ARENA_ALIGN, ArenaLayout, arena_layout
 from flextensor.shm.manifest import DTYPE_SIZES
 from flextensor.shm.owner import ShmOwner
 from flextensor.shm.populate_ahead import PieceCursor, PopulateAhead, cut_into_pieces
