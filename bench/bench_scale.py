@@ -60,8 +60,8 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    RESULTS_DIR, JsonLineWorker, cleanup_namespace, close_together, gib, loaded_then_wait, report, start_together, table,
-    write_cprofile, write_docs_section,
+    RESULTS_DIR, JsonLineWorker, cleanup_namespace, close_together, gib, loaded_then_wait, namespace_leftovers, report,
+    start_together, table, write_cprofile, write_docs_section,
 )
 from scale_report import build_sections, print_phases, save_partial  # noqa: E402
 from shm_rates import READ_HEADERS, follower_read_rates, read_rows, tmpfs_rates  # noqa: E402
@@ -296,18 +296,7 @@ class Worker(JsonLineWorker):
 
 
 def leftovers(namespace: str) -> list[str]:
-    """Entries of the namespace left in /dev/shm and in the directory of the segments (``FT_SHM_DIR``)."""
-    from flextensor.shm.names import manager_namespace
-    from flextensor.shm.segment_dir import default_directory
-
-    ns = manager_namespace(namespace, MANAGER)
-    found: set[str] = set()
-    for directory in {"/dev/shm", default_directory()}:
-        try:
-            found.update(name for name in os.listdir(directory) if ns in name)
-        except FileNotFoundError:
-            pass
-    return sorted(found)
+    return namespace_leftovers(namespace, MANAGER)
 
 
 def run_setup(params: Params, timeout: float) -> dict:

@@ -266,6 +266,36 @@ class JsonLineWorker:
         return True
 
 
+def json_worker_main(label: str, run: Callable[[], None]) -> None:
+    """A worker process's main (the side of :class:`JsonLineWorker`): warnings go to stderr tagged ``label`` and
+    the pid; an exception is reported to the parent as ``{"error": ...}`` before it is raised."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"[{label} {os.getpid()}] %(asctime)s %(name)s: %(message)s")
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        raise
+
+
+def namespace_leftovers(namespace: str, manager: str) -> list[str]:
+    """Entries of manager ``manager`` of ``namespace`` left in /dev/shm and in the directory of the segments
+    (``FT_SHM_DIR``)."""
+    from flextensor.shm.names import manager_namespace
+    from flextensor.shm.segment_dir import default_directory
+
+    ns = manager_namespace(namespace, manager)
+    found: set[str] = set()
+    for directory in {"/dev/shm", default_directory()}:
+        try:
+            found.update(name for name in os.listdir(directory) if ns in name)
+        except FileNotFoundError:
+            pass
+    return sorted(found)
+
+
 def close_together(workers: Sequence[JsonLineWorker], timeout: float) -> list[tuple[float, float]]:
     """Tell every worker to "close" at once; per worker, (its ``close_s`` report, seconds from that report to the
     process's exit). The exits are watched together (every 2 ms), so one slow exit does not delay the others'

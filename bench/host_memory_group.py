@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    JsonLineWorker, cleanup_namespace, close_together, loaded_then_wait, proc_status, pss_bytes, reset_peak_rss,
-    start_together,
+    JsonLineWorker, cleanup_namespace, close_together, json_worker_main, loaded_then_wait, namespace_leftovers,
+    proc_status, pss_bytes, reset_peak_rss, start_together,
 )
 
 MANAGER = "hostmem"
@@ -172,15 +172,7 @@ def write_reference(p: GroupParams, timeout: float) -> dict:
 
 
 def worker_main(raw: str) -> None:
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"[group {os.getpid()}] %(asctime)s %(name)s: %(message)s")
-    try:
-        worker_session(GroupParams(**json.loads(raw)))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
-        raise
+    json_worker_main("group", lambda: worker_session(GroupParams(**json.loads(raw))))
 
 
 # ================================================================================================================
@@ -194,10 +186,7 @@ class Worker(JsonLineWorker):
 
 
 def leftovers(namespace: str) -> list[str]:
-    from flextensor.shm.names import manager_namespace
-
-    ns = manager_namespace(namespace, MANAGER)
-    return sorted(name for name in os.listdir("/dev/shm") if ns in name)
+    return namespace_leftovers(namespace, MANAGER)
 
 
 def _pss_sum(workers: list[Worker]) -> int:

@@ -18,7 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import JsonLineWorker, cleanup_namespace, close_together, loaded_then_wait, start_together  # noqa: E402
+from common import (  # noqa: E402
+    JsonLineWorker, cleanup_namespace, close_together, json_worker_main, loaded_then_wait, namespace_leftovers,
+    start_together,
+)
 
 MANAGER = "serving"
 
@@ -90,15 +93,7 @@ def worker_session(p: GroupParams) -> None:
 
 
 def worker_main(raw: str) -> None:
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"[serving {os.getpid()}] %(asctime)s %(name)s: %(message)s")
-    try:
-        worker_session(GroupParams(**json.loads(raw)))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
-        raise
+    json_worker_main("serving", lambda: worker_session(GroupParams(**json.loads(raw))))
 
 
 # ================================================================================================================
@@ -107,10 +102,7 @@ def worker_main(raw: str) -> None:
 
 
 def leftovers(namespace: str) -> list[str]:
-    from flextensor.shm.names import manager_namespace
-
-    ns = manager_namespace(namespace, MANAGER)
-    return sorted(name for name in os.listdir("/dev/shm") if ns in name)
+    return namespace_leftovers(namespace, MANAGER)
 
 
 def run_group(params: GroupParams, workers: int, timeout: float = 900.0) -> dict:
