@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-__all__ = ["COPY_EFFICIENCY", "device_read_rate", "read_floor_s"]
+__all__ = ["COPY_EFFICIENCY", "copy_read_rate", "device_read_rate", "peak_read_rate"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +42,6 @@ _lock = threading.Lock()
 _rates: dict[int, float] = {}
 
 
-def read_floor_s(nbytes: int, rate: float | None) -> float | None:
-    """The least time a pass can spend reading ``nbytes`` of weights at ``rate`` bytes/s (None: no bound)."""
-    if rate is None:
-        return None
-    return max(0, int(nbytes)) / rate
-
-
 def device_read_rate(device: torch.device) -> float | None:
     """Peak read rate of ``device``'s memory in bytes/s, or None on a non-CUDA device (see the Note above)."""
     if device.type != "cuda":
@@ -57,14 +50,17 @@ def device_read_rate(device: torch.device) -> float | None:
     with _lock:
         rate = _rates.get(index)
         if rate is None:
-            rate = _from_properties(index) or _from_copy(index)
+            device = torch.device("cuda", index)
+            rate = peak_read_rate(device) or copy_read_rate(device)
             _rates[index] = rate
             logger.debug("cuda:%d memory read rate %.0f GB/s", index, rate / 1e9)
     return rate
 
 
-def _from_properties(index: int) -> float | None:
-    props = torch.cuda.get_device_properties(index)
+def peak_read_rate(device: torch.device) -> float | None:
+    """The theoretical peak of a CUDA device's memory from its properties, None where torch does not expose the
+    memory clock and bus width."""
+    props = torch.cuda.get_device_properties(device)
     clock_khz = getattr(props, "memory_clock_rate", 0) or 0
     bus_bits = getattr(props, "memory_bus_width", 0) or 0
     if clock_khz <= 0 or bus_bits <= 0:
@@ -72,8 +68,9 @@ def _from_properties(index: int) -> float | None:
     return 2.0 * clock_khz * 1e3 * bus_bits / 8
 
 
-def _from_copy(index: int) -> float:
-    device = torch.device("cuda", index)
+def copy_read_rate(device: torch.device) -> float:
+    """The peak estimated from a timed device-to-device copy: its traffic (read plus write) over
+    ``COPY_EFFICIENCY``."""
     free, _total = torch.cuda.mem_get_info(device)
     nbytes = max(1 << 20, min(_COPY_BYTES, free // 4))
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
