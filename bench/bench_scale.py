@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     RESULTS_DIR, JsonLineWorker, cleanup_namespace, close_together, gib, loaded_then_wait, namespace_leftovers, report,
-    start_together, table, write_cprofile, write_docs_section,
+    report_close, start_together, table, write_cprofile, write_docs_section,
 )
 from scale_report import build_sections, print_phases, save_partial  # noqa: E402
 from shm_rates import READ_HEADERS, follower_read_rates, read_rows, tmpfs_rates  # noqa: E402
@@ -275,9 +275,7 @@ def worker_main(mode: str, raw: str) -> None:
             session.close()
         raise SystemExit(3)
     if sys.stdin.readline().strip() == "close":
-        begin = time.perf_counter()
-        session.close()
-        print(json.dumps({"close_s": time.perf_counter() - begin}), flush=True)
+        report_close(session)
     else:
         session.close()
     # The process exits now, as a worker that shuts down right after close() would.

@@ -280,6 +280,14 @@ def json_worker_main(label: str, run: Callable[[], None]) -> None:
         raise
 
 
+def report_close(session) -> None:
+    """A worker's answer to "close" (the side of :func:`close_together`): ``session.close()``, timed, reported as
+    ``close_s``."""
+    begin = time.perf_counter()
+    session.close()
+    print(json.dumps({"close_s": time.perf_counter() - begin}), flush=True)
+
+
 def namespace_leftovers(namespace: str, manager: str) -> list[str]:
     """Entries of manager ``manager`` of ``namespace`` left in /dev/shm and in the directory of the segments
     (``FT_SHM_DIR``)."""

@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     JsonLineWorker, cleanup_namespace, close_together, json_worker_main, loaded_then_wait, namespace_leftovers,
-    proc_status, pss_bytes, reset_peak_rss, start_together,
+    proc_status, pss_bytes, report_close, reset_peak_rss, start_together,
 )
 
 MANAGER = "hostmem"
@@ -127,9 +127,7 @@ def worker_session(p: GroupParams) -> None:
             print(json.dumps(_serve(p, proxy)), flush=True)
             command = sys.stdin.readline().strip()
         if command == "close":
-            begin = time.perf_counter()
-            session.close()
-            print(json.dumps({"close_s": time.perf_counter() - begin}), flush=True)
+            report_close(session)
     finally:
         session.close()  # idempotent; the process exits right after, as a worker that shuts down would
 

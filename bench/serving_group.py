@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     JsonLineWorker, cleanup_namespace, close_together, json_worker_main, loaded_then_wait, namespace_leftovers,
-    start_together,
+    report_close, start_together,
 )
 
 MANAGER = "serving"
@@ -85,9 +84,7 @@ def worker_session(p: GroupParams) -> None:
                               "resident_bytes": usage.resident_bytes}), flush=True)
             command = sys.stdin.readline().strip()
         if command == "close":
-            begin = time.perf_counter()
-            session.close()
-            print(json.dumps({"close_s": time.perf_counter() - begin}), flush=True)
+            report_close(session)
     finally:
         session.close()
 
