@@ -45,27 +45,25 @@ writable by group or others (:func:`inspect_lock_dir`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import select
 import stat
-import time
 from pathlib import Path
 
 from flextensor.shm.errors import ShmProtocolError
-from flextensor.shm.header import AbortedCreationError, HeaderInfo, open_coordinator_segment, read_state
+from flextensor.shm.header import AbortedCreationError, open_coordinator_segment, read_state
 from flextensor.shm.identity import ParticipantIdentity, boot_id, host_clock_ns, process_start_time
 from flextensor.shm.journal import MAX_JOURNAL_BYTES, list_journals, read_journal
 from flextensor.shm.activity import weights_version
 from flextensor.shm.leases import Activity, LeaseSlot, LeaseTable, SlotState
 from flextensor.shm.names import coordinator_segment_name
 from flextensor.shm import segment_dir
-from flextensor.shm.segment import SharedSegment
 
 from flextensor.daemon.lockdirs import LockDir, configured_lock_dir, inspect_lock_dir, segment_owner_uid
+from flextensor.daemon.records import Hold, NamespaceView, Participant
 
-__all__ = ["Participant", "NamespaceView", "Registry"]
+__all__ = ["Participant", "NamespaceView", "Hold", "Registry"]
 
 
 def _member_state(slot: LeaseSlot) -> str:
@@ -77,79 +75,8 @@ def _member_state(slot: LeaseSlot) -> str:
     except ValueError:
         return f"unknown ({slot.activity})"
 
+
 logger = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------------------ the view
-
-
-@dataclasses.dataclass
-class Participant:
-    """A process the daemon watches (registered, or adopted from a lease table)."""
-
-    namespace: str
-    slot_index: int
-    identity: ParticipantIdentity
-    pid: int  # the pid as the daemon sees it (may differ from identity.pid across pid namespaces)
-    pidfd: int
-    uid: int | None
-    adopted: bool
-    since: float = dataclasses.field(default_factory=time.monotonic)
-
-
-@dataclasses.dataclass
-class Hold:
-    """The daemon's own participation in a generation (``ftd hold``)."""
-
-    namespace: str
-    lock_dir: LockDir
-    generation: int
-    segment: SharedSegment
-    table: LeaseTable
-    slot: int
-    identity: ParticipantIdentity
-    heartbeat: object  # flextensor.shm.leases.Heartbeat
-    owner_uid: int
-    since: float = dataclasses.field(default_factory=time.time)
-    created_at_ns: int = 0  # the header's creation time: with ``generation``, names the generation exactly
-    lease_ns: int = 0  # the slot's lease (the heartbeat runs every lease / 4)
-    adopted: bool = False  # the slot was taken over from a previous daemon (see holds.restore_hold)
-
-
-@dataclasses.dataclass
-class NamespaceView:
-    """What the last scan saw of one namespace (a journal in a watched lock directory)."""
-
-    namespace: str
-    lock_dir: LockDir
-    base: str | None = None
-    manager: str | None = None
-    generation: int | None = None
-    state: str = "ORPHAN"  # INITIALIZING / READY / FAILED (header), ORPHAN (no coordinator), CORRUPT, CREATING
-    live: int = 0
-    bytes: int = 0
-    shm_dir: str = segment_dir.DEFAULT_DIRECTORY  # where its segments are (the journal's shm_dir)
-    created_at: float | None = None  # wall clock seconds
-    error: str | None = None
-    owner_uid: int | None = None  # uid owning the coordinator segment (else the lock directory's)
-    reclaimable_since_ns: int | None = None  # host clock: when the last lease ended/expired
-    segment: SharedSegment | None = None  # cached mapping of /{ns}.c
-    segment_ino: int | None = None
-    table: LeaseTable | None = None
-    header: HeaderInfo | None = None
-    expired_seen: set[str] = dataclasses.field(default_factory=set)  # tokens counted as lease expiries
-    adoption_checked: set[str] = dataclasses.field(default_factory=set)
-    dead_at_ns: dict[str, int] = dataclasses.field(default_factory=dict)  # token -> host clock of death
-    logged_error: str | None = None
-    members: list[tuple[int, int, str, int]] = dataclasses.field(default_factory=list)  # pid, slot, state, version
-    weights_version: int = 0  # the header's (shm/activity.py)
-
-    def close_mapping(self) -> None:
-        self.table = None
-        self.header = None
-        segment, self.segment, self.segment_ino = self.segment, None, None
-        if segment is not None:
-            segment.close()
 
 
 class Registry:
@@ -634,5 +561,3 @@ class Registry:
             self._drop_fd(participant)
         self.participants.clear()
 
-
-__all__ += ["Hold"]
