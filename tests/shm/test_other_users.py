@@ -63,14 +63,41 @@ def _stop(holder: subprocess.Popen) -> None:
     holder.wait(timeout=30)
 
 
-_CREATE_UNDER_GATE = """
+def _keeping_warnings(logger: str) -> str:
+    """The start of a script run in a child: the WARNINGs of ``logger`` are kept in ``records`` for its report."""
+    return f"""
 import logging
 records = []
 class Keep(logging.Handler):
     def emit(self, record):
         records.append(record.getMessage())
-logging.getLogger("flextensor.shm.allocation_gate").addHandler(Keep())
-logging.getLogger("flextensor.shm.allocation_gate").setLevel(logging.WARNING)
+logging.getLogger({logger!r}).addHandler(Keep())
+logging.getLogger({logger!r}).setLevel(logging.WARNING)
+"""
+
+
+#: What ``run_as_user``'s prelude has imported for the scripts here; a script run as root directly imports it.
+_STANDARD_IMPORTS = "import json, os, sys, time\n"
+
+
+def _run_script(uid: int, code: str, *, timeout: float, tmpdir: str | None = None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter: as this (root) process's user directly (``TMPDIR=tmpdir`` when given),
+    as another uid through ``run_as_user``."""
+    if uid == 0:
+        env = {**os.environ, "TMPDIR": tmpdir} if tmpdir is not None else None
+        return subprocess.run([sys.executable, "-c", _STANDARD_IMPORTS + code], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    return run_as_user(uid, code, tmpdir=tmpdir or "/tmp", timeout=timeout)
+
+
+def _as(uid: int, code: str, tmpdir: Path) -> dict:
+    """``code``'s JSON report, run as ``uid`` with ``TMPDIR=tmpdir`` (it must exit 0)."""
+    run = _run_script(uid, code, tmpdir=str(tmpdir), timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+_CREATE_UNDER_GATE = _keeping_warnings("flextensor.shm.allocation_gate") + """
 from flextensor.shm.segment import SharedSegment
 start = time.monotonic()
 segment = SharedSegment.create({name!r}, 4 << 20)
@@ -86,11 +113,7 @@ def test_allocation_gate_held_by_another_uid_does_not_delay_a_creator(ns, owner)
     name = f"/{ns}.gate"
     holder = _hold_gate(SQUATTER)
     try:
-        if owner == "root":
-            code = "import json, time\n" + _CREATE_UNDER_GATE.format(name=name)
-            run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        else:
-            run = run_as_user(VICTIM, _CREATE_UNDER_GATE.format(name=name), tmpdir="/tmp", timeout=300)
+        run = _run_script(0 if owner == "root" else VICTIM, _CREATE_UNDER_GATE.format(name=name), timeout=300)
         assert run.returncode == 0, run.stderr
         result = json.loads(run.stdout)
         assert holder.poll() is None  # the segment was made while the squatter still held the gate
@@ -110,7 +133,7 @@ def test_allocation_gate_held_where_the_creator_cannot_see_the_holder_does_not_d
     name = f"/{ns}.gate"
     holder = _hold_gate(SQUATTER)
     try:
-        code = "import json, time\n" + _CREATE_UNDER_GATE.format(name=name)
+        code = _STANDARD_IMPORTS + _CREATE_UNDER_GATE.format(name=name)
         run = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr
@@ -149,14 +172,7 @@ def test_allocation_gate_names_its_holder_and_still_waits_for_a_creator_of_the_s
     allocation_gate.release(fd)
 
 
-_JOB_WITH_LOGS = """
-import logging
-records = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        records.append(record.getMessage())
-logging.getLogger("flextensor").addHandler(Keep())
-logging.getLogger("flextensor").setLevel(logging.WARNING)
+_JOB_WITH_LOGS = _keeping_warnings("flextensor") + """
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.names import lock_directory
 out = {{}}
@@ -175,14 +191,7 @@ print(json.dumps(out))
 
 
 def _run_job(uid: int, ns: str, tmpdir: Path) -> dict:
-    if uid == 0:
-        code = "import json, os\n" + _JOB_WITH_LOGS.format(ns=ns)
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "TMPDIR": str(tmpdir)})
-    else:
-        run = run_as_user(uid, _JOB_WITH_LOGS.format(ns=ns), tmpdir=str(tmpdir), timeout=120)
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout)
+    return _as(uid, _JOB_WITH_LOGS.format(ns=ns), tmpdir)
 
 
 @pytest.mark.parametrize("owner", [0, VICTIM])
@@ -254,16 +263,6 @@ except OSError as exc:
 else:
     print(json.dumps({{"removed": report.removed}}))
 """
-
-
-def _as(uid: int, code: str, tmpdir: Path) -> dict:
-    if uid == 0:
-        run = subprocess.run([sys.executable, "-c", "import json, os, sys\n" + code], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "TMPDIR": str(tmpdir)})
-    else:
-        run = run_as_user(uid, code, tmpdir=str(tmpdir), timeout=120)
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout)
 
 
 @pytest.mark.parametrize("owner", [0, VICTIM])
