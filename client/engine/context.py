@@ -240,6 +240,11 @@ class EngineContext:
         self.timing = offload_timing_collector(self.config.offload_timing, self.device)
 
     @property
+    def latency_mode(self) -> bool:
+        """No memory budget: neither ``set_memory_budget`` nor ``max_gpu_mem_fraction`` names one."""
+        return self.budget_bytes is None and self.config.max_gpu_mem_fraction is None
+
+    @property
     def in_place(self) -> bool:
         """Offloaded tensors are computed from their host blocks directly (Note [CPU in place] in
         ``flextensor.engine.build``)."""

@@ -151,8 +151,7 @@ def automatic(ctx: EngineContext) -> bool:
     """Whether the stall probe may arm replans: latency mode with the default adaptive strategy."""
     cfg = ctx.config
     strategy_ok = cfg.load_strategy is None or isinstance(cfg.load_strategy, AdaptiveStrategy)
-    latency = ctx.budget_bytes is None and cfg.max_gpu_mem_fraction is None
-    return (ctx.allow_replan and strategy_ok and latency and not cfg.shm_enabled and not ctx.in_place
+    return (ctx.allow_replan and strategy_ok and ctx.latency_mode and not cfg.shm_enabled and not ctx.in_place
             and ctx.function_traps is None)
 
 
@@ -335,7 +334,7 @@ def _start_planner(ctx: EngineContext, report: OffloadTimingReport | None, threa
             stall = stats.transfer_median if synchronous else stats.wait_median
             if stall > TRAP_STALL_MS:
                 replan.stalled[stats.label] = stall
-    latency = ctx.budget_bytes is None and ctx.config.max_gpu_mem_fraction is None
+    latency = ctx.latency_mode
     floor = replan.floor_s
     if not floor:
         floor.update(ctx.plan.compute_s)

@@ -216,7 +216,7 @@ def read_floor_s(ctx: EngineContext) -> dict[str, float] | None:
     device memory's read rate (Note [the smallest pass] in ``flextensor.runtime.device_read_rate``); a trap without
     weights is bounded by 0. None where no bound applies: memory mode, a CPU computing in place, or no rate (a
     CPU without ``EnginePolicy.device_read_rate``, or that rate infinite)."""
-    if ctx.budget_bytes is not None or ctx.config.max_gpu_mem_fraction is not None or ctx.in_place:
+    if not ctx.latency_mode or ctx.in_place:
         return None
     rate = ctx.policy.device_read_rate if ctx.policy.device_read_rate is not None else device_read_rate(ctx.device)
     if rate is None or math.isinf(rate):
@@ -233,8 +233,12 @@ def latency_capacity(ctx: EngineContext) -> int | None:
     if ctx.device.type != "cuda":
         return None
     total, free = device_memory(ctx.device)
-    held = sum(tensor_nbytes(e.tensor) for e in ctx.tensors.values() if e.tensor.device == ctx.device)
-    return max(0, free + held - warmup_margin(total))
+    return max(0, free + _held_on_device(ctx) - warmup_margin(total))
+
+
+def _held_on_device(ctx: EngineContext) -> int:
+    """Bytes of the model's tensors on the compute device now (a plan may count them as room it can use)."""
+    return sum(tensor_nbytes(e.tensor) for e in ctx.tensors.values() if e.tensor.device == ctx.device)
 
 
 def resolve_device_budget(ctx: EngineContext) -> int | None:
@@ -246,9 +250,8 @@ def resolve_device_budget(ctx: EngineContext) -> int | None:
     if fraction is None:
         return None
     total, free = device_memory(ctx.device)
-    held = sum(tensor_nbytes(e.tensor) for e in ctx.tensors.values() if e.tensor.device == ctx.device)
-    if ctx.device.type == "cpu":
-        held = 0  # host RAM is not "held" by moving tensors; the CPU device is only a stand-in
+    # On a CPU, host RAM is not "held" by moving tensors: the CPU device is only a stand-in.
+    held = _held_on_device(ctx) if ctx.device.type != "cpu" else 0
     budget, warning = resolve_budget(fraction, total, min(total, free + held))
     if warning:
         logger.warning("manager %r: %s", ctx.name, warning)
