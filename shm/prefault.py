@@ -53,8 +53,9 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 
 
-def _populate(address: int, length: int, advice: int) -> int:
-    """0 on success, else the errno of ``madvise`` (ctypes releases the GIL around the call)."""
+def madvise(address: int, length: int, advice: int) -> int:
+    """``madvise(2)`` on ``length`` bytes at ``address``: 0 on success, else its errno (ctypes releases the GIL
+    around the call, so threads can advise ranges at once)."""
     if _libc.madvise(address, length, advice) == 0:
         return 0
     return ctypes.get_errno()
@@ -107,10 +108,10 @@ def _populate_range(address: int, size: int, advice: int, *, piece: int = CHUNK,
     ranges = [(address + offset, min(piece, size - offset)) for offset in range(0, size, piece)]
     threads = min(threads, MAX_THREADS, os.cpu_count() or 1, len(ranges))
     if threads <= 1:
-        results = [_populate(a, n, advice) for a, n in ranges]
+        results = [madvise(a, n, advice) for a, n in ranges]
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="ft-populate") as pool:
-            results = list(pool.map(lambda r: _populate(r[0], r[1], advice), ranges))
+            results = list(pool.map(lambda r: madvise(r[0], r[1], advice), ranges))
     failures = [code for code in results if code]
     if not failures:
         return True

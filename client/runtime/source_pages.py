@@ -27,24 +27,18 @@ soon as the copy ends, or fail (a creator's model is then disposable, as after a
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 
 import torch
+
+from flextensor.shm.prefault import madvise
 
 __all__ = ["releasable", "SourcePages"]
 
 logger = logging.getLogger(__name__)
 
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
-_madvise = None
-try:
-    _madvise = ctypes.CDLL(None, use_errno=True).madvise
-    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _madvise.restype = ctypes.c_int
-except (OSError, AttributeError):  # no madvise in this process's C library: tensors are freed whole
-    _madvise = None
 
 #: What ``torch._C._storage_Use_Count`` reports for a storage used by one tensor only, read through a fresh
 #: ``untyped_storage()`` wrapper (which holds a reference of its own while it is read).
@@ -55,7 +49,7 @@ def releasable(tensor: torch.Tensor) -> bool:
     """True when ``tensor``'s pages may be given back piece by piece as it is copied (see the module docstring).
     Ask before taking any alias of it (``detach()`` is one)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if _madvise is None or _MADV_DONTNEED is None or use_count is None:
+    if _MADV_DONTNEED is None or use_count is None:
         return False
     if tensor.device.type != "cpu" or tensor.is_meta or not tensor.is_contiguous() or tensor.storage_offset():
         return False
@@ -86,11 +80,12 @@ class SourcePages:
         end -= end % mmap.PAGESIZE
         if end <= self._released:
             return
-        assert _madvise is not None and _MADV_DONTNEED is not None  # releasable() said so
-        if _madvise(self._released, end - self._released, _MADV_DONTNEED) != 0:
+        assert _MADV_DONTNEED is not None  # releasable() said so
+        error = madvise(self._released, end - self._released, _MADV_DONTNEED)
+        if error:
             self._failed = True
             logger.debug("madvise(MADV_DONTNEED) refused (errno %d): this tensor is freed whole after its copy",
-                         ctypes.get_errno())
+                         error)
             return
         self.released_bytes += end - self._released
         self._released = end

@@ -24,14 +24,14 @@ def test_a_range_is_allocated_whole_by_at_most_the_threads_one_file_can_use(name
         SharedSegment.unlink_name(name)
 
     threads: set[int] = set()
-    real = prefault._populate
+    real = prefault.madvise
 
     def recorded(address: int, length: int, advice: int) -> int:
         threads.add(threading.get_ident())
         time.sleep(0.01)  # long enough that every pool thread takes a piece
         return real(address, length, advice)
 
-    monkeypatch.setattr(prefault, "_populate", recorded)
+    monkeypatch.setattr(prefault, "madvise", recorded)
     for asked, expected in ((None, prefault.WRITE_THREADS_PER_FILE), (1, 1)):
         threads.clear()
         segment = SharedSegment.create(name, 64 * MIB, reserve=False)
