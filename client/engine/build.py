@@ -94,11 +94,10 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 import torch
 from torch import nn
 
-from flextensor.engine.context import DeferredPlan
+from flextensor.engine.context import DeferredPlan, block_loader
 from flextensor.engine.function_traps import build_indirect
 from flextensor.engine.hooks import assign_data, bypass_resident_traps
 from flextensor.engine.replan import attach_probe
-from flextensor.runtime.loaders.arena_loader import make_loader
 from flextensor.runtime.host_block_build import HostBlockBuild, SourceHandover
 from flextensor.runtime.host_memory import ARENA_MAX_BYTES, BlockLayout, FillProgress, HostBlock, block_view, block_views
 from flextensor.runtime.sweep import device_memory
@@ -268,7 +267,6 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
     """The last step of every INFERENCE build: host blocks in place, tensors pointed at them; create the loader
     (none on a CPU compute device: Note [CPU in place]). ``release_staging=False``: the caller already handed the
     staged originals to a background release."""
-    cfg = ctx.config
     block_of = {layout.label: layout.index for layout in layouts}
     ctx.inference.layouts = layouts
     ctx.inference.host_blocks = blocks
@@ -285,18 +283,8 @@ def start_loader(ctx: EngineContext, layouts: list[BlockLayout], blocks: list[Ho
         return
     ctx.inference.block_of = block_of
     _read_state_dict_from_host_blocks(ctx)
-    ctx.inference.loader = make_loader(
-        cfg.transfer_mode,
-        device=ctx.device,
-        layouts=layouts,
-        host_blocks=[b.tensor for b in blocks],
-        params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts],
-        schedule=loader_schedule,
-        num_slots=num_slots,
-        small_slot=ctx.plan.small_slot,
-        timing=ctx.timing,
-        host_block_gate=host_block_gate,
-    )
+    ctx.inference.loader = block_loader(ctx, layouts, blocks, loader_schedule, num_slots,
+                                        small_slot=ctx.plan.small_slot, host_block_gate=host_block_gate)
     bypass_untimed_traps(ctx, set(block_of))
     attach_probe(ctx)  # latency mode: stalls on copies arm a replan (Note [replanning] in flextensor.engine.replan)
 

@@ -21,7 +21,7 @@ Groups, in the order a model meets them:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from flextensor.planning.plan_model import TrapCost
 from flextensor.planning.warmup_rule import WarmupDecision
 from flextensor.runtime.host_block_build import HostBlockBuild, SourceHandover
 from flextensor.runtime.host_memory import BlockLayout, HostBlock, HostBlockProvider, TensorPlacement
+from flextensor.runtime.loaders.arena_loader import make_loader
 from flextensor.runtime.loaders.block_loader import StreamingLoader
 from flextensor.runtime.pinned.in_place import PinnedStaging
 from flextensor.runtime.stall_probe import StallProbe
@@ -45,7 +46,7 @@ from flextensor.state import ModelTensor
 if TYPE_CHECKING:  # pragma: no cover
     from flextensor.engine.hooks import Trap
 
-__all__ = ["compute_device", "check_devices", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan",
+__all__ = ["block_loader", "compute_device", "check_devices", "EngineContext", "WarmupState", "ProfileState", "PlanState", "InferenceState", "SwitchInputs", "DeferredPlan",
            "ReplanState"]
 
 #: Makes the provider of the INFERENCE host blocks (``register_in_place=True``: never PyTorch's pinned allocator,
@@ -92,6 +93,19 @@ def compute_device(config: OffloadConfig) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", config.gpu_device)
     return torch.device("cpu")
+
+
+def block_loader(ctx: EngineContext, layouts: Sequence[BlockLayout], host_blocks: Sequence[HostBlock],
+                 schedule: Sequence[int], num_slots: int, *, small_slot: int = 0,
+                 host_block_gate: Callable[[int], None] | None = None) -> StreamingLoader:
+    """The loader of ``ctx``'s transfer mode that streams ``host_blocks`` (one per layout, in order) into the
+    model's tensors of each layout, on the schedule given: the one construction the build, a replan and a wake
+    share."""
+    return make_loader(ctx.config.transfer_mode, device=ctx.device, layouts=layouts,
+                       host_blocks=[b.tensor for b in host_blocks],
+                       params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in layouts],
+                       schedule=schedule, num_slots=num_slots, small_slot=small_slot, timing=ctx.timing,
+                       host_block_gate=host_block_gate)
 
 
 def check_devices(config: OffloadConfig) -> None:

@@ -39,12 +39,11 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from flextensor.engine.context import StrategyReplanState
+from flextensor.engine.context import StrategyReplanState, block_loader
 from flextensor.engine.hooks import assign_data
 from flextensor.engine.switch import read_floor_s, resolve_device_budget, trap_stream_cost
 from flextensor.planning.plan_model import PlanInput, TensorCost, TransferModel, TrapCost
 from flextensor.planning.strategies import AdaptiveStrategy
-from flextensor.runtime.loaders.arena_loader import make_loader
 from flextensor.runtime.host_memory import block_views
 from flextensor.runtime.stall_probe import StallProbe
 from flextensor.runtime.timing import OffloadTimingReport, TimingCollector
@@ -457,14 +456,5 @@ def install_streaming(ctx: EngineContext, streamed: Sequence[str], num_slots: in
     inference.block_of = {layout.label: layout.index for layout in inference.layouts if layout.label in keep}
     schedule = [inference.block_of[label] for label in ctx.sequence if label in keep]
     if keep:
-        inference.loader = make_loader(
-            ctx.config.transfer_mode,
-            device=ctx.device,
-            layouts=inference.layouts,
-            host_blocks=[b.tensor for b in inference.host_blocks],
-            params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in inference.layouts],
-            schedule=schedule,
-            num_slots=num_slots,
-            timing=ctx.timing,
-        )
+        inference.loader = block_loader(ctx, inference.layouts, inference.host_blocks, schedule, num_slots)
     _bypass(ctx, keep)

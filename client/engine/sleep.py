@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import torch
 
+from flextensor.engine.context import block_loader
 from flextensor.engine.hooks import assign_data
 from flextensor.engine.phase import Phase, PhaseHandler
 from flextensor.engine.replan import attach_probe
 from flextensor.errors import ModelAsleepError
 from flextensor.runtime.host_memory import (BlockLayout, HostBlock, HostBlockProvider, HostRegisterProvider,
                                             PageableProvider, block_views, pack_block, packed_stride)
-from flextensor.runtime.loaders.arena_loader import make_loader
 from flextensor.state import tensor_nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -225,12 +225,8 @@ def wake_up(ctx: EngineContext, state: SleepState, host_copy: HostCopy | None) -
                     assign_data(tensor, view)
         if state.loader is not None:
             schedule, num_slots, gate = state.loader
-            inference.loader = make_loader(
-                ctx.config.transfer_mode, device=ctx.device, layouts=inference.layouts,
-                host_blocks=[b.tensor for b in inference.host_blocks],
-                params=[[ctx.tensors[p.name].tensor for p in layout.tensors] for layout in inference.layouts],
-                schedule=schedule, num_slots=num_slots, small_slot=ctx.plan.small_slot, timing=ctx.timing,
-                host_block_gate=gate)
+            inference.loader = block_loader(ctx, inference.layouts, inference.host_blocks, schedule, num_slots,
+                                            small_slot=ctx.plan.small_slot, host_block_gate=gate)
             attach_probe(ctx)
         if ctx.device.type == "cuda":
             torch.cuda.current_stream(ctx.device).synchronize()  # the private block may go now

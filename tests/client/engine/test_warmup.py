@@ -488,13 +488,13 @@ def test_resident_kept_across_passes_freed_before_blocks_and_reused_when_residen
     names = sorted(_candidates(om))
     originals = {n: om.engine.tensors[n].tensor.data for n in names}
     seen_at_build: list[int] = []
-    real_loader = inference_mod.make_loader
+    real_loader = inference_mod.block_loader
 
     def loader_probe(*args, **kwargs):
         seen_at_build.append(om.engine.warm.loader.kept_count)  # device blocks are allocated here: no warm-up copy left
         return real_loader(*args, **kwargs)
 
-    monkeypatch.setattr(inference_mod, "make_loader", loader_probe)
+    monkeypatch.setattr(inference_mod, "block_loader", loader_probe)
     kept_ptrs: dict[str, int] = {}
     with torch.no_grad():
         for i in range(om.iters_before_inference - 1):
