@@ -414,15 +414,34 @@ def timing_section(runner: Runner, modes: list[str]) -> str:
     return timing_table(runner.runs, modes, runner.file_bytes, args.repeat)
 
 
+def _set_up(args: argparse.Namespace, root: Path) -> None:
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, __file__, "--setup", "--root", str(root), "--layers", str(args.layers),
+                    "--d", str(args.d), "--h", str(args.h), "--dtype", args.dtype, "--shards", str(args.shards)],
+                   check=True)
+    page_cache.evict(_checkpoint_files(root))  # written back now (not during a timed run), then read again
+    print(f"set-up (model, checkpoint, profile) took {time.monotonic() - t0:.1f} s", flush=True)
+
+
+def run_session_warm(args: argparse.Namespace) -> None:
+    """Only the session creator's checkpoint-to-READY from a warm page cache, ``--repeat`` times, over the set-up
+    kept in ``--session-warm-only DIR`` (made there on the first call): what bench_huge_pages runs once per kind
+    of page, with ``FT_SHM_DIR`` naming the directory under test. Prints one JSON line ``{"ready_s": [...]}``."""
+    root = Path(args.session_warm_only)
+    if not (root / "ckpt").is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        _set_up(args, root)
+    runner = Runner(args, root)
+    runs = [runner.load("session", "warm") for _ in range(args.repeat)]
+    print(json.dumps({"ready_s": [r["ready_s"] for r in runs], "equal": all(r["equal"] for r in runs),
+                      "model_bytes": runs[0]["model_bytes"], "cached_before": [r["cached_before"] for r in runs]}),
+          flush=True)
+
+
 def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="ft-bench-ckpt-", dir=args.tmp) as tmp:
         root = Path(tmp)
-        t0 = time.monotonic()
-        subprocess.run([sys.executable, __file__, "--setup", "--root", str(root), "--layers", str(args.layers),
-                        "--d", str(args.d), "--h", str(args.h), "--dtype", args.dtype, "--shards", str(args.shards)],
-                       check=True)
-        page_cache.evict(_checkpoint_files(root))  # written back now (not during a timed run), then read again
-        print(f"set-up (model, checkpoint, profile) took {time.monotonic() - t0:.1f} s", flush=True)
+        _set_up(args, root)
         runner = Runner(args, root)
         shm_free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
         shared = shm_free > 1.1 * runner.file_bytes
@@ -466,6 +485,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-in-ram", action="store_true", help="leave out the in-RAM creator and offload rows")
     p.add_argument("--tmp", default=None, help="where the checkpoint is written (default: the system's temp dir)")
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--session-warm-only", metavar="DIR",
+                   help="only the session creator from a warm cache, over a set-up kept in DIR (made if absent)")
     p.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
@@ -480,6 +501,8 @@ def main() -> None:
         setup(args, Path(args.root))
     elif args.worker:
         worker(args, Path(args.root))
+    elif args.session_warm_only:
+        run_session_warm(args)
     else:
         run(args)
 

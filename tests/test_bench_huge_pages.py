@@ -34,3 +34,15 @@ def test_the_table_has_both_modes_every_goal_and_dashes_for_what_was_not_measure
     assert lines["follower alone ready after READY, 24 GiB"] == ["0.150 s", "0.150 s", "no slower than 4 KiB"]
     assert lines["exit after close(), 3 followers together, 24 GiB"] == ["0.700 s", "0.700 s", "<= 0.5 s"]
     assert lines["entries left in the directory afterwards"] == ["0", "0", "0"]
+
+
+def test_the_checkpoint_row_shows_each_modes_median_and_a_dash_where_it_did_not_run() -> None:
+    four_k, huge = _mode("4 KiB pages", 2.0, 0.4), _mode("huge=always", 1.0, 0.05)
+    four_k["checkpoint"] = {"ready_s": [0.9, 0.7, 0.8], "equal": True, "model_bytes": 6 * GIB}
+    huge["checkpoint"] = {"error": "no GPU"}
+    data = {"sizes": [24.0], "workers": 4, "register_gib": 8.0, "modes": [four_k, huge]}
+    ((_, text),) = bench_huge_pages.sections(data)
+    row = next(line for line in text.splitlines() if "checkpoint to READY" in line)
+    assert [c.strip() for c in row.split("|")[1:-1]] == [
+        "session creator, checkpoint to READY, warm page cache, 6 GiB (median of 3)", "0.800 s", "-",
+        "<= 0.5 s at 6 GiB"]
