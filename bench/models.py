@@ -12,6 +12,12 @@ Building is fast: the module tree is made on ``meta`` (no allocation, no default
 ``to_empty`` to the target device and filled in place from a seeded generator on that device. Same seed, same
 spec, same device and dtype -> the same weights. ``bf16`` on GPU, ``float32`` on CPU (see :func:`default_dtype`).
 
+A model larger than the device (:func:`fits_on_device`) is built in host RAM by
+:func:`build_model_in_host_ram`: one piece (embedding, block, norm, head) at a time is drawn on the device from
+the same generator, in the same order, then moved to the host, so the weights equal :func:`build_model`'s and
+the host never holds more than the model. Its reference output comes from :func:`layerwise_forward`, which runs
+the pieces one at a time on the device with their weights copied there and dropped after (:func:`run_on_device`).
+
 Only ``DecoderBlock`` ends in ``Block``, so ``class:*Block`` selects exactly the layers.
 """
 
@@ -32,12 +38,20 @@ __all__ = [
     "default_device",
     "default_dtype",
     "build_model",
+    "build_model_in_host_ram",
     "build_meta_model",
+    "fits_on_device",
     "init_weights_",
+    "layerwise_forward",
     "make_tokens",
+    "model_pieces",
+    "run_on_device",
 ]
 
 BLOCK_PATTERN = "class:DecoderBlock"
+#: Device memory left free beside a model built whole on the device: the forward's activations, the math
+#: libraries' workspaces and the caching allocator's rounding (see :func:`fits_on_device`).
+DEVICE_MARGIN_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -165,24 +179,38 @@ def build_meta_model(spec: ModelSpec, dtype: torch.dtype) -> BenchTransformer:
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
-@torch.no_grad()
-def init_weights_(model: BenchTransformer, seed: int) -> BenchTransformer:
-    """Fill every parameter in place from a generator on the parameters' device.
+def model_pieces(model: BenchTransformer) -> list[tuple[str, nn.Module]]:
+    """The model's pieces in the order its forward runs them, which is also the order of its parameters:
+    ``embed``, every ``layers.i``, ``norm``, ``head`` (each piece named by its prefix in the state dict)."""
+    return [("embed", model.embed), *((f"layers.{i}", block) for i, block in enumerate(model.layers)),
+            ("norm", model.norm), ("head", model.head)]
+
+
+def _weight_generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _fill_parameter_(name: str, param: torch.Tensor, gen: torch.Generator, layers: int) -> None:
+    """Draw one parameter (``name`` as in the model's ``named_parameters``) from ``gen``.
 
     Norm scales are 1; matrices are N(0, 1/fan_in), residual outputs scaled down by sqrt(2 * layers) so the
     hidden state stays O(1) through deep stacks (finite bf16 outputs to compare).
     """
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    depth_scale = 1.0 / math.sqrt(2 * max(1, model.spec.layers))
+    if name.endswith("norm.weight"):
+        param.fill_(1.0)
+        return
+    std = 1.0 if name == "embed.weight" else 1.0 / math.sqrt(param.shape[-1])
+    if name.endswith(("attn.out.weight", "mlp.down.weight")):
+        std *= 1.0 / math.sqrt(2 * max(1, layers))
+    param.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_weights_(model: BenchTransformer, seed: int) -> BenchTransformer:
+    """Fill every parameter in place, in ``named_parameters`` order, from one generator on their device."""
+    gen = _weight_generator(next(model.parameters()).device, seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-            continue
-        std = 1.0 if name == "embed.weight" else 1.0 / math.sqrt(param.shape[-1])
-        if name.endswith(("attn.out.weight", "mlp.down.weight")):
-            std *= depth_scale
-        param.normal_(0.0, std, generator=gen)
+        _fill_parameter_(name, param, gen, model.spec.layers)
     return model
 
 
@@ -194,6 +222,57 @@ def build_model(
     dtype = dtype or default_dtype(device)
     model = build_meta_model(spec, dtype).to_empty(device=device)
     return init_weights_(model, seed)
+
+
+def fits_on_device(nbytes: int, device: torch.device | str, margin: int = DEVICE_MARGIN_BYTES) -> bool:
+    """Whether ``nbytes`` of weights can be built whole on ``device``: its free memory less ``margin``. The CPU
+    always can (building there is building in host RAM)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    free, _total = torch.cuda.mem_get_info(device)
+    return nbytes + margin <= free
+
+
+@torch.no_grad()
+def build_model_in_host_ram(
+    spec: ModelSpec, device: torch.device | str, dtype: torch.dtype | None = None, seed: int = 0
+) -> BenchTransformer:
+    """What ``build_model(spec, device, dtype, seed)`` gives, moved to the host, without the device ever holding
+    more than one piece of it: the model is made on ``meta``, then each piece (:func:`model_pieces`) in turn is
+    drawn on ``device`` from one generator, exactly as :func:`init_weights_` draws it, and moved to host memory.
+    Host RAM grows by the model's bytes and nothing more; ``dtype`` defaults to ``device``'s."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    model = build_meta_model(spec, dtype)
+    gen = _weight_generator(device, seed)
+    for prefix, piece in model_pieces(model):
+        piece.to_empty(device=device)
+        for name, param in piece.named_parameters(prefix=prefix):
+            _fill_parameter_(name, param, gen, spec.layers)
+        piece.to("cpu")  # the device copy goes with the last reference to it
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return model
+
+
+@torch.no_grad()
+def run_on_device(module: nn.Module, device: torch.device | str, *args: torch.Tensor) -> torch.Tensor:
+    """``module(*args)`` with its parameters and buffers copied to ``device`` for this call only: the module keeps
+    its host tensors, and the device copies are dropped when the call returns."""
+    tensors = {name: t.to(device) for name, t in (*module.named_parameters(), *module.named_buffers())}
+    return torch.func.functional_call(module, tensors, args)
+
+
+@torch.no_grad()
+def layerwise_forward(model: BenchTransformer, tokens: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``model(tokens)`` on ``device`` for a model held in host RAM, one piece on the device at a time (each
+    through :func:`run_on_device`): the same operations as :meth:`BenchTransformer.forward`, in the same order, so
+    the same output (tests/test_bench_scale.py checks it)."""
+    x = run_on_device(model.embed, device, tokens.to(device))
+    for block in model.layers:
+        x = run_on_device(block, device, x)
+    return run_on_device(model.head, device, run_on_device(model.norm, device, x[:, -1]))
 
 
 def make_tokens(spec: ModelSpec, batch: int, seq: int, device: torch.device | str, seed: int = 1) -> torch.Tensor:
