@@ -6,14 +6,15 @@ context), with the bench_session set-up (``models.BenchTransformer``, every ``De
 ``max_gpu_mem_fraction`` (default 0.05, so a large model keeps part of itself resident and streams the rest):
 
 1. **Fresh profile**, one process, as a user makes one: the model built on the device from a seed, a resident
-   reference output, the weights moved to host memory (as a checkpoint loaded on the CPU gives them), then
+   reference output, the weights moved to host memory (as a checkpoint loaded on the CPU gives them; a model the
+   device cannot hold is built in host RAM instead: see "Sizes beyond the device"), then
    ``ft.offload()`` (timed) and the ``iters_before_inference`` passes (each timed,
    synchronized; the last one includes the switch to INFERENCE), ``ft.save_profile``. The phase's overhead beyond
    its passes is ``offload()`` plus the passes' sum minus as many median passes; a cProfile of that process's
    ``offload()`` and passes is written beside the results (``cprofile-setup-<GiB>.txt``) to show where it goes.
 2. **A sharing group** of ``--workers`` (default 4) processes on that profile, as bench_session runs them: the
-   creator (its factory rebuilds the same model in host RAM: built on the device from the seed, then moved to
-   the host; the factory is not part of the publish) publishes, while one follower started once the creator was
+   creator (its factory rebuilds the same model in host RAM, the way the set-up built it; the factory is not
+   part of the publish) publishes, while one follower started once the creator was
    elected builds its model and waits (its time from READY to ready is what that wait did not hide; the two run
    their first forwards only once both are ready, one after the other, as workers on GPUs of their own would
    not share a link); then the followers start together, after READY, so their whole time to ready is after
@@ -33,14 +34,33 @@ publish >= 16 GB/s; nothing left in ``/dev/shm``. Two host-side sections run onc
 RAM) against a plain copy, and a follower's reads of a segment into its staging ring (``pread`` from the file
 against ``memmove`` from the pre-faulted mapping), one process alone and ``--workers - 1`` together.
 
+Sizes beyond the device: when the model's bytes exceed the device's free memory less 4 GiB
+(``models.fits_on_device``, asked by the set-up process, which has the GPU to itself), or at every size with
+``--host-build`` (any device, the CPU included), the set-up and the creator's factory build the model in host RAM
+with ``models.build_model_in_host_ram``: made on ``meta``, then one piece (embedding, ``DecoderBlock``, norm, head)
+at a time drawn on the device from the same seeded generator in the same order, moved to the host and dropped
+from the device, so the weights are those of the whole build and the host holds one copy of the model. Its
+reference output runs one piece on the device at a time (``models.layerwise_forward``), equal to the whole
+forward. Nothing else in either process keeps a copy (the reference is one output, the profile a plan): the
+set-up process's and the creator's peak RSS (``VmHWM``, against their RSS at the start) are printed per size and
+tabled, and should stay near 1.0x the model.
+
+The 96 GiB row (``--sizes 96 --host-build``; on an 80 GiB GPU the flag changes nothing, on a larger one it keeps
+the same build) needs host RAM for the model once plus a few GiB (the set-up process, then the group: the shared
+copy in ``/dev/shm`` plus each worker's runtime; the processes run one after the other, never with two copies), a
+``/dev/shm`` of at least the model plus 2 GiB, and a few minutes: each build streams the model through the
+device once, the set-up's memory mode builds its host blocks behind its passes, and each follower's first
+forward streams the model (docs/benchmarks.md has the measured times).
+
 Robustness: each size runs on its own; a failing size is reported (its error, and what it measured before) and
 the next still runs. Raw results are written after every size (``bench_scale.partial.json`` in the results
 directory, ``$OUT`` under ``scripts/gpu-suite.sh``), the Markdown body too (``bench_scale.md``); the full report at
 the end goes to ``bench_scale.json`` and, for a GPU run without ``--no-docs``, into docs/benchmarks.md.
 ``--docs-from FILE`` puts a saved ``bench_scale.md`` into docs/benchmarks.md (a run on another machine).
 
-Run: ``scripts/gpu-suite.sh bench bench_scale --sizes 6 24 48`` (H200 host, about 5 minutes), or
-``python bench/bench_scale.py --quick`` (CPU, small sizes: checks the paths, not the speed).
+Run: ``scripts/gpu-suite.sh bench bench_scale --sizes 6 24 48`` (H200 host, about 5 minutes), the 96 GiB row
+alone with ``--sizes 96 --host-build --tmpfs-gib 0 --reads-gib 0``, or ``python bench/bench_scale.py --quick
+[--host-build]`` (CPU, small sizes: checks the paths, not the speed).
 """
 
 from __future__ import annotations
@@ -60,10 +80,10 @@ from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
-    RESULTS_DIR, JsonLineWorker, cleanup_namespace, close_together, gib, loaded_then_wait, namespace_leftovers, report,
-    report_close, start_together, table, write_cprofile, write_docs_section,
+    RESULTS_DIR, JsonLineWorker, cleanup_namespace, close_together, gib, loaded_then_wait, namespace_leftovers,
+    proc_status, report, report_close, start_together, table, write_cprofile, write_docs_section,
 )
-from scale_report import build_sections, print_phases, save_partial  # noqa: E402
+from scale_report import build_sections, host_memory_line, print_phases, save_partial  # noqa: E402
 from shm_rates import READ_HEADERS, follower_read_rates, read_rows, tmpfs_rates  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -93,6 +113,9 @@ class Params:
     cprofile: bool = True
     #: Once ready, report the "ready" stage and run the first forward only on "forward" (see run_group).
     hold_forward: bool = False
+    #: Build the model in host RAM one piece at a time on the device (True), whole on the device (False), or as
+    #: the set-up finds: in host RAM when the device cannot hold it (None; the group gets the set-up's choice).
+    host_build: bool | None = None
 
 
 # ================================================================================================================
@@ -139,23 +162,62 @@ def _top_functions(profiler, path: str, count: int = 12) -> list[list]:
             for k, v in rows.items()]
 
 
-def worker_setup(p: Params) -> dict:
-    """Build, reference, fresh profile (timed), save the profile; report the plan's sizes."""
-    torch, device, dtype, spec = _torch_env(p)
-    import flextensor as ft
-    from safetensors.torch import save_file
+def _host_model(p: Params, torch, device, dtype, spec):
+    """The model with its weights in host RAM, as a checkpoint loaded on the CPU gives them: built one piece at a
+    time on the device when ``p.host_build``, else whole on the device and moved."""
+    from models import build_model, build_model_in_host_ram
 
-    from models import build_model, make_tokens
-
-    start = time.perf_counter()
-    model = build_model(spec, device, dtype, seed=0)
-    tokens = make_tokens(spec, p.batch, p.seq, device)
-    with torch.no_grad():
-        save_file({"out": model(tokens).float().cpu()}, p.reference)
-    model.to("cpu")  # the weights come from host memory, as from a checkpoint loaded on the CPU
+    if p.host_build:
+        return build_model_in_host_ram(spec, device, dtype, seed=0)
+    model = build_model(spec, device, dtype, seed=0).to("cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    info: dict = {"build_s": time.perf_counter() - start}
+    return model
+
+
+def _build_with_reference(p: Params, torch, device, dtype, spec, tokens):
+    """The model in host RAM, its output saved as the reference; returns (model, build seconds, reference
+    seconds). Built whole on the device, the reference is its resident forward before the move to the host (the
+    move counts as build); built in host RAM (``p.host_build``), it runs one piece on the device at a time
+    (``models.layerwise_forward``, equal to the whole forward)."""
+    from safetensors.torch import save_file
+
+    from models import build_model, build_model_in_host_ram, layerwise_forward
+
+    begin = time.perf_counter()
+    if p.host_build:
+        model = build_model_in_host_ram(spec, device, dtype, seed=0)
+    else:
+        model = build_model(spec, device, dtype, seed=0)
+    build_s = time.perf_counter() - begin
+    begin = time.perf_counter()
+    with torch.no_grad():
+        out = layerwise_forward(model, tokens, device) if p.host_build else model(tokens)
+        save_file({"out": out.float().cpu()}, p.reference)
+    reference_s = time.perf_counter() - begin
+    if not p.host_build:
+        begin = time.perf_counter()
+        model.to("cpu")  # the weights come from host memory, as from a checkpoint loaded on the CPU
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        build_s += time.perf_counter() - begin
+    return model, build_s, reference_s
+
+
+def worker_setup(p: Params) -> dict:
+    """Build, reference, fresh profile (timed), save the profile; report the plan's sizes, where the model was
+    built and the process's peak RSS (one copy of the model, whatever the build)."""
+    torch, device, dtype, spec = _torch_env(p)
+    import flextensor as ft
+
+    from models import fits_on_device, make_tokens
+
+    info: dict = {"rss_start": proc_status("VmRSS")}
+    if p.host_build is None:
+        p = Params(**{**asdict(p), "host_build": not fits_on_device(spec.total_bytes(dtype), device)})
+    tokens = make_tokens(spec, p.batch, p.seq, device)
+    model, info["build_s"], info["reference_s"] = _build_with_reference(p, torch, device, dtype, spec, tokens)
+    info.update(host_build=p.host_build, rss_built=proc_status("VmRSS"))
     profiler = None
     if p.cprofile:
         import cProfile
@@ -188,6 +250,7 @@ def worker_setup(p: Params) -> dict:
         info["first_inference_s"] = time.perf_counter() - begin
     info["max_abs_diff"] = _max_diff(p, out)
     ft.save_profile(p.profile_dir, name=MANAGER)
+    info["vmhwm"] = proc_status("VmHWM")
     ft.release(MANAGER, preserve_model=False)
     from flextensor.profiles import read_profile
 
@@ -205,18 +268,16 @@ def worker_session(p: Params):
     torch, device, dtype, spec = _torch_env(p)
     import flextensor as ft
 
-    from models import build_meta_model, build_model, make_tokens
+    from models import build_meta_model, make_tokens
 
     ft.SharedOffloadSession, ft.OffloadConfig  # resolve the lazy imports before the clock starts
     loaded_then_wait()
-    info: dict = {"role": "follower", "factory_s": 0.0}
+    info: dict = {"role": "follower", "factory_s": 0.0, "rss_start": proc_status("VmRSS")}
 
     def creator_factory():
         info["role"] = "creator"
         begin = time.perf_counter()
-        model = build_model(spec, device, dtype, seed=0).to("cpu")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        model = _host_model(p, torch, device, dtype, spec)
         info["factory_s"] = time.perf_counter() - begin
         return model
 
@@ -244,6 +305,7 @@ def worker_session(p: Params):
     _sync(torch, device)
     info["first_forward_s"] = time.perf_counter() - begin
     info["max_abs_diff"] = _max_diff(p, out)
+    info["vmhwm"] = proc_status("VmHWM")  # the factory's model, the publish and a forward: one copy at most
     share = session.report()[0]
     # From READY (as this process saw it) to ready: the whole time for a follower started after READY; for one
     # started before, what its wait for READY (on the attach thread, beside its factory) did not hide.
@@ -399,6 +461,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fraction", type=float, default=0.05, help="max_gpu_mem_fraction of the profile and the workers")
     p.add_argument("--profiling-iters", type=int, default=10)
     p.add_argument("--no-discovery", action="store_true", help="skip the discovery pass (default: 1 + profiling)")
+    p.add_argument("--host-build", action="store_true",
+                   help="build every size in host RAM one block at a time on the device, reference layer by layer "
+                        "(default: only a size the device cannot hold; any device, the CPU included)")
     p.add_argument("--no-cprofile", action="store_true", help="no cProfile of the fresh profile's process")
     p.add_argument("--tmpfs-gib", type=float, default=2.0, help="bytes for the /dev/shm page rates (0: skip)")
     p.add_argument("--reads-gib", type=float, default=2.0, help="segment size for the follower reads (0: skip)")
@@ -452,14 +517,17 @@ def main() -> None:
                             reference=os.path.join(workdir, "reference.safetensors"), batch=1, seq=args.seq,
                             fraction=data["fraction"], discovery=not args.no_discovery,
                             profiling_iters=args.profiling_iters, gib=size, cprofile=not args.no_cprofile,
-                            wait_timeout=args.timeout)
+                            wait_timeout=args.timeout, host_build=True if args.host_build else None)
             print(f"[{size:g} GiB] set-up and fresh profile: {gib(r['model_bytes'])}, {spec.layers} layers", flush=True)
             r["setup"] = run_setup(params, args.timeout)
             shown = {k: v for k, v in r["setup"].items() if k != "cprofile_top"}
             print(f"[{size:g} GiB] set-up done: {json.dumps(shown)}", flush=True)
+            print(f"[{size:g} GiB] {host_memory_line(r, 'setup')}", flush=True)
+            params = Params(**{**asdict(params), "host_build": r["setup"]["host_build"]})  # the creator's build
             r["group"] = {}
             print(f"[{size:g} GiB] sharing group of {args.workers}", flush=True)
             run_group(params, args.workers, args.timeout, r["group"])
+            print(f"[{size:g} GiB] {host_memory_line(r, 'creator')}", flush=True)
             print_phases(r)
         except Exception as exc:  # noqa: BLE001 - this size failed; the next one still runs
             r["error"] = f"{type(exc).__name__}: {exc}"

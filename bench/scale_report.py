@@ -61,10 +61,44 @@ def after_ready(label: str, w: dict) -> float:
     return w.get("after_ready_s", w["ready_s"]) if label == EARLY else w["ready_s"]
 
 
+#: Where a size's model was built (``setup["host_build"]``), as the tables say it.
+BUILDS = {True: "host RAM, one block at a time on the device; reference layer by layer",
+          False: "whole on the device, then moved to host RAM; reference resident"}
+
+
+def peak_rss(r: dict, who: str) -> dict | None:
+    """The set-up process's (``who="setup"``) or the group creator's (``"creator"``) host RSS: its VmHWM, its RSS
+    when it started (``rss_start``: the interpreter, torch, the device context) and what it grew by over the
+    model's bytes (1.0 is one copy of the model); None when not measured."""
+    report_ = (r.get("setup") if who == "setup" else (r.get("group") or {}).get("creator")) or {}
+    if "vmhwm" not in report_:
+        return None
+    growth = (report_["vmhwm"] - report_["rss_start"]) / r["model_bytes"]
+    return {"vmhwm": report_["vmhwm"], "rss_start": report_["rss_start"], "growth": growth}
+
+
+def _peak_text(peak: dict | None) -> str:
+    return "-" if peak is None else f"{gib(peak['vmhwm'])} (from {gib(peak['rss_start'])}: {peak['growth']:.3f}x)"
+
+
+def host_memory_line(r: dict, who: str) -> str:
+    """One line for the run's log: the set-up's or the creator's peak host RSS against the model."""
+    name = "set-up process" if who == "setup" else "group's creator"
+    return f"host RAM, {name}: VmHWM {_peak_text(peak_rss(r, who))} the model's {gib(r['model_bytes'])}"
+
+
 def size_row_values(r: dict) -> dict[str, str]:
     """One column of the costs table (see build_sections)."""
     g, setup, group = r["gib"], r.get("setup") or {}, r.get("group") or {}
     col: dict[str, str] = {}
+    if "host_build" in setup:
+        col["model built (set-up: build / reference)"] = f"{BUILDS[setup['host_build']]} " \
+                                                         f"({setup['build_s']:.1f} / {setup['reference_s']:.1f} s)"
+    for who in ("setup", "creator"):
+        peak = peak_rss(r, who)
+        if peak is not None:
+            col[f"host RAM, {'set-up process' if who == 'setup' else 'creator'}: VmHWM (from its start: growth "
+                "/ model)"] = _peak_text(peak)
     passes = setup.get("passes_s") or []
     if passes:
         mid = median(passes)
@@ -75,6 +109,7 @@ def size_row_values(r: dict) -> dict[str, str]:
             setup["offload_s"] + sum(passes) - len(passes) * mid, g)
     creator = group.get("creator")
     if creator:
+        col["creator factory (the set-up's build)"] = _per_gib(creator["factory_s"], g)
         col["creator publish (ready - factory)"] = f"{_per_gib(creator['publish_s'], g)}, " \
                                                    f"{_rate(creator['shared_bytes'], creator['publish_s'])}"
         pub = creator.get("publish") or {}
