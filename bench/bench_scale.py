@@ -45,22 +45,31 @@ forward. Nothing else in either process keeps a copy (the reference is one outpu
 set-up process's and the creator's peak RSS (``VmHWM``, against their RSS at the start) are printed per size and
 tabled, and should stay near 1.0x the model.
 
-The 96 GiB row (``--sizes 96 --host-build``; on an 80 GiB GPU the flag changes nothing, on a larger one it keeps
-the same build) needs host RAM for the model once plus a few GiB (the set-up process, then the group: the shared
-copy in ``/dev/shm`` plus each worker's runtime; the processes run one after the other, never with two copies), a
-``/dev/shm`` of at least the model plus 2 GiB, and a few minutes: each build streams the model through the
-device once, the set-up's memory mode builds its host blocks behind its passes, and each follower's first
-forward streams the model (docs/benchmarks.md has the measured times).
+The 96 GiB row (``--sizes 96 --host-build``: on an 80 GiB GPU the flag changes nothing, on a larger one it keeps
+the same build) needs:
+
+- host RAM for the model once plus a few GiB (the set-up process and the group run one after the other; the
+  set-up holds the model and its host blocks, which replace it one by one; the group holds the shared copy in
+  ``/dev/shm``, the creator's window of pages ahead of its copy, and each worker's runtime): about 100 GiB;
+- a ``/dev/shm`` of at least the model plus 2 GiB (the shared copy is the model's bytes; the rest is metadata);
+- a few minutes (about 4 to 5 on a 16-core host with one 80 GiB GPU, estimated from the 48 GiB row; the table's
+  "wall" row has the measured split): each build streams the model through the device once (set-up and
+  creator), the reference once more, the set-up's memory mode profiles with its passes over the streamed blocks and
+  builds its host blocks behind them, every forward in the group streams the model, and each process that
+  mapped it takes seconds to exit. ``--tmpfs-gib 0 --reads-gib 0`` skip the host-side sections, and
+  ``--docs-section bench_scale_96`` keeps the 6/24/48 GiB section as it is.
 
 Robustness: each size runs on its own; a failing size is reported (its error, and what it measured before) and
 the next still runs. Raw results are written after every size (``bench_scale.partial.json`` in the results
 directory, ``$OUT`` under ``scripts/gpu-suite.sh``), the Markdown body too (``bench_scale.md``); the full report at
-the end goes to ``bench_scale.json`` and, for a GPU run without ``--no-docs``, into docs/benchmarks.md.
-``--docs-from FILE`` puts a saved ``bench_scale.md`` into docs/benchmarks.md (a run on another machine).
+the end goes to ``bench_scale.json`` and, for a GPU run without ``--no-docs``, into docs/benchmarks.md (section
+``--docs-section``, default ``bench_scale``; the JSON is named after it too). ``--docs-from FILE`` puts a saved
+``bench_scale.md`` into that section (a run on another machine).
 
 Run: ``scripts/gpu-suite.sh bench bench_scale --sizes 6 24 48`` (H200 host, about 5 minutes), the 96 GiB row
-alone with ``--sizes 96 --host-build --tmpfs-gib 0 --reads-gib 0``, or ``python bench/bench_scale.py --quick
-[--host-build]`` (CPU, small sizes: checks the paths, not the speed).
+with ``scripts/gpu-suite.sh bench bench_scale --sizes 96 --host-build --tmpfs-gib 0 --reads-gib 0 --docs-section
+bench_scale_96``, or ``python bench/bench_scale.py --quick [--host-build]`` (CPU, small sizes: checks the paths,
+not the speed).
 """
 
 from __future__ import annotations
@@ -471,6 +480,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small models on the CPU: checks the paths, not the speed")
     p.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     p.add_argument("--docs-from", metavar="FILE", help="write a saved bench_scale.md into docs/benchmarks.md, exit")
+    p.add_argument("--docs-section", default="bench_scale", metavar="NAME",
+                   help="the section of docs/benchmarks.md (and NAME.json) this run writes, so that a run of other "
+                        "sizes keeps the default section's (bench_scale_96: the 96 GiB row)")
     return p.parse_args()
 
 
@@ -478,7 +490,7 @@ def main() -> None:
     args = parse_args()
     if args.docs_from:
         with open(args.docs_from) as f:
-            print(f"wrote {write_docs_section('bench_scale', f.read())} (section bench_scale)")
+            print(f"wrote {write_docs_section(args.docs_section, f.read())} (section {args.docs_section})")
         return
     import torch  # the parent never initialises CUDA; it only asks whether there is a device
 
@@ -520,6 +532,7 @@ def main() -> None:
                             wait_timeout=args.timeout, host_build=True if args.host_build else None)
             print(f"[{size:g} GiB] set-up and fresh profile: {gib(r['model_bytes'])}, {spec.layers} layers", flush=True)
             r["setup"] = run_setup(params, args.timeout)
+            r["setup_wall_s"] = time.monotonic() - begin
             shown = {k: v for k, v in r["setup"].items() if k != "cprofile_top"}
             print(f"[{size:g} GiB] set-up done: {json.dumps(shown)}", flush=True)
             print(f"[{size:g} GiB] {host_memory_line(r, 'setup')}", flush=True)
@@ -527,6 +540,7 @@ def main() -> None:
             r["group"] = {}
             print(f"[{size:g} GiB] sharing group of {args.workers}", flush=True)
             run_group(params, args.workers, args.timeout, r["group"])
+            r["group_wall_s"] = time.monotonic() - begin - r["setup_wall_s"]
             print(f"[{size:g} GiB] {host_memory_line(r, 'creator')}", flush=True)
             print_phases(r)
         except Exception as exc:  # noqa: BLE001 - this size failed; the next one still runs
@@ -538,7 +552,7 @@ def main() -> None:
             shutil.rmtree(workdir, ignore_errors=True)
             save_partial(data)
             print(f"[{size:g} GiB] done in {r['wall_s']:.0f} s; partial results in {RESULTS_DIR}", flush=True)
-    report("bench_scale", "Growth with the model size", build_sections(data), data,
+    report(args.docs_section, "Growth with the model size", build_sections(data), data,
            docs=gpu and not args.no_docs)
 
 

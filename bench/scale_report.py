@@ -91,6 +91,8 @@ def size_row_values(r: dict) -> dict[str, str]:
     """One column of the costs table (see build_sections)."""
     g, setup, group = r["gib"], r.get("setup") or {}, r.get("group") or {}
     col: dict[str, str] = {}
+    if "group_wall_s" in r:
+        col["wall: set-up process / sharing group"] = f"{r['setup_wall_s']:.0f} / {r['group_wall_s']:.0f} s"
     if "host_build" in setup:
         col["model built (set-up: build / reference)"] = f"{BUILDS[setup['host_build']]} " \
                                                          f"({setup['build_s']:.1f} / {setup['reference_s']:.1f} s)"
