@@ -242,18 +242,22 @@ def build_model_in_host_ram(
     more than one piece of it: the model is made on ``meta``, then each piece (:func:`model_pieces`) in turn is
     drawn on ``device`` from one generator, exactly as :func:`init_weights_` draws it, and moved to host memory
     (:func:`_to_host`). Host RAM grows by the model's bytes plus one staging buffer of its largest tensor;
-    ``dtype`` defaults to ``device``'s."""
+    ``dtype`` defaults to ``device``'s. With ``device`` the CPU, the pieces are drawn in host RAM directly, in the
+    same order (the same weights as :func:`build_model` on the CPU, which is what the CPU tests check)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     model = build_meta_model(spec, dtype)
     gen = _weight_generator(device, seed)
-    largest = max(param.numel() * param.element_size() for param in model.parameters())
-    bounce = torch.empty(largest, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    bounce = None
+    if device.type != "cpu":  # on the CPU each piece is drawn where it stays
+        largest = max(param.numel() * param.element_size() for param in model.parameters())
+        bounce = torch.empty(largest, dtype=torch.uint8, pin_memory=device.type == "cuda")
     for prefix, piece in model_pieces(model):
         piece.to_empty(device=device)
         for name, param in piece.named_parameters(prefix=prefix):
             _fill_parameter_(name, param, gen, spec.layers)
-            param.data = _to_host(param.data, bounce)  # the device copy goes with its last reference
+            if bounce is not None:
+                param.data = _to_host(param.data, bounce)  # the device copy goes with its last reference
     del bounce
     if device.type == "cuda":
         torch.cuda.empty_cache()
