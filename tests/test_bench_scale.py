@@ -99,6 +99,9 @@ def test_on_the_device_one_piece_at_a_time_and_the_same_weights_and_output() -> 
     assert torch.cuda.memory_allocated(device) == base
     _assert_same_weights(built, whole)
     assert torch.equal(models.layerwise_forward(built, tokens, device), expected)
+    free, _total = torch.cuda.mem_get_info(device)  # the margin is left free: a size of all that is free is not
+    assert models.fits_on_device(free // 2 - models.DEVICE_MARGIN_BYTES, device)
+    assert not models.fits_on_device(free, device)
 
 
 @pytest.mark.slow
