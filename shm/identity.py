@@ -16,6 +16,16 @@ this pid and start time" is a *certain* death, seen at once (:func:`process_gone
 says.  A process in another pid namespace (another container sharing /dev/shm) has a pid that means
 nothing here; such participants are judged by their lease heartbeat only.
 
+A process that is exiting counts as gone from the moment its exit begins, not when it becomes a zombie: the
+kernel sets ``PF_EXITING`` (bit 0x4 of field 9 of /proc/<pid>/stat) when a SIGKILL or an exit reaches it, and
+from then on none of its code runs again. What follows, before the zombie, is the kernel tearing the process
+down: its page tables first, then its files (locks, pidfd readers are told only after both). For a process
+that mapped tens of GiB of shared blocks in 4 KiB pages that teardown takes seconds, and several such
+processes dying together contend for it; a death seen only at the zombie would keep a dead job's namespace in
+/dev/shm that long (``leases.py``'s liveness rule and ``ftd``'s scans read this).  Only the main thread is
+read: a process whose main thread ended while its other threads run would count as gone, exiting or zombie
+alike; Python's main thread waits for the others before it exits.
+
 Clock: ``host_clock_ns()`` is CLOCK_BOOTTIME, which all processes of a host share, is monotonic, and keeps
 counting across suspend (so a suspended host does not make every lease look fresh on resume).
 """
@@ -42,6 +52,8 @@ __all__ = [
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 _START_TIME_FIELD = 22  # 1-based field number in proc(5)
 _STATE_FIELD = 3
+_FLAGS_FIELD = 9
+_PF_EXITING = 0x4  # include/linux/sched.h: "getting shut down"
 
 
 class ParticipantIdentity(msgspec.Struct, frozen=True):
@@ -84,10 +96,22 @@ def _stat_fields(pid: int) -> list[str] | None:
     return tail.decode("ascii", "replace").split()
 
 
+def _ended(fields: list[str]) -> bool:
+    """True when the stat fields show a process whose exit has begun: a zombie or dead task, or one the kernel
+    is tearing down (``PF_EXITING``, see the module docstring)."""
+    if fields[_STATE_FIELD - 3] in ("Z", "X", "x"):
+        return True
+    try:
+        return bool(int(fields[_FLAGS_FIELD - 3]) & _PF_EXITING)
+    except (IndexError, ValueError):
+        return False
+
+
 def process_start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks after boot, or ``None`` when it is gone.
 
-    A zombie (exited, not yet reaped) or dead task counts as gone: it will never heartbeat again.
+    A process whose exit has begun (a zombie, or one being torn down) counts as gone: it will never heartbeat
+    again.
     """
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         raise ValueError(f"invalid pid {pid!r}: it must be an int > 0")
@@ -95,13 +119,10 @@ def process_start_time(pid: int) -> int | None:
     if fields is None:
         return None
     try:
-        state = fields[_STATE_FIELD - 3]
         start = int(fields[_START_TIME_FIELD - 3])
     except (IndexError, ValueError):
         return None
-    if state in ("Z", "X", "x"):
-        return None
-    return start
+    return None if _ended(fields) else start
 
 
 def is_same_process_alive(identity: ParticipantIdentity) -> bool:
@@ -117,7 +138,7 @@ def is_same_process_alive(identity: ParticipantIdentity) -> bool:
 def process_gone(pid: int, start_time: int, boot: str | bytes, pid_ns: int) -> bool:
     """True only when the process (``pid``, ``start_time``) of this boot and of pid namespace ``pid_ns`` is
     certainly gone: ``pid_ns`` is ours (and known, not 0), the boot is this one, and no process runs with
-    that pid and start time (a zombie counts as gone).
+    that pid and start time (one whose exit has begun, a zombie included, counts as gone).
 
     False whenever we cannot tell (another pid namespace, another boot, an unknown namespace): the caller
     then relies on the lease heartbeat.  A pid hidden from us by ``hidepid`` is never taken for a dead one:
@@ -139,11 +160,10 @@ def process_gone(pid: int, start_time: int, boot: str | bytes, pid_ns: int) -> b
             return False  # it exists, we just cannot read its /proc entry
         return False  # exists but /proc/<pid>/stat unreadable: cannot tell
     try:
-        state = fields[_STATE_FIELD - 3]
         start = int(fields[_START_TIME_FIELD - 3])
     except (IndexError, ValueError):
         return False
-    return state in ("Z", "X", "x") or start != start_time
+    return start != start_time or _ended(fields)
 
 
 _pid_ns_cache: tuple[int, int] | None = None  # (pid, namespace): a forked child looks again

@@ -18,6 +18,8 @@ from flextensor.shm.identity import (
     boot_id,
     host_clock_ns,
     is_same_process_alive,
+    pid_namespace,
+    process_gone,
     process_start_time,
 )
 
@@ -102,6 +104,48 @@ def test_dead_and_zombie_processes_are_not_alive():
     child.wait()
     assert process_start_time(child.pid) is None
     assert not is_same_process_alive(ident)
+
+
+_TEARDOWN_CHILD = textwrap.dedent("""
+    import mmap, sys
+    size = 2 << 30
+    memory = mmap.mmap(-1, size)
+    memory.madvise(mmap.MADV_NOHUGEPAGE)  # 4 KiB pages: a teardown long enough to be watched
+    chunk = b"\\1" * (64 << 20)
+    for offset in range(0, size, len(chunk)):
+        memory[offset:offset + len(chunk)] = chunk
+    print("ready", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_process_counts_as_gone_from_the_start_of_its_exit_not_from_its_zombie():
+    # A SIGKILLed process first has its memory torn down (here 2 GiB of 4 KiB pages), then becomes a zombie;
+    # it must count as gone during that teardown already, while /proc still shows it running.
+    child = subprocess.Popen([sys.executable, "-c", _TEARDOWN_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        start = process_start_time(child.pid)
+        assert start is not None and not process_gone(child.pid, start, boot_id(), pid_namespace())
+        os.kill(child.pid, signal.SIGKILL)
+        seen_exiting = []  # (state, process_start_time, process_gone) of samples showing the exit begun
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{child.pid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except FileNotFoundError:
+                break
+            if fields[0] == "Z":
+                break
+            if int(fields[6]) & 0x4:  # PF_EXITING, field 9
+                seen_exiting.append((fields[0], process_start_time(child.pid),
+                                     process_gone(child.pid, start, boot_id(), pid_namespace())))
+        assert seen_exiting, "the teardown of 2 GiB finished before it could be watched"
+        assert all(start_time is None and gone for _state, start_time, gone in seen_exiting), seen_exiting
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_recycled_pid_or_other_boot_is_not_the_same_process():
