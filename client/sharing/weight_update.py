@@ -154,6 +154,19 @@ def plan_update(targets: dict[str, Target], items: list[tuple[str, Any]], namesp
     return sorted(writes.values(), key=lambda write: write[0].order)
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """True when ``tensor``'s elements fill the span from its first byte without gaps or overlaps (any order of
+    its dimensions, so a transposed or channels-last layout counts), which is what :func:`_byte_view` needs."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda dim: dim[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a dense tensor's bytes (the span its elements cover)."""
     nbytes = tensor.numel() * tensor.element_size()
@@ -175,7 +188,7 @@ class DeviceStaging:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst`` (host, dense) := ``src`` (device), same dtype and shape."""
-        if src.stride() != dst.stride() or not src.is_non_overlapping_and_dense():
+        if src.stride() != dst.stride() or not _dense(src):
             laid = torch.empty_strided(dst.shape, dst.stride(), dtype=dst.dtype, device=src.device)
             laid.copy_(src)
             src = laid
