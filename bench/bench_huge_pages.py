@@ -4,7 +4,8 @@ Why: allocating, zeroing, faulting in and registering the shared copy one 4 KiB 
 of the publish and registration costs (docs/huge-pages.md); a tmpfs mounted with ``huge=always`` removes most of
 it. Each mode runs in a private mount namespace (``unshare -m``, root) on a tmpfs this bench mounts itself, of
 the same size, with and without ``huge=always``, so the two differ only in the pages; the workers find it
-through ``FT_SHM_DIR``. Per mode:
+through ``FT_SHM_DIR``. Each mode starts after the kernel compacted free memory (``/proc/sys/vm/compact_memory``),
+so the mode that runs second does not find memory fragmented by the first. Per mode:
 
 1. **registration**: a segment of ``--register-gib`` GiB is created and filled in one process; a fresh process
    maps it and registers it with CUDA as a follower does (``SharedSegment.pin(read_only=True, prefault=True)``),
@@ -86,10 +87,23 @@ def _mounted(directory: str, options: str, size_gib: float, argv: list[str], env
                            "sh", *argv], cwd=REPO, env=env, capture_output=True, text=True)
 
 
+def compact_memory() -> float | None:
+    """Ask the kernel to compact free memory (root); returns the seconds it took, None where it cannot. Each mode
+    starts from compacted memory, so the one that runs second does not pay for the first one's fragmentation
+    when it asks for 2 MiB pages."""
+    begin = time.monotonic()
+    try:
+        with open("/proc/sys/vm/compact_memory", "w") as f:
+            f.write("1")
+    except OSError:
+        return None
+    return time.monotonic() - begin
+
+
 def run_mode(label: str, options: str, args: argparse.Namespace, out_dir: Path) -> dict:
     directory = tempfile.mkdtemp(prefix="ft-huge-bench-")
     env = dict(os.environ, FT_SHM_DIR=directory, FLEXTENSOR_BENCH_OUT=str(out_dir), PYTHONUNBUFFERED="1")
-    result: dict = {"mode": label}
+    result: dict = {"mode": label, "compact_s": compact_memory()}
     try:
         if args.register_gib > 0:
             size = int(args.register_gib * GIB)
