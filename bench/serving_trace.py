@@ -141,17 +141,28 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def twin_medians(records: list[dict]) -> dict[int, float]:
+    """The twin's median seconds at each batch size over the whole trace: the reference of a first pass, which
+    is one pass and would otherwise be set against one twin pass (at 3 ms either jitters by a tenth and more)."""
+    by_batch: dict[int, list[float]] = {}
+    for r in records:
+        by_batch.setdefault(r["batch"], []).append(r["res_s"])
+    return {batch: statistics.median(times) for batch, times in by_batch.items()}
+
+
 def summarise(records: list[dict]) -> list[dict]:
     """Per batch class: passes, p50/p99/max of the offloaded and the twin's passes (ms), p99 over the twin's p99,
-    the worst first pass at a size over the twin's pass beside it, and whether every checked output was equal."""
+    the worst first pass at a size over the twin's median at that size (:func:`twin_medians`), and whether every
+    checked output was equal."""
     rows = []
+    reference = twin_medians(records)
     for low, high, name in CLASSES:
         mine = [r for r in records if low <= r["batch"] <= high]
         if not mine:
             continue
         off = [r["off_s"] * 1e3 for r in mine]
         res = [r["res_s"] * 1e3 for r in mine]
-        firsts = [r["off_s"] / r["res_s"] for r in mine if r["first"]]
+        firsts = [r["off_s"] / reference[r["batch"]] for r in mine if r["first"]]
         rows.append(dict(
             batch_class=name, passes=len(mine),
             off_p50=statistics.median(off), off_p99=percentile(off, 99), off_max=max(off),
