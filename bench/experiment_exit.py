@@ -12,7 +12,12 @@ parent's ``waitpid`` sees it), for:
 - ``unregistered``: registered, then unregistered before the last line (the unregistering is timed, not the exit);
 - ``os_exit``: registered, then ``os._exit(0)`` (no interpreter teardown: what the driver and kernel cost alone).
 
-Usage: ``python bench/experiment_exit.py [--gib 6 24] [--range-mib 256] [--repeat 2]`` (needs CUDA).
+``--together N`` runs N such processes at once (each its own mapping of the same file, as the workers of a host
+have) and tells them to end together, as workers closing at once do: the exit of each is timed from that word,
+and the row gives the slowest. ``--modes context --together 4`` is the floor under "4 workers closing together".
+
+Usage: ``python bench/experiment_exit.py [--gib 6 24] [--range-mib 256] [--repeat 2] [--together 1]
+[--modes ...]`` (needs CUDA).
 """
 
 from __future__ import annotations
@@ -59,19 +64,45 @@ def child(mode: str, gib: float, range_mib: int, path: str) -> None:
                     cudart.cudaHostUnregister(base + offset)
                 info["unregister_s"] = time.perf_counter() - begin
     print(json.dumps(info), flush=True)
+    sys.stdin.readline()  # the parent's word to end (at once for every process of a --together run)
     if mode == "os_exit":
         os._exit(0)
 
 
-def one(mode: str, gib: float, range_mib: int, path: str) -> dict:
-    proc = subprocess.Popen([sys.executable, __file__, "--child", mode, str(gib), str(range_mib), path],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
+def together(mode: str, gib: float, range_mib: int, path: str, count: int) -> dict:
+    """``count`` processes of ``mode``; once every one has reported, all are told to end at once: each one's
+    report, with ``exit_s`` from that word to its exit as ``waitpid`` sees it."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", mode, str(gib), str(range_mib), path],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(count)]
+    lines = [proc.stdout.readline() for proc in procs]
     last = time.monotonic()
-    proc.wait(timeout=300)
-    info = json.loads(line) if line.startswith("{") else {"error": f"no report (rc={proc.returncode})"}
-    info["exit_s"] = time.monotonic() - last
-    return info
+    for proc in procs:
+        try:
+            proc.stdin.write("end\n")
+            proc.stdin.flush()
+        except BrokenPipeError:  # it died before reporting: its row says so
+            pass
+    exits: dict[int, float] = {}
+    deadline = last + 300
+    while len(exits) < count and time.monotonic() < deadline:
+        for index, proc in enumerate(procs):
+            if index not in exits and proc.poll() is not None:
+                exits[index] = time.monotonic() - last
+        time.sleep(0.002)
+    infos = []
+    for index, (proc, line) in enumerate(zip(procs, lines)):
+        if index not in exits:
+            proc.kill()
+            proc.wait()
+        info = json.loads(line) if line.startswith("{") else {"error": f"no report (rc={proc.returncode})"}
+        info["exit_s"] = exits.get(index, float("inf"))
+        infos.append(info)
+    errors = [i["error"] for i in infos if "error" in i]
+    if errors:
+        return {"error": errors[0]}
+    return {"exit_s": max(i["exit_s"] for i in infos),
+            "register_s": max(i.get("register_s", 0.0) for i in infos),
+            "unregister_s": max(i.get("unregister_s", 0.0) for i in infos)}
 
 
 def main() -> None:
@@ -79,7 +110,10 @@ def main() -> None:
     p.add_argument("--gib", type=float, nargs="+", default=[6, 24])
     p.add_argument("--range-mib", type=int, default=256)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--together", type=int, default=1, help="processes ending at once (the slowest is reported)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = p.parse_args()
+    print(f"{args.together} process(es) at a time; exit: the slowest of them, median of {args.repeat} runs")
     print("| GiB | what the process holds at exit | exit (median) | register | unregister |")
     print("|---|---|---|---|---|")
     for gib in args.gib:
@@ -87,8 +121,12 @@ def main() -> None:
         with open(path, "wb") as f:
             f.truncate(int(gib * 2**30))
         try:
-            for mode in MODES:
-                runs = [one(mode, gib, args.range_mib, path) for _ in range(args.repeat)]
+            for mode in args.modes:
+                runs = [together(mode, gib, args.range_mib, path, args.together) for _ in range(args.repeat)]
+                failed = next((r["error"] for r in runs if "error" in r), None)
+                if failed:
+                    print(f"| {gib:g} | {mode} | {failed} | - | - |", flush=True)
+                    continue
                 exits = statistics.median(r["exit_s"] for r in runs)
                 reg = statistics.median(r.get("register_s", 0.0) for r in runs)
                 unreg = statistics.median(r.get("unregister_s", 0.0) for r in runs)
