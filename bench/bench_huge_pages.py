@@ -39,13 +39,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, docs_body, report, table, write_docs_section  # noqa: E402
+from common import RESULTS_DIR, docs_body, median, report, table, write_docs_section  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 GIB = 1 << 30
 MODES = {"4 KiB pages": "", "huge=always": ",huge=always"}
 GOALS = {"publish_gbps": 25.0, "register_ms_per_gib": 10.0, "exit_s": 0.5, "checkpoint_ready_s": 0.5}
+#: GiB of one block of bench_checkpoint.py's model at its defaults: fc1 + fc2 of 4096x16384 in bfloat16 on a GPU,
+#: 1024x8192 in float32 on the CPU (``--quick``); the checkpoint of ``--checkpoint-gib`` has that many blocks.
+CHECKPOINT_BLOCK_GIB = {False: 2 * 4096 * 16384 * 2 / GIB, True: 2 * 1024 * 8192 * 4 / GIB}
 
 _REGISTER = r"""
 import json, subprocess, sys, time
@@ -116,7 +119,7 @@ def run_mode(label: str, options: str, args: argparse.Namespace, out_dir: Path) 
         if args.checkpoint_gib > 0:
             ckpt_argv = [sys.executable, str(BENCH / "bench_checkpoint.py"), "--session-warm-only",
                          args.checkpoint_root, "--repeat", "3", "--no-docs",
-                         "--layers", str(2 if args.quick else max(1, round(args.checkpoint_gib * 4)))]
+                         "--layers", str(max(1, round(args.checkpoint_gib / CHECKPOINT_BLOCK_GIB[args.quick])))]
             proc = _mounted(directory, options, args.checkpoint_gib * 1.3 + 2, ckpt_argv, env)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             result["checkpoint"] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}
@@ -178,7 +181,7 @@ def sections(data: dict) -> list[tuple[str, str]]:
     if any(c.get("ready_s") for c in ckpts):
         size = next(c["model_bytes"] for c in ckpts if c.get("ready_s")) / GIB
         rows.append([f"session creator, checkpoint to READY, warm page cache, {size:.2g} GiB (median of 3)"]
-                    + [_fmt(sorted(c["ready_s"])[len(c["ready_s"]) // 2], " s") if c.get("ready_s") else "-"
+                    + [_fmt(median(c["ready_s"]), " s") if c.get("ready_s") else "-"
                        for c in ckpts] + [f"<= {GOALS['checkpoint_ready_s']:g} s at 6 GiB"])
     numbers = [_numbers(mode) for mode in data["modes"]]
     for index, size in enumerate(data["sizes"]):
