@@ -9,8 +9,8 @@ smallest pass] in ``flextensor/runtime/device_read_rate.py``). Same process, sam
   right after a pass of the resident twin (the same weights kept whole on the device); the first pass's ratio
   and the worst's;
 - a serving trace (``serving_trace.trace``): ``--passes`` batch sizes drawn at random from the powers of two
-  1..4096 and odd sizes between them; per batch class p50 / p99 / max of both, the p99 ratio, and the worst
-  first pass at a new size;
+  1..4096 and odd sizes between them, each batch class equally likely; per batch class p50 / p99 / max of
+  both, the p99 ratio, and the worst first pass at a new size;
 - the same in ``--workers`` processes of one ``SharedOffloadSession`` adopting the profile saved here
   (``serving_group``), each with its own twin, serving in turns; nothing of the namespace may remain after;
 - what the plan keeps on the device against the resident model, and the start-up: ``ft.offload()``'s wall time

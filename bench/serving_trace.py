@@ -67,10 +67,14 @@ def build(layers: int, d: int, h: int, dtype: torch.dtype, device: torch.device,
 
 
 def trace(passes: int, seed: int = 0, largest: int = 4096) -> list[int]:
-    """``passes`` batch sizes drawn uniformly from the powers of two and the odd sizes up to ``largest``."""
+    """``passes`` batch sizes from the powers of two and the odd sizes up to ``largest``: a batch class of
+    :data:`CLASSES` drawn uniformly, then a size uniformly within it. Drawn over all sizes at once, class "1"
+    (one size of about two dozen) would get a few percent of the passes, and its p99 would be its maximum."""
     sizes = sorted({s for s in POWERS_OF_TWO + ODD_SIZES if s <= largest})
+    by_class = [[s for s in sizes if low <= s <= high] for low, high, _ in CLASSES]
+    by_class = [members for members in by_class if members]
     rng = random.Random(seed)
-    return [rng.choice(sizes) for _ in range(passes)]
+    return [rng.choice(rng.choice(by_class)) for _ in range(passes)]
 
 
 class Timer:

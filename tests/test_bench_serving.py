@@ -29,3 +29,15 @@ def test_a_first_pass_is_set_against_the_twins_median_at_its_size_not_the_one_pa
     assert rows["257-4096"]["first_worst"] == pytest.approx(1.1)
     assert rows["1"]["off_max"] == pytest.approx(3.3) and rows["1"]["res_p50"] == pytest.approx(3.0)
     assert rows["1"]["equal"] and rows["257-4096"]["equal"]
+
+
+def test_trace_gives_every_batch_class_a_share_of_the_passes():
+    batches = serving_trace.trace(500, seed=0)
+    assert len(batches) == 500
+    sizes = set(serving_trace.POWERS_OF_TWO + serving_trace.ODD_SIZES)
+    assert set(batches) <= sizes
+    for low, high, name in serving_trace.CLASSES:
+        share = sum(low <= b <= high for b in batches) / len(batches)
+        assert 0.18 < share < 0.32, (name, share)
+    assert serving_trace.trace(500, seed=0) == batches
+    assert max(serving_trace.trace(200, seed=1, largest=256)) <= 256
