@@ -16,7 +16,9 @@ Per size (``--sizes`` in GiB; ``bench/mlp_stack.py``'s bfloat16 MLP blocks), in 
    the process allocated beyond its context); the group's summed PSS while every worker sleeps, over the model's
    bytes (raw, and the growth over each process's PSS before it joined, which leaves out the CUDA context);
    the first worker (which published the weights: the "trainer") then writes new weights (every tensor scaled
-   by 0.5, built in its RAM) with ``update_weights`` and times it; every worker wakes (seconds, against the
+   by 0.5, built in its RAM) with ``update_weights`` and times it; every worker waits for the registration of
+   the host copy its sleep started (``wake_ready``: a training step outlasts it; the wait is reported) and
+   wakes (seconds, against the
    resident bytes over the pinned host-to-device rate measured in the same run) and checks its output against
    the plain model holding the new weights, computed layer by layer on the device;
 3. the baseline, vLLM-style: one process holds the whole model on the device, ``sleep`` copies every weight to
@@ -185,13 +187,17 @@ def worker_session(p: dict) -> None:
                      complete=update.complete)
             elif command == "wake":
                 start = time.perf_counter()
+                ready = ft.get_offload_manager(MANAGER).wake_ready(timeout=p["timeout"])  # the sleep's preparation
+                ready_wait_s = time.perf_counter() - start
+                start = time.perf_counter()
                 ft.wake(MANAGER)
                 synchronize()
                 seconds = time.perf_counter() - start
                 with torch.no_grad():
                     out = model(x.to(dev)).cpu()
                 expected = torch.load(p["expected"]) if os.path.exists(p["expected"]) else first
-                emit(wake_s=seconds, equal=close_to(out, expected), version=session.weights_version(MANAGER),
+                emit(wake_s=seconds, wake_ready=ready, ready_wait_s=ready_wait_s, equal=close_to(out, expected),
+                     version=session.weights_version(MANAGER),
                      allocated=allocated() - before_alloc)
             elif command == "close":
                 break
@@ -309,7 +315,8 @@ def run_size(size: float, args: argparse.Namespace, tmp: Path) -> dict:
     out["profile"] = prof.read(args.timeout)
     prof.proc.wait()
     namespace = f"sleep{uuid.uuid4().hex[:10]}"
-    params = {**common, "profile": profile, "namespace": namespace, "expected": str(tmp / f"expected-{layers}.pt")}
+    params = {**common, "profile": profile, "namespace": namespace, "expected": str(tmp / f"expected-{layers}.pt"),
+              "timeout": args.timeout}
     workers: list[JsonLineWorker] = []
     try:
         for _ in range(args.workers):  # one after the other, each asleep before the next attaches
@@ -370,12 +377,17 @@ def rows_for(r: dict) -> list[list[str]]:
     base_freed = (c2["allocated_before"] - c2["allocated_after"]) / max(b["held_by_model"], 1)
     upd = r["update"]
     workers = r["workers"]
+    registered = ""
+    if all("wake_ready" in w for w in r["woken"]):
+        registered = (f"; {sum(bool(w['wake_ready']) for w in r['woken'])} of {len(r['woken'])} from the registered "
+                      f"copy (waited {max(w['ready_wait_s'] for w in r['woken']):.2f} s for it at most)")
     return [
         [size, "sleep(): GPU memory freed, time (slowest worker)",
          f"{freed:.1%} in {sleep_ms:.1f} ms",
          f"{base_freed:.1%} in {c1['sleep_s'] * 1e3:.0f} / {c2['sleep_s'] * 1e3:.0f} ms (1st / 2nd cycle)"],
         [size, "wake(): time; resident bytes / pinned rate + 50 ms",
-         f"{wake_ms:.0f} ms; bound {bound_ms:.0f} ms ({resident / 2**30:.2f} GiB at {rate:.1f} GB/s)",
+         f"{wake_ms:.0f} ms; bound {bound_ms:.0f} ms ({resident / 2**30:.2f} GiB at {rate:.1f} GB/s)"
+         + registered,
          f"{c1['wake_s'] * 1e3:.0f} / {c2['wake_s'] * 1e3:.0f} ms ({b['held_by_model'] / 2**30:.2f} GiB)"],
         [size, f"host RAM, {workers} workers asleep: sum of PSS / model (growth over their start)",
          f"{pss / model:.2f}x ({growth / model:.2f}x)",

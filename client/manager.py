@@ -428,6 +428,20 @@ class OffloadManager:
         state = put_to_sleep(ctx, self._host_copy)
         driver.switch_to(SleepingHandler(ctx, state, awake))
 
+    def wake_ready(self, timeout: float | None = 0.0) -> bool:
+        """Whether a :meth:`wake` now copies the resident tensors at link rate (from pinned host memory), after
+        waiting up to ``timeout`` seconds (None: no limit) for what the sleep prepares in the background (a shared
+        session registers its host copy meanwhile). False while awake, or where the wake copies from pageable
+        memory (``pinned_memory=False``, a CPU device, a registration the driver refused)."""
+        self.check_thread()
+        handler = self._handler
+        if not isinstance(handler, SleepingHandler) or self._ctx is None or self._ctx.device.type != "cuda":
+            return False
+        state = handler.state
+        if state.covered and (self._host_copy is None or not self._host_copy.wake_ready(timeout)):
+            return False
+        return state.provider is None or state.provider.pinned
+
     def wake(self) -> float:
         """Bring a sleeping model's device memory back (resident tensors at link rate from their host copy, a
         new loader for the same plan) and resume INFERENCE; returns the seconds it took (0.0 when awake)."""

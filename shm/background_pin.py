@@ -27,7 +27,7 @@ Threads and states
   unregistered and every event is set, so copies proceed from pageable memory: correct, only slower.
 - ``wait(block)`` returns once that block's event is set (registered, failed or stopped); after the last block
   it is a single attribute check.
-- ``close()`` asks the thread to stop after the block in flight and joins it. Only then may the caller unpin
+- ``stop()`` asks the thread to stop after the block in flight; ``close()`` does and joins it. Only then may the caller unpin
   and unmap the segment (``SharedSegment.close`` unpins every range), so a registration never races an unmap.
 """
 
@@ -96,6 +96,10 @@ class BackgroundPinner:
         if thread is not None:
             thread.join()
         self._release_waiters()
+
+    def stop(self) -> None:
+        """Ask the thread to stop after the block in flight, without waiting for it (:meth:`close` joins)."""
+        self._stop.set()
 
     @property
     def block_count(self) -> int:

@@ -516,6 +516,13 @@ class SharedTensorStore:
     def pinned(self) -> bool:
         return not self._closed and all(segment.pinned for segment in self._segments)
 
+    def unpinned_segments(self) -> list[Any]:
+        """The data segments this handle has not registered yet, for a registration on a thread of the caller's
+        (``flextensor.shm.background_pin``, one whole segment per range, as :meth:`pin` registers them); the
+        caller joins that thread before it closes this store."""
+        self._check_open()
+        return [segment for segment in self._segments if not segment.pinned]
+
     @property
     def parts(self) -> int:
         """How many data segments hold the records."""

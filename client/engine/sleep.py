@@ -10,7 +10,8 @@ resident tensors. Everything streamed already lies in host blocks, so :func:`put
 - the loader is closed (its in-flight copies finish) and dropped; the streamed tensors, which point at its
   slots between traps, and the tensors of resident blocks become ``meta`` (their bytes stay in the blocks);
 - each resident tensor needs a host copy to come back from. Where someone else keeps one (a shared session's
-  tensor store holds every resident tensor already: :class:`HostCopy`), the tensor just becomes ``meta``.
+  tensor store holds every resident tensor already: :class:`HostCopy`; it registers that copy with CUDA while the
+  model sleeps, Note [a wake at link rate] in ``flextensor.sharing.host_copy``), the tensor just becomes ``meta``.
   Otherwise the tensors on the device are packed into ONE private host block (256-byte aligned, as a streamed
   block is), copied there and freed; that block is registered with CUDA in place when ``pinned_memory`` is on,
   so the wake copies at link rate. When the CPU computes from host memory in place, its tensors are host
@@ -68,6 +69,11 @@ class HostCopy(Protocol):
 
     def fell_asleep(self) -> None:
         """The model freed its device memory and reads no host memory any more."""
+        ...
+
+    def wake_ready(self, timeout: float | None = 0.0) -> bool:
+        """Whether a wake now copies at link rate, after waiting up to ``timeout`` seconds for the keeper's
+        preparation during the sleep (None: no limit)."""
         ...
 
     def waking(self) -> None:

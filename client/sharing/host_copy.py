@@ -5,6 +5,26 @@ it there), so a worker that sleeps keeps no private copy: it drops its device co
 SLEEPING, and at the wake it copies the records back to its device from the store, which may hold new weights
 by then (``SharedOffloadSession.update_weights``). Note [sleep and wake] in ``flextensor.engine.sleep`` and
 Note [sleeping participants and weight updates] in ``flextensor.shm.activity`` say the rest.
+
+Note [a wake at link rate]
+--------------------------
+A worker does not register the store with CUDA when it attaches (its host blocks are what it streams from;
+the store's records are copied once, through a staged copy: ``flextensor.sharing.attach_prefetch``). A copy
+from unregistered memory goes through a pinned ring (``pread`` into it, then DMA), about two thirds of the link
+rate. So while the model sleeps (seconds to minutes of training in colocated RL), a thread registers this
+process's mappings of the store's segments, one whole segment at a time (``flextensor.shm.background_pin``):
+
+- ``fell_asleep`` starts it on the segments not registered yet (with pinning on and a CUDA device);
+- ``values_on`` at the wake: every segment registered -> one direct copy per store part, at link rate; otherwise
+  the registration is told to stop after the segment in flight, and the wake copies through the staged ring
+  meanwhile (correct, slower); the next sleep goes on where it stopped;
+- the registration stays until the session closes (the store is then released on the release thread), so every
+  later wake is at link rate and costs no registration; a failure (``ulimit -l``) is logged once by the pinner
+  and wakes keep the staged copy.
+
+Nothing of host RAM is added: registering maps the store's shared pages into this process, where they count
+once on the host (the sum of the workers' PSS), where the ring it replaces was 256 MiB of private pinned memory
+per worker.
 """
 
 from __future__ import annotations
@@ -14,6 +34,7 @@ from typing import Mapping
 import torch
 
 from flextensor.runtime.pinned.bounce_copy import StagedCopy
+from flextensor.shm.background_pin import BackgroundPinner, PinRange
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.tensor_store import SharedTensorStore
 
@@ -23,46 +44,69 @@ __all__ = ["SharedHostCopy"]
 class SharedHostCopy:
     """The engine's ``HostCopy`` over a session share's tensor store and coordinator, for a model on ``device``.
 
-    On a CUDA device the copy's pinned ring is registered on a thread while the model sleeps, so the wake finds
-    it ready; :meth:`close` releases a ring no wake used (the session closes it with the share)."""
+    ``pin``: register the store while the model sleeps so that wakes copy at link rate (Note [a wake at link
+    rate]); :meth:`close` stops that registration (the session closes the store after it)."""
 
-    def __init__(self, store: SharedTensorStore, coordinator: ShmCoordinator, device: torch.device) -> None:
+    def __init__(self, store: SharedTensorStore, coordinator: ShmCoordinator, device: torch.device, *,
+                 pin: bool = True) -> None:
         self._store = store
         self._coordinator = coordinator
         self._device = device
-        self._copier: StagedCopy | None = None
+        self._pin = pin and device.type == "cuda"
+        self._pinner: BackgroundPinner | None = None
 
     def names(self) -> set[str]:
         return {name for record in self._store.records for name in record.all_names}
 
     def values_on(self, device: torch.device) -> Mapping[str, torch.Tensor]:
-        """Zero-copy views on a CPU; on a device, one copy per store part through a pinned ring read with
-        ``pread`` (this process need not have registered the store: a follower does not), as a follower's
-        attach copies them (``flextensor.sharing.attach_prefetch``)."""
+        """Zero-copy views on a CPU; on a device, one copy per store part: direct when this process registered
+        the whole store, else through a pinned ring read with ``pread``, as a follower's attach copies them."""
         store = self._store
         if device.type == "cpu":
             views = {record.name: store.tensor(record) for record in store.records}
         else:
-            copier, self._copier = self._copier or StagedCopy(), None
-            try:
-                views = store.copies_on(device, fill=copier.copy_pieces)
-                torch.cuda.current_stream(device).synchronize()
-            finally:
-                copier.close()
+            pinner = self._pinner
+            if pinner is not None and not pinner.done:
+                pinner.stop()  # the wake does not wait for it; the next sleep goes on from where it stopped
+            if store.pinned:
+                views = store.copies_on(device)
+            else:
+                copier = StagedCopy()
+                try:
+                    views = store.copies_on(device, fill=copier.copy_pieces)
+                finally:
+                    copier.close()
+            torch.cuda.current_stream(device).synchronize()
+            self._join_pinner()
         return {name: views[record.name] for record in store.records for name in record.all_names}
+
+    def wake_ready(self, timeout: float | None = 0.0) -> bool:
+        """Whether a wake now copies at link rate: waits up to ``timeout`` seconds (None: no limit) for the
+        registration started at the sleep."""
+        if self._pinner is not None:
+            self._pinner.wait_all(timeout)
+        return self._store.pinned
 
     def fell_asleep(self) -> None:
         self._coordinator.participation.sleep()
-        if self._device.type == "cuda" and self._copier is None:
-            self._copier = StagedCopy()
-            if self._store.nbytes >= self._copier.min_bytes:
-                self._copier.prepare_in_background(self._device)
+        if not self._pin:
+            return
+        self._join_pinner()
+        segments = self._store.unpinned_segments()
+        if segments:
+            index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+            ranges = [PinRange(segment, 0, segment.size) for segment in segments]
+            self._pinner = BackgroundPinner(ranges, [], device=index,
+                                            label=f"the wake copy of {self._coordinator.namespace}").start()
 
     def waking(self) -> None:
         self._coordinator.participation.wake()
 
+    def _join_pinner(self) -> None:
+        pinner, self._pinner = self._pinner, None
+        if pinner is not None:
+            pinner.close()
+
     def close(self) -> None:
-        """Release a ring prepared for a wake that never came."""
-        copier, self._copier = self._copier, None
-        if copier is not None:
-            copier.close()
+        """Stop a registration in flight (after its segment) and join it: the store may be closed afterwards."""
+        self._join_pinner()

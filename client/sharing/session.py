@@ -201,7 +201,8 @@ class SharedOffloadSession:
             raise
         share.model = model
         assert share.store is not None
-        share.host_copy = SharedHostCopy(share.store, share.coordinator, compute_device(cfg))
+        share.host_copy = SharedHostCopy(share.store, share.coordinator, compute_device(cfg),
+                                           pin=bool(cfg.pinned_memory))
         manager.set_host_copy(share.host_copy)  # a sleep keeps no private copy
         share.ready_s = time.monotonic() - start
         logger.info("session %s/%s: %s ready in %.3f s (%.1f MiB shared)", self.namespace, name, share.role,

@@ -143,3 +143,41 @@ def test_on_cuda_new_weights_from_the_device_reach_the_woken_model(namespace: st
         ft.wake()
         expected = reference(tiny_transformer(seed=5), token_ids())
         assert torch.allclose(_out(model).float(), expected.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_wake_ready_is_false_awake_and_off_cuda(namespace: str, profile: str):
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = _serve(session, profile)
+        manager = ft.get_offload_manager()
+        assert manager.wake_ready() is False  # awake
+        before = _out(model)
+        ft.sleep()
+        assert manager.wake_ready(timeout=1.0) is (DEVICE.type == "cuda")
+        ft.wake()
+        assert manager.wake_ready() is False
+        assert torch.equal(_out(model), before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pinned", [True, False])
+def test_on_cuda_a_sleeping_worker_registers_the_shared_copy_and_wakes_from_it(namespace: str, tmp_path: Path,
+                                                                               pinned: bool):
+    cuda_profile = make_profile(tmp_path / "profile")
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(cuda_profile, config=cpu_config(pinned_memory=pinned), name="default",
+                                             creator_model_factory=lambda: tiny_transformer(seed=0),
+                                             follower_model_factory=lambda: tiny_transformer(seed=0))
+        manager = ft.get_offload_manager()
+        before = _out(model)
+        for _cycle in range(2):  # the second sleep finds the copy registered already
+            ft.sleep()
+            assert manager.wake_ready(timeout=60.0) is pinned
+            ft.wake()
+            assert torch.equal(_out(model), before)
+        ft.sleep()
+        report = session.update_weights(_new_weights(5))  # written into the registered copy in place
+        assert report.complete
+        ft.wake()
+        expected = _expected(_new_weights(5)).to(DEVICE)
+        assert torch.allclose(_out(model).float(), expected.float(), atol=1e-4, rtol=1e-4)
+    assert shm_names(manager_namespace(namespace, "default")) == []
