@@ -10,7 +10,10 @@ parent's ``waitpid`` sees it), for:
 - ``mapped``: plus ``--gib`` of a ``/dev/shm`` file mapped and touched (not registered);
 - ``registered``: plus that mapping registered with CUDA in ``--range-mib`` ranges, left registered at exit;
 - ``unregistered``: registered, then unregistered before the last line (the unregistering is timed, not the exit);
-- ``os_exit``: registered, then ``os._exit(0)`` (no interpreter teardown: what the driver and kernel cost alone).
+- ``os_exit``: registered, then ``os._exit(0)`` (no interpreter teardown: what the driver and kernel cost alone);
+- ``zapped``: registered; at the word to end, the mapping's page tables are dropped first (``MADV_DONTNEED`` of
+  ``--range-mib`` ranges from :data:`ZAP_THREADS` threads; the registration keeps its pages), then a normal
+  exit: whether tearing the page tables down in parallel beats the kernel doing it alone as the process dies.
 
 ``--together N`` runs N such processes at once (each its own mapping of the same file, as the workers of a host
 have) and tells them to end together, as workers closing at once do: the exit of each is timed from that word,
@@ -33,7 +36,26 @@ import sys
 import time
 import uuid
 
-MODES = ("context", "mapped", "registered", "unregistered", "os_exit")
+MODES = ("context", "mapped", "registered", "unregistered", "os_exit", "zapped")
+#: Threads that drop the page tables in ``zapped`` mode.
+ZAP_THREADS = 8
+_MADV_DONTNEED = 4
+
+
+def zap(base: int, nbytes: int, step: int) -> None:
+    """``MADV_DONTNEED`` over ``[base, base + nbytes)`` in ``step`` ranges from :data:`ZAP_THREADS` threads
+    (ctypes releases the GIL for the call)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def one(offset: int) -> None:
+        if libc.madvise(base + offset, min(step, nbytes - offset), _MADV_DONTNEED) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+
+    with ThreadPoolExecutor(ZAP_THREADS) as pool:
+        list(pool.map(one, range(0, nbytes, step)))
 
 
 def child(mode: str, gib: float, range_mib: int, path: str) -> None:
@@ -65,6 +87,8 @@ def child(mode: str, gib: float, range_mib: int, path: str) -> None:
                 info["unregister_s"] = time.perf_counter() - begin
     print(json.dumps(info), flush=True)
     sys.stdin.readline()  # the parent's word to end (at once for every process of a --together run)
+    if mode == "zapped":
+        zap(base, nbytes, range_mib << 20)
     if mode == "os_exit":
         os._exit(0)
 
