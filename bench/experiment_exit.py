@@ -43,16 +43,15 @@ _MADV_DONTNEED = 4
 
 
 def zap(base: int, nbytes: int, step: int) -> None:
-    """``MADV_DONTNEED`` over ``[base, base + nbytes)`` in ``step`` ranges from :data:`ZAP_THREADS` threads
-    (ctypes releases the GIL for the call)."""
+    """``MADV_DONTNEED`` over ``[base, base + nbytes)`` in ``step`` ranges from :data:`ZAP_THREADS` threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    from flextensor.shm.prefault import madvise  # the GIL is released around each call
 
     def one(offset: int) -> None:
-        if libc.madvise(base + offset, min(step, nbytes - offset), _MADV_DONTNEED) != 0:
-            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+        errno = madvise(base + offset, min(step, nbytes - offset), _MADV_DONTNEED)
+        if errno:
+            raise OSError(errno, "madvise(MADV_DONTNEED) failed")
 
     with ThreadPoolExecutor(ZAP_THREADS) as pool:
         list(pool.map(one, range(0, nbytes, step)))

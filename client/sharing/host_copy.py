@@ -34,6 +34,7 @@ from typing import Mapping
 import torch
 
 from flextensor.runtime.pinned.bounce_copy import StagedCopy
+from flextensor.sharing.share import device_index
 from flextensor.shm.background_pin import BackgroundPinner, PinRange
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.tensor_store import SharedTensorStore
@@ -65,9 +66,8 @@ class SharedHostCopy:
         if device.type == "cpu":
             views = {record.name: store.tensor(record) for record in store.records}
         else:
-            pinner = self._pinner
-            if pinner is not None and not pinner.done:
-                pinner.stop()  # the wake does not wait for it; the next sleep goes on from where it stopped
+            if self._pinner is not None:
+                self._pinner.stop()  # the wake does not wait for it; the next sleep goes on from where it stopped
             if store.pinned:
                 views = store.copies_on(device)
             else:
@@ -94,9 +94,8 @@ class SharedHostCopy:
         self._join_pinner()
         segments = self._store.unpinned_segments()
         if segments:
-            index = self._device.index if self._device.index is not None else torch.cuda.current_device()
             ranges = [PinRange(segment, 0, segment.size) for segment in segments]
-            self._pinner = BackgroundPinner(ranges, [], device=index,
+            self._pinner = BackgroundPinner(ranges, [], device=device_index(self._device),
                                             label=f"the wake copy of {self._coordinator.namespace}").start()
 
     def waking(self) -> None:
