@@ -13,7 +13,9 @@ parent's ``waitpid`` sees it), for:
 - ``os_exit``: registered, then ``os._exit(0)`` (no interpreter teardown: what the driver and kernel cost alone);
 - ``zapped``: registered; at the word to end, the mapping's page tables are dropped first (``MADV_DONTNEED`` of
   ``--range-mib`` ranges from :data:`ZAP_THREADS` threads; the registration keeps its pages), then a normal
-  exit: whether tearing the page tables down in parallel beats the kernel doing it alone as the process dies.
+  exit: whether tearing the page tables down in parallel beats the kernel doing it alone as the process dies;
+- ``unregistered_parallel``: registered; at the word to end, the ranges are unregistered from :data:`ZAP_THREADS`
+  threads, then a normal exit: whether the driver's unregistering runs in parallel at all.
 
 ``--together N`` runs N such processes at once (each its own mapping of the same file, as the workers of a host
 have) and tells them to end together, as workers closing at once do: the exit of each is timed from that word,
@@ -36,25 +38,37 @@ import sys
 import time
 import uuid
 
-MODES = ("context", "mapped", "registered", "unregistered", "os_exit", "zapped")
-#: Threads that drop the page tables in ``zapped`` mode.
+MODES = ("context", "mapped", "registered", "unregistered", "os_exit", "zapped", "unregistered_parallel")
+#: Threads that drop the page tables (``zapped``) or unregister (``unregistered_parallel``) at the word to end.
 ZAP_THREADS = 8
 _MADV_DONTNEED = 4
 
 
-def zap(base: int, nbytes: int, step: int) -> None:
-    """``MADV_DONTNEED`` over ``[base, base + nbytes)`` in ``step`` ranges from :data:`ZAP_THREADS` threads."""
+def in_threads(call, base: int, nbytes: int, step: int) -> None:
+    """``call(address, length)`` over ``[base, base + nbytes)`` in ``step`` ranges from :data:`ZAP_THREADS`
+    threads (each call must release the GIL to run beside the others)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flextensor.shm.prefault import madvise  # the GIL is released around each call
-
-    def one(offset: int) -> None:
-        errno = madvise(base + offset, min(step, nbytes - offset), _MADV_DONTNEED)
-        if errno:
-            raise OSError(errno, "madvise(MADV_DONTNEED) failed")
-
     with ThreadPoolExecutor(ZAP_THREADS) as pool:
-        list(pool.map(one, range(0, nbytes, step)))
+        list(pool.map(lambda offset: call(base + offset, min(step, nbytes - offset)), range(0, nbytes, step)))
+
+
+def zap(address: int, length: int) -> None:
+    """``MADV_DONTNEED`` of one range (the GIL is released around the call)."""
+    from flextensor.shm.prefault import madvise
+
+    errno = madvise(address, length, _MADV_DONTNEED)
+    if errno:
+        raise OSError(errno, "madvise(MADV_DONTNEED) failed")
+
+
+def unregister(address: int, length: int) -> None:
+    """``cudaHostUnregister`` of one range registered as a whole."""
+    import torch
+
+    rc = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostUnregister failed: {rc}")
 
 
 def child(mode: str, gib: float, range_mib: int, path: str) -> None:
@@ -87,7 +101,9 @@ def child(mode: str, gib: float, range_mib: int, path: str) -> None:
     print(json.dumps(info), flush=True)
     sys.stdin.readline()  # the parent's word to end (at once for every process of a --together run)
     if mode == "zapped":
-        zap(base, nbytes, range_mib << 20)
+        in_threads(zap, base, nbytes, range_mib << 20)
+    if mode == "unregistered_parallel":
+        in_threads(unregister, base, nbytes, range_mib << 20)
     if mode == "os_exit":
         os._exit(0)
 
