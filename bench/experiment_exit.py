@@ -15,7 +15,9 @@ parent's ``waitpid`` sees it), for:
   ``--range-mib`` ranges from :data:`ZAP_THREADS` threads; the registration keeps its pages), then a normal
   exit: whether tearing the page tables down in parallel beats the kernel doing it alone as the process dies;
 - ``unregistered_parallel``: registered; at the word to end, the ranges are unregistered from :data:`ZAP_THREADS`
-  threads, then a normal exit: whether the driver's unregistering runs in parallel at all.
+  threads, then a normal exit: whether the driver's unregistering runs in parallel at all;
+- ``registered_parallel``: as ``registered``, the ranges registered from :data:`ZAP_THREADS` threads (the
+  register column tells whether the driver's registering runs in parallel).
 
 ``--together N`` runs N such processes at once (each its own mapping of the same file, as the workers of a host
 have) and tells them to end together, as workers closing at once do: the exit of each is timed from that word,
@@ -38,7 +40,8 @@ import sys
 import time
 import uuid
 
-MODES = ("context", "mapped", "registered", "unregistered", "os_exit", "zapped", "unregistered_parallel")
+MODES = ("context", "mapped", "registered", "unregistered", "os_exit", "zapped", "unregistered_parallel",
+         "registered_parallel")
 #: Threads that drop the page tables (``zapped``) or unregister (``unregistered_parallel``) at the word to end.
 ZAP_THREADS = 8
 _MADV_DONTNEED = 4
@@ -60,6 +63,15 @@ def zap(address: int, length: int) -> None:
     errno = madvise(address, length, _MADV_DONTNEED)
     if errno:
         raise OSError(errno, "madvise(MADV_DONTNEED) failed")
+
+
+def register(address: int, length: int) -> None:
+    """``cudaHostRegister`` of one range (default flags)."""
+    import torch
+
+    rc = torch.cuda.cudart().cudaHostRegister(address, length, 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {rc}")
 
 
 def unregister(address: int, length: int) -> None:
@@ -85,18 +97,18 @@ def child(mode: str, gib: float, range_mib: int, path: str) -> None:
         view.fill_(1)  # every page in this process's page tables, as a follower's streaming leaves them
         base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         if mode != "mapped":
-            cudart = torch.cuda.cudart()
             step = range_mib << 20
             begin = time.perf_counter()
-            for offset in range(0, nbytes, step):
-                rc = cudart.cudaHostRegister(base + offset, min(step, nbytes - offset), 0)
-                if int(rc) != 0:
-                    raise RuntimeError(f"cudaHostRegister failed: {rc}")
+            if mode == "registered_parallel":
+                in_threads(register, base, nbytes, step)
+            else:
+                for offset in range(0, nbytes, step):
+                    register(base + offset, min(step, nbytes - offset))
             info["register_s"] = time.perf_counter() - begin
             if mode == "unregistered":
                 begin = time.perf_counter()
                 for offset in range(0, nbytes, step):
-                    cudart.cudaHostUnregister(base + offset)
+                    unregister(base + offset, min(step, nbytes - offset))
                 info["unregister_s"] = time.perf_counter() - begin
     print(json.dumps(info), flush=True)
     sys.stdin.readline()  # the parent's word to end (at once for every process of a --together run)
