@@ -1,5 +1,6 @@
-"""Peak host RAM of loading a 512 MiB model, each way, measured in a fresh process (``tests.helpers.ckpt_worker``:
-``VmHWM`` minus ``VmRSS`` just before the call): the goals are the point of one host copy.
+"""Peak host RAM of loading a 512 MiB model, each way, measured in a worker process of its own
+(``tests.helpers.ckpt_worker``, forked with torch imported on a host without CUDA: ``VmHWM``, reset just before the
+call, minus ``VmRSS`` then): the goals are the point of one host copy.
 
 - a creator or a single process reading a safetensors checkpoint: <= 1.10x the model's bytes;
 - a creator whose factory builds the model in RAM: <= 1.25x (one copy, plus the pages ahead of its copy;
@@ -17,7 +18,6 @@ size (``pinned_memory_mode="host_register"``; PyTorch's pinned allocator would r
 from __future__ import annotations
 
 import subprocess
-import sys
 import weakref
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from flextensor.runtime.host_memory import PageableProvider, block_views, pack_b
 from flextensor.shm.names import manager_namespace
 from tests.client.sharing.test_session import finish, read_result
 from tests.helpers.checkpoints import big_input, big_mlp, make_profile, save_checkpoint
+from tests.helpers.forkserver import ForkedProcess, spawn_module
 from tests.helpers.models import DEVICE
 from tests.leftovers import shm_names
 
@@ -55,10 +56,10 @@ def big(tmp_path_factory) -> dict:
     return {"profile": profile, "expected": expected, **paths}
 
 
-def _spawn(mode: str, big: dict, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.helpers.ckpt_worker", "--mode", mode, "--profile",
-                             big["profile"], *args], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _spawn(mode: str, big: dict, *args: str) -> subprocess.Popen | ForkedProcess:
+    """A ckpt_worker process, forked with torch already imported (tests/helpers/forkserver.py): its peak is reset
+    just before the call it measures, so what the server imported is part of its baseline, never of its growth."""
+    return spawn_module("tests.helpers.ckpt_worker", ["--mode", mode, "--profile", big["profile"], *args], cwd=REPO)
 
 
 def _run(mode: str, big: dict, *args: str) -> dict:

@@ -5,14 +5,12 @@ is never given back early.
 
 The model of the bound has 2 blocks of 2 x 128 MiB, so a creator that held a block, or a whole tensor, beside
 the shared pages being filled would break it (1.5x and 1.25x); the pages allocated ahead of the copy and the piece
-being copied are what it may hold beyond the model (``flextensor.sharing.publish``). Measured in a fresh process
-(``tests.helpers.ckpt_worker``: ``VmHWM`` over ``VmRSS`` just before the call).
+being copied are what it may hold beyond the model (``flextensor.sharing.publish``). Measured in a worker process
+of its own (``tests.helpers.ckpt_worker``: ``VmHWM``, reset just before the call, over ``VmRSS`` then).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ import flextensor as ft
 from flextensor.shm.names import manager_namespace
 from tests.client.sharing.test_session import LEASE, finish, read_result
 from tests.helpers.checkpoints import big_input, big_mlp, make_profile
+from tests.helpers.forkserver import spawn_module
 from tests.helpers.models import DEVICE, TinyTransformer, cpu_config, reference, same, tiny_transformer, token_ids
 from tests.leftovers import shm_names
 
@@ -52,9 +51,8 @@ def large_blocks(tmp_path_factory) -> dict:
 def test_a_creator_in_ram_grows_by_the_model_once_however_large_its_blocks(large_blocks: dict, plan: str,
                                                                           namespace: str) -> None:
     shape = ",".join(str(SHAPE[k]) for k in ("n", "d", "h"))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.ckpt_worker", "--mode", "inram", "--profile",
-                             large_blocks[plan], "--ns", namespace, "--shape", shape], cwd=REPO,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = spawn_module("tests.helpers.ckpt_worker", ["--mode", "inram", "--profile", large_blocks[plan], "--ns",
+                                                      namespace, "--shape", shape], cwd=REPO)
     result = read_result(proc, timeout=300)
     assert finish(proc) == 0, result
     assert result.get("role") == "creator", result
