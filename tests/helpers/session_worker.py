@@ -3,7 +3,7 @@
 Run as ``python -m tests.helpers.session_worker --ns NS --profile DIR [--mode MODE] ...``. Prints one JSON line:
 ``{"role": ..., "generation": ..., "out": <hex of the output bytes>}`` on success, or
 ``{"error": <exception class>, "message": ...}`` (exit status 3) on failure. Modes shape the creator factory
-(``fail`` raises, ``hang`` blocks forever, ``slow`` takes a second) or the follower model (``mismatch``).
+(``fail`` raises, ``hang`` blocks forever, ``slow`` takes a second, or until ``--go`` exists) or the follower model (``mismatch``).
 With ``--hold`` the worker keeps its session open until a line arrives on stdin.
 """
 
@@ -114,15 +114,18 @@ def main() -> int:
     parser.add_argument("--wait-timeout", type=float, default=60.0)
     parser.add_argument("--marker")
     parser.add_argument("--hold", action="store_true")
-    parser.add_argument("--go", help="mode fail: raise only once this file exists")
+    parser.add_argument("--go", help="mode fail: raise only once this file exists; mode slow: return once it does")
     parser.add_argument("--preserve", action="store_true",
                         help="close(preserve_models=True), then run the model again and report whether it still views SHM")
     parser.add_argument("--log", action="store_true", help="log INFO lines to stderr (tests wait on them)")
     parser.add_argument("--checkpoint", help="the creator reads this safetensors checkpoint (no creator factory)")
-    parser.add_argument("--slow-seconds", type=float, default=1.0, help="how long mode slow's factory sleeps")
+    parser.add_argument("--slow-seconds", type=float, default=1.0,
+                        help="how long mode slow's factory sleeps (at most, with --go)")
     parser.add_argument("--factory-marker", help="the follower factory touches this file when it starts")
     parser.add_argument("--built-marker", help="the follower factory touches this file when it returns")
-    parser.add_argument("--follower-sleep", type=float, default=0.0, help="the follower factory sleeps this long")
+    parser.add_argument("--follower-sleep", type=float, default=0.0,
+                        help="the follower factory sleeps this long (at most, with --follower-go)")
+    parser.add_argument("--follower-go", help="the follower factory returns once this file exists")
     parser.add_argument("--follower-fails", action="store_true", help="the follower factory raises")
     parser.add_argument("--stacks-file",
                         help="append every thread's stack to this file 5 times a second (where a slow test waited)")
@@ -149,12 +152,16 @@ def main() -> int:
         if args.mode == "hang":
             time.sleep(3600)
         if args.mode == "slow":
-            time.sleep(args.slow_seconds)
+            deadline = time.monotonic() + args.slow_seconds
+            while time.monotonic() < deadline and not (args.go and Path(args.go).exists()):
+                time.sleep(0.02)
         return tiny_transformer(seed=0)
 
     def follower_factory() -> torch.nn.Module:
         _touch(args.factory_marker)
-        time.sleep(args.follower_sleep)
+        deadline = time.monotonic() + args.follower_sleep
+        while time.monotonic() < deadline and not (args.follower_go and Path(args.follower_go).exists()):
+            time.sleep(0.02)
         if args.follower_fails:
             raise RuntimeError("the follower's factory failed: config.json is missing")
         if args.checkpoint:  # the creator builds with this factory too: buffers stay real, parameters go meta

@@ -230,14 +230,18 @@ def test_a_creator_killed_while_the_follower_builds_is_reported_once_its_factory
     """The follower's factory (the caller's code) is never interrupted: the death its thread saw meanwhile is
     raised as ShmCreatorDiedError once the factory has returned."""
     marker, building, built = tmp_path / "creator-started", tmp_path / "follower-building", tmp_path / "built"
+    go = tmp_path / "factory-may-return"
     creator = spawn(namespace, profile, "--mode", "hang", "--marker", str(marker))
     follower = None
     try:
         wait_for_file(marker)
         follower = spawn(namespace, profile, "--factory-marker", str(building), "--built-marker", str(built),
-                         "--follower-sleep", "2")
+                         "--follower-sleep", "60", "--follower-go", str(go))
         wait_for_file(building)
         creator.send_signal(signal.SIGKILL)
+        creator.wait(timeout=30)
+        time.sleep(0.2)  # the follower's thread polls READY every 10 ms: it sees the death while the factory runs
+        go.write_text("go")
         result = read_result(follower)
         assert built.exists()  # the model was built before the error came
     finally:
@@ -248,17 +252,20 @@ def test_a_creator_killed_while_the_follower_builds_is_reported_once_its_factory
 def test_a_follower_that_arrives_before_ready_builds_its_model_while_the_creator_publishes(
         namespace: str, profile: str, tmp_path: Path) -> None:
     """The follower's factory runs while a thread waits for READY, not after it: its model is built before the
-    creator (here 5 s in its factory) has published, and it attaches with equal outputs once READY comes."""
+    creator (held in its factory until then, 60 s at most) has published, and it attaches with equal outputs once
+    READY comes."""
     from flextensor.shm.coordinator import peek_ready
 
-    started, built = tmp_path / "creator-started", tmp_path / "follower-built"
-    creator = spawn(namespace, profile, "--mode", "slow", "--slow-seconds", "5", "--marker", str(started), "--hold")
+    started, built, go = tmp_path / "creator-started", tmp_path / "follower-built", tmp_path / "publish-now"
+    creator = spawn(namespace, profile, "--mode", "slow", "--slow-seconds", "60", "--go", str(go), "--marker",
+                    str(started), "--hold")
     procs = [creator]
     try:
         wait_for_file(started)
-        procs.append(spawn(namespace, profile, "--factory-marker", str(built)))
-        wait_for_file(built)
+        procs.append(spawn(namespace, profile, "--built-marker", str(built)))
+        wait_for_file(built)  # the follower's factory returned
         assert not peek_ready(manager_namespace(namespace, "model"))  # built while the creator still publishes
+        go.write_text("go")
         results = [read_result(p) for p in procs]
     finally:
         codes = finish_all(procs)
