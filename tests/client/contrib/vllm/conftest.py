@@ -95,12 +95,14 @@ def smaps_pss_kib(pid: int) -> dict[str, int]:
 
 
 class Engine:
-    """One ``engine.py`` process (see there); its marked stdout lines are the answers, the rest goes to a log."""
+    """One ``engine.py`` process (see there); its marked stdout lines are the answers, the rest goes to a log.
+    ``nice``: a lower CPU priority, for engines that start beside one whose start is the longer wait."""
 
     MARK = "@engine "
 
     def __init__(self, model: Path, log: Path, *, worker_cls: str = "auto", additional_config: dict | None = None,
-                 env: dict[str, str] | None = None, multiprocessing: bool = False, compile: bool = False) -> None:
+                 env: dict[str, str] | None = None, multiprocessing: bool = False, compile: bool = False,
+                 nice: int = 0) -> None:
         full_env = dict(os.environ)
         full_env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                         DO_NOT_TRACK="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
@@ -112,10 +114,12 @@ class Engine:
         self.log = log
         self._log_file = open(log, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.ready: dict[str, Any] = {}
+        self._exit_requested = False
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -156,8 +160,14 @@ class Engine:
         self.send(cmd="generate", prompts=prompts, max_tokens=max_tokens)
         return self.answer("tokens", timeout)["tokens"]
 
+    def request_exit(self) -> None:
+        """Ask the engine to shut down without waiting (``exit`` waits): engines asked together exit side by side."""
+        if not self._exit_requested:
+            self.send(cmd="exit")
+            self._exit_requested = True
+
     def exit(self, timeout: float = 60.0) -> int:
-        self.send(cmd="exit")
+        self.request_exit()
         self.answer("exited", timeout)
         try:
             return self.proc.wait(timeout)

@@ -2,7 +2,7 @@
 
 One model for the module (a Llama built from a config, ``conftest.build_tiny_llama``), greedy tokens compared with
 plain vLLM's, PSS summed over engine processes, SIGKILL for the fault cases. The plain engines and the profile
-are made once per module and shared by the tests that compare with them.
+are made once per module, by engines started together, and shared by the tests that compare with them.
 """
 
 from __future__ import annotations
@@ -28,50 +28,78 @@ WORKER_V2 = f"{MEASURED}.MeasuredFlexWorkerV2"
 BUDGET = {"flextensor": {"memory_budget_bytes": 8 << 20}}
 #: The engine's warm-up passes with the default config: one DISCOVERY, ten PROFILING.
 WARMUP_PASSES = 11
+#: The niceness of what runs beside the compiled engine's start (three processes, one after the other: the
+#: longest wait of the module's set-up), so that it keeps a core of its own.
+BESIDE = 10
 
 
 def shm_entries(token: str) -> list[str]:
     return sorted(name for name in os.listdir("/dev/shm") if token in name)
 
 
+@pytest.fixture(scope="session")  # set up before the session-scoped model (``baselines`` names it first)
+def refusals(tmp_path_factory):
+    """The refusal checks (``refusals.py``) in the vLLM venv, started when first asked for (by ``baselines``, so
+    they run while the model is built and the first engines start) and read by
+    ``test_what_cannot_run_is_refused_with_its_fix``."""
+    out = tmp_path_factory.mktemp("refusals")
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        proc = subprocess.Popen([str(vllm_python()), "-m", "tests.client.contrib.vllm.refusals"], cwd=REPO,
+                                text=True, stdout=stdout, stderr=stderr, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                                preexec_fn=lambda: os.nice(BESIDE))
+    yield {"proc": proc, "stdout": out / "stdout", "stderr": out / "stderr"}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
-def plain(tiny_llama, tmp_path_factory):
-    """Two engines of vLLM's own worker side by side: their tokens and their summed PSS growth."""
+def baselines(refusals, tiny_llama, tmp_path_factory):
+    """What the tests compare with, from engines started together (beside the refusal checks): the compiled
+    engine's start keeps one core busy for most of its half minute, and the plain pair's starts take the other
+    (at a lower priority, ``BESIDE``).
+
+    - ``plain``: two engines of vLLM's own worker side by side: their tokens and their summed PSS growth;
+    - ``profiled``: the regular worker in vLLM's default process layout (engine core and worker in processes of
+      their own), compiled as vLLM does by default (its dynamo trace, made once; with the eager backend, which
+      vLLM's CPU CI uses, rather than minutes of inductor), planning with a small budget and saving its profile
+      for the v2 workers."""
     model, _ = tiny_llama
     logs = tmp_path_factory.mktemp("plain")
-    pair = [Engine(model, logs / f"plain-{i}.log", worker_cls=f"{MEASURED}.MeasuredPlainWorker") for i in range(2)]
+    profile = tmp_path_factory.mktemp("profile") / "vllm"
+    compiled = Engine(model, profile.parent / "engine.log", worker_cls=WORKER, additional_config=BUDGET,
+                      env={"FT_PROFILE_STORAGE_DIR": str(profile), "VLLM_CPU_CI_ENV": "1"}, multiprocessing=True,
+                      compile=True)
+    pair = [Engine(model, logs / f"plain-{i}.log", worker_cls=f"{MEASURED}.MeasuredPlainWorker", nice=BESIDE)
+            for i in range(2)]
     try:
         for engine in pair:
             engine.wait_ready()
         tokens = [engine.generate() for engine in pair]
         growth = sum(engine.pss_growth_kib()["total"] for engine in pair) * 1024
-        assert [engine.exit() for engine in pair] == [0, 0]
-    finally:
         for engine in pair:
+            engine.request_exit()  # both shut down at once
+        assert [engine.exit() for engine in pair] == [0, 0]
+        ready = compiled.wait_ready()
+        compiled_tokens = compiled.generate()
+        assert compiled.exit() == 0
+    finally:
+        for engine in [*pair, compiled]:
             engine.close()
     assert tokens[0] == tokens[1]
-    return {"tokens": tokens[0], "growth": growth}
+    return {"plain": {"tokens": tokens[0], "growth": growth},
+            "profiled": {"tokens": compiled_tokens, "report": ready["flextensor_report"], "profile": profile,
+                         "pid": compiled.pid}}
 
 
 @pytest.fixture(scope="module")
-def profiled(tiny_llama, tmp_path_factory):
-    """The regular worker in vLLM's default process layout (engine core and worker in processes of their own),
-    compiled as vLLM does by default (its dynamo trace, made once; with the eager backend, which vLLM's CPU CI
-    uses, rather than minutes of inductor), planning with a small budget and saving its profile for the v2
-    workers."""
-    model, _ = tiny_llama
-    profile = tmp_path_factory.mktemp("profile") / "vllm"
-    engine = Engine(model, profile.parent / "engine.log", worker_cls=WORKER, additional_config=BUDGET,
-                    env={"FT_PROFILE_STORAGE_DIR": str(profile), "VLLM_CPU_CI_ENV": "1"}, multiprocessing=True,
-                    compile=True)
-    try:
-        ready = engine.wait_ready()
-        tokens = engine.generate()
-        report_after = ready["flextensor_report"]
-        assert engine.exit() == 0
-    finally:
-        engine.close()
-    return {"tokens": tokens, "report": report_after, "profile": profile, "pid": engine.pid}
+def plain(baselines):
+    return baselines["plain"]
+
+
+@pytest.fixture(scope="module")
+def profiled(baselines):
+    return baselines["profiled"]
 
 
 def test_worker_serves_plain_vllms_greedy_tokens(plain, profiled) -> None:
@@ -143,12 +171,15 @@ def test_with_ftd_a_job_whose_engines_all_died_is_reclaimed(plain, profiled, tin
         daemon.stop()
 
 
-def test_what_cannot_run_is_refused_with_its_fix() -> None:
+def test_what_cannot_run_is_refused_with_its_fix(refusals) -> None:
     """The checks both workers run, called in the vLLM venv with vLLM's own config objects (refusals.py)."""
-    proc = subprocess.run([str(vllm_python()), "-m", "tests.client.contrib.vllm.refusals"], cwd=REPO, text=True,
-                          capture_output=True, timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = refusals["proc"]
+    try:
+        proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"refusals.py ran past 180 s:\n{refusals['stderr'].read_text()[-3000:]}")
+    assert proc.returncode == 0, refusals["stderr"].read_text()[-3000:]
+    cases = json.loads(refusals["stdout"].read_text().strip().splitlines()[-1])
     assert cases["streams_on_cpu"] is False and cases["streams_on_cuda"] is True  # a CPU computes in place
     assert "compilation mode VLLM_COMPILE" in cases["compiled_streaming"] and "enforce_eager=True" in \
         cases["compiled_streaming"]
