@@ -29,13 +29,19 @@ Threads and states
   it is a single attribute check.
 - ``stop()`` asks the thread to stop after the block in flight; ``close()`` does and joins it. Only then may the caller unpin
   and unmap the segment (``SharedSegment.close`` unpins every range), so a registration never races an unmap.
+- At interpreter exit, an ``atexit`` hook stops every pinner still running and joins it (the block in flight
+  ends, at most :data:`EXIT_JOIN_S`): no registration is inside the driver while the driver's own exit handlers
+  run (the hook is registered at the first ``start()``, after CUDA was initialised, so it runs before them), as
+  ``flextensor.shm.background_release`` does for unregistering.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
@@ -52,6 +58,23 @@ logger = logging.getLogger(__name__)
 PREFAULT_THREADS = 4
 #: How many blocks ahead of the one being registered may be pre-faulted at once.
 LOOKAHEAD = 8
+#: Longest wait at exit for a pinner's block in flight.
+EXIT_JOIN_S = 30.0
+
+_running: "weakref.WeakSet[BackgroundPinner]" = weakref.WeakSet()
+_exit_hooked = False
+
+
+def _stop_at_exit() -> None:
+    """Stop every pinner still running, then join each (its block in flight ends first)."""
+    pinners = list(_running)
+    for pinner in pinners:
+        pinner.stop()
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for pinner in pinners:
+        thread = pinner._thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class PinRange(NamedTuple):
@@ -84,7 +107,12 @@ class BackgroundPinner:
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> BackgroundPinner:
+        global _exit_hooked
         if self._thread is None and not self._all_done:
+            if not _exit_hooked:
+                atexit.register(_stop_at_exit)
+                _exit_hooked = True
+            _running.add(self)
             self._thread = threading.Thread(target=self._run, name="ft-pin", daemon=True)
             self._thread.start()
         return self

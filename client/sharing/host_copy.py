@@ -16,11 +16,14 @@ process's mappings of the store's segments, one whole segment at a time (``flext
 
 - ``fell_asleep`` starts it on the segments not registered yet (with pinning on and a CUDA device);
 - ``values_on`` at the wake: every segment registered -> one direct copy per store part, at link rate; otherwise
-  the registration is told to stop after the segment in flight, and the wake copies through the staged ring
-  meanwhile (correct, slower); the next sleep goes on where it stopped;
+  the registration is told to stop after the segment in flight (it ends on its own thread; the next sleep or
+  :meth:`SharedHostCopy.close` joins it, and the next sleep goes on where it stopped), and the wake copies
+  through the staged ring meanwhile (correct, slower);
 - the registration stays until the session closes (the store is then released on the release thread), so every
-  later wake is at link rate and costs no registration; a failure (``ulimit -l``) is logged once by the pinner
-  and wakes keep the staged copy.
+  later wake is at link rate and costs no registration;
+- a registration the driver refuses (``ulimit -l``) is logged once by its pinner, and pinning stops for this
+  copy: later sleeps prepare the staged copy's ring in the background instead (as with ``pinned_memory=False``),
+  so their wakes do not pay for it.
 
 Nothing of host RAM is added: registering maps the store's shared pages into this process, where they count
 once on the host (the sum of the workers' PSS), where the ring it replaces was 256 MiB of private pinned memory
@@ -29,6 +32,7 @@ per worker.
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 import torch
@@ -40,6 +44,8 @@ from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.tensor_store import SharedTensorStore
 
 __all__ = ["SharedHostCopy"]
+
+logger = logging.getLogger(__name__)
 
 
 class SharedHostCopy:
@@ -55,6 +61,7 @@ class SharedHostCopy:
         self._device = device
         self._pin = pin and device.type == "cuda"
         self._pinner: BackgroundPinner | None = None
+        self._copier: StagedCopy | None = None  # a ring prepared at the sleep where nothing is registered
 
     def names(self) -> set[str]:
         return {name for record in self._store.records for name in record.all_names}
@@ -67,17 +74,18 @@ class SharedHostCopy:
             views = {record.name: store.tensor(record) for record in store.records}
         else:
             if self._pinner is not None:
-                self._pinner.stop()  # the wake does not wait for it; the next sleep goes on from where it stopped
-            if store.pinned:
-                views = store.copies_on(device)
-            else:
-                copier = StagedCopy()
-                try:
+                self._pinner.stop()  # ends after the segment in flight, on its own thread
+            copier, self._copier = self._copier, None
+            try:
+                if store.pinned:
+                    views = store.copies_on(device)
+                else:
+                    copier = copier or StagedCopy()
                     views = store.copies_on(device, fill=copier.copy_pieces)
-                finally:
+                torch.cuda.current_stream(device).synchronize()
+            finally:
+                if copier is not None:
                     copier.close()
-            torch.cuda.current_stream(device).synchronize()
-            self._join_pinner()
         return {name: views[record.name] for record in store.records for name in record.all_names}
 
     def wake_ready(self, timeout: float | None = 0.0) -> bool:
@@ -89,23 +97,42 @@ class SharedHostCopy:
 
     def fell_asleep(self) -> None:
         self._coordinator.participation.sleep()
-        if not self._pin:
+        if self._device.type != "cuda":
             return
         self._join_pinner()
-        segments = self._store.unpinned_segments()
-        if segments:
-            ranges = [PinRange(segment, 0, segment.size) for segment in segments]
-            self._pinner = BackgroundPinner(ranges, [], device=device_index(self._device),
-                                            label=f"the wake copy of {self._coordinator.namespace}").start()
+        if self._pin:
+            segments = self._store.unpinned_segments()
+            if not segments:
+                return
+            try:
+                ranges = [PinRange(segment, 0, segment.size) for segment in segments]
+                self._pinner = BackgroundPinner(ranges, [], device=device_index(self._device),
+                                                label=f"the wake copy of {self._coordinator.namespace}").start()
+                return
+            except Exception as exc:  # noqa: BLE001 - the wake copies through the staged ring instead
+                logger.warning("%s: the registration of the wake copy could not start (%s: %s); wakes copy "
+                               "through a staged ring", self._coordinator.namespace, type(exc).__name__, exc)
+                self._pin = False
+        if self._copier is None and self._store.nbytes > 0:
+            self._copier = StagedCopy()
+            if self._store.nbytes >= self._copier.min_bytes:
+                self._copier.prepare_in_background(self._device)
 
     def waking(self) -> None:
         self._coordinator.participation.wake()
 
     def _join_pinner(self) -> None:
+        """Join the registration thread; after a refusal, pin no more (the pinner logged it once)."""
         pinner, self._pinner = self._pinner, None
         if pinner is not None:
             pinner.close()
+            if pinner.error is not None:
+                self._pin = False
 
     def close(self) -> None:
-        """Stop a registration in flight (after its segment) and join it: the store may be closed afterwards."""
+        """Stop a registration in flight (after its segment) and join it, and release a ring prepared for a wake
+        that never came: the store may be closed afterwards."""
         self._join_pinner()
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.close()

@@ -215,7 +215,7 @@ class DeviceStaging:
 
 def write_update(writes: list[tuple[Target, Any]], checkpoint: SafetensorsCheckpoint | None) -> int:
     """Step 4 of the module docstring; returns the bytes written."""
-    staging: DeviceStaging | None = None
+    staging: dict[torch.device, DeviceStaging] = {}  # one per source device: its copies run on that device's stream
     reads = ReadPlan(label="update_weights", populate=None) if checkpoint is not None else None
     nbytes = 0
     with torch.no_grad():
@@ -226,9 +226,9 @@ def write_update(writes: list[tuple[Target, Any]], checkpoint: SafetensorsCheckp
                 assert reads is not None
                 reads.add(value, view)
             elif value.device.type == "cuda":
-                if staging is None:
-                    staging = DeviceStaging(value.device)
-                staging.copy(view, value.detach())
+                if value.device not in staging:
+                    staging[value.device] = DeviceStaging(value.device)
+                staging[value.device].copy(view, value.detach())
             else:
                 view.copy_(value.detach())
         if reads is not None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 import mmap
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +133,34 @@ def test_no_segments_and_bad_orders(segments_factory) -> None:
     empty.close()
     with pytest.raises(ValueError, match="outside 0..1"):
         BackgroundPinner(segments_factory(2, []), [0, 2])
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from flextensor.shm.background_pin import BackgroundPinner, PinRange
+    from tests.shm.test_background_pin import BLOCK, FakeArena
+
+    out = open(sys.argv[1], "a", buffering=1)
+
+    class Logged(FakeArena):
+        def pin(self, **kw):
+            out.write("begin\\n")
+            time.sleep(0.2)
+            out.write("end\\n")
+
+    arena = Logged(64, [])
+    pinner = BackgroundPinner([PinRange(arena, i * BLOCK, BLOCK) for i in range(64)], []).start()
+    pinner.wait(0)
+    # the interpreter exits now, with the pinner in its second block
+""")
+
+
+def test_exit_stops_a_running_pinner_after_the_block_in_flight(tmp_path) -> None:
+    log = tmp_path / "pins.log"
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(log)], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = log.read_text().split()
+    # Every registration that began ended before the process did (none cut off inside the driver), and the exit
+    # did not wait for the other blocks.
+    assert 2 <= calls.count("begin") == calls.count("end") < 64, calls

@@ -5,6 +5,8 @@ The multi-process case (a trainer and two workers) is examples/colocated_rl.py, 
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -145,14 +147,14 @@ def test_on_cuda_new_weights_from_the_device_reach_the_woken_model(namespace: st
         assert torch.allclose(_out(model).float(), expected.float(), atol=1e-4, rtol=1e-4)
 
 
-def test_wake_ready_is_false_awake_and_off_cuda(namespace: str, profile: str):
+def test_wake_ready_is_false_awake_and_without_pinning(namespace: str, profile: str):
     with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
         model = _serve(session, profile)
         manager = ft.get_offload_manager()
         assert manager.wake_ready() is False  # awake
         before = _out(model)
         ft.sleep()
-        assert manager.wake_ready(timeout=1.0) is (DEVICE.type == "cuda")
+        assert manager.wake_ready(timeout=1.0) is False  # pinning off in this configuration (and no CUDA here)
         ft.wake()
         assert manager.wake_ready() is False
         assert torch.equal(_out(model), before)
@@ -180,4 +182,65 @@ def test_on_cuda_a_sleeping_worker_registers_the_shared_copy_and_wakes_from_it(n
         ft.wake()
         expected = _expected(_new_weights(5)).to(DEVICE)
         assert torch.allclose(_out(model).float(), expected.float(), atol=1e-4, rtol=1e-4)
+    assert shm_names(manager_namespace(namespace, "default")) == []
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_wake_before_the_registration_ends_copies_staged_and_the_next_sleep_finishes_it(
+        namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import flextensor.shm.segment as segment_mod
+    import flextensor.shm.store_layout as store_layout_mod
+
+    monkeypatch.setattr(store_layout_mod, "STORE_PART_MIN_BYTES", 4096)  # a store of several segments
+    real_register = segment_mod.host_register
+
+    def slow_register(ptr: int, nbytes: int, read_only: bool = False) -> None:
+        time.sleep(0.3)
+        real_register(ptr, nbytes, read_only=read_only)
+
+    monkeypatch.setattr(segment_mod, "host_register", slow_register)
+    cuda_profile = make_profile(tmp_path / "profile")
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(cuda_profile, config=cpu_config(pinned_memory=True), name="default",
+                                             creator_model_factory=lambda: tiny_transformer(seed=0),
+                                             follower_model_factory=lambda: tiny_transformer(seed=0))
+        manager = ft.get_offload_manager()
+        before = _out(model)
+        ft.sleep()
+        assert manager.wake_ready() is False  # the registration has just begun
+        ft.wake()  # stops it after the segment in flight and copies through the staged ring
+        assert torch.equal(_out(model), before)
+        ft.sleep()  # goes on with the segments not registered yet
+        assert manager.wake_ready(timeout=60.0) is True
+        ft.wake()
+        assert torch.equal(_out(model), before)
+    assert shm_names(manager_namespace(namespace, "default")) == []
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_refused_registration_warns_once_and_wakes_through_the_staged_copy(
+        namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    import flextensor.shm.segment as segment_mod
+
+    cuda_profile = make_profile(tmp_path / "profile")
+    with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
+        model = session.offload_from_profile(cuda_profile, config=cpu_config(pinned_memory=True), name="default",
+                                             creator_model_factory=lambda: tiny_transformer(seed=0),
+                                             follower_model_factory=lambda: tiny_transformer(seed=0))
+        manager = ft.get_offload_manager()
+        before = _out(model)
+
+        def refuse(ptr: int, nbytes: int, read_only: bool = False) -> None:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: cudaErrorMemoryAllocation (2)")
+
+        monkeypatch.setattr(segment_mod, "host_register", refuse)
+        with caplog.at_level(logging.WARNING, logger="flextensor.shm.background_pin"):
+            for _cycle in range(3):
+                ft.sleep()
+                assert manager.wake_ready(timeout=10.0) is False
+                ft.wake()
+                assert torch.equal(_out(model), before)
+        warnings = [r.getMessage() for r in caplog.records
+                    if r.name == "flextensor.shm.background_pin" and "the wake copy" in r.getMessage()]
+        assert len(warnings) == 1 and "ulimit -l" in warnings[0]  # the first sleep's; later sleeps do not retry
     assert shm_names(manager_namespace(namespace, "default")) == []
