@@ -3,6 +3,7 @@ that nothing it created is left in /dev/shm or the lock directory afterwards."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -84,6 +85,22 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session: pytest.Session):
+    """What the collection imports and builds (torch, transformers, every test module and item) lives as long as
+    the run: the garbage collector stays off while it is made (each of its full collections would scan all of it
+    again), then collects the collection's garbage once and moves the rest out of its sight, as the fork server
+    does for its children. The full collections during the tests then scan only what the tests make; objects the
+    tests make are collected as ever. About 9 s of full collections per run otherwise, on a 2-core host."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
