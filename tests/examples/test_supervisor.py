@@ -132,10 +132,13 @@ def test_supervisor_restarts_crashed_workers_and_stops_clean(namespace: str, tmp
 @pytest.mark.slow
 def test_a_held_job_restarted_whole_reattaches_without_a_creator(namespace: str, tmp_path: Path, env,
                                                                  isolated_host: Path) -> None:
-    """``ftd hold`` on the job's namespace, SIGKILL of the supervisor and every worker, a new supervisor: it does
-    not wait for the hold (which never ends by itself) but says so and starts the workers, which attach to the
-    held weights as followers of the same generation. Leases are 30 s: nothing may come from one running out."""
+    """``ftd hold`` on the job's namespace, SIGKILL of every worker of the job, a new supervisor: it does not wait
+    for the hold (which never ends by itself) but says so and starts the workers, which attach to the held weights
+    as followers of the same generation. Leases are 30 s: nothing may come from one running out. The job's first
+    run is its two workers alone (``supervisor.py --worker`` with the job's namespace, as its supervisor starts
+    them, forked with transformers imported): the supervisor under test is the one that restarts the job."""
     from tests.daemon.helpers import Daemon
+    from tests.examples.workers import ExampleWorker
 
     profile = tmp_path / "profile"
     args = tiny_args(8, profile=profile)
@@ -160,14 +163,17 @@ def test_a_held_job_restarted_whole_reattaches_without_a_creator(namespace: str,
         seen.append(events.seen)  # type: ignore[arg-type]
         return events
 
+    first: list[ExampleWorker] = []
     try:
-        first = supervise()
-        before = {e["worker"]: e for e in first.wait(is_ready, count=2, timeout=90)}
-        assert sorted(e["role"] for e in before.values()) == ["creator", "follower"]
+        first += [ExampleWorker(base, i, ["--tiny-llama", "8", "--profile", str(profile)], env,
+                                tmp_path / f"first-{i}.log", lease=30.0) for i in range(2)]
+        before = [w.read(timeout=90) for w in first]
+        assert sorted(e["role"] for e in before) == ["creator", "follower"]
         generation = before[0]["generation"]
+        assert before[1]["generation"] == generation
         daemon.cli("hold", base, "--manager", MANAGER)
-        os.killpg(procs[0].pid, signal.SIGKILL)  # the whole job: supervisor and workers
-        procs[0].wait()
+        for w in first:  # the whole job
+            w.kill()
 
         second = supervise()
         (held,) = second.wait(lambda e: e.get("event") in ("held", "cleanup", "refused"), timeout=60)
@@ -178,14 +184,16 @@ def test_a_held_job_restarted_whole_reattaches_without_a_creator(namespace: str,
         assert {after[i]["generation"] for i in (0, 1)} == {generation}
         assert all(after[i]["tokens"] == expected[i] for i in (0, 1))
 
-        procs[1].send_signal(signal.SIGTERM)
-        assert procs[1].wait(timeout=60) == 0
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=60) == 0
         stopped = second.wait(lambda e: e.get("event") == "stopped", timeout=10)[0]
         assert set(stopped["statuses"].values()) == {0}, stopped
         assert any(compact in n for n in os.listdir("/dev/shm"))  # the hold keeps it warm
         daemon.cli("release", base, "--manager", MANAGER)  # the last participant: reclaimed at once
         assert not [n for n in os.listdir("/dev/shm") if compact in n]
     finally:
+        for w in first:
+            w.kill()
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
