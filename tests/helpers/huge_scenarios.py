@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.forkserver import ForkedProcess, spawn_module
+
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
@@ -50,10 +52,10 @@ def segment(directory: str, token: str) -> dict:
     view = seg.tensor(torch.uint8, (asked,))
     view.copy_(torch.arange(asked, dtype=torch.int64).remainder(251).to(torch.uint8))
     huge = segment_dir.huge_mapped_bytes(directory + name)
-    reader = subprocess.run(
-        [PY, "-c", "import sys, torch; from flextensor.shm.segment import SharedSegment; "
+    reader = subprocess.run(  # the bytes through the mapping another process opens by name (no torch needed)
+        [PY, "-c", "import sys; from flextensor.shm.segment import SharedSegment; "
                    "from flextensor.shm import segment_dir; segment_dir.set_default_directory(sys.argv[2]); "
-                   "s = SharedSegment.open(sys.argv[1]); print(int(s.tensor(torch.uint8, (s.size,)).sum()))",
+                   "s = SharedSegment.open(sys.argv[1]); print(sum(s.buffer[:s.size]))",
          name, directory], cwd=REPO, capture_output=True, text=True, check=True)
     fd = seg.open_file()
     try:
@@ -109,17 +111,18 @@ def pin(directory: str, token: str) -> dict:
     return {"offsets": list(layout.offsets), "equal": equal, "pinned": pinned, "left": _left(directory, token)}
 
 
-def _worker(ns: str, profile: str, shm_dir: str | None, *extra: str) -> subprocess.Popen:
+def _worker(ns: str, profile: str, shm_dir: str | None, *extra: str) -> subprocess.Popen | ForkedProcess:
+    """A session worker in this mount namespace, forked (with torch imported) from a fork server this process
+    starts, so in this namespace too; a fresh interpreter where the test process found forking off (CUDA)."""
     env = dict(os.environ)
     env.pop("FT_SHM_DIR", None)
     if shm_dir is not None:
         env["FT_SHM_DIR"] = shm_dir
-    return subprocess.Popen([PY, "-m", "tests.helpers.session_worker", "--ns", ns, "--profile", profile,
-                             "--lease", "5", *extra], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return spawn_module("tests.helpers.session_worker", ["--ns", ns, "--profile", profile, "--lease", "5", *extra],
+                        cwd=REPO, env=env)
 
 
-def _first_line(proc: subprocess.Popen) -> dict:
+def _first_line(proc: subprocess.Popen | ForkedProcess) -> dict:
     line = proc.stdout.readline()
     if not line:
         raise RuntimeError(f"worker {proc.pid} printed nothing; stderr:\n{proc.stderr.read()}")
