@@ -277,12 +277,21 @@ _servers_lock = threading.Lock()
 
 
 def forking_enabled() -> bool:
-    """Fork from a server unless CUDA is present (see the module docstring) or FLEXTENSOR_TEST_EXEC=1."""
-    if os.environ.get("FLEXTENSOR_TEST_EXEC") == "1":
-        return False
+    """Fork from a server unless CUDA is present (see the module docstring) or FLEXTENSOR_TEST_EXEC=1.
+    ``FLEXTENSOR_TEST_EXEC=0`` is the answer a test process hands to a helper process it starts (``fork_env``):
+    fork, without importing torch to ask."""
+    value = os.environ.get("FLEXTENSOR_TEST_EXEC")
+    if value in ("0", "1"):
+        return value == "0"
     import torch
 
     return not torch.cuda.is_available()
+
+
+def fork_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a helper process that starts workers itself: it carries this process's ``forking_enabled()``,
+    which the helper then need not import torch to learn."""
+    return {**env, "FLEXTENSOR_TEST_EXEC": "0" if forking_enabled() else "1"}
 
 
 def _spawn(kind: str, target: str, args: list[str], *, env: dict[str, str] | None, cwd: Path, fresh: bool,

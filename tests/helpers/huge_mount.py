@@ -23,10 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.forkserver import fork_env
+
 REPO = Path(__file__).resolve().parents[2]
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 FREE_2M = Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
+#: The scenarios that start session workers (``huge_scenarios._worker``).
+WORKER_SCENARIOS = ("session", "crash", "mismatch")
 
 
 def mount_unavailable() -> str | None:
@@ -60,8 +64,10 @@ def run_mounted(fs: str, directory: Path, scenario: str, *args: str, size: str =
     script = f'{mount_command(fs, str(directory), size)} && exec "$@"'
     cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
            sys.executable, "-m", "tests.helpers.huge_scenarios", scenario, str(directory), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ if env is None else env), capture_output=True,
-                          text=True, timeout=timeout)
+    env = dict(os.environ if env is None else env)
+    if scenario in WORKER_SCENARIOS:  # the scenario forks its workers as the test process would (no CUDA)
+        env = fork_env(env)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, (f"scenario {scenario} on {fs} exited {proc.returncode}\n"
                                             f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}")
