@@ -24,7 +24,7 @@ from tests.leftovers import shm_names
 
 LEASE = "30"  # the workers' (and so the hold's) lease: nothing below may come from a lease running out
 MANAGER = "model"  # session_worker's default --name
-REAP = 0.2  # the helper daemon's reap interval
+REAP = 0.1  # the helper daemon's reap interval
 
 
 @pytest.fixture(scope="module")

@@ -129,8 +129,8 @@ def test_one_user_cannot_queue_unbounded_cleanups(socket_path, lock_dir, workers
         assert daemon.answers()
         # The accepted ones wait with back-off: they cost the daemon little CPU while the lease stays live.
         before = _cpu_s(daemon.proc.pid)
-        time.sleep(2.0)
-        assert _cpu_s(daemon.proc.pid) - before < 0.25
+        time.sleep(1.0)
+        assert _cpu_s(daemon.proc.pid) - before < 0.125  # an eighth of a core at most
         s.close(0)
         w.close()
     finally:

@@ -333,7 +333,7 @@ def test_wait_timeout_expiry_raises_timeout_error(namespace: str, profile: str, 
     marker = tmp_path / "creator-started"
     creator = spawn(namespace, profile, "--mode", "hang", "--marker", str(marker))
     wait_for_file(marker)
-    follower = spawn(namespace, profile, "--wait-timeout", "1.0")
+    follower = spawn(namespace, profile, "--wait-timeout", "0.3")
     result = read_result(follower)
     finish(follower)
     creator.send_signal(signal.SIGKILL)
