@@ -448,6 +448,11 @@ class SharedSegment:
         """True when any part of the mapping is registered."""
         return bool(self._pinned)
 
+    @property
+    def pinned_ranges(self) -> dict[int, int]:
+        """The registered ranges, ``offset -> bytes`` (a copy)."""
+        return dict(self._pinned)
+
     def pin(self, *, read_only: bool = False, prefault: bool = False, offset: int = 0,
             nbytes: int | None = None) -> None:
         """Page-lock ``[offset, offset + nbytes)`` (default: the whole mapping) for fast DMA

@@ -49,6 +49,11 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 MANIFEST_KIND = "sm"
+#: A registration on a thread (:meth:`SharedTensorStore.unpinned_ranges`) registers at most this many bytes per
+#: driver call, which holds a driver lock the process's kernel launches wait for (a trainer sharing the process
+#: waits for one range at most), and a direct copy (:meth:`SharedTensorStore.copies_on`) copies at most this many,
+#: aligned to it within the segment, so that no copy spans two registrations.
+REGISTER_RANGE_BYTES = 256 << 20
 __all__ = ["ALIGNMENT", "DATA_KIND", "MANIFEST_KIND", "STORE_MAX_PARTS", "STORE_PART_MIN_BYTES", "SharedTensorStore",
            "StoreLayout", "data_kind", "model_registrations", "store_layout"]
 
@@ -426,8 +431,9 @@ class SharedTensorStore:
                                                                                        offset=low), part, low)
                        for part, low, high, at, _spans in ranges]
         if fill is None:
-            for dst, src, _part, _low in copies_from:
-                dst.copy_(src)
+            for dst, src, _part, low in copies_from:  # no copy spans two registrations
+                for start, end in _cut_at(low, low + src.numel(), REGISTER_RANGE_BYTES):
+                    dst[start - low:end - low].copy_(src[start - low:end - low])
         else:
             fds: list[int | None] = []
             try:
@@ -514,14 +520,23 @@ class SharedTensorStore:
 
     @property
     def pinned(self) -> bool:
-        return not self._closed and all(segment.pinned for segment in self._segments)
+        """Every byte of every data segment registered in this process (by :meth:`pin`, or range by range)."""
+        return not self._closed and all(sum(segment.pinned_ranges.values()) >= segment.size
+                                        for segment in self._segments)
 
-    def unpinned_segments(self) -> list[Any]:
-        """The data segments this handle has not registered yet, for a registration on a thread of the caller's
-        (``flextensor.shm.background_pin``, one whole segment per range, as :meth:`pin` registers them); the
-        caller joins that thread before it closes this store."""
+    def unpinned_ranges(self) -> list[tuple[Any, int, int]]:
+        """``(segment, offset, nbytes)`` of the data segments' :data:`REGISTER_RANGE_BYTES` ranges this handle has
+        not registered yet (none overlapping a registered range), for a registration on a thread of the caller's
+        (``flextensor.shm.background_pin``); the caller joins that thread before it closes this store."""
         self._check_open()
-        return [segment for segment in self._segments if not segment.pinned]
+        ranges = []
+        for segment in self._segments:
+            registered = segment.pinned_ranges.items()
+            for offset in range(0, segment.size, REGISTER_RANGE_BYTES):
+                end = min(segment.size, offset + REGISTER_RANGE_BYTES)
+                if not any(offset < start + length and start < end for start, length in registered):
+                    ranges.append((segment, offset, end - offset))
+        return ranges
 
     @property
     def parts(self) -> int:
@@ -550,6 +565,16 @@ class SharedTensorStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cut_at(low: int, high: int, step: int) -> list[tuple[int, int]]:
+    """``[low, high)`` cut at the multiples of ``step``, as ``(start, end)`` pairs."""
+    cuts = []
+    while low < high:
+        end = min(high, (low // step + 1) * step)
+        cuts.append((low, end))
+        low = end
+    return cuts
 
 
 def _library_version() -> str:

@@ -12,11 +12,12 @@ A worker does not register the store with CUDA when it attaches (its host blocks
 the store's records are copied once, through a staged copy: ``flextensor.sharing.attach_prefetch``). A copy
 from unregistered memory goes through a pinned ring (``pread`` into it, then DMA), about two thirds of the link
 rate. So while the model sleeps (seconds to minutes of training in colocated RL), a thread registers this
-process's mappings of the store's segments, one whole segment at a time (``flextensor.shm.background_pin``):
+process's mappings of the store's segments, in ranges of ``REGISTER_RANGE_BYTES`` (``flextensor.shm.background_pin``;
+a training step in this process waits for one range's driver call at most):
 
-- ``fell_asleep`` starts it on the segments not registered yet (with pinning on and a CUDA device);
-- ``values_on`` at the wake: every segment registered -> one direct copy per store part, at link rate; otherwise
-  the registration is told to stop after the segment in flight (it ends on its own thread; the next sleep or
+- ``fell_asleep`` starts it on the ranges not registered yet (with pinning on and a CUDA device);
+- ``values_on`` at the wake: every range registered -> direct copies, at link rate; otherwise the registration
+  is told to stop after the range in flight (it ends on its own thread; the next sleep or
   :meth:`SharedHostCopy.close` joins it, and the next sleep goes on where it stopped), and the wake copies
   through the staged ring meanwhile (correct, slower);
 - the registration stays until the session closes (the store is then released on the release thread), so every
@@ -67,14 +68,14 @@ class SharedHostCopy:
         return {name for record in self._store.records for name in record.all_names}
 
     def values_on(self, device: torch.device) -> Mapping[str, torch.Tensor]:
-        """Zero-copy views on a CPU; on a device, one copy per store part: direct when this process registered
-        the whole store, else through a pinned ring read with ``pread``, as a follower's attach copies them."""
+        """Zero-copy views on a CPU; on a device, direct copies when this process registered the whole store,
+        else through a pinned ring read with ``pread``, as a follower's attach copies them."""
         store = self._store
         if device.type == "cpu":
             views = {record.name: store.tensor(record) for record in store.records}
         else:
             if self._pinner is not None:
-                self._pinner.stop()  # ends after the segment in flight, on its own thread
+                self._pinner.stop()  # ends after the range in flight, on its own thread
             copier, self._copier = self._copier, None
             try:
                 if store.pinned:
@@ -101,11 +102,11 @@ class SharedHostCopy:
             return
         self._join_pinner()
         if self._pin:
-            segments = self._store.unpinned_segments()
-            if not segments:
+            unpinned = self._store.unpinned_ranges()
+            if not unpinned:
                 return
             try:
-                ranges = [PinRange(segment, 0, segment.size) for segment in segments]
+                ranges = [PinRange(segment, offset, nbytes) for segment, offset, nbytes in unpinned]
                 self._pinner = BackgroundPinner(ranges, [], device=device_index(self._device),
                                                 label=f"the wake copy of {self._coordinator.namespace}").start()
                 return

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from flextensor.shm import blocks as blocks_mod
+from flextensor.shm import segment as segment_mod
+from flextensor.shm import tensor_store as tensor_store_mod
 from flextensor.shm.blocks import ARENA_KIND, SharedBlockAllocator, arena_layout
 from flextensor.shm.coordinator import ShmCoordinator
 from flextensor.shm.errors import ShmProtocolError
@@ -213,6 +215,64 @@ def test_a_store_in_parts_round_trips_and_hands_every_part_to_one_fill(ns: str) 
                 assert torch.equal(copies[record.name], attached.tensor(record)), record.name
             del target, copies
             attached.close()
+        store.close()
+
+
+def test_a_registration_in_ranges_covers_every_byte_once_and_direct_copies_never_span_two(
+        ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``unpinned_ranges`` cuts every data segment into ``REGISTER_RANGE_BYTES`` ranges not yet registered; the
+    store counts as pinned once every byte is; a direct ``copies_on`` copies at most one range per copy, and the
+    copies equal the records. (The driver is stood in for: ``host_register`` records the ranges.)"""
+    step = 2 * 4096
+    monkeypatch.setattr(tensor_store_mod, "REGISTER_RANGE_BYTES", step)
+    registered: list[tuple[int, int]] = []
+    monkeypatch.setattr(segment_mod, "host_register",
+                        lambda ptr, nbytes, read_only=False: registered.append((ptr, nbytes)))
+    monkeypatch.setattr(segment_mod, "host_unregister", lambda ptr: None)
+    source = _model()
+    source.embed.weight.data = torch.randn(1024, 16)  # 64 KiB: several ranges in its part
+    source.head.weight = source.embed.weight
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        store = SharedTensorStore.create_from_model(ns, source, shm_owner=creator.memory_owner, part_min_bytes=256)
+        ranges = store.unpinned_ranges()
+        sizes = {id(segment): segment.size for segment, _offset, _nbytes in ranges}
+        assert sum(sizes.values()) == sum(nbytes for _segment, _offset, nbytes in ranges)  # every byte, once
+        assert all(offset % step == 0 and 0 < nbytes <= step for _segment, offset, nbytes in ranges)
+        assert len(ranges) > store.parts and not store.pinned
+        first, rest = ranges[:3], ranges[3:]
+        for segment, offset, nbytes in first:
+            segment.pin(read_only=True, offset=offset, nbytes=nbytes)
+        assert not store.pinned
+        assert store.unpinned_ranges() == rest  # a later registration goes on from where this one stopped
+        for segment, offset, nbytes in rest:
+            segment.pin(read_only=True, offset=offset, nbytes=nbytes)
+        assert store.pinned and store.unpinned_ranges() == []
+        spans: list[tuple[int, int]] = []
+        real_copy = torch.Tensor.copy_
+
+        def copy_(dst: torch.Tensor, src: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            spans.append((src.data_ptr(), src.numel()))
+            return real_copy(dst, src, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+        copies = store.copies_on("cpu")
+        monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+        for record in store.records:
+            assert torch.equal(copies[record.name], store.tensor(record)), record.name
+        within = [any(ptr <= at and at + n <= ptr + size for ptr, size in registered) for at, n in spans]
+        assert spans and all(within), spans  # each copy inside one registered range
+        assert sum(n for _at, n in spans) > step  # the large part was copied in several pieces
+        store.close()
+
+
+def test_a_store_pinned_whole_has_no_range_left_to_register(ns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segment_mod, "host_register", lambda ptr, nbytes, read_only=False: None)
+    monkeypatch.setattr(segment_mod, "host_unregister", lambda ptr: None)
+    with ShmCoordinator(ns, lease_seconds=2.0) as creator:
+        store = SharedTensorStore.create_from_model(ns, _model(), shm_owner=creator.memory_owner)
+        assert not store.pinned and store.unpinned_ranges()
+        store.pin()  # whole segments, as a creator registers them
+        assert store.pinned and store.unpinned_ranges() == []
         store.close()
 
 
