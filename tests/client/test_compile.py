@@ -85,6 +85,10 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
 # Read at import, before a test's TMPDIR replaces the host's: inductor's own default location.
 INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
     tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+# Imported here for the same reason: inductor keeps its precompiled C++ headers under the default location of the
+# moment this module is imported, not under TORCHINDUCTOR_CACHE_DIR; imported in a test, they would be compiled
+# again in every run's TMPDIR (about 5 s of g++ on a 2-core host).
+import torch._inductor.codecache  # noqa: E402, F401
 
 
 @pytest.fixture(autouse=True)
