@@ -144,7 +144,7 @@ def matches(out: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ workers
-@pytest.mark.parametrize("workers, rounds", [(8, 2)])  # 8 at once; the second round reuses the namespace
+@pytest.mark.parametrize("workers, rounds", [(4, 2)])  # 4 at once; the second round reuses the namespace
 def test_workers_share_one_copy_with_exactly_one_creator_and_equal_outputs(namespace: str, profile: str,
                                                                              workers: int, rounds: int) -> None:
     """All start at once; each round ends with every worker closed, so the next round reuses the namespace."""
