@@ -14,6 +14,7 @@ import pytest
 from flextensor.shm.names import manager_namespace
 
 from tests.client.sharing.test_session import make_profile
+from tests.helpers.models import DEVICE
 from tests.helpers.huge_mount import run_mounted
 
 NOTHING = {"dir": [], "dev_shm": [], "lock_dir": []}
@@ -30,7 +31,11 @@ def test_creator_and_follower_share_one_copy_on_huge_pages(tmp_path: Path, profi
     directory = str(tmp_path / "huge")
     report = run_mounted("tmpfs", tmp_path / "huge", "session", token, profile)
     assert report["errors"] == [] and report["roles"] == ["creator", "follower"] and report["same_output"]
-    assert report["tensors"]["offloaded"] > 0 and report["tensors"]["offloaded_in_shm"] == report["tensors"]["offloaded"]
+    tensors = report["tensors"]
+    assert tensors["offloaded"] > 0 and tensors["loader"] is (DEVICE.type == "cuda")
+    if DEVICE.type == "cpu":  # computed in place: every offloaded tensor views the shared blocks
+        assert tensors["offloaded_in_shm"] == tensors["offloaded"]
+    # (on CUDA they stream from those blocks: the arena's segments in the directory, below)
     ns = manager_namespace(f"t-{token}", "model")
     held = report["held"]
     assert f"{ns}.c" in held["dir"] and any(name.startswith(f"{ns}.g1.h") for name in held["dir"])
