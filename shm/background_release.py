@@ -17,7 +17,11 @@ Exit
 An ``atexit`` hook stops the thread after the call in flight and joins it (at most :data:`EXIT_JOIN_S`). What is
 still registered and mapped then goes with the process: the driver drops a dying process's registrations and the
 kernel its mappings, exactly as after a crash. So a process that exits right after ``close()`` neither waits for
-the rest nor leaves anything in ``/dev/shm`` (its names were unlinked by ``close()`` itself). The hook runs
+the rest nor leaves anything in ``/dev/shm`` (its names were unlinked by ``close()`` itself). Before it returns,
+the hook drops this process's page-table entries for those mappings from several threads
+(:func:`~flextensor.shm.prefault.drop_page_tables`), which the dying process would otherwise tear down in one
+thread: a third off the exit of four workers ending together with 24 GiB mapped (docs/benchmarks.md, the exit
+floor). The pages stay in their files and registered; nothing reads them any more. The hook runs
 before PyTorch's own exit handlers (``atexit`` runs last-registered first, and it is registered when the first
 segment is handed over, after CUDA was initialised), so no driver call of the thread overlaps the driver's
 teardown. :func:`wait_released` waits until every segment handed over is released (tests; callers that want
@@ -36,6 +40,9 @@ import threading
 import time
 from collections import deque
 from typing import Any
+
+from .prefault import drop_page_tables
+from .segment import SharedSegment
 
 __all__ = ["release_in_background", "wait_released", "pending_releases", "PAUSE_S", "EXIT_JOIN_S"]
 
@@ -133,8 +140,15 @@ def _stop_at_exit() -> None:
         thread = _thread
     if thread is not None:
         thread.join(EXIT_JOIN_S)
+        if thread.is_alive():  # a driver call that never returned: leave its segment alone
+            return
     if left:
-        logger.debug("exit: %d segment(s) left registered and mapped for the process's end to release", left)
+        with _cond:
+            # shared segments; a staging ring (private, a few hundred MiB) is left to the process's end
+            ranges = [(segment.address, segment.size) for segment in _queue if isinstance(segment, SharedSegment)]
+        refused = drop_page_tables(ranges)
+        logger.debug("exit: %d segment(s) left registered for the process's end to release; their page tables "
+                     "dropped (%d pieces refused)", left, refused)
 
 
 def _after_fork_in_child() -> None:

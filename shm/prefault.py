@@ -27,7 +27,9 @@ import errno
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
+MADV_DONTNEED = 4
 MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 #: Each thread populates ranges of this size; below it one call in the caller's thread is cheaper than a pool.
@@ -47,6 +49,8 @@ MIN_PIECE = 4 << 20
 MIN_HUGE_PIECE = 32 << 20
 #: Threads that pre-fault a range of huge pages for reading (:func:`read_threads`).
 HUGE_READ_THREADS = 1
+#: Threads that drop a mapping's page-table entries (:func:`drop_page_tables`).
+DROP_THREADS = 8
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -101,6 +105,22 @@ def populate_read(address: int, size: int, *, threads: int = MAX_THREADS) -> boo
     False when the kernel lacks ``MADV_POPULATE_READ`` (the caller simply goes on: it is only a speed-up).
     """
     return _populate_range(address, size, MADV_POPULATE_READ, threads=threads)
+
+
+def drop_page_tables(ranges: Sequence[tuple[int, int]], *, threads: int = DROP_THREADS) -> int:
+    """Remove this process's page-table entries for ``(address, size)`` ranges of shared file mappings, from up
+    to ``threads`` threads (``MADV_DONTNEED``: the pages stay in their files, registered pages stay registered,
+    and a later access faults them in again); returns how many :data:`CHUNK` pieces the kernel refused.
+
+    Why: a process that mapped tens of GiB of shared blocks in 4 KiB pages spends seconds as it dies tearing those
+    entries down in one thread, several processes ending at once longer still; done from several threads just
+    before the end it takes a third off the exit (``flextensor.shm.background_release``; docs/benchmarks.md, the
+    exit floor)."""
+    pieces = [(address + offset, min(CHUNK, size - offset))
+              for address, size in ranges for offset in range(0, size, CHUNK)]
+    threads = max(1, min(threads, os.cpu_count() or 1, len(pieces)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="ft-drop") as pool:
+        return sum(1 for code in pool.map(lambda r: madvise(r[0], r[1], MADV_DONTNEED), pieces) if code)
 
 
 def _populate_range(address: int, size: int, advice: int, *, piece: int = CHUNK, threads: int = MAX_THREADS

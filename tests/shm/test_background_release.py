@@ -7,6 +7,7 @@ the order are what is tested, on hosts without a GPU.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -150,4 +151,43 @@ def test_exit_right_after_close_stops_the_release_and_leaves_nothing(namespace, 
     # The exit hook stopped the thread after the call in flight: the process did not wait for all 64 (12.8 s);
     # its end released the rest.
     assert calls.count("unregister") < 64
+    assert shm_names(namespace) == []
+
+
+DROP_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import flextensor.shm.background_release as release_mod
+    import flextensor.shm.segment as segment_mod
+    from flextensor.shm.segment import SharedSegment
+
+    segment_mod.host_register = lambda ptr, nbytes, read_only=False: None
+    segment_mod.host_unregister = lambda ptr: time.sleep(0.5)  # the release thread is still at it at exit
+
+    def rss_kib(address):
+        lines = open("/proc/self/smaps").read().splitlines()
+        for i, line in enumerate(lines):
+            if line.split()[0].split("-")[0] == format(address, "x"):
+                return next(int(l.split()[1]) for l in lines[i + 1:] if l.startswith("Rss:"))
+        raise LookupError(address)
+
+    segment = SharedSegment.create(sys.argv[1], 64 << 20)
+    segment.tensor(__import__("torch").uint8, (64 << 20,)).fill_(7)  # every page mapped, as streaming leaves them
+    for i in range(4):
+        segment.pin(offset=i << 24, nbytes=1 << 24)
+    address = segment.address
+    before = rss_kib(address)
+    SharedSegment.unlink_name(sys.argv[1])
+    segment.close(background=True)
+    release_mod._stop_at_exit()  # what the interpreter's exit runs
+    print(json.dumps({"before": before, "after": rss_kib(address)}))
+""")
+
+
+def test_the_exit_hook_drops_the_page_tables_of_what_is_still_mapped(namespace):
+    proc = subprocess.run([sys.executable, "-c", DROP_SCRIPT, f"/{namespace}.drop"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rss = json.loads(proc.stdout.splitlines()[-1])
+    assert rss["before"] == 64 << 10  # KiB: the whole segment mapped in this process
+    assert rss["after"] == 0  # still mapped (and registered), its page-table entries gone before the exit
     assert shm_names(namespace) == []
