@@ -137,7 +137,8 @@ def main() -> int:
             model = ft.load_model_from_profile(ft.get_offload_manager("model"), args.profile, BigMLP,
                                                safetensor_path=args.checkpoint, strict=True)
         elif args.mode == "profile":  # discovery, profiling and the switch to INFERENCE, all on this model
-            cfg = ft.OffloadConfig(**pinning, num_blocks=2, min_blocks=2,
+            # Two profiling passes, as the tests' cpu_config: every pass peaks alike, the first ones included.
+            cfg = ft.OffloadConfig(**pinning, num_blocks=2, min_blocks=2, profiling_iters=2,
                                    include_patterns=["class:MLPBlock"], load_strategy=ft.NthLayerStrategy(1))
             model = ft.offload(model_in_ram, cfg, name="model")
             del model_in_ram
