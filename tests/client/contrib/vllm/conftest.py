@@ -160,6 +160,11 @@ class Engine:
         self.send(cmd="generate", prompts=prompts, max_tokens=max_tokens)
         return self.answer("tokens", timeout)["tokens"]
 
+    def refusals(self, timeout: float = 120.0) -> dict[str, Any]:
+        """The refusal checks of ``refusals.py``, run in this engine's process."""
+        self.send(cmd="refusals")
+        return self.answer("refusals", timeout)["cases"]
+
     def request_exit(self) -> None:
         """Ask the engine to shut down without waiting (``exit`` waits): engines asked together exit side by side."""
         if not self._exit_requested:

@@ -7,6 +7,8 @@ returned, then answers each command (each answer is one line starting with ``MAR
 
 - ``{"cmd": "generate", "prompts": [...], "max_tokens": N}`` -> ``{"event": "tokens", "tokens": [[...], ...]}``
   (greedy);
+- ``{"cmd": "refusals"}`` -> ``{"event": "refusals", "cases": {...}}``: the refusal checks of ``refusals.py``, with
+  vLLM's own config objects (this process has vLLM imported already);
 - ``{"cmd": "exit"}`` -> shuts the engine down and exits 0.
 
 Any failure prints ``{"event": "error", "error": ...}`` and exits 1.
@@ -55,6 +57,10 @@ def main() -> int:
             outputs = llm.generate(command["prompts"], SamplingParams(temperature=0.0, max_tokens=command["max_tokens"]),
                                    use_tqdm=False)
             say(event="tokens", tokens=[list(o.outputs[0].token_ids) for o in outputs])
+        elif command["cmd"] == "refusals":
+            from tests.client.contrib.vllm.refusals import cases
+
+            say(event="refusals", cases=cases())
         elif command["cmd"] == "exit":
             break
     llm.llm_engine.engine_core.shutdown()

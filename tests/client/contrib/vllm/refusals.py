@@ -1,5 +1,6 @@
-"""What the vLLM workers refuse before or after planning, checked in the vLLM venv (run by ``test_workers.py``):
-each case calls the public check with a configuration that must be refused and prints the error it raised, one
+"""What the vLLM workers refuse before or after planning, checked in the vLLM venv (for ``test_workers.py``, in
+the process of an ``engine.py``, which has vLLM imported already: its ``refusals`` command; or run as a module):
+each case calls the public check with a configuration that must be refused and gives the error it raised, one
 JSON object of ``{case: "ExceptionType: message"}`` (``null`` where nothing was raised)."""
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def vllm_config(*, mode: CompilationMode = CompilationMode.NONE, cudagraph: CUDA
                            model_config=SimpleNamespace(model="/m", revision=None, dtype="float32"))
 
 
-def main() -> None:
+def cases() -> dict[str, str | bool | None]:
+    """Each case's outcome (see the module docstring)."""
     pageable, pinned = ft.OffloadConfig(pinned_memory=False), ft.OffloadConfig(pinned_memory=True)
-    cases = {
+    return {
         "streams_on_cpu": streams_to_device({"model.layers.0": ["w"]}, "cpu"),
         "streams_on_cuda": streams_to_device({"model.layers.0": ["w"]}, "cuda"),
         "compiled_streaming": outcome(lambda: check_capture(vllm_config(mode=CompilationMode.VLLM_COMPILE),
@@ -48,7 +50,10 @@ def main() -> None:
         "no_namespace": outcome(lambda: job_namespace(WorkerSettings(config=pageable), vllm_config())),
         "dp_namespace": job_namespace(WorkerSettings(config=pageable), vllm_config(dp=2)),
     }
-    print(json.dumps(cases))
+
+
+def main() -> None:
+    print(json.dumps(cases()))
 
 
 if __name__ == "__main__":

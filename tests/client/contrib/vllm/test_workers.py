@@ -7,15 +7,13 @@ are made once per module, by engines started together, and shared by the tests t
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.client.contrib.vllm.conftest import REPO, Engine, record, vllm_python
+from tests.client.contrib.vllm.conftest import Engine, record
 from tests.daemon.helpers import Daemon
 
 pytestmark = pytest.mark.slow
@@ -37,29 +35,14 @@ def shm_entries(token: str) -> list[str]:
     return sorted(name for name in os.listdir("/dev/shm") if token in name)
 
 
-@pytest.fixture(scope="session")  # set up before the session-scoped model (``baselines`` names it first)
-def refusals(tmp_path_factory):
-    """The refusal checks (``refusals.py``) in the vLLM venv, started when first asked for (by ``baselines``, so
-    they run while the model is built and the first engines start) and read by
-    ``test_what_cannot_run_is_refused_with_its_fix``."""
-    out = tmp_path_factory.mktemp("refusals")
-    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
-        proc = subprocess.Popen([str(vllm_python()), "-m", "tests.client.contrib.vllm.refusals"], cwd=REPO,
-                                text=True, stdout=stdout, stderr=stderr, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                                preexec_fn=lambda: os.nice(BESIDE))
-    yield {"proc": proc, "stdout": out / "stdout", "stderr": out / "stderr"}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="module")
-def baselines(refusals, tiny_llama, tmp_path_factory):
-    """What the tests compare with, from engines started together (beside the refusal checks): the compiled
-    engine's start keeps one core busy for most of its half minute, and the plain pair's starts take the other
-    (at a lower priority, ``BESIDE``).
+def baselines(tiny_llama, tmp_path_factory):
+    """What the tests compare with, from engines started together: the compiled engine's start keeps one core
+    busy for most of its half minute, and the plain pair's starts take the other (at a lower priority,
+    ``BESIDE``).
 
     - ``plain``: two engines of vLLM's own worker side by side: their tokens and their summed PSS growth;
+    - ``refusals``: the refusal checks of ``refusals.py``, run in the first plain engine's process (vLLM imported);
     - ``profiled``: the regular worker in vLLM's default process layout (engine core and worker in processes of
       their own), compiled as vLLM does by default (its dynamo trace, made once; with the eager backend, which
       vLLM's CPU CI uses, rather than minutes of inductor), planning with a small budget and saving its profile
@@ -77,6 +60,7 @@ def baselines(refusals, tiny_llama, tmp_path_factory):
             engine.wait_ready()
         tokens = [engine.generate() for engine in pair]
         growth = sum(engine.pss_growth_kib()["total"] for engine in pair) * 1024
+        refusals = pair[0].refusals()
         for engine in pair:
             engine.request_exit()  # both shut down at once
         assert [engine.exit() for engine in pair] == [0, 0]
@@ -87,7 +71,7 @@ def baselines(refusals, tiny_llama, tmp_path_factory):
         for engine in [*pair, compiled]:
             engine.close()
     assert tokens[0] == tokens[1]
-    return {"plain": {"tokens": tokens[0], "growth": growth},
+    return {"plain": {"tokens": tokens[0], "growth": growth}, "refusals": refusals,
             "profiled": {"tokens": compiled_tokens, "report": ready["flextensor_report"], "profile": profile,
                          "pid": compiled.pid}}
 
@@ -171,15 +155,10 @@ def test_with_ftd_a_job_whose_engines_all_died_is_reclaimed(plain, profiled, tin
         daemon.stop()
 
 
-def test_what_cannot_run_is_refused_with_its_fix(refusals) -> None:
-    """The checks both workers run, called in the vLLM venv with vLLM's own config objects (refusals.py)."""
-    proc = refusals["proc"]
-    try:
-        proc.wait(timeout=180)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"refusals.py ran past 180 s:\n{refusals['stderr'].read_text()[-3000:]}")
-    assert proc.returncode == 0, refusals["stderr"].read_text()[-3000:]
-    cases = json.loads(refusals["stdout"].read_text().strip().splitlines()[-1])
+def test_what_cannot_run_is_refused_with_its_fix(baselines) -> None:
+    """The checks both workers run, called in the vLLM venv with vLLM's own config objects (refusals.py, run in
+    a plain engine's process, which has vLLM imported already)."""
+    cases = baselines["refusals"]
     assert cases["streams_on_cpu"] is False and cases["streams_on_cuda"] is True  # a CPU computes in place
     assert "compilation mode VLLM_COMPILE" in cases["compiled_streaming"] and "enforce_eager=True" in \
         cases["compiled_streaming"]
