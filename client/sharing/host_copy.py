@@ -131,7 +131,7 @@ class SharedHostCopy:
                 self._pin = False
 
     def close(self) -> None:
-        """Stop a registration in flight (after its segment) and join it, and release a ring prepared for a wake
+        """Stop a registration in flight (after its range) and join it, and release a ring prepared for a wake
         that never came: the store may be closed afterwards."""
         self._join_pinner()
         copier, self._copier = self._copier, None
