@@ -294,6 +294,25 @@ def fork_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "FLEXTENSOR_TEST_EXEC": "0" if forking_enabled() else "1"}
 
 
+def _server(preload: tuple[str, ...]) -> _Server:
+    """The running server of ``preload``, started now if there is none (its imports go on in the background:
+    the first request waits for them)."""
+    with _servers_lock:
+        server = _servers.get(preload)
+        if server is None or server.proc.poll() is not None:
+            if not _servers:
+                atexit.register(stop_servers)
+            server = _servers[preload] = _Server(preload)
+        return server
+
+
+def prestart(preload: tuple[str, ...] = TORCH) -> None:
+    """Start the server of ``preload`` ahead of its first worker, if forking is on: it imports while the test
+    process goes on with other tests, and the first worker is forked without waiting for those imports."""
+    if forking_enabled():
+        _server(preload)
+
+
 def _spawn(kind: str, target: str, args: list[str], *, env: dict[str, str] | None, cwd: Path, fresh: bool,
            preload: tuple[str, ...], stdin: Any, stdout: Any, stderr: Any, text: bool,
            new_session: bool) -> ForkedProcess | subprocess.Popen:
@@ -302,12 +321,7 @@ def _spawn(kind: str, target: str, args: list[str], *, env: dict[str, str] | Non
         command = [sys.executable, *{"module": ["-m"], "code": ["-c"]}.get(kind, []), target, *args]
         return subprocess.Popen(command, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                 start_new_session=new_session)
-    with _servers_lock:
-        server = _servers.get(preload)
-        if server is None or server.proc.poll() is not None:
-            if not _servers:
-                atexit.register(stop_servers)
-            server = _servers[preload] = _Server(preload)
+    server = _server(preload)
     request = {"kind": kind, "target": target, "args": list(args), "env": env, "cwd": str(cwd),
                "new_session": new_session}
     return server.spawn(request, (stdin, stdout, stderr), text)
