@@ -43,6 +43,8 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parents[2]
 #: What a session worker imports first anyway (see the module docstring for torch._dynamo).
 TORCH = ("torch", "torch._dynamo", "pytest")
+#: Nothing: for the workers of the shm and daemon tests (flextensor.shm, ftd), which never load torch.
+BARE: tuple[str, ...] = ()
 #: What an example worker (``--tiny-llama``) imports first anyway.
 TRANSFORMERS = (*TORCH, "transformers", "transformers.models.auto.modeling_auto",
                 "transformers.models.llama.modeling_llama", "transformers.generation.utils")
@@ -309,13 +311,16 @@ _servers: dict[tuple[str, ...], _Server] = {}
 _servers_lock = threading.Lock()
 
 
-def forking_enabled() -> bool:
+def forking_enabled(preload: tuple[str, ...] = TORCH) -> bool:
     """Fork from a server unless CUDA is present (see the module docstring) or FLEXTENSOR_TEST_EXEC=1.
     ``FLEXTENSOR_TEST_EXEC=0`` is the answer a test process hands to a helper process it starts (``fork_env``):
-    fork, without importing torch to ask."""
+    fork, without importing torch to ask. A server that imports no torch (``BARE``) never touched CUDA: its
+    children may use it, so it forks on a CUDA host too (and this asks nothing of torch)."""
     value = os.environ.get("FLEXTENSOR_TEST_EXEC")
     if value in ("0", "1"):
         return value == "0"
+    if "torch" not in preload:
+        return True
     import torch
 
     return not torch.cuda.is_available()
@@ -342,7 +347,7 @@ def _server(preload: tuple[str, ...]) -> _Server:
 def prestart(preload: tuple[str, ...] = TORCH) -> None:
     """Start the server of ``preload`` ahead of its first worker, if forking is on: it imports while the test
     process goes on with other tests, and the first worker is forked without waiting for those imports."""
-    if forking_enabled():
+    if forking_enabled(preload):
         _server(preload)
 
 
@@ -350,7 +355,7 @@ def _spawn(kind: str, target: str, args: list[str], *, env: dict[str, str] | Non
            preload: tuple[str, ...], stdin: Any, stdout: Any, stderr: Any, text: bool,
            new_session: bool) -> ForkedProcess | subprocess.Popen:
     env = dict(os.environ if env is None else env)
-    if fresh or not forking_enabled():
+    if fresh or not forking_enabled(preload):
         command = [sys.executable, *{"module": ["-m"], "code": ["-c"]}.get(kind, []), target, *args]
         return subprocess.Popen(command, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                 start_new_session=new_session)

@@ -126,17 +126,14 @@ def _serve() -> None:
 
 # --------------------------------------------------------------------------------------------- parent side
 class Child:
-    """A ``python -m tests.shm.procs`` process driven over pipes (inherits TMPDIR from the test)."""
+    """A ``python -m tests.shm.procs`` process driven over pipes (inherits TMPDIR from the test), forked from a
+    server that imported nothing (``forkserver.BARE``): it imports flextensor.shm itself, never torch."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.shm.procs"],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
+        from tests.helpers.forkserver import BARE, spawn_module
+
+        self.proc = spawn_module("tests.shm.procs", [], cwd=ROOT, preload=BARE, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=2, text=True)  # stderr: the test's own
         self.pid = self.proc.pid
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
