@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.helpers.forkserver import BARE, ForkedProcess, spawn_module
+
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
@@ -30,7 +32,8 @@ def wait_until(predicate, timeout: float, interval: float = 0.01):
 
 
 class Daemon:
-    """``python -m flextensor.daemon.cli serve`` in a subprocess, with its stderr in a log file."""
+    """``python -m flextensor.daemon.cli serve`` in a process of its own (forked from a server that imported
+    nothing, ``forkserver.BARE``: it imports flextensor itself), with its stderr in a log file."""
 
     def __init__(self, socket_path: Path, lock_dir: Path, *, reap_interval: float = 0.2, extra: list[str] = ()) -> None:
         self.socket = Path(socket_path)
@@ -38,16 +41,17 @@ class Daemon:
         self.reap_interval = reap_interval
         self.extra = list(extra)
         self.log = self.socket.parent.parent / f"ftd-{self.socket.parent.name}.log"
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
 
     def start(self, wait: bool = True) -> Daemon:
         env = dict(os.environ, FT_DAEMON_SOCKET=str(self.socket))
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [PY, "-m", "flextensor.daemon.cli", "serve", "--socket", str(self.socket), "--lock-dir",
-                 str(self.lock_dir), "--reap-interval", str(self.reap_interval), "--log-level", "DEBUG", *self.extra],
-                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-            )
+            self.proc = spawn_module(
+                "flextensor.daemon.cli",
+                ["serve", "--socket", str(self.socket), "--lock-dir", str(self.lock_dir), "--reap-interval",
+                 str(self.reap_interval), "--log-level", "DEBUG", *self.extra],
+                cwd=REPO, env=env, preload=BARE, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                text=False)
         if wait:
             ok = wait_until(lambda: self.proc.poll() is not None or self.answers(), 10.0, 0.02)
             assert ok and self.proc.poll() is None, f"ftd did not start:\n{self.read_log()}"
@@ -108,17 +112,22 @@ def run_cli(*args: str, expect: int | None = 0) -> tuple[int, object, str]:
 
 
 class Worker:
-    """``python -m tests.daemon.worker`` (see worker.py); events are read from its stdout."""
+    """``python -m tests.daemon.worker`` (see worker.py); events are read from its stdout. Forked from a server
+    that imported nothing (``forkserver.BARE``), unless started under a ``cmd_prefix`` (another namespace)."""
 
     def __init__(self, base: str, manager: str, *args: str, socket: Path | str | None = None,
                  env: dict | None = None, cmd_prefix: list[str] = ()) -> None:
         full_env = dict(os.environ if env is None else env)
         if socket is not None:
             full_env["FT_DAEMON_SOCKET"] = str(socket)
-        self.proc = subprocess.Popen(
-            [*cmd_prefix, PY, "-m", "tests.daemon.worker", base, manager, *args], cwd=REPO, env=full_env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )
+        if cmd_prefix:
+            self.proc = subprocess.Popen(
+                [*cmd_prefix, PY, "-m", "tests.daemon.worker", base, manager, *args], cwd=REPO, env=full_env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )
+        else:
+            self.proc = spawn_module("tests.daemon.worker", [base, manager, *args], cwd=REPO, env=full_env,
+                                     preload=BARE, text=False)
         self.events: queue.Queue = queue.Queue()
         self.seen: list[dict] = []
         self._stderr: list[bytes] = []
