@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 from collections.abc import Iterable
+from pathlib import Path
+
+from tests.helpers.forkserver import BARE, ForkedProcess, run_code, spawn_code
 
 __all__ = ["run_as_user", "start_as_user"]
 
@@ -37,21 +39,21 @@ assert os.getuid() == os.geteuid() == {uid} and os.getgid() == {uid}
 
 def run_as_user(uid: int, code: str, *, tmpdir: str, timeout: float = 60.0, extra_modules: Iterable[str] = (),
                 prepare: str = "") -> subprocess.CompletedProcess[str]:
-    """Run ``code`` (dedented) in a fresh interpreter as uid/gid ``uid`` with ``TMPDIR=tmpdir``; see the module
+    """Run ``code`` (dedented) in a process of its own as uid/gid ``uid`` with ``TMPDIR=tmpdir``; see the module
     docstring. ``prepare`` runs before the switch, still as root (whatever imports lazily: ``argparse`` loads
-    ``gettext`` when it builds a parser). Needs root. Returns the finished process (stdout and stderr as text)."""
+    ``gettext`` when it builds a parser). Needs root. Returns the finished process (stdout and stderr as text).
+    The process is forked from a server that imported nothing (``forkserver.BARE``): it imports what it needs
+    itself, as a fresh ``python -c`` would."""
     script = (_PRELUDE.format(uid=int(uid), extra=tuple(extra_modules), prepare=textwrap.dedent(prepare))
               + textwrap.dedent(code))
     env = {**os.environ, "TMPDIR": tmpdir}
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd="/")
+    return run_code(script, timeout=timeout, env=env, cwd=Path("/"), preload=BARE)
 
 
 def start_as_user(uid: int, code: str, *, tmpdir: str, extra_modules: Iterable[str] = (),
-                  prepare: str = "") -> subprocess.Popen[str]:
+                  prepare: str = "") -> subprocess.Popen[str] | ForkedProcess:
     """As :func:`run_as_user`, but started in the background (stdin, stdout and stderr are pipes, as text): for a
     job of that uid that must still run, or be SIGKILLed, while the test acts."""
     script = (_PRELUDE.format(uid=int(uid), extra=tuple(extra_modules), prepare=textwrap.dedent(prepare))
               + textwrap.dedent(code))
-    return subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": tmpdir}, cwd="/")
+    return spawn_code(script, env={**os.environ, "TMPDIR": tmpdir}, cwd=Path("/"), preload=BARE)
