@@ -105,10 +105,9 @@ def pytest_collection(session: pytest.Session):
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The fork servers the collected tests will fork their workers from (tests/helpers/forkserver.py) start now,
-    so that their imports run beside the first tests instead of in front of the first worker. Only where this
-    process has torch imported already (a run of the shm and daemon tests alone never loads it)."""
-    if "torch" not in sys.modules:
-        return
+    so that their imports run beside the first tests instead of in front of the first worker. Those that import
+    torch only where this process has torch imported already (a run of the shm and daemon tests alone never
+    loads it)."""
     from tests.helpers import forkserver
 
     here, parts = Path(__file__).parent, set()
@@ -116,6 +115,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         path = Path(str(item.path))
         if here in path.parents:
             parts.add(path.relative_to(here).parts[0])
+    if parts & {"daemon", "shm"}:  # shm children, ftd and its workers, other users' scripts
+        forkserver.prestart(forkserver.BARE)
+    if "torch" not in sys.modules:
+        return
     if parts & {"client", "daemon", "shm"}:  # session and checkpoint workers
         forkserver.prestart(forkserver.TORCH)
     if "examples" in parts:  # the examples' workers
