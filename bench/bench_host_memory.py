@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> None:
             partial.write_text(json.dumps(data, indent=2))
             print(json.dumps(result)[:600], flush=True)
         if args.workers and profile.exists():
-            for kill in ([False, True] if args.kill else [False]):
+            for kill in ([True] if args.kill_only else [False, True] if args.kill else [False]):
                 params = GroupParams(layers=layers, profile=str(profile), batch=args.batch,
                                      reference=str(tmp / f"reference-{layers}-{int(kill)}.safetensors"),
                                      serve_passes=args.serve_passes)
@@ -271,6 +271,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4, help="sharing group size per size (0: no group)")
     p.add_argument("--serve-passes", type=int, default=8, help="passes each group worker serves before shut-down")
     p.add_argument("--kill", action="store_true", help="also a group SIGKILLed with ftd running")
+    p.add_argument("--kill-only", action="store_true", help="only the SIGKILLed group (no orderly shut-down)")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--docs-from", nargs="+", metavar="JSON", help="write saved results into docs/benchmarks.md")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
