@@ -169,6 +169,7 @@ class SharedSegment:
         self.reserved = True  # every page allocated (False: ranges are reserved one by one, reserve_range)
         self.directory = segment_dir.directory_of(name)  # where its file is (segment_dir.py)
         self.page_size = mmap.PAGESIZE  # what its mount gives it (set by create/open)
+        self.huge_tmpfs = False  # a tmpfs of huge pages (set by create/open): reserve_range says why it matters
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -247,6 +248,7 @@ class SharedSegment:
         segment.inode = inode
         segment.reserved = reserve
         segment.page_size = pages.size
+        segment.huge_tmpfs = pages.huge and not pages.hugetlbfs
         return segment
 
     @classmethod
@@ -287,6 +289,7 @@ class SharedSegment:
         segment = cls(name, size, False, mapping)
         segment.inode = st.st_ino
         segment.page_size = pages.size
+        segment.huge_tmpfs = pages.huge and not pages.hugetlbfs
         return segment
 
     def check_intact(self) -> None:
@@ -416,10 +419,11 @@ class SharedSegment:
         return flat.as_strided(shape_t, stride_t)
 
     def reserve_range(self, offset: int, nbytes: int, *, threads: int | None = None) -> None:
-        """Allocate and map the pages of ``[offset, offset + nbytes)`` of a segment created with
-        ``reserve=False``, before writing there, from up to ``threads`` threads (default
-        ``prefault.WRITE_THREADS_PER_FILE``: more only wait for the file's locks); a full ``/dev/shm`` is a
-        :class:`ShmSpaceError` here rather than a SIGBUS in the copy. A no-op on a segment reserved whole."""
+        """Allocate the pages of ``[offset, offset + nbytes)`` of a segment created with ``reserve=False``, before
+        writing there: 4 KiB pages populated (allocated and mapped) from up to ``threads`` threads (default
+        ``prefault.WRITE_THREADS_PER_FILE``: more only wait for the file's locks), a tmpfs's huge pages
+        reserved with ``posix_fallocate`` (``prefault.py`` says why); a full ``/dev/shm`` is a :class:`ShmSpaceError` here
+        rather than a SIGBUS in the copy. A no-op on a segment reserved whole."""
         if self.reserved or nbytes <= 0:
             return
         if offset < 0 or offset + nbytes > self.size:
@@ -430,8 +434,9 @@ class SharedSegment:
         length = align_up(offset + nbytes, page) - start
         length = min(length, self.size - start)
         try:
-            if not populate_write_range(self.address + start, length, threads=threads,
-                                        page_size=page):  # kernels before 5.14
+            # tmpfs huge pages are reserved with posix_fallocate, others populated (prefault.py, Reserving ahead).
+            if self.huge_tmpfs or not populate_write_range(self.address + start, length, threads=threads,
+                                                                page_size=page):  # kernels before 5.14
                 fd = os.open(self.directory + self.name, _OPEN_FLAGS)
                 try:
                     os.posix_fallocate(fd, start, length)

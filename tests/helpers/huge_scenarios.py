@@ -71,6 +71,23 @@ def segment(directory: str, token: str) -> dict:
     part.reserve_range(2**20 + 3, 5 * 2**20)
     lazy_allocated = os.stat(directory + lazy).st_blocks * 512
     part.close()
+    # A range whose pages no longer fit (the rest of the mount taken since the segment was made): a named error
+    # from the reservation, before anything writes there (never a SIGBUS in the copy). A hugetlbfs reserves a
+    # shared mapping's pages when it is mapped, so there the one that takes the rest is refused instead.
+    page = info.size
+    late_name, filler_name = f"/ft{token}.g1.h2", f"/ft{token}.g1.h3"
+    room = segment_dir.free_bytes(directory)
+    late = SharedSegment.create(late_name, room, reserve=False)
+    late_error = None
+    try:
+        filler = SharedSegment.create(filler_name, room - 2 * page)
+        filler.close()
+        late.reserve_range(0, page)
+        late.reserve_range(page, 2 * page)
+    except ShmSpaceError as exc:
+        late_error = ("reserve" if os.path.exists(directory + filler_name) else "filler", str(exc))
+    late.close()
+    late_removed = [SharedSegment.unlink_name(n) for n in (late_name, filler_name)]  # the filler: False if refused
     try:
         SharedSegment.create(big, 1 << 40)
         space_error = None
@@ -80,7 +97,8 @@ def segment(directory: str, token: str) -> dict:
     return {"page_size": info.size, "fs": info.fs, "source": info.source, "describe": info.describe(),
             "asked": asked, "size": seg.size, "segment_page_size": seg.page_size, "huge_mapped": huge,
             "reader_sum": int(reader.stdout.strip()), "expected_sum": expected_sum, "pread_ok": pread_ok,
-            "mode": mode, "lazy_allocated": lazy_allocated, "space_error": space_error,
+            "mode": mode, "lazy_allocated": lazy_allocated, "space_error": space_error, "late_error": late_error,
+            "late_removed": late_removed,
             "big_left": os.path.exists(directory + big), "removed": removed, "left": _left(directory, token)}
 
 

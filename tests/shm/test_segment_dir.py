@@ -126,6 +126,9 @@ def test_segments_on_a_huge_tmpfs(tmp_path: Path, request: pytest.FixtureRequest
     assert report["lazy_allocated"] == 8 * 2**20
     assert "no space in" in report["space_error"] and str(tmp_path / "huge") in report["space_error"]
     assert "remount,size=" in report["space_error"] and not report["big_left"]
+    # reserved ahead of a writer (posix_fallocate on huge pages): a range that no longer fits is a named error
+    stage, message = report["late_error"]
+    assert stage == "reserve" and "no space in" in message and report["late_removed"] == [True, True]
     assert report["removed"] == [True, True]
     assert report["left"] == {"dir": [], "dev_shm": [], "lock_dir": []}
 
@@ -141,6 +144,8 @@ def test_segments_on_hugetlbfs(tmp_path: Path, request: pytest.FixtureRequest) -
     assert report["reader_sum"] == report["expected_sum"] and report["pread_ok"]
     assert report["lazy_allocated"] in (0, 8 * 2**20)  # hugetlbfs may count reserved pages in st_blocks or not
     assert "Reserve more huge pages" in report["space_error"] and not report["big_left"]
+    stage, message = report["late_error"]  # the mapping reserved the pages: the filler is refused
+    assert stage == "filler" and "Reserve more huge pages" in message and report["late_removed"] == [True, False]
     assert report["left"] == {"dir": [], "dev_shm": [], "lock_dir": []}
 
 
