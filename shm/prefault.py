@@ -14,13 +14,11 @@ the file's locks are taken that much less often: a range is cut into pieces of w
 never fault one page, which would make one wait for the other's zeroing), at least :data:`MIN_HUGE_PIECE` each,
 so a few threads reach memory speed with fewer, larger calls.
 
-Reserving ahead of a writer (``SharedSegment.reserve_range``): on a tmpfs of huge pages ``posix_fallocate`` instead. On a
-tmpfs it allocates the pages and leaves their zeroing to the first touch, which on huge pages is one fault per
-2 MiB in the writer's own thread, so a creator publishing from RAM (``flextensor.runtime.span_copy``) copied
-8 GiB at 12.1 GB/s behind ``posix_fallocate`` against 4.7 GB/s behind ``MADV_POPULATE_WRITE`` of the same
-pieces on the same huge-page tmpfs; on 4 KiB pages the two were even (3.3 and 3.7 GB/s), and populating also
-fills the page tables a 4 KiB writer would otherwise fault in (``bench/experiment_publish_pages.py``, H100
-host, 2026-12-07).
+Reserving ahead of a writer (``SharedSegment.reserve_range``): on a tmpfs of huge pages ``posix_fallocate``
+instead. There it allocates the pages and leaves their zeroing to the first touch, one fault per 2 MiB in the
+writer's own thread, and a creator publishing from RAM ran more than twice as fast behind it as behind
+``MADV_POPULATE_WRITE`` of the same ranges; on 4 KiB pages the two were even, and populating also fills the page
+tables a 4 KiB writer would otherwise fault in (docs/benchmarks.md, Figures behind the code).
 
 ``MADV_POPULATE_READ`` is the follower's counterpart: the pages exist already, a fresh mapping only lacks page-
 table entries. Filling them from several threads before ``cudaHostRegister`` roughly halves a follower's

@@ -5,11 +5,11 @@ Why
 A creator publishing a model held in RAM copies each tensor into its shared block piece by piece and gives the
 private pages of each piece back once it is copied (``flextensor.runtime.source_pages``). Once the shared pages
 come cheaply (huge pages reserved ahead, ``flextensor.shm.prefault``) the copy is the whole cost, and one
-PyTorch copy per piece followed by the give-back from the calling thread published 8 GiB at 11-12 GB/s on the
-device host, where the same pieces cut into spans of :data:`COPY_SPAN` bytes on 8 threads, each thread giving back
-its own span's pages, reached 18 GB/s (``bench/experiment_publish_pages.py``, H100 host, 2026-12-07). A span is
-one ``memmove`` through ctypes: it releases the GIL and runs on one core, so the threads do not multiply
-PyTorch's own intra-op threads (which a user's model shares).
+PyTorch copy per piece followed by the give-back from the calling thread left most of the memory bandwidth
+unused: the same pieces cut into spans of :data:`COPY_SPAN` bytes on 8 threads, each thread giving back its own
+span's pages, published about 1.6x faster (docs/benchmarks.md, Figures behind the code). A span is one
+``memmove`` through ctypes: it releases the GIL and runs on one core, so the threads do not multiply PyTorch's
+own intra-op threads (which a user's model shares).
 
 Order
 -----
