@@ -16,9 +16,10 @@ so a few threads reach memory speed with fewer, larger calls.
 
 Reserving ahead of a writer (``SharedSegment.reserve_range``): on a tmpfs of huge pages ``posix_fallocate``
 instead. There it allocates the pages and leaves their zeroing to the first touch, one fault per 2 MiB in the
-writer's own thread, and a creator publishing from RAM ran more than twice as fast behind it as behind
-``MADV_POPULATE_WRITE`` of the same ranges; on 4 KiB pages the two were even, and populating also fills the page
-tables a 4 KiB writer would otherwise fault in (docs/benchmarks.md, Figures behind the code).
+writer's own thread, and a creator's piece-by-piece copy from RAM (``flextensor.sharing.publish``, reproduced
+by ``bench/experiment_publish_pages.py``) ran more than twice as fast behind it as behind ``MADV_POPULATE_WRITE``
+of the same ranges; on 4 KiB pages the two were even, and populating also fills the page tables a 4 KiB writer
+would otherwise fault in (docs/benchmarks.md, Figures behind the code).
 
 ``MADV_POPULATE_READ`` is the follower's counterpart: the pages exist already, a fresh mapping only lacks page-
 table entries. Filling them from several threads before ``cudaHostRegister`` roughly halves a follower's

@@ -89,16 +89,3 @@ class SourcePages:
             return
         self.released_bytes += end - self._released
         self._released = end
-
-    def release_inside(self, lo: int, hi: int) -> None:
-        """The tensor's bytes ``[lo, hi)`` are copied (bytes before ``lo`` may not be yet): give back the whole
-        pages inside that range, from any thread. Counted in ``released_bytes`` only when :meth:`through` passes
-        them (which gives back what lies between such ranges, and madvises the rest again at little cost)."""
-        if self._failed:
-            return
-        start = self._address + lo
-        start += -start % mmap.PAGESIZE
-        end = self._address + min(hi, self._nbytes)
-        end -= end % mmap.PAGESIZE
-        if end > start and madvise(start, end - start, _MADV_DONTNEED):
-            self._failed = True

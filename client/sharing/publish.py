@@ -11,8 +11,7 @@ the store itself and hands the engine the filled blocks (``host_blocks``, as a f
 - the arena's pages are allocated on threads ahead of the copy (:class:`~flextensor.shm.populate_ahead.PopulateAhead`,
   a worker per arena part: tmpfs allocates one file's pages under that file's locks, ``flextensor.shm.blocks``)
   when they could not be allocated ahead of time (a model built in RAM: see ``flextensor.sharing.creator_source``), and the
-  copy runs on threads, straight from each model tensor into its place in its block
-  (``flextensor.runtime.span_copy``); the
+  copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block; the
   arena fills on a thread (``ft-publish-blocks``) while the store fills, for the same reason (a failure of either
   stops the other before its next block or record);
 - the creator's mapping is registered with CUDA in the background after READY, block by block in schedule order,
@@ -65,7 +64,6 @@ from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
 from flextensor.runtime.source_pages import SourcePages, releasable
-from flextensor.runtime.span_copy import SpanCopier
 from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ARENA_ALIGN, ArenaLayout, arena_layout
 from flextensor.shm.manifest import DTYPE_SIZES
@@ -223,14 +221,13 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
             pieces.wait_through(record.nbytes)
             _write(view, _weight(weights, record.all_names, source.dtype, source.shape))
         else:
-            released += _copy_in_pieces(view, source, 0, pieces, copier)
+            released += _copy_in_pieces(view, source, 0, pieces)
             if source.device.type != "cpu":
                 return
         assign_data(source, view)  # frees the private copy (its bytes, for a meta tensor, come at read_queued)
 
-    with SpanCopier(label="ft-publish-copy") as copier:
-        store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
-                                                    window=window, piece=fill_piece(window))
+    store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
+                                                window=window, piece=fill_piece(window))
     if report is not None:
         report["store_released_early_bytes"] = float(released)
     return store
@@ -241,12 +238,10 @@ def block_pieces(sizes: Sequence[int], piece: int) -> list[list[tuple[int, int]]
     return [cut_into_pieces(size, piece) for size in sizes]
 
 
-def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, pieces: PieceCursor,
-                    copier: SpanCopier) -> int:
+def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, pieces: PieceCursor) -> int:
     """Copy ``tensor`` into ``view`` (its place at block byte ``offset``) piece by piece, each piece once its pages
     are allocated, giving the tensor's private pages back behind the copy where nothing else can read them
-    (``flextensor.runtime.source_pages``); a host tensor's pieces are copied on ``copier``'s threads
-    (``flextensor.runtime.span_copy``). Returns the bytes given back."""
+    (``flextensor.runtime.source_pages``). Returns the bytes given back."""
     nbytes = view.numel() * view.element_size()
     release = SourcePages(tensor) if releasable(tensor) else None  # asked before detach() makes an alias
     source = tensor.detach()
@@ -254,22 +249,14 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
         pieces.wait_through(offset + nbytes)
         view.copy_(source)
         return 0
-    spans = pieces.spans(offset, offset + nbytes)
-    if source.device.type == "cpu":
-        def written(end: int) -> None:
-            if release is not None:
-                release.through(end)
-            pieces.written_through(offset + end)
-
-        copier.copy(view.data_ptr(), source.data_ptr(), [(lo - offset, hi - offset) for lo, hi in spans],
-                    release=release, before=lambda end: pieces.wait_through(offset + end), after=written)
-        return release.released_bytes if release is not None else 0
     into, out_of = view.view(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
-    for lo, hi in spans:  # a tensor on a device: copied to the host by the device's own engine
+    for lo, hi in pieces.spans(offset, offset + nbytes):
         pieces.wait_through(hi)
         into[lo - offset:hi - offset].copy_(out_of[lo - offset:hi - offset])
+        if release is not None:
+            release.through(hi - offset)
         pieces.written_through(hi)
-    return 0
+    return release.released_bytes if release is not None else 0
 
 
 def _populate_workers(parts: int, window: int, piece: int) -> int:
@@ -309,7 +296,6 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
         populate = PopulateAhead(ranges, window=window, workers=workers).start()
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
     released = 0
-    copier = SpanCopier(label="ft-blocks-copy")
     try:
         for k, (block_layout, block) in enumerate(zip(layouts, blocks)):
             if cancel is not None and cancel.is_set():
@@ -323,7 +309,7 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
                     pieces.wait_through(end)
                     _write(view, _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape))
                 else:
-                    released += _copy_in_pieces(view, tensor, placement.byte_offset, pieces, copier)
+                    released += _copy_in_pieces(view, tensor, placement.byte_offset, pieces)
                     assign_data(tensor, view)  # frees the private copy (what is left of it)
                 pieces.written_through(end)
                 progress.add(placement.nbytes)
@@ -333,7 +319,6 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
                 return_free_heap()  # the private copies just freed go back before more pages are taken
         progress.finish()
     finally:
-        copier.close()
         if populate is not None:
             populate.close()
     return {"populate_wait_s": populate.waited_s if populate else 0.0,
