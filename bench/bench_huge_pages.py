@@ -205,6 +205,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=float, nargs="+", help="model sizes in GiB (default 24; --quick 0.25)")
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                   help="the modes to run (default both, in one run: the comparison the goals name)")
     p.add_argument("--register-gib", type=float, help="segment registered per mode (default 8; --quick 0: no CUDA)")
     p.add_argument("--checkpoint-gib", type=float,
                    help="session creator from a checkpoint, warm cache, per mode (default 6; --quick 0.125; 0: skip)")
@@ -230,6 +232,8 @@ def main() -> None:
     args.checkpoint_root = tempfile.mkdtemp(prefix="ft-huge-ckpt-")
     try:
         for label, options in MODES.items():
+            if label not in args.modes:
+                continue
             out_dir = RESULTS_DIR / f"huge_pages_{'huge' if options else '4k'}"
             out_dir.mkdir(parents=True, exist_ok=True)
             print(f"=== {label}", flush=True)
