@@ -169,7 +169,10 @@ class SharedSegment:
         self.reserved = True  # every page allocated (False: ranges are reserved one by one, reserve_range)
         self.directory = segment_dir.directory_of(name)  # where its file is (segment_dir.py)
         self.page_size = mmap.PAGESIZE  # what its mount gives it (set by create/open)
-        self.huge_tmpfs = False  # a tmpfs of huge pages (set by create/open): reserve_range says why it matters
+        # a tmpfs that gives huge pages without advice (huge=always, within_size; set by create/open): its ranges
+        # are reserved with posix_fallocate (reserve_range). Not huge=advise: a file's pages allocated outside a
+        # mapping that asked for huge pages would come in 4 KiB.
+        self.huge_tmpfs = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -248,7 +251,7 @@ class SharedSegment:
         segment.inode = inode
         segment.reserved = reserve
         segment.page_size = pages.size
-        segment.huge_tmpfs = pages.huge and not pages.hugetlbfs
+        segment.huge_tmpfs = pages.huge and not pages.hugetlbfs and not pages.advise
         return segment
 
     @classmethod
@@ -289,7 +292,7 @@ class SharedSegment:
         segment = cls(name, size, False, mapping)
         segment.inode = st.st_ino
         segment.page_size = pages.size
-        segment.huge_tmpfs = pages.huge and not pages.hugetlbfs
+        segment.huge_tmpfs = pages.huge and not pages.hugetlbfs and not pages.advise
         return segment
 
     def check_intact(self) -> None:

@@ -70,6 +70,8 @@ def segment(directory: str, token: str) -> dict:
     part = SharedSegment.create(lazy, 8 * 2**20, reserve=False)
     part.reserve_range(2**20 + 3, 5 * 2**20)
     lazy_allocated = os.stat(directory + lazy).st_blocks * 512
+    part.tensor(torch.uint8, (part.size,))[2**20 + 3:6 * 2**20 + 3].fill_(7)  # the writer the range was reserved for
+    lazy_huge = segment_dir.huge_mapped_bytes(directory + lazy)
     part.close()
     # A range whose pages no longer fit (the rest of the mount taken since the segment was made): a named error
     # from the reservation, before anything writes there (never a SIGBUS in the copy). A hugetlbfs reserves a
@@ -98,7 +100,7 @@ def segment(directory: str, token: str) -> dict:
             "asked": asked, "size": seg.size, "segment_page_size": seg.page_size, "huge_mapped": huge,
             "reader_sum": int(reader.stdout.strip()), "expected_sum": expected_sum, "pread_ok": pread_ok,
             "mode": mode, "lazy_allocated": lazy_allocated, "space_error": space_error, "late_error": late_error,
-            "late_removed": late_removed,
+            "late_removed": late_removed, "lazy_huge": lazy_huge,
             "big_left": os.path.exists(directory + big), "removed": removed, "left": _left(directory, token)}
 
 

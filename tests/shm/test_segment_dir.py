@@ -124,6 +124,7 @@ def test_segments_on_a_huge_tmpfs(tmp_path: Path, request: pytest.FixtureRequest
     assert report["reader_sum"] == report["expected_sum"] and report["pread_ok"] and report["mode"] == 0o600
     # a range reserved on huge pages allocates the whole pages around it: [1 MiB + 3, 6 MiB + 3) -> [0, 8 MiB)
     assert report["lazy_allocated"] == 8 * 2**20
+    assert report["lazy_huge"] == 8 * 2**20  # and the writer's pages are huge ones, mapped whole
     assert "no space in" in report["space_error"] and str(tmp_path / "huge") in report["space_error"]
     assert "remount,size=" in report["space_error"] and not report["big_left"]
     # reserved ahead of a writer (posix_fallocate on huge pages): a range that no longer fits is a named error
