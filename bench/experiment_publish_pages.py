@@ -13,7 +13,9 @@ compacting free memory, for ``--gib`` GiB in pieces of 32 MiB:
 - ``fallocate``: the same with ``posix_fallocate`` of each piece (tmpfs reserves the pages; on huge pages it
   defers their zeroing to the first touch);
 - ``fault``: no allocation ahead: the copy's own page faults allocate the pages (a fault per 2 MiB on huge pages);
-- ``threads``: ``fault``, with the copy and the give-back of the pieces spread over ``--threads`` Python threads.
+- ``threads``: ``fault``, with the copy and the give-back of the pieces spread over ``--threads`` Python threads;
+- ``fallocate_threads``: ``fallocate`` ahead on its pool, the copy and give-back as in ``threads`` (what a
+  creator on huge pages could run: reserved ahead, so a full directory is an error and not a SIGBUS).
 
 Usage: ``python bench/experiment_publish_pages.py [--gib 8] [--threads 8]`` as root. One JSON line per variant.
 """
@@ -31,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 PIECE = 32 << 20
 MODES = {"4 KiB": "", "huge=always": ",huge=always"}
-VARIANTS = ("populate", "fallocate", "fault", "threads")
+VARIANTS = ("populate", "fallocate", "fault", "threads", "fallocate_threads")
 
 
 def child(directory: str, variant: str, gib: float, ahead: int, threads: int) -> None:
@@ -59,7 +61,7 @@ def child(directory: str, variant: str, gib: float, ahead: int, threads: int) ->
         if variant == "populate":
             if libc.madvise(addr + lo, PIECE, 23):
                 raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE")
-        elif variant == "fallocate":
+        elif variant in ("fallocate", "fallocate_threads"):
             os.posix_fallocate(fd, lo, PIECE)
 
     def release(lo: int) -> None:
@@ -77,6 +79,21 @@ def child(directory: str, variant: str, gib: float, ahead: int, threads: int) ->
         torch.set_num_threads(1)
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(copy_piece, pieces))
+    elif variant == "fallocate_threads":
+        torch.set_num_threads(1)
+        with ThreadPoolExecutor(max(1, ahead)) as allocator, ThreadPoolExecutor(threads) as copier:
+            reserved: dict = {}
+            copies = []
+            for k, lo in enumerate(pieces):
+                for j in range(k, min(k + ahead + 1, len(pieces))):  # at most --ahead pieces reserved ahead
+                    if j not in reserved:
+                        reserved[j] = allocator.submit(allocate, pieces[j])
+                w = time.perf_counter()
+                reserved.pop(k).result()
+                waited += time.perf_counter() - w
+                copies.append(copier.submit(copy_piece, lo))
+            for c in copies:
+                c.result()
     else:
         with ThreadPoolExecutor(max(1, ahead)) as pool:
             futures = {}
