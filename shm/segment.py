@@ -423,10 +423,10 @@ class SharedSegment:
 
     def reserve_range(self, offset: int, nbytes: int, *, threads: int | None = None) -> None:
         """Allocate the pages of ``[offset, offset + nbytes)`` of a segment created with ``reserve=False``, before
-        writing there: 4 KiB pages populated (allocated and mapped) from up to ``threads`` threads (default
-        ``prefault.WRITE_THREADS_PER_FILE``: more only wait for the file's locks), a tmpfs's huge pages
-        reserved with ``posix_fallocate`` (``prefault.py`` says why); a full ``/dev/shm`` is a :class:`ShmSpaceError` here
-        rather than a SIGBUS in the copy. A no-op on a segment reserved whole."""
+        writing there: populated (allocated and mapped) from up to ``threads`` threads (default
+        ``prefault.WRITE_THREADS_PER_FILE``: more only wait for the file's locks), or on a tmpfs of huge pages
+        reserved with ``posix_fallocate`` (``huge_tmpfs``; ``prefault.py`` says why). A full ``/dev/shm`` is a
+        :class:`ShmSpaceError` here rather than a SIGBUS in the copy. A no-op on a segment reserved whole."""
         if self.reserved or nbytes <= 0:
             return
         if offset < 0 or offset + nbytes > self.size:
@@ -437,9 +437,9 @@ class SharedSegment:
         length = align_up(offset + nbytes, page) - start
         length = min(length, self.size - start)
         try:
-            # tmpfs huge pages are reserved with posix_fallocate, others populated (prefault.py, Reserving ahead).
+            # On a tmpfs of huge pages, or on kernels before 5.14 (no MADV_POPULATE_WRITE): posix_fallocate.
             if self.huge_tmpfs or not populate_write_range(self.address + start, length, threads=threads,
-                                                                page_size=page):  # kernels before 5.14
+                                                           page_size=page):
                 fd = os.open(self.directory + self.name, _OPEN_FLAGS)
                 try:
                     os.posix_fallocate(fd, start, length)
