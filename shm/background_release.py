@@ -27,6 +27,16 @@ segment is handed over, after CUDA was initialised), so no driver call of the th
 teardown. :func:`wait_released` waits until every segment handed over is released (tests; callers that want
 the memory back before going on).
 
+Freeing the pages
+-----------------
+Whichever process unmaps a file's pages last after its name is gone frees them, at a few GB/s: seconds for a
+large model, paid inside that process's exit when it exits right after ``close()`` (docs/benchmarks.md, the exit
+floor). So a segment handed over keeps a read-only descriptor of its file (opened by name before ``close()``
+unlinks it), closed once the segment is unmapped here. At exit, when :data:`REAP_MIN_BYTES` or more are still
+queued, the hook hands those descriptors to a small process of its own (``python -I -S``, nothing imported),
+which waits for this process to end and then exits, so the pages are freed in that process, after this one
+is gone; the descriptors die with it, whatever ends it.
+
 Failure policy: a range the driver refuses to unregister is logged and forgotten (the unmap releases it, as in
 :meth:`~flextensor.shm.segment.SharedSegment.unpin`); the thread goes on with the next.
 """
@@ -36,6 +46,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -52,12 +64,25 @@ logger = logging.getLogger(__name__)
 PAUSE_S = 0.001
 #: Longest wait at exit for the driver call in flight.
 EXIT_JOIN_S = 30.0
+#: The fewest bytes still queued at exit for which the pages are handed to a process of their own.
+REAP_MIN_BYTES = 1 << 30
+#: That process: wait for the process that started it to end (``argv[1]``), then exit with its descriptors.
+_REAPER = """import os, select, sys, time
+pid = int(sys.argv[1])
+try:
+    select.select([os.pidfd_open(pid)], [], [])
+except (AttributeError, OSError):
+    while os.getppid() == pid:
+        time.sleep(0.05)
+"""
 
 _cond = threading.Condition()
 _queue: deque[Any] = deque()
 _thread: threading.Thread | None = None
 _stopping = False
 _hooked = False
+_files: dict[int, int] = {}  # id(segment) -> a descriptor of its file, while it is queued
+_reaper: subprocess.Popen | None = None  # the process that frees what was still mapped at exit
 
 
 def release_in_background(segment: Any) -> None:
@@ -69,10 +94,15 @@ def release_in_background(segment: Any) -> None:
     if not segment.pinned:
         segment.close()
         return
+    held = _hold_file(segment)
     with _cond:
         if _stopping:
+            if held is not None:
+                os.close(held)
             return
         _queue.append(segment)
+        if held is not None:
+            _files[id(segment)] = held
         if not _hooked:
             atexit.register(_stop_at_exit)
             _hooked = True
@@ -127,7 +157,10 @@ def _run() -> None:
                      time.monotonic() - started)
         with _cond:
             _queue.popleft()
+            held = _files.pop(id(segment), None)
             _cond.notify_all()
+        if held is not None:
+            os.close(held)  # the pages are freed here if nothing else maps the file any more
 
 
 def _stop_at_exit() -> None:
@@ -149,6 +182,38 @@ def _stop_at_exit() -> None:
         refused = drop_page_tables(ranges)
         logger.debug("exit: %d segment(s) left registered for the process's end to release; their page tables "
                      "dropped (%d pieces refused)", left, refused)
+        with _cond:
+            held = {id(segment): segment.size for segment in _queue if id(segment) in _files}
+            files = [_files.pop(key) for key in held]
+        if files and sum(held.values()) >= REAP_MIN_BYTES:
+            _hand_to_reaper(files, sum(held.values()))
+        for fd in files:
+            os.close(fd)
+
+
+def _hold_file(segment: Any) -> int | None:
+    """A descriptor of a shared segment's file (None: not a shared segment, or its name is gone already)."""
+    if not isinstance(segment, SharedSegment):
+        return None
+    try:
+        return segment.open_file()
+    except (OSError, ValueError) as exc:  # removed or replaced meanwhile: its pages are freed as before
+        logger.debug("no descriptor kept for %s: %s", segment.name, exc)
+        return None
+
+
+def _hand_to_reaper(files: list[int], nbytes: int) -> None:
+    """Start the process that holds ``files`` until this process has ended (see the module docstring)."""
+    global _reaper
+    try:
+        _reaper = subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER, str(os.getpid())],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   pass_fds=files, start_new_session=True)
+    except OSError as exc:  # the pages are freed by this process's end, as without it
+        logger.debug("exit: no process to free %d bytes after this one: %s", nbytes, exc)
+        return
+    logger.debug("exit: %d bytes of shared pages are freed by process %d once this one has ended", nbytes,
+                 _reaper.pid)
 
 
 def _after_fork_in_child() -> None:
@@ -157,6 +222,9 @@ def _after_fork_in_child() -> None:
     _cond = threading.Condition()
     _queue.clear()
     _thread = None
+    for fd in _files.values():  # the child's copies would keep its parent's pages alive
+        os.close(fd)
+    _files.clear()
 
 
 if hasattr(os, "register_at_fork"):

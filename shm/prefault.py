@@ -33,6 +33,7 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -122,12 +123,24 @@ def drop_page_tables(ranges: Sequence[tuple[int, int]], *, threads: int = DROP_T
     Why: a process that mapped tens of GiB of shared blocks in 4 KiB pages spends seconds as it dies tearing those
     entries down in one thread, several processes ending at once longer still; done from several threads just
     before the end it takes a third off the exit (``flextensor.shm.background_release``; docs/benchmarks.md, the
-    exit floor)."""
+    exit floor).
+
+    Plain threads, not a ``ThreadPoolExecutor``: this runs in ``atexit`` hooks, and by then the interpreter's
+    shutdown has closed every executor to new work."""
     pieces = [(address + offset, min(CHUNK, size - offset))
               for address, size in ranges for offset in range(0, size, CHUNK)]
     threads = max(1, min(threads, os.cpu_count() or 1, len(pieces)))
-    with ThreadPoolExecutor(threads, thread_name_prefix="ft-drop") as pool:
-        return sum(1 for code in pool.map(lambda r: madvise(r[0], r[1], MADV_DONTNEED), pieces) if code)
+    refused = [0] * threads
+
+    def drop(index: int) -> None:
+        refused[index] = sum(1 for address, size in pieces[index::threads] if madvise(address, size, MADV_DONTNEED))
+
+    workers = [threading.Thread(target=drop, args=(index,), name="ft-drop", daemon=True) for index in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(refused)
 
 
 def _populate_range(address: int, size: int, advice: int, *, piece: int = CHUNK, threads: int = MAX_THREADS

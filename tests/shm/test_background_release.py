@@ -8,10 +8,12 @@ the order are what is tested, on hosts without a GPU.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -190,4 +192,95 @@ def test_the_exit_hook_drops_the_page_tables_of_what_is_still_mapped(namespace):
     rss = json.loads(proc.stdout.splitlines()[-1])
     assert rss["before"] == 64 << 10  # KiB: the whole segment mapped in this process
     assert rss["after"] == 0  # still mapped (and registered), its page-table entries gone before the exit
+    assert shm_names(namespace) == []
+
+
+REAP_SCRIPT = textwrap.dedent("""
+    import atexit, json, os, sys, time
+    import flextensor.shm.background_release as release_mod
+    import flextensor.shm.segment as segment_mod
+    from flextensor.shm.segment import SharedSegment
+
+    segment_mod.host_register = lambda ptr, nbytes, read_only=False: None
+    segment_mod.host_unregister = lambda ptr: time.sleep(0.5)  # the release thread is still at it at exit
+    release_mod.REAP_MIN_BYTES = int(sys.argv[2])
+
+    def held(pid, path):
+        found = 0
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                found += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(path)
+            except OSError:
+                pass
+        return found
+
+    def report():  # registered first, so it runs after the release's own exit hook
+        reaper = release_mod._reaper
+        print(json.dumps({"mapped": mapped, "handed": handed, "at_exit": held(os.getpid(), path),
+                          "reaper": reaper.pid if reaper else None,
+                          "reaper_holds": held(reaper.pid, path) if reaper else 0}), flush=True)
+
+    atexit.register(report)
+    segment = SharedSegment.create(sys.argv[1], 64 << 20)
+    path = segment.directory + sys.argv[1]
+    for i in range(4):
+        segment.pin(offset=i << 24, nbytes=1 << 24)
+    mapped = held(os.getpid(), path)  # what the mapping itself holds (CPython's mmap keeps a descriptor)
+    segment.close(background=True)  # as a session's close: handed over while the name exists
+    handed = held(os.getpid(), path)
+    SharedSegment.unlink_name(sys.argv[1])  # then the last participant's coordinator removes the names
+""")
+
+
+def _ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie no init has reaped yet
+    except FileNotFoundError:
+        return True
+
+
+def test_at_exit_the_pages_still_mapped_are_freed_by_a_process_that_outlives_this_one(namespace):
+    proc = subprocess.run([sys.executable, "-c", REAP_SCRIPT, f"/{namespace}.reap", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    # the hand-over kept a descriptor of the file; at the real exit the hook gave it to a process of its own
+    assert report["handed"] == report["mapped"] + 1 and report["at_exit"] == report["mapped"]
+    assert report["reaper"] is not None and report["reaper_holds"] == 1
+    deadline = time.monotonic() + 10
+    while not _ended(report["reaper"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ended(report["reaper"])  # it ended after the process that started it
+    assert shm_names(namespace) == []
+
+
+def test_below_the_threshold_the_exit_frees_the_pages_itself(namespace):
+    proc = subprocess.run([sys.executable, "-c", REAP_SCRIPT, f"/{namespace}.noreap", str(1 << 40)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["reaper"] is None  # no process started
+    assert report["handed"] == report["mapped"] + 1 and report["at_exit"] == report["mapped"]  # closed its own
+    assert shm_names(namespace) == []
+
+
+def test_the_release_thread_lets_go_of_the_file_once_it_unmapped_the_segment(namespace, driver):
+    segment = SharedSegment.create(f"/{namespace}.held", RANGES * PAGE * 16)
+    path = segment.directory + segment.name
+    driver.segment = segment
+    for i in range(RANGES):
+        segment.pin(offset=i * PAGE * 16, nbytes=PAGE * 16)
+
+    def held() -> int:
+        return sum(os.readlink(f"/proc/self/fd/{fd}").startswith(path) for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    mapped = held()  # what the mapping itself holds (CPython's mmap keeps a descriptor)
+    segment.close(background=True)
+    SharedSegment.unlink_name(segment.name)
+    assert held() == mapped + 1  # until the thread unmapped it, the file stays open here: nobody frees its pages
+    driver.gate.set()
+    assert release_mod.wait_released(10)
+    assert held() == 0
     assert shm_names(namespace) == []
