@@ -67,11 +67,16 @@ EXIT_JOIN_S = 30.0
 #: The fewest bytes still queued at exit for which the pages are handed to a process of their own.
 REAP_MIN_BYTES = 1 << 30
 #: That process: wait for the process that started it to end (``argv[1]``), then exit with its descriptors.
+#: The parent checked after the pidfd is open: until then its pid may have been reused (it died meanwhile).
 _REAPER = """import os, select, sys, time
 pid = int(sys.argv[1])
 try:
-    select.select([os.pidfd_open(pid)], [], [])
+    fd = os.pidfd_open(pid)
 except (AttributeError, OSError):
+    fd = None
+if fd is not None and os.getppid() == pid:
+    select.select([fd], [], [])
+else:
     while os.getppid() == pid:
         time.sleep(0.05)
 """
@@ -96,7 +101,7 @@ def release_in_background(segment: Any) -> None:
         return
     held = _hold_file(segment)
     with _cond:
-        if _stopping:
+        if _stopping or any(queued is segment for queued in _queue):  # exiting, or handed over already
             if held is not None:
                 os.close(held)
             return
@@ -156,11 +161,12 @@ def _run() -> None:
         logger.debug("released %s in the background: %d ranges in %.3f s", segment.name, ranges,
                      time.monotonic() - started)
         with _cond:
-            _queue.popleft()
             held = _files.pop(id(segment), None)
-            _cond.notify_all()
         if held is not None:
             os.close(held)  # the pages are freed here if nothing else maps the file any more
+        with _cond:  # only now: wait_released() promises the memory back
+            _queue.popleft()
+            _cond.notify_all()
 
 
 def _stop_at_exit() -> None:
@@ -175,18 +181,20 @@ def _stop_at_exit() -> None:
         thread.join(EXIT_JOIN_S)
         if thread.is_alive():  # a driver call that never returned: leave its segment alone
             return
-    if left:
-        with _cond:
-            # shared segments; a staging ring (private, a few hundred MiB) is left to the process's end
-            ranges = [(segment.address, segment.size) for segment in _queue if isinstance(segment, SharedSegment)]
+    if not left:
+        return
+    with _cond:
+        # shared segments; a staging ring (private, a few hundred MiB) is left to the process's end
+        ranges = [(segment.address, segment.size) for segment in _queue if isinstance(segment, SharedSegment)]
+        held = {id(segment): segment.size for segment in _queue if id(segment) in _files}
+        files = [_files.pop(key) for key in held]
+    try:
         refused = drop_page_tables(ranges)
         logger.debug("exit: %d segment(s) left registered for the process's end to release; their page tables "
                      "dropped (%d pieces refused)", left, refused)
-        with _cond:
-            held = {id(segment): segment.size for segment in _queue if id(segment) in _files}
-            files = [_files.pop(key) for key in held]
         if files and sum(held.values()) >= REAP_MIN_BYTES:
             _hand_to_reaper(files, sum(held.values()))
+    finally:
         for fd in files:
             os.close(fd)
 
@@ -205,11 +213,13 @@ def _hold_file(segment: Any) -> int | None:
 def _hand_to_reaper(files: list[int], nbytes: int) -> None:
     """Start the process that holds ``files`` until this process has ended (see the module docstring)."""
     global _reaper
+    if not sys.executable or "python" not in os.path.basename(sys.executable).lower():
+        return  # an embedding program, not an interpreter to start: the pages go with this process, as before
     try:
         _reaper = subprocess.Popen([sys.executable, "-I", "-S", "-c", _REAPER, str(os.getpid())],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    pass_fds=files, start_new_session=True)
-    except OSError as exc:  # the pages are freed by this process's end, as without it
+    except Exception as exc:  # noqa: BLE001 - at exit: the pages are freed by this process's end, as without it
         logger.debug("exit: no process to free %d bytes after this one: %s", nbytes, exc)
         return
     logger.debug("exit: %d bytes of shared pages are freed by process %d once this one has ended", nbytes,

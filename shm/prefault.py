@@ -135,10 +135,17 @@ def drop_page_tables(ranges: Sequence[tuple[int, int]], *, threads: int = DROP_T
     def drop(index: int) -> None:
         refused[index] = sum(1 for address, size in pieces[index::threads] if madvise(address, size, MADV_DONTNEED))
 
-    workers = [threading.Thread(target=drop, args=(index,), name="ft-drop", daemon=True) for index in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
+    started = []
+    for index in range(threads):
+        worker = threading.Thread(target=drop, args=(index,), name="ft-drop", daemon=True)
+        try:
+            worker.start()
+        except RuntimeError:  # some interpreters refuse new threads at exit: this thread drops the rest
+            for rest in range(index, threads):
+                drop(rest)
+            break
+        started.append(worker)
+    for worker in started:
         worker.join()
     return sum(refused)
 

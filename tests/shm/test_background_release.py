@@ -216,8 +216,10 @@ REAP_SCRIPT = textwrap.dedent("""
 
     def report():  # registered first, so it runs after the release's own exit hook
         reaper = release_mod._reaper
+        time.sleep(0.3 if reaper else 0)  # long enough for a process that did not wait for this one to be gone
         print(json.dumps({"mapped": mapped, "handed": handed, "at_exit": held(os.getpid(), path),
                           "reaper": reaper.pid if reaper else None,
+                          "reaper_waits": reaper.poll() is None if reaper else False,
                           "reaper_holds": held(reaper.pid, path) if reaper else 0}), flush=True)
 
     atexit.register(report)
@@ -247,7 +249,7 @@ def test_at_exit_the_pages_still_mapped_are_freed_by_a_process_that_outlives_thi
     report = json.loads(proc.stdout.splitlines()[-1])
     # the hand-over kept a descriptor of the file; at the real exit the hook gave it to a process of its own
     assert report["handed"] == report["mapped"] + 1 and report["at_exit"] == report["mapped"]
-    assert report["reaper"] is not None and report["reaper_holds"] == 1
+    assert report["reaper"] is not None and report["reaper_waits"] and report["reaper_holds"] == 1
     deadline = time.monotonic() + 10
     while not _ended(report["reaper"]) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -278,8 +280,10 @@ def test_the_release_thread_lets_go_of_the_file_once_it_unmapped_the_segment(nam
 
     mapped = held()  # what the mapping itself holds (CPython's mmap keeps a descriptor)
     segment.close(background=True)
+    segment.close(background=True)  # handed over twice: still one descriptor, one release
     SharedSegment.unlink_name(segment.name)
     assert held() == mapped + 1  # until the thread unmapped it, the file stays open here: nobody frees its pages
+    assert release_mod.pending_releases() == 1
     driver.gate.set()
     assert release_mod.wait_released(10)
     assert held() == 0
