@@ -169,9 +169,7 @@ class SharedSegment:
         self.reserved = True  # every page allocated (False: ranges are reserved one by one, reserve_range)
         self.directory = segment_dir.directory_of(name)  # where its file is (segment_dir.py)
         self.page_size = mmap.PAGESIZE  # what its mount gives it (set by create/open)
-        # a tmpfs that gives huge pages without advice (huge=always, within_size; set by create/open): its ranges
-        # are reserved with posix_fallocate (reserve_range). Not huge=advise: a file's pages allocated outside a
-        # mapping that asked for huge pages would come in 4 KiB.
+        # its mount's PageInfo.huge_unasked (set by create/open): its ranges are reserved with posix_fallocate
         self.huge_tmpfs = False
 
     # ------------------------------------------------------------------ construction
@@ -251,7 +249,7 @@ class SharedSegment:
         segment.inode = inode
         segment.reserved = reserve
         segment.page_size = pages.size
-        segment.huge_tmpfs = pages.huge and not pages.hugetlbfs and not pages.advise
+        segment.huge_tmpfs = pages.huge_unasked
         return segment
 
     @classmethod
@@ -292,7 +290,7 @@ class SharedSegment:
         segment = cls(name, size, False, mapping)
         segment.inode = st.st_ino
         segment.page_size = pages.size
-        segment.huge_tmpfs = pages.huge and not pages.hugetlbfs and not pages.advise
+        segment.huge_tmpfs = pages.huge_unasked
         return segment
 
     def check_intact(self) -> None:

@@ -158,6 +158,13 @@ class PageInfo:
     def hugetlbfs(self) -> bool:
         return self.fs == "hugetlbfs"
 
+    @property
+    def huge_unasked(self) -> bool:
+        """A tmpfs that gives a file huge pages without a mapping asking for them (``huge=always``,
+        ``within_size``): pages allocated outside any mapping (``posix_fallocate``) are huge too. Not
+        ``huge=advise``, whose pages come in 4 KiB there, nor a hugetlbfs."""
+        return self.huge and not self.hugetlbfs and not self.advise
+
     def describe(self) -> str:
         """E.g. ``2 MiB pages (tmpfs huge=always)`` or ``4 KiB pages (tmpfs)``."""
         from .sizes import format_bytes
