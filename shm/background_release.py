@@ -186,14 +186,15 @@ def _stop_at_exit() -> None:
     with _cond:
         # shared segments; a staging ring (private, a few hundred MiB) is left to the process's end
         ranges = [(segment.address, segment.size) for segment in _queue if isinstance(segment, SharedSegment)]
-        held = {id(segment): segment.size for segment in _queue if id(segment) in _files}
-        files = [_files.pop(key) for key in held]
+        held = [segment for segment in _queue if id(segment) in _files]
+        files = [_files.pop(id(segment)) for segment in held]
+    held_bytes = sum(segment.size for segment in held)
     try:
         refused = drop_page_tables(ranges)
         logger.debug("exit: %d segment(s) left registered for the process's end to release; their page tables "
                      "dropped (%d pieces refused)", left, refused)
-        if files and sum(held.values()) >= REAP_MIN_BYTES:
-            _hand_to_reaper(files, sum(held.values()))
+        if files and held_bytes >= REAP_MIN_BYTES:
+            _hand_to_reaper(files, held_bytes)
     finally:
         for fd in files:
             os.close(fd)
