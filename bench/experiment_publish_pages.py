@@ -73,39 +73,29 @@ def child(directory: str, variant: str, gib: float, ahead: int, threads: int) ->
         dst[lo:lo + PIECE].copy_(src[lo:lo + PIECE])
         release(lo)
 
+    reserves = variant in ("populate", "fallocate", "fallocate_threads")
+    threaded = variant in ("threads", "fallocate_threads")
+    if threaded:
+        torch.set_num_threads(1)
     begin = time.perf_counter()
     waited = 0.0
-    if variant == "threads":
-        torch.set_num_threads(1)
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(copy_piece, pieces))
-    elif variant == "fallocate_threads":
-        torch.set_num_threads(1)
-        with ThreadPoolExecutor(max(1, ahead)) as allocator, ThreadPoolExecutor(threads) as copier:
-            reserved: dict = {}
-            copies = []
-            for k, lo in enumerate(pieces):
+    with ThreadPoolExecutor(max(1, ahead)) as allocator, ThreadPoolExecutor(threads) as copier:
+        reserved: dict = {}
+        copies = []
+        for k, lo in enumerate(pieces):
+            if reserves:
                 for j in range(k, min(k + ahead + 1, len(pieces))):  # at most --ahead pieces reserved ahead
                     if j not in reserved:
                         reserved[j] = allocator.submit(allocate, pieces[j])
                 w = time.perf_counter()
                 reserved.pop(k).result()
                 waited += time.perf_counter() - w
+            if threaded:
                 copies.append(copier.submit(copy_piece, lo))
-            for c in copies:
-                c.result()
-    else:
-        with ThreadPoolExecutor(max(1, ahead)) as pool:
-            futures = {}
-            for k, lo in enumerate(pieces):
-                if variant in ("populate", "fallocate"):
-                    for j in range(k, min(k + ahead + 1, len(pieces))):
-                        if j not in futures:
-                            futures[j] = pool.submit(allocate, pieces[j])
-                    w = time.perf_counter()
-                    futures.pop(k).result()
-                    waited += time.perf_counter() - w
+            else:
                 copy_piece(lo)
+        for c in copies:
+            c.result()
     seconds = time.perf_counter() - begin
     ok = bool((dst[::1 << 20] == 3).all())
     huge = sum(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("ShmemHugePages")) << 10
