@@ -89,3 +89,21 @@ class SourcePages:
             return
         self.released_bytes += end - self._released
         self._released = end
+
+    def release_inside(self, lo: int, hi: int) -> int:
+        """The tensor's bytes ``[lo, hi)`` are copied (others may not be yet): give back the whole pages inside that
+        range, from any thread, and return their bytes. Pages that straddle two such ranges stay until the tensor
+        is freed; :meth:`through` and ``released_bytes`` do not count what this gave back."""
+        if self._failed:
+            return 0
+        start = self._address + lo
+        start += -start % mmap.PAGESIZE
+        end = self._address + min(hi, self._nbytes)
+        end -= end % mmap.PAGESIZE
+        if end <= start:
+            return 0
+        assert _MADV_DONTNEED is not None  # releasable() said so
+        if madvise(start, end - start, _MADV_DONTNEED):
+            self._failed = True
+            return 0
+        return end - start

@@ -11,7 +11,9 @@ the store itself and hands the engine the filled blocks (``host_blocks``, as a f
 - the arena's pages are allocated on threads ahead of the copy (:class:`~flextensor.shm.populate_ahead.PopulateAhead`,
   a worker per arena part: tmpfs allocates one file's pages under that file's locks, ``flextensor.shm.blocks``)
   when they could not be allocated ahead of time (a model built in RAM: see ``flextensor.sharing.creator_source``), and the
-  copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block; the
+  copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block (on a
+  tmpfs of huge pages, whose pages come reserved at little cost, whole pieces on a pool of threads instead:
+  ``flextensor.runtime.piece_copy``); the
   arena fills on a thread (``ft-publish-blocks``) while the store fills, for the same reason (a failure of either
   stops the other before its next block or record);
 - the creator's mapping is registered with CUDA in the background after READY, block by block in schedule order,
@@ -63,6 +65,7 @@ from flextensor.engine.adoption import layouts_from_state
 from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
+from flextensor.runtime.piece_copy import COPY_THREADS, PieceCopier
 from flextensor.runtime.source_pages import SourcePages, releasable
 from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ARENA_ALIGN, ArenaLayout, arena_layout
@@ -75,8 +78,8 @@ from flextensor.state import ModelTensor, TensorManagerState
 
 __all__ = ["POPULATE_AHEAD_BYTES", "POPULATE_AHEAD_MIN_BYTES", "FILL_PIECE_BYTES", "FILL_PIECE_MIN_BYTES",
            "STORE_PIN_MIN_BYTES", "PublishPlan", "plan_publish", "populate_window", "fill_piece", "block_pieces",
-           "arena_plan", "plan_store_layout", "publish_store", "fill_blocks", "BlockReads", "read_queued",
-           "BackgroundCall"]
+           "arena_plan", "plan_store_layout", "publish_store", "copies_on_threads", "fill_blocks", "BlockReads",
+           "read_queued", "BackgroundCall"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,10 +241,15 @@ def block_pieces(sizes: Sequence[int], piece: int) -> list[list[tuple[int, int]]
     return [cut_into_pieces(size, piece) for size in sizes]
 
 
-def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, pieces: PieceCursor) -> int:
+def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, pieces: PieceCursor,
+                    copier: PieceCopier | None = None) -> int:
     """Copy ``tensor`` into ``view`` (its place at block byte ``offset``) piece by piece, each piece once its pages
     are allocated, giving the tensor's private pages back behind the copy where nothing else can read them
-    (``flextensor.runtime.source_pages``). Returns the bytes given back."""
+    (``flextensor.runtime.source_pages``). Returns the bytes given back.
+
+    With a ``copier`` a host tensor's pieces are queued in its current batch instead
+    (``flextensor.runtime.piece_copy``: the copier counts what they give back) and nothing is reported written:
+    the caller reports the block once the batch is copied, and the tensor must stay alive until then."""
     nbytes = view.numel() * view.element_size()
     release = SourcePages(tensor) if releasable(tensor) else None  # asked before detach() makes an alias
     source = tensor.detach()
@@ -249,13 +257,20 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
         pieces.wait_through(offset + nbytes)
         view.copy_(source)
         return 0
+    if copier is not None and source.device.type == "cpu":
+        for lo, hi in pieces.spans(offset, offset + nbytes):
+            pieces.wait_through(hi)
+            copier.copy(view.data_ptr() + lo - offset, source.data_ptr() + lo - offset, hi - lo, release=release,
+                        offset=lo - offset)
+        return 0
     into, out_of = view.view(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
     for lo, hi in pieces.spans(offset, offset + nbytes):
         pieces.wait_through(hi)
         into[lo - offset:hi - offset].copy_(out_of[lo - offset:hi - offset])
         if release is not None:
             release.through(hi - offset)
-        pieces.written_through(hi)
+        if copier is None:
+            pieces.written_through(hi)
     return release.released_bytes if release is not None else 0
 
 
@@ -267,9 +282,15 @@ def _populate_workers(parts: int, window: int, piece: int) -> int:
     return max(parts, min(window // piece, 2 * (os.cpu_count() or 1)))
 
 
+def copies_on_threads(arenas: Sequence[Any]) -> bool:
+    """Whether a fill into ``arenas`` copies on a pool of threads (``flextensor.runtime.piece_copy``): where every
+    part lies on a tmpfs of huge pages, whose ranges are reserved ahead at little cost to the cores."""
+    return bool(arenas) and all(getattr(arena, "huge_tmpfs", False) for arena in arenas)
+
+
 def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayout], blocks: Sequence[torch.Tensor],
                 arenas: Sequence[Any], layout: ArenaLayout, weights: Mapping[str, Any] | None, *, label: str,
-                cancel: threading.Event | None = None) -> dict[str, float]:
+                cancel: threading.Event | None = None, copy_threads: int | None = None) -> dict[str, float]:
     """Copy every streamed tensor into its place in its block (``blocks``: views of the arena's parts ``arenas``
     laid out by ``layout``), block by block in index order, pointing each model tensor at its place as soon as it
     is copied.
@@ -279,9 +300,11 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     allocated in parallel: see ``flextensor.shm.blocks`` and :func:`_populate_workers`); each tensor is copied
     piece by piece and its private pages go back behind the copy where nothing else can read them, so beyond the
     model the creator holds the window and about a piece (a whole tensor where its pages cannot go back early).
-    Returns seconds spent waiting
-    for pages, the allocating threads' seconds and the bytes given back early; stops before the next block once
-    ``cancel`` is set (the caller failed elsewhere). (A checkpoint's reads go through :class:`BlockReads`.)"""
+    Where :func:`copies_on_threads` (or ``copy_threads`` > 0; 0 never) a host tensor's pieces are copied on that
+    many threads, a block per batch (``flextensor.runtime.piece_copy``), and its model tensors are pointed at
+    their places once the block is copied. Returns seconds spent waiting for pages, the allocating threads'
+    seconds, the bytes given back early and the copy threads; stops before the next block once ``cancel`` is set
+    (the caller failed elsewhere). (A checkpoint's reads go through :class:`BlockReads`.)"""
     populate = None
     window = populate_window(layout.total)
     piece = fill_piece(window)
@@ -294,35 +317,58 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
                   for b, block_bounds in zip(layouts, bounds) for lo, hi in block_bounds]
         workers = _populate_workers(len(arenas), window, piece)
         populate = PopulateAhead(ranges, window=window, workers=workers).start()
+    if copy_threads is None:
+        copy_threads = COPY_THREADS if copies_on_threads(arenas) else 0
+    copier = PieceCopier(copy_threads, label="ft-publish-copy") if copy_threads > 0 and layouts else None
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
     released = 0
+
+    def block_copied(pieces: PieceCursor, block_layout: BlockLayout, copied: list[tuple[torch.Tensor, Any]]) -> None:
+        for tensor, view in copied:  # a batch copied on the threads
+            assign_data(tensor, view)
+        pieces.written_through(block_layout.nbytes)
+        progress.add(sum(view.nbytes for _t, view in copied))
+        if populate is not None:
+            return_free_heap()  # the private copies just freed go back before more pages are taken
+
     try:
         for k, (block_layout, block) in enumerate(zip(layouts, blocks)):
             if cancel is not None and cancel.is_set():
                 return {}
             pieces = PieceCursor(populate, first[k], bounds[k])
+            copied: list[tuple[torch.Tensor, Any]] = []
             for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
                 entry = tensors[placement.name]
                 tensor = entry.tensor
-                end = placement.byte_offset + placement.nbytes
                 if tensor.is_meta:  # a weight supplied as a tensor (the engine points the model at the view)
-                    pieces.wait_through(end)
+                    pieces.wait_through(placement.byte_offset + placement.nbytes)
                     _write(view, _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape))
                 else:
-                    released += _copy_in_pieces(view, tensor, placement.byte_offset, pieces)
+                    released += _copy_in_pieces(view, tensor, placement.byte_offset, pieces, copier)
+                    if copier is not None:  # pointed at its place once its batch is copied
+                        copied.append((tensor, view))
+                        continue
                     assign_data(tensor, view)  # frees the private copy (what is left of it)
-                pieces.written_through(end)
+                if copier is None:
+                    pieces.written_through(placement.byte_offset + placement.nbytes)
                 progress.add(placement.nbytes)
             pieces.wait_through(block_layout.nbytes)  # every page of the block is allocated, padding included
-            pieces.written_through(block_layout.nbytes)
-            if populate is not None:
-                return_free_heap()  # the private copies just freed go back before more pages are taken
+            if copier is None:
+                block_copied(pieces, block_layout, copied)
+            else:
+                copier.end_batch(lambda p=pieces, b=block_layout, c=copied: block_copied(p, b, c))
+        if copier is not None:
+            copier.drain()
+            released += copier.released_bytes
         progress.finish()
     finally:
+        if copier is not None:
+            copier.close()  # nothing copies once the caller goes on (after an error too)
         if populate is not None:
             populate.close()
     return {"populate_wait_s": populate.waited_s if populate else 0.0,
-            "populate_s": populate.populate_s if populate else 0.0, "released_early_bytes": float(released)}
+            "populate_s": populate.populate_s if populate else 0.0, "released_early_bytes": float(released),
+            "copy_threads": float(copier.threads if copier is not None else 0)}
 
 
 class BlockReads:

@@ -4,6 +4,7 @@ published bytes are the model's, bit for bit."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -51,10 +52,13 @@ def _meta_model() -> TinyTransformer:
         return TinyTransformer()
 
 
+@pytest.mark.parametrize("on_threads", [False, True], ids=["copied here", "copied on threads"])
 def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(namespace, profile, populations,
-                                                                        monkeypatch):
+                                                                        monkeypatch, on_threads):
+    """Also with the arena's pieces copied on a pool of threads, as on a tmpfs of huge pages."""
     plain = tiny_transformer(seed=0)
     monkeypatch.setattr(publish_mod, "populate_window", lambda total: WINDOW)
+    monkeypatch.setattr(publish_mod, "copies_on_threads", lambda arenas: on_threads)
     with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
         model = session.offload_from_profile(profile, config=cpu_config(), name="model",
                                              creator_model_factory=lambda: tiny_transformer(seed=0),
@@ -81,6 +85,9 @@ def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(names
         assert {b.name for b in published.blocks} == {f"/{manager_namespace(namespace, 'model')}.g1.{ARENA_KIND}"}
         report = session.report()[0]
         assert report["publish"]["gbps"] > 0 and {"store", "blocks", "adopt", "plan"} <= set(report["steps"])
+        assert report["publish"]["copy_threads"] == (min(publish_mod.COPY_THREADS, os.cpu_count() or 1)
+                                                     if on_threads else 0)
+        assert report["publish"]["released_early_bytes"] > 0
         del model, state
     assert shm_names(manager_namespace(namespace, "model")) == []
 

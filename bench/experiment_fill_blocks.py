@@ -1,0 +1,109 @@
+"""Experiment: the creator's arena fill (``flextensor.sharing.publish.fill_blocks``) copied from the filling thread
+or on a pool of threads (``flextensor.runtime.piece_copy``), on 4 KiB pages and on a tmpfs mounted ``huge=always``.
+
+Why: ``bench/experiment_publish_pages.py`` measures bare copies into one file; this runs the product's own fill
+(its arena parts, pieces, populate-ahead window and page give-back) over a model-like set of private bfloat16
+tensors (per block four ``H x H`` and two ``2H x H`` matrices), so the two can be compared on one host and the
+gap between them found. Each run is a fresh process in a private mount namespace (root) on a tmpfs this script
+mounts, after compacting free memory.
+
+Usage: ``python bench/experiment_fill_blocks.py [--gib 8] [--hidden 4096] [--repeat 1]`` as root, with flextensor
+importable (``scripts/gpu-suite.sh bench experiment_fill_blocks``). One JSON line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODES = {"4 KiB": "", "huge=always": ",huge=always"}
+VARIANTS = {"copied here": 0, "on threads": None}  # copy_threads: 0 never, None as the product decides
+
+
+def child(directory: str, gib: float, hidden: int, copy_threads: int | None) -> None:
+    import torch
+
+    from flextensor.runtime.packed_layout import pack_block
+    from flextensor.sharing import publish
+    from flextensor.shm import segment_dir
+    from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
+    from flextensor.shm.segment import SharedSegment
+    from flextensor.state import ModelTensor
+
+    segment_dir.set_default_directory(directory)
+    shapes = [(hidden, hidden)] * 4 + [(2 * hidden, hidden), (hidden, 2 * hidden)]
+    per_block = sum(rows * cols * 2 for rows, cols in shapes)
+    tensors, layouts = {}, []
+    for i in range(max(1, int(gib * 2**30 // per_block))):
+        entries = []
+        for j, shape in enumerate(shapes):
+            name = f"b{i}.t{j}"
+            weight = torch.nn.Parameter(torch.empty(shape, dtype=torch.bfloat16).fill_(1.5), requires_grad=False)
+            tensors[name] = ModelTensor(name, "param", weight, True, [])
+            entries.append((name, torch.bfloat16, shape, (shape[1], 1)))
+        layouts.append(pack_block(i, f"b{i}", entries))
+    layout = arena_layout([b.nbytes for b in layouts])
+    token = f"ftfill{os.getpid()}"
+    segments = [SharedSegment.create(f"/{token}.a{k}", size, reserve=False) for k, size in enumerate(layout.part_sizes)]
+    try:
+        views = SharedBlockAllocator.views(segments, layout)
+        total = sum(b.nbytes for b in layouts)
+        begin = time.perf_counter()
+        report = publish.fill_blocks(tensors, layouts, views, segments, layout, None, label="fill",
+                                     copy_threads=copy_threads)
+        seconds = time.perf_counter() - begin
+        spans = [(seg.address, seg.address + seg.size) for seg in segments]
+        ok = all(any(lo <= t.tensor.data_ptr() < hi for lo, hi in spans) and bool((t.tensor[::97] == 1.5).all())
+                 for t in tensors.values())  # every weight is its shared copy now, with the model's bytes
+        huge = sum(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("ShmemHugePages")) << 10
+        print(json.dumps({"gib": round(total / 2**30, 2), "gbps": round(total / seconds / 1e9, 2),
+                          "seconds": round(seconds, 3), "bytes_ok": ok, "shmem_huge_gib": round(huge / 2**30, 2),
+                          **{k: round(v, 3) for k, v in report.items()}}), flush=True)
+        del views
+    finally:
+        tensors.clear()
+        for segment in segments:
+            segment.close()
+            SharedSegment.unlink_name(segment.name)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=8)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        threads = None if args.child[1] == "auto" else int(args.child[1])
+        child(args.child[0], args.gib, args.hidden, threads)
+        return
+    for mode, options in MODES.items():
+        for _ in range(args.repeat):
+            for variant, threads in VARIANTS.items():
+                try:
+                    with open("/proc/sys/vm/compact_memory", "w") as f:
+                        f.write("1")
+                except OSError:
+                    pass
+                directory = f"/tmp/ft-fill-blocks-{os.getpid()}"
+                os.makedirs(directory, exist_ok=True)
+                size_mib = int(args.gib * 1024) + 2048
+                script = (f"mount -t tmpfs -o size={size_mib}m{options} tmpfs {directory} && "
+                          f'"$@"; code=$?; umount {directory}; exit $code')
+                proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
+                                       sys.executable, __file__, "--gib", str(args.gib), "--hidden", str(args.hidden),
+                                       "--child", directory, "auto" if threads is None else str(threads)],
+                                      capture_output=True, text=True)
+                line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else \
+                    json.dumps({"error": proc.stderr[-500:]})
+                print(json.dumps({"mode": mode, "variant": variant, **json.loads(line)}), flush=True)
+                os.rmdir(directory)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Copying a creator's private tensors into their shared places on a pool of threads, in batches.
+
+Why
+---
+A creator whose model is in RAM copies each tensor into its shared block piece by piece and gives each piece's
+private pages back behind the copy (``flextensor.runtime.source_pages``). On a tmpfs of huge pages the shared
+pages come reserved ahead with ``posix_fallocate`` (``flextensor.shm.prefault`` says why), which costs the cores
+almost nothing, so the copy is the publish: one PyTorch copy per piece from the filling thread, the give-back
+between copies, leaves most of the host's memory bandwidth unused. Here whole pieces are copied on several
+threads, each giving back its own piece's pages (figures in docs/benchmarks.md, "Figures behind the code").
+A piece is one ``memmove`` through ctypes: it releases the GIL and runs on one core, so the threads do not
+multiply PyTorch's own intra-op threads. On 4 KiB pages, where the pages are populated ahead on threads of
+their own, the same copy measured slower than PyTorch's, so ``flextensor.sharing.publish`` uses this only where
+the pages come reserved.
+
+Batches
+-------
+The caller queues the pieces of one batch (an arena block) with :meth:`PieceCopier.copy`, then closes it with
+:meth:`PieceCopier.end_batch` and a ``then`` callback (point the model at the copies, report the block written).
+Batches finish in order: a batch's ``then`` runs on the caller's thread once its pieces and every earlier batch's
+are copied. At most :data:`BATCHES_IN_FLIGHT` batches are open at once (``end_batch`` waits for the oldest), so
+the threads always have the next block's pieces while one block's last pieces finish, and the private tensors
+whose copy is not yet reported stay bounded. Whatever fails, no piece is still being copied once
+:meth:`PieceCopier.close` returns: the caller may then free the sources or unmap the destinations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from flextensor.runtime.source_pages import SourcePages
+
+__all__ = ["COPY_THREADS", "BATCHES_IN_FLIGHT", "PieceCopier"]
+
+#: Threads of one copier (capped at the cores).
+COPY_THREADS = 8
+#: Batches whose pieces may be queued or copying at once.
+BATCHES_IN_FLIGHT = 2
+
+
+class PieceCopier:
+    """A pool of copy threads for one fill (``with PieceCopier() as copier: ...``)."""
+
+    def __init__(self, threads: int | None = None, *, label: str = "ft-piece-copy") -> None:
+        self.threads = max(1, min(threads or COPY_THREADS, os.cpu_count() or 1))
+        self.released_bytes = 0  # source bytes given back behind the copies reported so far
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=label)
+        self._batch: list[Future[int]] = []
+        self._open: deque[tuple[list[Future[int]], Callable[[], None]]] = deque()
+
+    def __enter__(self) -> "PieceCopier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def copy(self, into: int, out_of: int, nbytes: int, *, release: SourcePages | None = None,
+             offset: int = 0) -> None:
+        """Queue a copy of ``nbytes`` from address ``out_of`` to ``into`` in the current batch; once copied, the
+        source's whole pages inside it are given back (``release``: the source tensor's, ``offset`` being the
+        piece's first byte in that tensor)."""
+        self._batch.append(self._pool.submit(_copy_piece, into, out_of, nbytes, release, offset))
+
+    def end_batch(self, then: Callable[[], None]) -> None:
+        """Close the current batch; ``then`` runs once it and every batch before it are copied. Waits for the
+        oldest batches while more than :data:`BATCHES_IN_FLIGHT` are open, and raises the first copy error."""
+        self._open.append((self._batch, then))
+        self._batch = []
+        while len(self._open) > BATCHES_IN_FLIGHT:
+            self._finish_oldest()
+
+    def drain(self) -> None:
+        """Wait for every batch closed so far and run their ``then`` in order; raises the first copy error."""
+        while self._open:
+            self._finish_oldest()
+
+    def close(self) -> None:
+        """Wait until nothing is copying and stop the threads, without running ``then`` (after an error the caller
+        throws the fill away; after :meth:`drain` nothing is left). Idempotent."""
+        pending = [future for futures, _then in self._open for future in futures] + self._batch
+        self._open.clear()
+        self._batch = []
+        for future in pending:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+
+    def _finish_oldest(self) -> None:
+        futures, then = self._open[0]
+        errors = [error for error in (future.exception() for future in futures) if error is not None]
+        if errors:
+            raise errors[0]
+        self._open.popleft()
+        self.released_bytes += sum(future.result() for future in futures)
+        then()
+
+
+def _copy_piece(into: int, out_of: int, nbytes: int, release: SourcePages | None, offset: int) -> int:
+    ctypes.memmove(into, out_of, nbytes)
+    return release.release_inside(offset, offset + nbytes) if release is not None else 0
