@@ -103,6 +103,14 @@ class ShmOwner:
 
         return segment_dir.block_alignment(segment_dir.namespace_directory(self._namespace))
 
+    @property
+    def huge_tmpfs(self) -> bool:
+        """Whether this namespace's directory is a tmpfs that gives files huge pages unasked
+        (``segment_dir.PageInfo.huge_unasked``): its ranges are then reserved ahead at little cost to the cores."""
+        from flextensor.shm import segment_dir
+
+        return segment_dir.page_info(segment_dir.namespace_directory(self._namespace)).huge_unasked
+
     def resource_name(self, kind: str) -> str:
         """``/{ns}.g{gen}.{kind}`` (``ValueError`` for a bad kind)."""
         return generation_resource_name(self._namespace, self._generation, kind)

@@ -15,13 +15,14 @@ the pages come reserved.
 
 Batches
 -------
-The caller queues the pieces of one batch (an arena block) with :meth:`PieceCopier.copy`, then closes it with
-:meth:`PieceCopier.end_batch` and a ``then`` callback (point the model at the copies, report the block written).
-Batches finish in order: a batch's ``then`` runs on the caller's thread once its pieces and every earlier batch's
-are copied. At most :data:`BATCHES_IN_FLIGHT` batches are open at once (``end_batch`` waits for the oldest), so
-the threads always have the next block's pieces while one block's last pieces finish, and the private tensors
-whose copy is not yet reported stay bounded. Whatever fails, no piece is still being copied once
-:meth:`PieceCopier.close` returns: the caller may then free the sources or unmap the destinations.
+The caller queues the pieces of one batch (an arena block, a store record) with :meth:`PieceCopier.copy`, then
+closes it with :meth:`PieceCopier.end_batch` and a ``then`` callback (point the model at the copies). Batches
+finish in order: a batch's ``then`` runs on the caller's thread once its pieces and every earlier batch's are
+copied. ``end_batch`` waits for the oldest batches while those open hold more than ``open_bytes`` (default
+:data:`OPEN_BYTES`), the newest always staying open, so the threads have the next pieces while one batch's last
+pieces finish, and the bytes queued (pages taken ahead of the copy, private tensors not yet let go) stay bounded
+by ``open_bytes`` plus one batch. Whatever fails, no piece is still being copied once :meth:`PieceCopier.close`
+returns: the caller may then free the sources or unmap the destinations.
 """
 
 from __future__ import annotations
@@ -34,23 +35,27 @@ from typing import Callable
 
 from flextensor.runtime.source_pages import SourcePages
 
-__all__ = ["COPY_THREADS", "BATCHES_IN_FLIGHT", "PieceCopier"]
+__all__ = ["COPY_THREADS", "OPEN_BYTES", "PieceCopier"]
 
 #: Threads of one copier (capped at the cores).
 COPY_THREADS = 8
-#: Batches whose pieces may be queued or copying at once.
-BATCHES_IN_FLIGHT = 2
+#: Bytes of closed batches that may still be queued or copying (beyond the newest batch).
+OPEN_BYTES = 512 << 20
 
 
 class PieceCopier:
     """A pool of copy threads for one fill (``with PieceCopier() as copier: ...``)."""
 
-    def __init__(self, threads: int | None = None, *, label: str = "ft-piece-copy") -> None:
+    def __init__(self, threads: int | None = None, *, open_bytes: int = OPEN_BYTES,
+                 label: str = "ft-piece-copy") -> None:
         self.threads = max(1, min(threads or COPY_THREADS, os.cpu_count() or 1))
         self.released_bytes = 0  # source bytes given back behind the copies reported so far
+        self._open_limit = open_bytes
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=label)
         self._batch: list[Future[int]] = []
-        self._open: deque[tuple[list[Future[int]], Callable[[], None]]] = deque()
+        self._batch_bytes = 0
+        self._open: deque[tuple[list[Future[int]], int, Callable[[], None]]] = deque()
+        self._open_bytes = 0
 
     def __enter__(self) -> "PieceCopier":
         return self
@@ -58,46 +63,56 @@ class PieceCopier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def copy(self, into: int, out_of: int, nbytes: int, *, release: SourcePages | None = None,
-             offset: int = 0) -> None:
+    def copy(self, into: int, out_of: int, nbytes: int, *, release: SourcePages | None = None, offset: int = 0,
+             keep: object = None) -> None:
         """Queue a copy of ``nbytes`` from address ``out_of`` to ``into`` in the current batch; once copied, the
         source's whole pages inside it are given back (``release``: the source tensor's, ``offset`` being the
-        piece's first byte in that tensor)."""
-        self._batch.append(self._pool.submit(_copy_piece, into, out_of, nbytes, release, offset))
+        piece's first byte in that tensor). ``keep`` (the two tensors, say) is held until the piece is copied, so
+        whatever the caller drops or closes meanwhile, both addresses stay mapped."""
+        self._batch.append(self._pool.submit(_copy_piece, into, out_of, nbytes, release, offset, keep))
+        self._batch_bytes += nbytes
 
     def end_batch(self, then: Callable[[], None]) -> None:
         """Close the current batch; ``then`` runs once it and every batch before it are copied. Waits for the
-        oldest batches while more than :data:`BATCHES_IN_FLIGHT` are open, and raises the first copy error."""
-        self._open.append((self._batch, then))
-        self._batch = []
-        while len(self._open) > BATCHES_IN_FLIGHT:
+        oldest batches while the open ones hold more than ``open_bytes`` (see the module docstring), and raises
+        the first copy error."""
+        self._open.append((self._batch, self._batch_bytes, then))
+        self._open_bytes += self._batch_bytes
+        self._batch, self._batch_bytes = [], 0
+        while len(self._open) > 1 and self._open_bytes - self._open[-1][1] > self._open_limit:
             self._finish_oldest()
 
-    def drain(self) -> None:
-        """Wait for every batch closed so far and run their ``then`` in order; raises the first copy error."""
+    def drain(self, cancelled: Callable[[], bool] | None = None) -> bool:
+        """Wait for every batch closed so far and run their ``then`` in order; raises the first copy error. Stops
+        before the next batch once ``cancelled()`` says so (the caller failed elsewhere) and returns False; the
+        pieces not started yet are dropped by :meth:`close`."""
         while self._open:
+            if cancelled is not None and cancelled():
+                return False
             self._finish_oldest()
+        return True
 
     def close(self) -> None:
         """Wait until nothing is copying and stop the threads, without running ``then`` (after an error the caller
         throws the fill away; after :meth:`drain` nothing is left). Idempotent."""
-        pending = [future for futures, _then in self._open for future in futures] + self._batch
+        pending = [future for futures, _nbytes, _then in self._open for future in futures] + self._batch
         self._open.clear()
-        self._batch = []
+        self._batch, self._batch_bytes, self._open_bytes = [], 0, 0
         for future in pending:
             future.cancel()
         self._pool.shutdown(wait=True)
 
     def _finish_oldest(self) -> None:
-        futures, then = self._open[0]
+        futures, nbytes, then = self._open[0]
         errors = [error for error in (future.exception() for future in futures) if error is not None]
         if errors:
             raise errors[0]
         self._open.popleft()
+        self._open_bytes -= nbytes
         self.released_bytes += sum(future.result() for future in futures)
         then()
 
 
-def _copy_piece(into: int, out_of: int, nbytes: int, release: SourcePages | None, offset: int) -> int:
+def _copy_piece(into: int, out_of: int, nbytes: int, release: SourcePages | None, offset: int, keep: object) -> int:
     ctypes.memmove(into, out_of, nbytes)
     return release.release_inside(offset, offset + nbytes) if release is not None else 0

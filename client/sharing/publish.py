@@ -204,16 +204,20 @@ def _write(view: torch.Tensor, value: Any) -> None:
 def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], owner: ShmOwner,
                   weights: Mapping[str, Any] | None, *, window: int,
                   stop: Callable[[], BaseException | None] | None = None,
-                  report: dict[str, float] | None = None) -> SharedTensorStore:
+                  report: dict[str, float] | None = None, copy_threads: int | None = None) -> SharedTensorStore:
     """Publish ``names`` (the plan's resident tensors) into the store and point the model's host tensors at their
     shared copies, record by record (a tensor on a device is copied and left there). A record's pages come in
     pieces (:func:`fill_piece`) and a host tensor is copied piece by piece, giving its private pages back behind
-    the copy where nothing else reads them, as the arena's (:func:`fill_blocks`).
+    the copy where nothing else reads them, as the arena's (:func:`fill_blocks`); on a tmpfs of huge pages
+    (``owner.huge_tmpfs``, or ``copy_threads`` > 0; 0 never) on a pool of threads, a record per batch.
 
     ``stop`` is asked before each record: an error it returns (the arena's fill beside the store failed) is
     raised at once, so the publish fails without filling the rest of a store it would throw away. ``report``
     gets the bytes given back early (``store_released_early_bytes``)."""
     released = 0
+    if copy_threads is None:
+        copy_threads = COPY_THREADS if owner.huge_tmpfs else 0
+    copier = PieceCopier(copy_threads, label="ft-store-copy") if copy_threads > 0 else None
 
     def fill(record: Any, view: torch.Tensor, source: torch.Tensor, pieces: PieceCursor) -> None:
         nonlocal released
@@ -224,13 +228,35 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
             pieces.wait_through(record.nbytes)
             _write(view, _weight(weights, record.all_names, source.dtype, source.shape))
         else:
-            released += _copy_in_pieces(view, source, 0, pieces)
+            released += _copy_in_pieces(view, source, 0, pieces, copier)
             if source.device.type != "cpu":
+                return
+            if copier is not None:  # pointed at its shared copy once the record is copied
+                copier.end_batch(lambda: assign_data(source, view))
                 return
         assign_data(source, view)  # frees the private copy (its bytes, for a meta tensor, come at read_queued)
 
-    store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
-                                                window=window, piece=fill_piece(window))
+    try:
+        store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
+                                                    window=window, piece=fill_piece(window))
+        if copier is not None:
+            failure: BaseException | None = None
+
+            def failed() -> bool:  # the arena's fill beside the store failed meanwhile
+                nonlocal failure
+                failure = stop() if stop is not None else None
+                return failure is not None
+
+            try:
+                if not copier.drain(cancelled=failed):
+                    raise failure  # type: ignore[misc]
+            except BaseException:
+                store.close()
+                raise
+            released += copier.released_bytes
+    finally:
+        if copier is not None:
+            copier.close()  # nothing copies once the caller goes on (after an error too)
     if report is not None:
         report["store_released_early_bytes"] = float(released)
     return store
@@ -248,8 +274,9 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
     (``flextensor.runtime.source_pages``). Returns the bytes given back.
 
     With a ``copier`` a host tensor's pieces are queued in its current batch instead
-    (``flextensor.runtime.piece_copy``: the copier counts what they give back) and nothing is reported written:
-    the caller reports the block once the batch is copied, and the tensor must stay alive until then."""
+    (``flextensor.runtime.piece_copy``: the copier counts what they give back), each reported written once
+    queued (the pages taken ahead are then the window plus what the copier holds open), and the caller points
+    the model at ``view`` only once the batch is copied (until then the tensor must stay as it is)."""
     nbytes = view.numel() * view.element_size()
     release = SourcePages(tensor) if releasable(tensor) else None  # asked before detach() makes an alias
     source = tensor.detach()
@@ -261,7 +288,8 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
         for lo, hi in pieces.spans(offset, offset + nbytes):
             pieces.wait_through(hi)
             copier.copy(view.data_ptr() + lo - offset, source.data_ptr() + lo - offset, hi - lo, release=release,
-                        offset=lo - offset)
+                        offset=lo - offset, keep=(view, source))
+            pieces.written_through(hi)
         return 0
     into, out_of = view.view(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
     for lo, hi in pieces.spans(offset, offset + nbytes):
@@ -269,8 +297,7 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
         into[lo - offset:hi - offset].copy_(out_of[lo - offset:hi - offset])
         if release is not None:
             release.through(hi - offset)
-        if copier is None:
-            pieces.written_through(hi)
+        pieces.written_through(hi)
     return release.released_bytes if release is not None else 0
 
 
@@ -347,10 +374,10 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
                     released += _copy_in_pieces(view, tensor, placement.byte_offset, pieces, copier)
                     if copier is not None:  # pointed at its place once its batch is copied
                         copied.append((tensor, view))
+                        pieces.written_through(placement.byte_offset + placement.nbytes)
                         continue
                     assign_data(tensor, view)  # frees the private copy (what is left of it)
-                if copier is None:
-                    pieces.written_through(placement.byte_offset + placement.nbytes)
+                pieces.written_through(placement.byte_offset + placement.nbytes)
                 progress.add(placement.nbytes)
             pieces.wait_through(block_layout.nbytes)  # every page of the block is allocated, padding included
             if copier is None:
@@ -358,7 +385,8 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
             else:
                 copier.end_batch(lambda p=pieces, b=block_layout, c=copied: block_copied(p, b, c))
         if copier is not None:
-            copier.drain()
+            if not copier.drain(cancelled=None if cancel is None else cancel.is_set):
+                return {}
             released += copier.released_bytes
         progress.finish()
     finally:

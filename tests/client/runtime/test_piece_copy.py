@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from flextensor.runtime.piece_copy import BATCHES_IN_FLIGHT, PieceCopier
+from flextensor.runtime.piece_copy import PieceCopier
 from flextensor.runtime.source_pages import SourcePages, releasable
 
 MIB = 1 << 20
@@ -35,17 +35,31 @@ def test_every_byte_lands_in_place_and_batches_are_reported_in_order() -> None:
     assert copier.released_bytes == 0
 
 
-def test_only_a_bounded_number_of_batches_stays_open() -> None:
+def test_closed_batches_stay_open_up_to_a_bound_in_bytes_beyond_the_newest() -> None:
     reported: list[int] = []
     source = torch.arange(MIB, dtype=torch.uint8)
     target = torch.zeros_like(source)
-    with PieceCopier(2) as copier:
-        for k in range(BATCHES_IN_FLIGHT + 3):
+    with PieceCopier(2, open_bytes=2 * MIB) as copier:
+        for k in range(6):
             copier.copy(target.data_ptr(), source.data_ptr(), MIB)
             copier.end_batch(lambda k=k: reported.append(k))
-            assert reported == list(range(max(0, k + 1 - BATCHES_IN_FLIGHT)))
+            assert reported == list(range(max(0, k - 2)))  # at most 2 MiB open besides the newest batch
         copier.drain()
-    assert reported == list(range(BATCHES_IN_FLIGHT + 3))
+    assert reported == list(range(6))
+
+
+def test_a_cancelled_drain_reports_no_further_batch_and_close_waits_for_what_runs() -> None:
+    reported: list[int] = []
+    source = torch.arange(MIB, dtype=torch.uint8)
+    target = torch.zeros_like(source)
+    copier = PieceCopier(2)
+    for k in range(4):
+        copier.copy(target.data_ptr(), source.data_ptr(), MIB)
+        copier.end_batch(lambda k=k: reported.append(k))
+    assert copier.drain(cancelled=lambda: len(reported) == 2) is False
+    copier.close()
+    assert reported == [0, 1]
+    assert not [t for t in threading.enumerate() if t.name.startswith("ft-piece-copy")]
 
 
 def test_the_sources_whole_pages_inside_each_piece_are_given_back_and_counted() -> None:

@@ -47,18 +47,29 @@ def populations(monkeypatch) -> list[dict]:
     return made
 
 
+def _copy_on_threads(monkeypatch, on: bool) -> None:
+    """Copy the arena's and the store's pieces on a pool of threads, as on a tmpfs of huge pages (or never)."""
+    from flextensor.shm.owner import ShmOwner
+
+    monkeypatch.setattr(publish_mod, "copies_on_threads", lambda arenas: on)
+    monkeypatch.setattr(ShmOwner, "huge_tmpfs", property(lambda self: on))
+
+
+ON_THREADS = pytest.mark.parametrize("on_threads", [False, True], ids=["copied here", "copied on threads"])
+
+
 def _meta_model() -> TinyTransformer:
     with torch.device("meta"):
         return TinyTransformer()
 
 
-@pytest.mark.parametrize("on_threads", [False, True], ids=["copied here", "copied on threads"])
+@ON_THREADS
 def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(namespace, profile, populations,
                                                                         monkeypatch, on_threads):
     """Also with the arena's pieces copied on a pool of threads, as on a tmpfs of huge pages."""
     plain = tiny_transformer(seed=0)
     monkeypatch.setattr(publish_mod, "populate_window", lambda total: WINDOW)
-    monkeypatch.setattr(publish_mod, "copies_on_threads", lambda arenas: on_threads)
+    _copy_on_threads(monkeypatch, on_threads)
     with ft.SharedOffloadSession(namespace, lease_seconds=LEASE) as session:
         model = session.offload_from_profile(profile, config=cpu_config(), name="model",
                                              creator_model_factory=lambda: tiny_transformer(seed=0),
@@ -88,6 +99,7 @@ def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(names
         assert report["publish"]["copy_threads"] == (min(publish_mod.COPY_THREADS, os.cpu_count() or 1)
                                                      if on_threads else 0)
         assert report["publish"]["released_early_bytes"] > 0
+        assert report["publish"]["store_released_early_bytes"] > 0
         del model, state
     assert shm_names(manager_namespace(namespace, "model")) == []
 
@@ -195,7 +207,9 @@ def _creator_raises(namespace: str, profile: str, match: str) -> None:
         session.close()
 
 
-def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(namespace, profile, monkeypatch):
+@ON_THREADS
+def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(namespace, profile, monkeypatch,
+                                                                            on_threads):
     """From a model in RAM the arena fills on a thread while the store fills: when the store fails, that thread
     is stopped (before its next block) and joined before anything is cleaned up, the creator raises the store's
     error, and nothing is left."""
@@ -205,11 +219,12 @@ def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(na
     import flextensor.sharing.creator as creator_mod
     from flextensor.profiles import read_profile
 
+    _copy_on_threads(monkeypatch, on_threads)
     filled = _slow_assigns(monkeypatch)  # the store is replaced: these are the arena's
     monkeypatch.setattr(creator_mod, "publish_store", _fails_after(0.05, "the store"))
     streamed = sum(t.offloaded for t in read_profile(profile).tensors)
     _creator_raises(namespace, profile, "the store")
-    assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]
+    assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks" or "copy" in t.name]
     stopped_at = len(filled)
     assert 0 < stopped_at < streamed  # the arena's fill had started and was stopped part way
     time.sleep(0.1)
@@ -217,13 +232,16 @@ def test_a_store_failure_stops_the_arena_filling_beside_it_and_leaves_nothing(na
     assert shm_names(manager_namespace(namespace, "model")) == []
 
 
-def test_an_arena_fill_failure_stops_the_store_beside_it_and_leaves_nothing(namespace, profile, monkeypatch):
+@ON_THREADS
+def test_an_arena_fill_failure_stops_the_store_beside_it_and_leaves_nothing(namespace, profile, monkeypatch,
+                                                                           on_threads):
     """The other way round: when the arena's fill fails (here at once, as a full /dev/shm would make it), the
     store stops before its next record instead of filling to its end, the creator raises the arena's error, and
     nothing is left."""
     import flextensor.sharing.creator as creator_mod
     from flextensor.profiles import read_profile
 
+    _copy_on_threads(monkeypatch, on_threads)
     stored = _slow_assigns(monkeypatch)  # the arena's fill is replaced: these are the store's
     monkeypatch.setattr(creator_mod, "fill_blocks", _fails_after(0.03, "the arena"))
     resident = sum(not t.offloaded for t in read_profile(profile).tensors)
