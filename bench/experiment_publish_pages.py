@@ -15,7 +15,10 @@ compacting free memory, for ``--gib`` GiB in pieces of 32 MiB:
 - ``fault``: no allocation ahead: the copy's own page faults allocate the pages (a fault per 2 MiB on huge pages);
 - ``threads``: ``fault``, with the copy and the give-back of the pieces spread over ``--threads`` Python threads;
 - ``fallocate_threads``: ``fallocate`` ahead on its pool, the copy and give-back as in ``threads`` (what a
-  creator on huge pages could run: reserved ahead, so a full directory is an error and not a SIGBUS).
+  creator on huge pages could run: reserved ahead, so a full directory is an error and not a SIGBUS);
+- ``pwrite_threads``: each piece written into the file with ``pwrite`` on ``--threads`` threads, then given back:
+  nothing is allocated ahead or faulted, tmpfs need not zero a page that a write covers whole, and a full
+  directory is an ``ENOSPC`` from the write.
 
 Usage: ``python bench/experiment_publish_pages.py [--gib 8] [--threads 8]`` as root. One JSON line per variant.
 """
@@ -33,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 PIECE = 32 << 20
 MODES = {"4 KiB": "", "huge=always": ",huge=always"}
-VARIANTS = ("populate", "fallocate", "fault", "threads", "fallocate_threads")
+VARIANTS = ("populate", "fallocate", "fault", "threads", "fallocate_threads", "pwrite_threads")
 
 
 def child(directory: str, variant: str, gib: float, ahead: int, threads: int) -> None:
@@ -70,11 +73,17 @@ def child(directory: str, variant: str, gib: float, ahead: int, threads: int) ->
         libc.madvise(start, end - start, 4)
 
     def copy_piece(lo: int) -> None:
-        dst[lo:lo + PIECE].copy_(src[lo:lo + PIECE])
+        if variant == "pwrite_threads":
+            view = memoryview((ctypes.c_char * PIECE).from_address(saddr + lo)).cast("B")
+            done = 0
+            while done < PIECE:
+                done += os.pwrite(fd, view[done:], lo + done)
+        else:
+            dst[lo:lo + PIECE].copy_(src[lo:lo + PIECE])
         release(lo)
 
     reserves = variant in ("populate", "fallocate", "fallocate_threads")
-    threaded = variant in ("threads", "fallocate_threads")
+    threaded = variant in ("threads", "fallocate_threads", "pwrite_threads")
     if threaded:
         torch.set_num_threads(1)
     begin = time.perf_counter()
@@ -112,14 +121,17 @@ def main() -> None:
     p.add_argument("--ahead", type=int, default=8, help="pieces allocated ahead of the copy")
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child[0], args.child[1], args.gib, args.ahead, args.threads)
         return
-    for mode, options in MODES.items():
+    for mode in args.modes:
+        options = MODES[mode]
         for _ in range(args.repeat):
-            for variant in VARIANTS:
+            for variant in args.variants:
                 try:
                     with open("/proc/sys/vm/compact_memory", "w") as f:
                         f.write("1")
