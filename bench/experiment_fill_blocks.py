@@ -21,13 +21,14 @@ import sys
 import time
 
 MODES = {"4 KiB": "", "huge=always": ",huge=always"}
-VARIANTS = {"copied here": 0, "on threads": None}  # copy_threads: 0 never, None as the product decides
+VARIANTS = ("copied here", "on threads")  # on threads: a pool of a thread per core, as on a tmpfs of huge pages
 
 
-def child(directory: str, gib: float, hidden: int, copy_threads: int | None) -> None:
+def child(directory: str, gib: float, hidden: int, on_threads: bool) -> None:
     import torch
 
     from flextensor.runtime.packed_layout import pack_block
+    from flextensor.runtime.piece_copy import CopyPool
     from flextensor.sharing import publish
     from flextensor.shm import segment_dir
     from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
@@ -52,9 +53,14 @@ def child(directory: str, gib: float, hidden: int, copy_threads: int | None) -> 
     try:
         views = SharedBlockAllocator.views(segments, layout)
         total = sum(b.nbytes for b in layouts)
+        pool = CopyPool(label="ft-publish-copy") if on_threads else None
         begin = time.perf_counter()
-        report = publish.fill_blocks(tensors, layouts, views, segments, layout, None, label="fill",
-                                     copy_threads=copy_threads)
+        try:
+            report = publish.fill_blocks(tensors, layouts, views, segments, layout, None, label="fill",
+                                         copy_pool=pool)
+        finally:
+            if pool is not None:
+                pool.close()
         seconds = time.perf_counter() - begin
         spans = [(seg.address, seg.address + seg.size) for seg in segments]
         ok = all(any(lo <= t.tensor.data_ptr() < hi for lo, hi in spans) and bool((t.tensor[::97] == 1.5).all())
@@ -79,12 +85,11 @@ def main() -> None:
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        threads = None if args.child[1] == "auto" else int(args.child[1])
-        child(args.child[0], args.gib, args.hidden, threads)
+        child(args.child[0], args.gib, args.hidden, args.child[1] == "on threads")
         return
     for mode, options in MODES.items():
         for _ in range(args.repeat):
-            for variant, threads in VARIANTS.items():
+            for variant in VARIANTS:
                 try:
                     with open("/proc/sys/vm/compact_memory", "w") as f:
                         f.write("1")
@@ -97,7 +102,7 @@ def main() -> None:
                           f'"$@"; code=$?; umount {directory}; exit $code')
                 proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
                                        sys.executable, __file__, "--gib", str(args.gib), "--hidden", str(args.hidden),
-                                       "--child", directory, "auto" if threads is None else str(threads)],
+                                       "--child", directory, variant],
                                       capture_output=True, text=True)
                 line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else \
                     json.dumps({"error": proc.stderr[-500:]})

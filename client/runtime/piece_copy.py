@@ -6,12 +6,13 @@ A creator whose model is in RAM copies each tensor into its shared block piece b
 private pages back behind the copy (``flextensor.runtime.source_pages``). On a tmpfs of huge pages the shared
 pages come reserved ahead with ``posix_fallocate`` (``flextensor.shm.prefault`` says why), which costs the cores
 almost nothing, so the copy is the publish: one PyTorch copy per piece from the filling thread, the give-back
-between copies, leaves most of the host's memory bandwidth unused. Here whole pieces are copied on several
-threads, each giving back its own piece's pages (figures in docs/benchmarks.md, "Figures behind the code").
+between copies, leaves most of the host's memory bandwidth unused. Here whole pieces are copied on a thread per
+core, each giving back its own piece's pages (figures in docs/benchmarks.md, "Figures behind the code").
 A piece is one ``memmove`` through ctypes: it releases the GIL and runs on one core, so the threads do not
-multiply PyTorch's own intra-op threads. On 4 KiB pages, where the pages are populated ahead on threads of
-their own, the same copy measured slower than PyTorch's, so ``flextensor.sharing.publish`` uses this only where
-the pages come reserved.
+multiply PyTorch's own intra-op threads; the store's fill and the arena's, which run side by side, share one
+:class:`CopyPool`. On 4 KiB pages, where the pages are populated ahead on threads of their own, the same copy
+measured slower than PyTorch's, so a creator uses this only where the pages come reserved
+(``flextensor.sharing.creator``).
 
 Batches
 -------
@@ -30,28 +31,51 @@ from __future__ import annotations
 import ctypes
 import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 from flextensor.runtime.source_pages import SourcePages
 
-__all__ = ["COPY_THREADS", "OPEN_BYTES", "PieceCopier"]
+__all__ = ["COPY_THREADS_MAX", "OPEN_BYTES", "CopyPool", "PieceCopier"]
 
-#: Threads of one copier (capped at the cores).
-COPY_THREADS = 8
+#: The most threads of a pool (by default it has one per core: the copy runs at the memory's rate only with
+#: every core copying, see docs/benchmarks.md).
+COPY_THREADS_MAX = 32
 #: Bytes of closed batches that may still be queued or copying (beyond the newest batch).
 OPEN_BYTES = 512 << 20
 
 
-class PieceCopier:
-    """A pool of copy threads for one fill (``with PieceCopier() as copier: ...``)."""
+class CopyPool:
+    """The copy threads of one publish, shared by its fills (the store's and the arena's run side by side: one
+    pool keeps them to one thread per core between them). ``with CopyPool() as pool: ...``"""
 
-    def __init__(self, threads: int | None = None, *, open_bytes: int = OPEN_BYTES,
-                 label: str = "ft-piece-copy") -> None:
-        self.threads = max(1, min(threads or COPY_THREADS, os.cpu_count() or 1))
+    def __init__(self, threads: int | None = None, *, label: str = "ft-piece-copy") -> None:
+        cores = os.cpu_count() or 1
+        self.threads = max(1, min(threads or cores, cores, COPY_THREADS_MAX))
+        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix=label)
+
+    def __enter__(self) -> "CopyPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, call: Callable[..., int], *args: object) -> Future[int]:
+        return self._executor.submit(call, *args)
+
+    def close(self) -> None:
+        """Wait for the threads and stop them (idempotent)."""
+        self._executor.shutdown(wait=True)
+
+
+class PieceCopier:
+    """One fill's batches of pieces, copied on a :class:`CopyPool` (see the module docstring). Not thread-safe:
+    each fill has its own."""
+
+    def __init__(self, pool: CopyPool, *, open_bytes: int = OPEN_BYTES) -> None:
+        self.pool = pool
         self.released_bytes = 0  # source bytes given back behind the copies reported so far
         self._open_limit = open_bytes
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=label)
         self._batch: list[Future[int]] = []
         self._batch_bytes = 0
         self._open: deque[tuple[list[Future[int]], int, Callable[[], None]]] = deque()
@@ -69,7 +93,7 @@ class PieceCopier:
         source's whole pages inside it are given back (``release``: the source tensor's, ``offset`` being the
         piece's first byte in that tensor). ``keep`` (the two tensors, say) is held until the piece is copied, so
         whatever the caller drops or closes meanwhile, both addresses stay mapped."""
-        self._batch.append(self._pool.submit(_copy_piece, into, out_of, nbytes, release, offset, keep))
+        self._batch.append(self.pool.submit(_copy_piece, into, out_of, nbytes, release, offset, keep))
         self._batch_bytes += nbytes
 
     def end_batch(self, then: Callable[[], None]) -> None:
@@ -93,14 +117,15 @@ class PieceCopier:
         return True
 
     def close(self) -> None:
-        """Wait until nothing is copying and stop the threads, without running ``then`` (after an error the caller
-        throws the fill away; after :meth:`drain` nothing is left). Idempotent."""
+        """Drop this fill's pieces not started yet and wait for those copying, without running ``then`` (after an
+        error the caller throws the fill away; after :meth:`drain` nothing is left). Idempotent; the pool
+        stays."""
         pending = [future for futures, _nbytes, _then in self._open for future in futures] + self._batch
         self._open.clear()
         self._batch, self._batch_bytes, self._open_bytes = [], 0, 0
         for future in pending:
             future.cancel()
-        self._pool.shutdown(wait=True)
+        wait(pending)
 
     def _finish_oldest(self) -> None:
         futures, nbytes, then = self._open[0]

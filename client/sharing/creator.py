@@ -32,6 +32,7 @@ from flextensor.configuration.config import OffloadConfig
 from flextensor.engine.adoption import check_state
 from flextensor.manager import OffloadManager, compute_device
 from flextensor.profiles import read_profile
+from flextensor.runtime.piece_copy import CopyPool
 from flextensor.sharing.creator_source import CreatorSource
 from flextensor.sharing.publish import (STORE_PIN_MIN_BYTES, BackgroundCall, BlockReads, PublishPlan, arena_plan,
                                         fill_blocks, plan_publish, populate_window, publish_store, read_queued)
@@ -135,12 +136,15 @@ def _fill_shared(share: ManagerShare, model: nn.Module, plan: PublishPlan, cfg: 
     checked = check_state(model, plan.state, cfg, host_blocks=views, weights=source.weights)
     # A model in RAM fills the arena on a thread while the store fills here: their pages are different files,
     # which tmpfs allocates in parallel (see flextensor.shm.blocks), and allocating them is the slow part.
+    # On a tmpfs of huge pages the pages come reserved at little cost and the copy is the publish: both fills copy
+    # on one pool of a thread per core (flextensor.runtime.piece_copy).
+    pool = CopyPool(label="ft-publish-copy") if owner.huge_tmpfs and source.weights is None else None
     blocks_fill = None
     cancel = threading.Event()
     if layouts and source.weights is None:
         blocks_fill = BackgroundCall(lambda: share.publish.update(fill_blocks(
-            checked.tensors, layouts, views, share.segments, layout, None, label=share.name, cancel=cancel)),
-            name="ft-publish-blocks", cancel=cancel)
+            checked.tensors, layouts, views, share.segments, layout, None, label=share.name, cancel=cancel,
+            copy_pool=pool)), name="ft-publish-blocks", cancel=cancel)
     store_pin = None
     reads = None
     try:
@@ -148,7 +152,7 @@ def _fill_shared(share: ManagerShare, model: nn.Module, plan: PublishPlan, cfg: 
             share.store = publish_store(share.namespace, model, plan.resident, owner, source.weights,
                                         window=populate_window(plan.store_bytes),
                                         stop=None if blocks_fill is None else blocks_fill.failure,
-                                        report=share.publish)
+                                        report=share.publish, copy_pool=pool)
             read_queued(source.weights)  # the resident tensors' checkpoint reads
         if plan.pin and share.store.nbytes >= STORE_PIN_MIN_BYTES:
             store_pin = BackgroundCall(share.store.pin, device=device_index(plan.device))
@@ -166,6 +170,8 @@ def _fill_shared(share: ManagerShare, model: nn.Module, plan: PublishPlan, cfg: 
         if blocks_fill is not None:  # the store failed: stop the arena's fill before anything is cleaned up
             cancel.set()
             blocks_fill.join()  # also through an interrupt: the thread must be gone before the cleanup
+        if pool is not None:
+            pool.close()
         if store_pin is not None:  # never left running: a failure's cleanup unpins the store
             with timed_step(steps, "register_store_wait"):
                 error = store_pin.join()

@@ -12,8 +12,8 @@ the store itself and hands the engine the filled blocks (``host_blocks``, as a f
   a worker per arena part: tmpfs allocates one file's pages under that file's locks, ``flextensor.shm.blocks``)
   when they could not be allocated ahead of time (a model built in RAM: see ``flextensor.sharing.creator_source``), and the
   copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block (on a
-  tmpfs of huge pages, whose pages come reserved at little cost, whole pieces on a pool of threads instead:
-  ``flextensor.runtime.piece_copy``); the
+  tmpfs of huge pages, whose pages come reserved at little cost, whole pieces on a thread per core instead,
+  the store's and the arena's on one pool: ``flextensor.runtime.piece_copy``); the
   arena fills on a thread (``ft-publish-blocks``) while the store fills, for the same reason (a failure of either
   stops the other before its next block or record);
 - the creator's mapping is registered with CUDA in the background after READY, block by block in schedule order,
@@ -65,7 +65,7 @@ from flextensor.engine.adoption import layouts_from_state
 from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
-from flextensor.runtime.piece_copy import COPY_THREADS, PieceCopier
+from flextensor.runtime.piece_copy import CopyPool, PieceCopier
 from flextensor.runtime.source_pages import SourcePages, releasable
 from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ARENA_ALIGN, ArenaLayout, arena_layout
@@ -78,7 +78,7 @@ from flextensor.state import ModelTensor, TensorManagerState
 
 __all__ = ["POPULATE_AHEAD_BYTES", "POPULATE_AHEAD_MIN_BYTES", "FILL_PIECE_BYTES", "FILL_PIECE_MIN_BYTES",
            "STORE_PIN_MIN_BYTES", "PublishPlan", "plan_publish", "populate_window", "fill_piece", "block_pieces",
-           "arena_plan", "plan_store_layout", "publish_store", "copies_on_threads", "fill_blocks", "BlockReads",
+           "arena_plan", "plan_store_layout", "publish_store", "fill_blocks", "BlockReads",
            "read_queued", "BackgroundCall"]
 
 logger = logging.getLogger(__name__)
@@ -204,20 +204,18 @@ def _write(view: torch.Tensor, value: Any) -> None:
 def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], owner: ShmOwner,
                   weights: Mapping[str, Any] | None, *, window: int,
                   stop: Callable[[], BaseException | None] | None = None,
-                  report: dict[str, float] | None = None, copy_threads: int | None = None) -> SharedTensorStore:
+                  report: dict[str, float] | None = None, copy_pool: CopyPool | None = None) -> SharedTensorStore:
     """Publish ``names`` (the plan's resident tensors) into the store and point the model's host tensors at their
     shared copies, record by record (a tensor on a device is copied and left there). A record's pages come in
     pieces (:func:`fill_piece`) and a host tensor is copied piece by piece, giving its private pages back behind
-    the copy where nothing else reads them, as the arena's (:func:`fill_blocks`); on a tmpfs of huge pages
-    (``owner.huge_tmpfs``, or ``copy_threads`` > 0; 0 never) on a pool of threads, a record per batch.
+    the copy where nothing else reads them, as the arena's (:func:`fill_blocks`); on ``copy_pool``'s threads
+    when given, a record per batch (``flextensor.runtime.piece_copy``).
 
     ``stop`` is asked before each record: an error it returns (the arena's fill beside the store failed) is
     raised at once, so the publish fails without filling the rest of a store it would throw away. ``report``
     gets the bytes given back early (``store_released_early_bytes``)."""
     released = 0
-    if copy_threads is None:
-        copy_threads = COPY_THREADS if owner.huge_tmpfs else 0
-    copier = PieceCopier(copy_threads, label="ft-store-copy") if copy_threads > 0 else None
+    copier = PieceCopier(copy_pool) if copy_pool is not None else None
 
     def fill(record: Any, view: torch.Tensor, source: torch.Tensor, pieces: PieceCursor) -> None:
         nonlocal released
@@ -309,15 +307,9 @@ def _populate_workers(parts: int, window: int, piece: int) -> int:
     return max(parts, min(window // piece, 2 * (os.cpu_count() or 1)))
 
 
-def copies_on_threads(arenas: Sequence[Any]) -> bool:
-    """Whether a fill into ``arenas`` copies on a pool of threads (``flextensor.runtime.piece_copy``): where every
-    part lies on a tmpfs of huge pages, whose ranges are reserved ahead at little cost to the cores."""
-    return bool(arenas) and all(getattr(arena, "huge_tmpfs", False) for arena in arenas)
-
-
 def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayout], blocks: Sequence[torch.Tensor],
                 arenas: Sequence[Any], layout: ArenaLayout, weights: Mapping[str, Any] | None, *, label: str,
-                cancel: threading.Event | None = None, copy_threads: int | None = None) -> dict[str, float]:
+                cancel: threading.Event | None = None, copy_pool: CopyPool | None = None) -> dict[str, float]:
     """Copy every streamed tensor into its place in its block (``blocks``: views of the arena's parts ``arenas``
     laid out by ``layout``), block by block in index order, pointing each model tensor at its place as soon as it
     is copied.
@@ -327,9 +319,9 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     allocated in parallel: see ``flextensor.shm.blocks`` and :func:`_populate_workers`); each tensor is copied
     piece by piece and its private pages go back behind the copy where nothing else can read them, so beyond the
     model the creator holds the window and about a piece (a whole tensor where its pages cannot go back early).
-    Where :func:`copies_on_threads` (or ``copy_threads`` > 0; 0 never) a host tensor's pieces are copied on that
-    many threads, a block per batch (``flextensor.runtime.piece_copy``), and its model tensors are pointed at
-    their places once the block is copied. Returns seconds spent waiting for pages, the allocating threads'
+    With a ``copy_pool`` a host tensor's pieces are copied on its threads, a block per batch
+    (``flextensor.runtime.piece_copy``), and the block's model tensors are pointed at their places once it is
+    copied. Returns seconds spent waiting for pages, the allocating threads'
     seconds, the bytes given back early and the copy threads; stops before the next block once ``cancel`` is set
     (the caller failed elsewhere). (A checkpoint's reads go through :class:`BlockReads`.)"""
     populate = None
@@ -344,9 +336,7 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
                   for b, block_bounds in zip(layouts, bounds) for lo, hi in block_bounds]
         workers = _populate_workers(len(arenas), window, piece)
         populate = PopulateAhead(ranges, window=window, workers=workers).start()
-    if copy_threads is None:
-        copy_threads = COPY_THREADS if copies_on_threads(arenas) else 0
-    copier = PieceCopier(copy_threads, label="ft-publish-copy") if copy_threads > 0 and layouts else None
+    copier = PieceCopier(copy_pool) if copy_pool is not None and layouts else None
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
     released = 0
 
@@ -396,7 +386,7 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
             populate.close()
     return {"populate_wait_s": populate.waited_s if populate else 0.0,
             "populate_s": populate.populate_s if populate else 0.0, "released_early_bytes": float(released),
-            "copy_threads": float(copier.threads if copier is not None else 0)}
+            "copy_threads": float(copier.pool.threads if copier is not None else 0)}
 
 
 class BlockReads:

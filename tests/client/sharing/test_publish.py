@@ -14,6 +14,7 @@ import flextensor as ft
 import flextensor.sharing.publish as publish_mod
 import flextensor.shm.store_layout as layout_mod
 import flextensor.shm.tensor_store as store_mod
+from flextensor.runtime.piece_copy import COPY_THREADS_MAX
 from flextensor.shm.blocks import ARENA_KIND
 from flextensor.shm.names import manager_namespace
 from flextensor.shm.populate_ahead import PopulateAhead
@@ -51,7 +52,6 @@ def _copy_on_threads(monkeypatch, on: bool) -> None:
     """Copy the arena's and the store's pieces on a pool of threads, as on a tmpfs of huge pages (or never)."""
     from flextensor.shm.owner import ShmOwner
 
-    monkeypatch.setattr(publish_mod, "copies_on_threads", lambda arenas: on)
     monkeypatch.setattr(ShmOwner, "huge_tmpfs", property(lambda self: on))
 
 
@@ -96,7 +96,7 @@ def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(names
         assert {b.name for b in published.blocks} == {f"/{manager_namespace(namespace, 'model')}.g1.{ARENA_KIND}"}
         report = session.report()[0]
         assert report["publish"]["gbps"] > 0 and {"store", "blocks", "adopt", "plan"} <= set(report["steps"])
-        assert report["publish"]["copy_threads"] == (min(publish_mod.COPY_THREADS, os.cpu_count() or 1)
+        assert report["publish"]["copy_threads"] == (min(COPY_THREADS_MAX, os.cpu_count() or 1)
                                                      if on_threads else 0)
         assert report["publish"]["released_early_bytes"] > 0
         assert report["publish"]["store_released_early_bytes"] > 0
