@@ -21,10 +21,12 @@ import sys
 import time
 
 MODES = {"4 KiB": "", "huge=always": ",huge=always"}
-VARIANTS = ("copied here", "on threads")  # on threads: a pool of a thread per core, as on a tmpfs of huge pages
+#: on threads: a pool of a thread per core, as on a tmpfs of huge pages; "no heap trim" skips the ``malloc_trim``
+#: after each block, "one populating worker per part" allocates ahead on fewer threads than the product's.
+VARIANTS = ("copied here", "on threads", "on threads, no heap trim", "on threads, one populating worker per part")
 
 
-def child(directory: str, gib: float, hidden: int, on_threads: bool) -> None:
+def child(directory: str, gib: float, hidden: int, variant: str) -> None:
     import torch
 
     from flextensor.runtime.packed_layout import pack_block
@@ -53,7 +55,11 @@ def child(directory: str, gib: float, hidden: int, on_threads: bool) -> None:
     try:
         views = SharedBlockAllocator.views(segments, layout)
         total = sum(b.nbytes for b in layouts)
-        pool = CopyPool(label="ft-publish-copy") if on_threads else None
+        if "no heap trim" in variant:
+            publish.return_free_heap = lambda: False
+        if "one populating worker" in variant:
+            publish._populate_workers = lambda parts, window, piece: parts
+        pool = CopyPool(label="ft-publish-copy") if variant.startswith("on threads") else None
         begin = time.perf_counter()
         try:
             report = publish.fill_blocks(tensors, layouts, views, segments, layout, None, label="fill",
@@ -82,14 +88,17 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=8)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child[0], args.gib, args.hidden, args.child[1] == "on threads")
+        child(args.child[0], args.gib, args.hidden, args.child[1])
         return
-    for mode, options in MODES.items():
+    for mode in args.modes:
+        options = MODES[mode]
         for _ in range(args.repeat):
-            for variant in VARIANTS:
+            for variant in args.variants:
                 try:
                     with open("/proc/sys/vm/compact_memory", "w") as f:
                         f.write("1")
