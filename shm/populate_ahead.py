@@ -9,7 +9,8 @@ allocated before it is written (``SharedSegment.reserve_range``: parallel ``MADV
 before each copy, the creator alternates between the two and publishes at ``1 / (1/populate + 1/copy)``. Here a
 thread allocates the next ranges while the caller copies into the current one, so publishing runs at the slower
 of the two rates instead, and the caller holds at most ``window`` bytes of allocated, not yet written pages
-beyond the range it is writing: the memory bound stays one copy plus a window.
+beyond the ranges it has not reported done: the memory bound stays one copy plus a window (a caller that reports
+ranges once their copies are queued, not made, adds what it has queued).
 
 Protocol
 --------

@@ -219,7 +219,8 @@ class SharedTensorStore:
         ``piece`` (with ``fill``): each record's pages come in pieces of at most that many bytes, and the fill
         takes a fourth argument, the record's :class:`~flextensor.shm.populate_ahead.PieceCursor` (bytes from the
         record's start): it must wait through it before writing and may report what it wrote as it goes, so a
-        fill that frees its source as it copies holds a piece of the record twice, not the whole record."""
+        fill that frees its source as it copies holds a piece of the record twice, not the whole record (a fill
+        that reports pieces once it has queued their copies holds what it queued as well)."""
         owner, coordinator = _resolve_owner(namespace, shm_owner, lease_seconds, creating=True)
         segments: list[SharedSegment] = []
         try:

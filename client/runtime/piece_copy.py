@@ -22,7 +22,7 @@ finish in order: a batch's ``then`` runs on the caller's thread once its pieces 
 copied. ``end_batch`` waits for the oldest batches while those open hold more than ``open_bytes`` (default
 :data:`OPEN_BYTES`), the newest always staying open, so the threads have the next pieces while one batch's last
 pieces finish, and the bytes queued (pages taken ahead of the copy, private tensors not yet let go) stay bounded
-by ``open_bytes`` plus one batch. Whatever fails, no piece is still being copied once :meth:`PieceCopier.close`
+by ``open_bytes`` plus two batches (the newest closed one and the one being queued). Whatever fails, no piece is still being copied once :meth:`PieceCopier.close`
 returns: the caller may then free the sources or unmap the destinations.
 """
 
@@ -91,8 +91,8 @@ class PieceCopier:
              keep: object = None) -> None:
         """Queue a copy of ``nbytes`` from address ``out_of`` to ``into`` in the current batch; once copied, the
         source's whole pages inside it are given back (``release``: the source tensor's, ``offset`` being the
-        piece's first byte in that tensor). ``keep`` (the two tensors, say) is held until the piece is copied, so
-        whatever the caller drops or closes meanwhile, both addresses stay mapped."""
+        piece's first byte in that tensor). ``keep`` (the two tensors, say) is held until the piece is copied or
+        dropped, so whatever the caller drops or closes meanwhile, both addresses stay mapped while it copies."""
         self._batch.append(self.pool.submit(_copy_piece, into, out_of, nbytes, release, offset, keep))
         self._batch_bytes += nbytes
 

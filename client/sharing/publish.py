@@ -29,7 +29,10 @@ the store are allocated and copied in pieces (:func:`fill_piece`), and a tensor 
 private pages back behind its copy, piece by piece (``flextensor.runtime.source_pages``): so a creator whose
 factory built the model in RAM holds one copy of the weights plus the windows and a piece of each (the arena's
 and the store's fill run side by side), whatever the size of its blocks and tensors (a tensor something else
-still reads counts whole until its copy ends). A tensor
+still reads counts whole until its copy ends). With a copy pool (a tmpfs of huge pages,
+``flextensor.runtime.piece_copy``) a piece counts as written once it is queued and the model is pointed at a
+block's or record's copies once they are all made, so add what the pool holds queued (``OPEN_BYTES`` and two
+batches) to the windows. A tensor
 on ``meta`` (a checkpoint creator) gets its bytes from ``weights``: a checkpoint tensor's read is queued into its
 place (``read_into``) and the queued reads run together, in file order, over several threads (:func:`read_queued`):
 the store's once it is laid out, then every block's in one run on a thread (:class:`BlockReads`), the arena's
@@ -114,7 +117,7 @@ def fill_piece(window: int) -> int:
     """The piece in which the arena's pages are allocated and a private tensor's pages given back, for a
     ``window`` (:func:`populate_window`): a quarter of it, so pages are allocated for the next pieces while one
     is copied, in whole huge pages, from :data:`FILL_PIECE_MIN_BYTES` to :data:`FILL_PIECE_BYTES`. Beyond the
-    model a creator then holds the window and one piece."""
+    model a creator then holds the window and one piece (with a copy pool, also what the pool holds queued)."""
     quarter = window // 4
     return max(FILL_PIECE_MIN_BYTES, min(FILL_PIECE_BYTES, quarter - quarter % FILL_PIECE_MIN_BYTES))
 
@@ -213,15 +216,16 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
 
     ``stop`` is asked before each record: an error it returns (the arena's fill beside the store failed) is
     raised at once, so the publish fails without filling the rest of a store it would throw away. ``report``
-    gets the bytes given back early (``store_released_early_bytes``)."""
+    gets the bytes given back early (``store_released_early_bytes``) and the copy threads
+    (``store_copy_threads``)."""
     released = 0
     copier = PieceCopier(copy_pool) if copy_pool is not None else None
 
     def fill(record: Any, view: torch.Tensor, source: torch.Tensor, pieces: PieceCursor) -> None:
         nonlocal released
-        failure = stop() if stop is not None else None
-        if failure is not None:
-            raise failure
+        error = stop() if stop is not None else None
+        if error is not None:
+            raise error
         if source.is_meta:
             pieces.wait_through(record.nbytes)
             _write(view, _weight(weights, record.all_names, source.dtype, source.shape))
@@ -234,29 +238,33 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
                 return
         assign_data(source, view)  # frees the private copy (its bytes, for a meta tensor, come at read_queued)
 
+    store: SharedTensorStore | None = None
+    failure: BaseException | None = None
+
+    def failed() -> bool:  # the arena's fill beside the store failed meanwhile
+        nonlocal failure
+        failure = stop() if stop is not None else None
+        return failure is not None
+
     try:
         store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
                                                     window=window, piece=fill_piece(window))
         if copier is not None:
-            failure: BaseException | None = None
-
-            def failed() -> bool:  # the arena's fill beside the store failed meanwhile
-                nonlocal failure
-                failure = stop() if stop is not None else None
-                return failure is not None
-
-            try:
-                if not copier.drain(cancelled=failed):
-                    raise failure  # type: ignore[misc]
-            except BaseException:
-                store.close()
-                raise
+            if not copier.drain(cancelled=failed):
+                raise failure  # type: ignore[misc]
             released += copier.released_bytes
+    except BaseException:
+        if copier is not None:
+            copier.close()  # nothing copies into the store any more before it is closed
+        if store is not None:
+            store.close()
+        raise
     finally:
         if copier is not None:
-            copier.close()  # nothing copies once the caller goes on (after an error too)
+            copier.close()
     if report is not None:
         report["store_released_early_bytes"] = float(released)
+        report["store_copy_threads"] = float(copy_pool.threads if copy_pool is not None else 0)
     return store
 
 
@@ -340,10 +348,9 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
     released = 0
 
-    def block_copied(pieces: PieceCursor, block_layout: BlockLayout, copied: list[tuple[torch.Tensor, Any]]) -> None:
+    def block_copied(block_layout: BlockLayout, copied: list[tuple[torch.Tensor, Any]]) -> None:
         for tensor, view in copied:  # a batch copied on the threads
             assign_data(tensor, view)
-        pieces.written_through(block_layout.nbytes)
         progress.add(sum(view.nbytes for _t, view in copied))
         if populate is not None:
             return_free_heap()  # the private copies just freed go back before more pages are taken
@@ -370,10 +377,11 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
                 pieces.written_through(placement.byte_offset + placement.nbytes)
                 progress.add(placement.nbytes)
             pieces.wait_through(block_layout.nbytes)  # every page of the block is allocated, padding included
+            pieces.written_through(block_layout.nbytes)  # in order: the next block's pieces come after these
             if copier is None:
-                block_copied(pieces, block_layout, copied)
+                block_copied(block_layout, copied)
             else:
-                copier.end_batch(lambda p=pieces, b=block_layout, c=copied: block_copied(p, b, c))
+                copier.end_batch(lambda b=block_layout, c=copied: block_copied(b, c))
         if copier is not None:
             if not copier.drain(cancelled=None if cancel is None else cancel.is_set):
                 return {}

@@ -64,7 +64,7 @@ def test_a_cancelled_drain_reports_no_further_batch_and_close_waits_for_what_run
     assert not [t for t in threading.enumerate() if t.name.startswith("ft-piece-copy")]
 
 
-def test_two_fills_share_one_pool_and_each_waits_only_for_its_own_pieces() -> None:
+def test_two_fills_share_one_pool_and_closing_one_leaves_the_pool_to_the_other() -> None:
     sources = [torch.randint(0, 255, (4 * MIB,), dtype=torch.uint8) for _ in range(2)]
     targets = [torch.zeros_like(s) for s in sources]
     with CopyPool(2) as pool:

@@ -96,8 +96,8 @@ def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(names
         assert {b.name for b in published.blocks} == {f"/{manager_namespace(namespace, 'model')}.g1.{ARENA_KIND}"}
         report = session.report()[0]
         assert report["publish"]["gbps"] > 0 and {"store", "blocks", "adopt", "plan"} <= set(report["steps"])
-        assert report["publish"]["copy_threads"] == (min(COPY_THREADS_MAX, os.cpu_count() or 1)
-                                                     if on_threads else 0)
+        threads = min(COPY_THREADS_MAX, os.cpu_count() or 1) if on_threads else 0
+        assert report["publish"]["copy_threads"] == report["publish"]["store_copy_threads"] == threads
         assert report["publish"]["released_early_bytes"] > 0
         assert report["publish"]["store_released_early_bytes"] > 0
         del model, state
@@ -270,3 +270,59 @@ def test_an_interrupt_while_waiting_for_the_arena_fill_cancels_it_and_still_wait
         call.join()
     assert cancel.is_set() and stopped.is_set()
     assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]
+
+
+@ON_THREADS
+def test_blocks_larger_than_a_piece_with_padding_fill_in_order(namespace, on_threads):
+    """Blocks of several pieces whose last piece ends in padding (a tensor of 3 MiB + 28 bytes): every piece is
+    reported written in order whether copied here or on the pool, every weight ends up pointing at its shared
+    place with the model's bytes, and its private pages were given back behind the copy."""
+    from flextensor.runtime.packed_layout import pack_block
+    from flextensor.runtime.piece_copy import CopyPool
+    from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
+    from flextensor.shm.segment import SharedSegment
+    from flextensor.state import ModelTensor
+
+    numel = (3 << 20) // 4 + 7
+    weights = {f"w{i}": torch.nn.Parameter(torch.randn(numel), requires_grad=False) for i in range(4)}
+    expected = {name: w.detach().clone() for name, w in weights.items()}
+    tensors = {name: ModelTensor(name, "param", w, True, []) for name, w in weights.items()}
+    layouts = [pack_block(i, f"b{i}", [(f"w{i}", torch.float32, (numel,), (1,))]) for i in range(4)]
+    assert all(b.nbytes > publish_mod.FILL_PIECE_MIN_BYTES and b.nbytes % 4096 for b in layouts)
+    layout = arena_layout([b.nbytes for b in layouts])
+    segments = [SharedSegment.create(f"/{namespace}.fill{k}", size, reserve=False)
+                for k, size in enumerate(layout.part_sizes)]
+    pool = CopyPool(2) if on_threads else None
+    addresses = [w.data_ptr() for w in weights.values()]
+    try:
+        views = SharedBlockAllocator.views(segments, layout)
+        report = publish_mod.fill_blocks(tensors, layouts, views, segments, layout, None, label="padded",
+                                         copy_pool=pool)
+        spans = [(seg.address, seg.address + seg.size) for seg in segments]
+        for name, weight in weights.items():
+            assert any(lo <= weight.data_ptr() < hi for lo, hi in spans), name
+            assert torch.equal(weight.detach(), expected[name]), name
+        assert report["copy_threads"] == (2 if on_threads else 0)
+        # The private pages given back: the whole pages inside each tensor (here), inside each piece (on the pool).
+        piece = publish_mod.fill_piece(publish_mod.populate_window(layout.total))
+        cuts = [(lo, min(lo + piece, numel * 4)) for lo in range(0, numel * 4, piece)] if on_threads \
+            else [(0, numel * 4)]
+        assert report["released_early_bytes"] == sum(_whole_pages(address + lo, address + hi)
+                                                      for address in addresses for lo, hi in cuts) > 0
+        del views, weights
+        tensors.clear()
+    finally:
+        if pool is not None:
+            pool.close()
+        for seg in segments:
+            seg.close()
+            SharedSegment.unlink_name(seg.name)
+    assert shm_names(namespace) == []
+
+
+def _whole_pages(start: int, end: int) -> int:
+    """Bytes of the whole pages inside ``[start, end)``."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    return max(0, end // page * page - -(-start // page) * page)
