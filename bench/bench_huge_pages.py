@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS_DIR, docs_body, median, report, table, write_docs_section  # noqa: E402
+from private_tmpfs import compact_memory, last_json_line, run_on_tmpfs  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -83,24 +84,10 @@ else:
 
 
 def _mounted(directory: str, options: str, size_gib: float, argv: list[str], env: dict) -> subprocess.CompletedProcess:
-    """Run ``argv`` with a tmpfs of ``size_gib`` GiB (mount ``options`` appended) at ``directory``, privately."""
-    mount = f"mount -t tmpfs -o size={int(size_gib * 1024)}m,mode=1777{options} tmpfs {directory}"
-    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                           f'{mount} && "$@"; code=$?; echo "LEFT $(ls -A {directory} | wc -l)"; exit $code',
-                           "sh", *argv], cwd=REPO, env=env, capture_output=True, text=True)
-
-
-def compact_memory() -> float | None:
-    """Ask the kernel to compact free memory (root); returns the seconds it took, None where it cannot. Each mode
-    starts from compacted memory, so the one that runs second does not pay for the first one's fragmentation
-    when it asks for 2 MiB pages."""
-    begin = time.monotonic()
-    try:
-        with open("/proc/sys/vm/compact_memory", "w") as f:
-            f.write("1")
-    except OSError:
-        return None
-    return time.monotonic() - begin
+    """Run ``argv`` on a tmpfs of ``size_gib`` GiB at ``directory``, privately; its output ends with how many
+    entries were left there (``LEFT n``)."""
+    left = f'echo "LEFT $(ls -A {directory} | wc -l)"; '
+    return run_on_tmpfs(directory, int(size_gib * 1024), options, argv, after=left, cwd=REPO, env=env)
 
 
 def run_mode(label: str, options: str, args: argparse.Namespace, out_dir: Path) -> dict:
@@ -113,16 +100,14 @@ def run_mode(label: str, options: str, args: argparse.Namespace, out_dir: Path) 
             proc = _mounted(directory, options, args.register_gib * 1.1 + 1,
                             [sys.executable, "-c", _REGISTER, f"/ftbenchreg{os.getpid()}", str(size), "create",
                              _REGISTER], env)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            result["register"] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}
+            result["register"] = last_json_line(proc)
             print(f"[{label}] registration: {result['register']}", flush=True)
         if args.checkpoint_gib > 0:
             ckpt_argv = [sys.executable, str(BENCH / "bench_checkpoint.py"), "--session-warm-only",
                          args.checkpoint_root, "--repeat", "3", "--no-docs",
                          "--layers", str(max(1, round(args.checkpoint_gib / CHECKPOINT_BLOCK_GIB[args.quick])))]
             proc = _mounted(directory, options, args.checkpoint_gib * 1.3 + 2, ckpt_argv, env)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            result["checkpoint"] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}
+            result["checkpoint"] = last_json_line(proc)
             print(f"[{label}] checkpoint to READY: {result['checkpoint']}", flush=True)
         scale_argv = [sys.executable, str(BENCH / "bench_scale.py"), "--sizes", *map(str, args.sizes), "--workers",
                       str(args.workers), "--no-docs", "--no-cprofile", "--tmpfs-gib", "0", "--reads-gib", "0",

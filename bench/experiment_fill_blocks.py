@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
-MODES = {"4 KiB": "", "huge=always": ",huge=always"}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from private_tmpfs import TMPFS_MODES, run_variants  # noqa: E402
+
 #: on threads: a pool of a thread per core, as on a tmpfs of huge pages; "no heap trim" skips the ``malloc_trim``
 #: after each block, "one populating worker per part" allocates ahead on fewer threads than the product's.
 VARIANTS = ("copied here", "on threads", "on threads, no heap trim", "on threads, one populating worker per part")
@@ -88,36 +89,15 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=8)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=list(TMPFS_MODES), default=list(TMPFS_MODES))
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child[0], args.gib, args.hidden, args.child[1])
         return
-    for mode in args.modes:
-        options = MODES[mode]
-        for _ in range(args.repeat):
-            for variant in args.variants:
-                try:
-                    with open("/proc/sys/vm/compact_memory", "w") as f:
-                        f.write("1")
-                except OSError:
-                    pass
-                directory = f"/tmp/ft-fill-blocks-{os.getpid()}"
-                os.makedirs(directory, exist_ok=True)
-                size_mib = int(args.gib * 1024) + 2048
-                script = (f"mount -t tmpfs -o size={size_mib}m{options} tmpfs {directory} && "
-                          f'"$@"; code=$?; umount {directory}; exit $code')
-                proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
-                                       sys.executable, __file__, "--gib", str(args.gib), "--hidden", str(args.hidden),
-                                       "--child", directory, variant],
-                                      capture_output=True, text=True)
-                line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else \
-                    json.dumps({"error": proc.stderr[-500:]})
-                print(json.dumps({"mode": mode, "variant": variant, **json.loads(line)}), flush=True)
-                os.rmdir(directory)
-
+    run_variants(__file__, "ft-fill-blocks", args.modes, args.variants, args.repeat, int(args.gib * 1024) + 2048,
+                 ["--gib", str(args.gib), "--hidden", str(args.hidden)])
 
 if __name__ == "__main__":
     main()

@@ -29,13 +29,14 @@ import argparse
 import ctypes
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from private_tmpfs import TMPFS_MODES, run_variants  # noqa: E402
+
 PIECE = 32 << 20
-MODES = {"4 KiB": "", "huge=always": ",huge=always"}
 VARIANTS = ("populate", "fallocate", "fault", "threads", "fallocate_threads", "pwrite_threads")
 
 
@@ -121,36 +122,15 @@ def main() -> None:
     p.add_argument("--ahead", type=int, default=8, help="pieces allocated ahead of the copy")
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=list(TMPFS_MODES), default=list(TMPFS_MODES))
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child[0], args.child[1], args.gib, args.ahead, args.threads)
         return
-    for mode in args.modes:
-        options = MODES[mode]
-        for _ in range(args.repeat):
-            for variant in args.variants:
-                try:
-                    with open("/proc/sys/vm/compact_memory", "w") as f:
-                        f.write("1")
-                except OSError:
-                    pass
-                directory = f"/tmp/ft-publish-pages-{os.getpid()}"
-                os.makedirs(directory, exist_ok=True)
-                size_mib = int(args.gib * 1024) + 1024
-                script = (f"mount -t tmpfs -o size={size_mib}m{options} tmpfs {directory} && "
-                          f'"$@"; code=$?; umount {directory}; exit $code')
-                proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
-                                       sys.executable, __file__, "--gib", str(args.gib), "--ahead", str(args.ahead),
-                                       "--threads", str(args.threads), "--child", directory, variant],
-                                      capture_output=True, text=True)
-                line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else \
-                    json.dumps({"variant": variant, "error": proc.stderr[-500:]})
-                print(json.dumps({"mode": mode, **json.loads(line)}), flush=True)
-                os.rmdir(directory)
-
+    run_variants(__file__, "ft-publish-pages", args.modes, args.variants, args.repeat, int(args.gib * 1024) + 1024,
+                 ["--gib", str(args.gib), "--ahead", str(args.ahead), "--threads", str(args.threads)])
 
 if __name__ == "__main__":
     main()
