@@ -220,12 +220,17 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
     (``store_copy_threads``)."""
     released = 0
     copier = PieceCopier(copy_pool) if copy_pool is not None else None
+    failure: BaseException | None = None
+
+    def failed() -> bool:  # the arena's fill beside the store failed meanwhile
+        nonlocal failure
+        failure = stop() if stop is not None else None
+        return failure is not None
 
     def fill(record: Any, view: torch.Tensor, source: torch.Tensor, pieces: PieceCursor) -> None:
         nonlocal released
-        error = stop() if stop is not None else None
-        if error is not None:
-            raise error
+        if failed():
+            raise failure  # type: ignore[misc]
         if source.is_meta:
             pieces.wait_through(record.nbytes)
             _write(view, _weight(weights, record.all_names, source.dtype, source.shape))
@@ -239,13 +244,6 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
         assign_data(source, view)  # frees the private copy (its bytes, for a meta tensor, come at read_queued)
 
     store: SharedTensorStore | None = None
-    failure: BaseException | None = None
-
-    def failed() -> bool:  # the arena's fill beside the store failed meanwhile
-        nonlocal failure
-        failure = stop() if stop is not None else None
-        return failure is not None
-
     try:
         store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
                                                     window=window, piece=fill_piece(window))
@@ -348,10 +346,14 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
     released = 0
 
-    def block_copied(block_layout: BlockLayout, copied: list[tuple[torch.Tensor, Any]]) -> None:
-        for tensor, view in copied:  # a batch copied on the threads
-            assign_data(tensor, view)
-        progress.add(sum(view.nbytes for _t, view in copied))
+    def point_at_copies(copied: list[tuple[torch.Tensor, Any]]) -> None:
+        for tensor, view in copied:
+            assign_data(tensor, view)  # frees the private copy (what is left of it)
+            progress.add(view.nbytes)
+        copied.clear()
+
+    def block_done(copied: list[tuple[torch.Tensor, Any]]) -> None:
+        point_at_copies(copied)  # a batch copied on the pool's threads (here: each tensor was, as it was copied)
         if populate is not None:
             return_free_heap()  # the private copies just freed go back before more pages are taken
 
@@ -364,24 +366,23 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
             for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
                 entry = tensors[placement.name]
                 tensor = entry.tensor
+                end = placement.byte_offset + placement.nbytes
                 if tensor.is_meta:  # a weight supplied as a tensor (the engine points the model at the view)
-                    pieces.wait_through(placement.byte_offset + placement.nbytes)
+                    pieces.wait_through(end)
                     _write(view, _weight(weights, (entry.name, *entry.aliases), placement.dtype, placement.shape))
+                    progress.add(placement.nbytes)
                 else:
                     released += _copy_in_pieces(view, tensor, placement.byte_offset, pieces, copier)
-                    if copier is not None:  # pointed at its place once its batch is copied
-                        copied.append((tensor, view))
-                        pieces.written_through(placement.byte_offset + placement.nbytes)
-                        continue
-                    assign_data(tensor, view)  # frees the private copy (what is left of it)
-                pieces.written_through(placement.byte_offset + placement.nbytes)
-                progress.add(placement.nbytes)
+                    copied.append((tensor, view))  # pointed at its place now, or once its batch is copied
+                    if copier is None:
+                        point_at_copies(copied)
+                pieces.written_through(end)
             pieces.wait_through(block_layout.nbytes)  # every page of the block is allocated, padding included
             pieces.written_through(block_layout.nbytes)  # in order: the next block's pieces come after these
             if copier is None:
-                block_copied(block_layout, copied)
+                block_done(copied)
             else:
-                copier.end_batch(lambda b=block_layout, c=copied: block_copied(b, c))
+                copier.end_batch(lambda c=copied: block_done(c))
         if copier is not None:
             if not copier.drain(cancelled=None if cancel is None else cancel.is_set):
                 return {}
