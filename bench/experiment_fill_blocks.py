@@ -23,8 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from private_tmpfs import TMPFS_MODES, run_variants  # noqa: E402
 
 #: on threads: a pool of a thread per core, as on a tmpfs of huge pages; "no heap trim" skips the ``malloc_trim``
-#: after each block, "one populating worker per part" allocates ahead on fewer threads than the product's.
-VARIANTS = ("copied here", "on threads", "on threads, no heap trim", "on threads, one populating worker per part")
+#: after each block, "one populating worker per part" allocates ahead on fewer threads than the product's, "store
+#: beside" publishes the first eighth of the blocks' tensors into a store on the same pool while the arena fills
+#: with the rest (``publish_store`` beside ``fill_blocks``, as a creator does).
+VARIANTS = ("copied here", "on threads", "on threads, no heap trim", "on threads, one populating worker per part",
+            "on threads, store beside")
+STORE_SHARE = 8
 
 
 def child(directory: str, gib: float, hidden: int, variant: str) -> None:
@@ -39,36 +43,67 @@ def child(directory: str, gib: float, hidden: int, variant: str) -> None:
     from flextensor.state import ModelTensor
 
     segment_dir.set_default_directory(directory)
+    store_beside = "store beside" in variant
     shapes = [(hidden, hidden)] * 4 + [(2 * hidden, hidden), (hidden, 2 * hidden)]
     per_block = sum(rows * cols * 2 for rows, cols in shapes)
     tensors, layouts = {}, []
-    for i in range(max(1, int(gib * 2**30 // per_block))):
+    resident = torch.nn.ParameterDict()  # the store's tensors ("store beside")
+    blocks = max(1, int(gib * 2**30 // per_block))
+    for i in range(blocks):
         entries = []
+        in_store = store_beside and i < max(1, blocks // STORE_SHARE)
         for j, shape in enumerate(shapes):
             name = f"b{i}.t{j}"
             weight = torch.nn.Parameter(torch.empty(shape, dtype=torch.bfloat16).fill_(1.5), requires_grad=False)
+            if in_store:
+                resident[f"b{i}_t{j}"] = weight
+                continue
             tensors[name] = ModelTensor(name, "param", weight, True, [])
             entries.append((name, torch.bfloat16, shape, (shape[1], 1)))
-        layouts.append(pack_block(i, f"b{i}", entries))
+        if entries:
+            layouts.append(pack_block(len(layouts), f"b{i}", entries))
     layout = arena_layout([b.nbytes for b in layouts])
     token = f"ftfill{os.getpid()}"
     segments = [SharedSegment.create(f"/{token}.a{k}", size, reserve=False) for k, size in enumerate(layout.part_sizes)]
     try:
         views = SharedBlockAllocator.views(segments, layout)
-        total = sum(b.nbytes for b in layouts)
+        total = sum(b.nbytes for b in layouts) + sum(p.nbytes for p in resident.values())
         if "no heap trim" in variant:
             publish.return_free_heap = lambda: False
         if "one populating worker" in variant:
             publish._populate_workers = lambda parts, window, piece: parts
         pool = CopyPool(label="ft-publish-copy") if variant.startswith("on threads") else None
+        store_names = [f"resident.{key}" for key in resident]
+        holder = torch.nn.Module()
+        holder.resident = resident
         begin = time.perf_counter()
+        store_call = store = None
         try:
-            report = publish.fill_blocks(tensors, layouts, views, segments, layout, None, label="fill",
-                                         copy_pool=pool)
+            if store_beside:  # the arena fills on a thread while the store fills here, as in a creator
+                store_call = publish.BackgroundCall(lambda views=views: publish.fill_blocks(
+                    tensors, layouts, views, segments, layout, None, label="fill", copy_pool=pool), name="fill")
+                store_report: dict[str, float] = {}
+                store = publish.publish_store(f"ftfillstore{os.getpid()}", holder, store_names, None, None,
+                                              window=publish.populate_window(sum(p.nbytes for p in resident.values())),
+                                              report=store_report, copy_pool=pool)
+                store_s = time.perf_counter() - begin
+                failure = store_call.join()
+                if failure is not None:
+                    raise failure
+                report = {"store_s": store_s, **store_report}
+            else:
+                report = publish.fill_blocks(tensors, layouts, views, segments, layout, None, label="fill",
+                                             copy_pool=pool)
         finally:
+            if store_call is not None:
+                store_call.join()
             if pool is not None:
                 pool.close()
         seconds = time.perf_counter() - begin
+        if store is not None:
+            spans_store = [(seg.address, seg.address + seg.size) for seg in store._segments]
+            store_ok = all(any(lo <= p.data_ptr() < hi for lo, hi in spans_store) for p in resident.values())
+            report["store_ok"] = float(store_ok)
         spans = [(seg.address, seg.address + seg.size) for seg in segments]
         ok = all(any(lo <= t.tensor.data_ptr() < hi for lo, hi in spans) and bool((t.tensor[::97] == 1.5).all())
                  for t in tensors.values())  # every weight is its shared copy now, with the model's bytes
@@ -79,6 +114,9 @@ def child(directory: str, gib: float, hidden: int, variant: str) -> None:
         del views
     finally:
         tensors.clear()
+        if store is not None:
+            resident.clear()
+            store.close()
         for segment in segments:
             segment.close()
             SharedSegment.unlink_name(segment.name)
