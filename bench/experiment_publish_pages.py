@@ -20,6 +20,9 @@ compacting free memory, for ``--gib`` GiB in pieces of 32 MiB:
   nothing is allocated ahead or faulted, tmpfs need not zero a page that a write covers whole, and a full
   directory is an ``ENOSPC`` from the write.
 
+``--files N`` spreads the pieces over N files in turn, as a creator's arena spreads its blocks over its parts
+(tmpfs serialises the writes into one file under its inode lock, but not the page faults of a mapping).
+
 Usage: ``python bench/experiment_publish_pages.py [--gib 8] [--threads 8]`` as root. One JSON line per variant.
 """
 
@@ -40,33 +43,39 @@ PIECE = 32 << 20
 VARIANTS = ("populate", "fallocate", "fault", "threads", "fallocate_threads", "pwrite_threads")
 
 
-def child(directory: str, variant: str, gib: float, ahead: int, threads: int) -> None:
+def child(directory: str, variant: str, gib: float, ahead: int, threads: int, files: int = 1) -> None:
     import mmap
 
     import torch
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    n = int(gib * (1 << 30)) // PIECE * PIECE
+    n = int(gib * (1 << 30)) // (PIECE * files) * PIECE * files
     src = torch.empty(n, dtype=torch.uint8).fill_(3)
     saddr = src.data_ptr()
-    path = os.path.join(directory, "seg")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.ftruncate(fd, n)
-    mm = mmap.mmap(fd, n)
+    paths = [os.path.join(directory, f"seg{f}") for f in range(files)]
+    fds, dsts = [], []
     import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dst = torch.frombuffer(mm, dtype=torch.uint8)
-    addr = dst.data_ptr()
+    for path in paths:
+        fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.ftruncate(fds[-1], n // files)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dsts.append(torch.frombuffer(mmap.mmap(fds[-1], n // files), dtype=torch.uint8))
     pieces = range(0, n, PIECE)
 
+    def place(lo: int) -> tuple[int, int]:
+        """The file and the offset in it of the piece at ``lo`` in the source (pieces go to the files in turn)."""
+        k = lo // PIECE
+        return k % files, k // files * PIECE
+
     def allocate(lo: int) -> None:
+        f, at = place(lo)
         if variant == "populate":
-            if libc.madvise(addr + lo, PIECE, 23):
+            if libc.madvise(dsts[f].data_ptr() + at, PIECE, 23):
                 raise OSError(ctypes.get_errno(), "MADV_POPULATE_WRITE")
         elif variant in ("fallocate", "fallocate_threads"):
-            os.posix_fallocate(fd, lo, PIECE)
+            os.posix_fallocate(fds[f], at, PIECE)
 
     def release(lo: int) -> None:
         start = -(-(saddr + lo) // 4096) * 4096
@@ -74,13 +83,14 @@ def child(directory: str, variant: str, gib: float, ahead: int, threads: int) ->
         libc.madvise(start, end - start, 4)
 
     def copy_piece(lo: int) -> None:
+        f, at = place(lo)
         if variant == "pwrite_threads":
             view = memoryview((ctypes.c_char * PIECE).from_address(saddr + lo)).cast("B")
             done = 0
             while done < PIECE:
-                done += os.pwrite(fd, view[done:], lo + done)
+                done += os.pwrite(fds[f], view[done:], at + done)
         else:
-            dst[lo:lo + PIECE].copy_(src[lo:lo + PIECE])
+            dsts[f][at:at + PIECE].copy_(src[lo:lo + PIECE])
         release(lo)
 
     reserves = variant in ("populate", "fallocate", "fallocate_threads")
@@ -107,13 +117,14 @@ def child(directory: str, variant: str, gib: float, ahead: int, threads: int) ->
         for c in copies:
             c.result()
     seconds = time.perf_counter() - begin
-    ok = bool((dst[::1 << 20] == 3).all())
+    ok = all(bool((dst[::1 << 20] == 3).all()) for dst in dsts)
     huge = sum(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("ShmemHugePages")) << 10
-    print(json.dumps({"variant": variant, "gib": n / (1 << 30), "gbps": round(n / seconds / 1e9, 2),
+    print(json.dumps({"variant": variant, "files": files, "threads": threads, "gib": n / (1 << 30), "gbps": round(n / seconds / 1e9, 2),
                       "seconds": round(seconds, 3), "waited_for_pages_s": round(waited, 3), "bytes_ok": ok,
                       "shmem_huge_gib": round(huge / (1 << 30), 2), "torch_threads": torch.get_num_threads()}),
           flush=True)
-    os.unlink(path)
+    for path in paths:
+        os.unlink(path)
 
 
 def main() -> None:
@@ -121,16 +132,18 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=8)
     p.add_argument("--ahead", type=int, default=8, help="pieces allocated ahead of the copy")
     p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--files", type=int, default=1, help="files the pieces go to in turn")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--modes", nargs="+", choices=list(TMPFS_MODES), default=list(TMPFS_MODES))
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], args.gib, args.ahead, args.threads)
+        child(args.child[0], args.child[1], args.gib, args.ahead, args.threads, args.files)
         return
     run_variants(__file__, "ft-publish-pages", args.modes, args.variants, args.repeat, int(args.gib * 1024) + 1024,
-                 ["--gib", str(args.gib), "--ahead", str(args.ahead), "--threads", str(args.threads)])
+                 ["--gib", str(args.gib), "--ahead", str(args.ahead), "--threads", str(args.threads),
+                  "--files", str(args.files)])
 
 if __name__ == "__main__":
     main()
