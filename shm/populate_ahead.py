@@ -51,9 +51,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .prefault import WRITE_THREADS_PER_FILE
+
+if TYPE_CHECKING:
+    from .segment import SharedSegment
 
 __all__ = ["PopulateAhead", "PieceCursor", "cut_into_pieces"]
 
@@ -170,10 +173,13 @@ def cut_into_pieces(size: int, piece: int) -> list[tuple[int, int]]:
 class PieceCursor:
     """A writer's place in one run of consecutive ranges of a :class:`PopulateAhead`: ranges ``first ..``, whose
     bytes are ``bounds`` (``(start, end)`` from the run's start, in order). ``populate`` None: every page was
-    allocated ahead and there is nothing to wait for."""
+    allocated ahead and there is nothing to wait for. ``segment`` and ``start``: where the run lies (its segment,
+    its first byte there), for a writer that writes into the segment's file rather than through a view."""
 
-    def __init__(self, populate: PopulateAhead | None, first: int, bounds: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, populate: PopulateAhead | None, first: int, bounds: Sequence[tuple[int, int]], *,
+                 segment: "SharedSegment | None" = None, start: int = 0) -> None:
         self._populate, self._first, self._bounds = populate, first, bounds
+        self.segment, self.start = segment, start
         self._waited = 0  # ranges [0, _waited) of the run were waited for
         self._written = 0  # ranges [0, _written) of the run were reported written
 

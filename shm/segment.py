@@ -298,25 +298,28 @@ class SharedSegment:
         (see :func:`check_file_intact`)."""
         check_file_intact(self.name, self.size, self.inode)
 
-    def open_file(self) -> int:
-        """A read-only descriptor of the file this handle maps, opened again by name (the mapping keeps no fd),
-        for reading its bytes with ``pread``: the kernel copies them without mapping a page into this process
-        (a fresh mapping faults once per 4 KiB page on first touch). The caller closes it.
+    def open_file(self, *, write: bool = False) -> int:
+        """A descriptor of the file this handle maps, opened again by name (the mapping keeps no fd): read-only,
+        for reading its bytes with ``pread`` (the kernel copies them without mapping a page into this process; a
+        fresh mapping faults once per 4 KiB page on first touch), or with ``write`` for writing them with
+        ``pwrite`` (on a tmpfs of huge pages a write that covers a whole page spares tmpfs zeroing it, where a
+        store through the mapping first faults it in zeroed). The caller closes it.
 
-        ``FileNotFoundError`` when the name is gone or now names another file (read through the mapping then:
-        it still holds this file's pages); ``ShmProtocolError`` when the file was truncated below the mapped size.
+        ``FileNotFoundError`` when the name is gone or now names another file (use the mapping then: it still
+        holds this file's pages); ``ShmProtocolError`` when the file was truncated below the mapped size.
         """
         self._mapping()
         try:
-            fd = os.open(self.directory + self.name, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.directory + self.name,
+                         (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {self.name!r} was removed; read it "
-                                    "through the mapping") from None
+            raise FileNotFoundError(errno.ENOENT, f"shared-memory segment {self.name!r} was removed; use its "
+                                    "mapping") from None
         try:
             st = os.fstat(fd)
             if self.inode is not None and st.st_ino != self.inode:
                 raise FileNotFoundError(errno.ENOENT, f"the name of shared-memory segment {self.name!r} now names "
-                                        "another file; read it through the mapping")
+                                        "another file; use its mapping")
             check_file_intact(self.name, self.size, st.st_ino)
         except BaseException:
             os.close(fd)

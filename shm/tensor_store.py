@@ -241,7 +241,8 @@ class SharedTensorStore:
                                          window=max(1, window), workers=len(segments)).start()
             try:
                 for index, (record, source) in enumerate(zip(records, sources)):
-                    cursor = PieceCursor(populate, first[index], bounds[index])
+                    cursor = PieceCursor(populate, first[index], bounds[index], segment=segments[record.part],
+                                         start=record.byte_offset)
                     if not in_pieces:
                         cursor.wait_through(record.nbytes)
                     view = segments[record.part].tensor(_torch_dtype(record.dtype), record.shape, record.stride,

@@ -1,4 +1,4 @@
-"""Copying a creator's private tensors into their shared places on a pool of threads, in batches.
+"""Writing a creator's private tensors into their shared segments on a pool of threads, in batches.
 
 Why
 ---
@@ -6,24 +6,31 @@ A creator whose model is in RAM copies each tensor into its shared block piece b
 private pages back behind the copy (``flextensor.runtime.source_pages``). On a tmpfs of huge pages the shared
 pages come reserved ahead with ``posix_fallocate`` (``flextensor.shm.prefault`` says why), which costs the cores
 almost nothing, so the copy is the publish: one PyTorch copy per piece from the filling thread, the give-back
-between copies, leaves most of the host's memory bandwidth unused. Here whole pieces are copied on a thread per
+between copies, leaves most of the host's memory bandwidth unused. Here whole pieces go out on a thread per
 core, each giving back its own piece's pages (figures in docs/benchmarks.md, "Figures behind the code").
-A piece is one ``memmove`` through ctypes: it releases the GIL and runs on one core, so the threads do not
-multiply PyTorch's own intra-op threads; the store's fill and the arena's, which run side by side, share one
-:class:`CopyPool`. On 4 KiB pages, where the pages are populated ahead on threads of their own, the same copy
-measured slower than PyTorch's, so a creator uses this only where the pages come reserved
-(``flextensor.sharing.creator``).
+
+A piece is written into the segment's file with ``pwrite``, not stored through the mapping: a store through
+the mapping faults each reserved huge page in, and tmpfs zeroes it first (a third pass over memory besides the
+read and the write), while a write that covers a whole page fills it as it is (it is zeroed only around a
+write that covers part of it). Writes into one file wait for each other (the file's lock), writes into
+different files do not, and the arena's blocks lie in turn in several parts (``flextensor.shm.blocks``), so
+consecutive pieces go to different files. ``pwrite`` releases the GIL and runs on one core, so the threads do
+not multiply PyTorch's own intra-op threads; the store's fill and the arena's, which run side by side, share one
+:class:`CopyPool`. On 4 KiB pages, where the pages are populated ahead on threads of their own, a copy on a pool
+measured slower than PyTorch's from the filling thread, so a creator uses this only where the pages come
+reserved (``flextensor.sharing.creator``).
 
 Batches
 -------
-The caller queues the pieces of one batch (an arena block, a store record) with :meth:`PieceCopier.copy`, then
+The caller queues the pieces of one batch (an arena block, a store record) with :meth:`PieceCopier.write`, then
 closes it with :meth:`PieceCopier.end_batch` and a ``then`` callback (point the model at the copies). Batches
 finish in order: a batch's ``then`` runs on the caller's thread once its pieces and every earlier batch's are
-copied. ``end_batch`` waits for the oldest batches while those open hold more than ``open_bytes`` (default
+written. ``end_batch`` waits for the oldest batches while those open hold more than ``open_bytes`` (default
 :data:`OPEN_BYTES`), the newest always staying open, so the threads have the next pieces while one batch's last
 pieces finish, and the bytes queued (pages taken ahead of the copy, private tensors not yet let go) stay bounded
-by ``open_bytes`` plus two batches (the newest closed one and the one being queued). Whatever fails, no piece is still being copied once :meth:`PieceCopier.close`
-returns: the caller may then free the sources or unmap the destinations.
+by ``open_bytes`` plus two batches (the newest closed one and the one being queued). Whatever fails, no piece
+is still being written once :meth:`PieceCopier.close` returns, and the files it opened are closed: the caller may
+then free the sources or close the segments.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import ctypes
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable
+from typing import Callable, Protocol
 
 from flextensor.runtime.source_pages import SourcePages
 
@@ -41,8 +48,14 @@ __all__ = ["COPY_THREADS_MAX", "OPEN_BYTES", "CopyPool", "PieceCopier"]
 #: The most threads of a pool (by default it has one per core: the copy runs at the memory's rate only with
 #: every core copying, see docs/benchmarks.md).
 COPY_THREADS_MAX = 32
-#: Bytes of closed batches that may still be queued or copying (beyond the newest batch).
+#: Bytes of closed batches that may still be queued or being written (beyond the newest batch).
 OPEN_BYTES = 512 << 20
+
+
+class SegmentFile(Protocol):
+    """What a piece is written into: a shared segment (``flextensor.shm.segment.SharedSegment``)."""
+
+    def open_file(self, *, write: bool = False) -> int: ...
 
 
 class CopyPool:
@@ -69,12 +82,14 @@ class CopyPool:
 
 
 class PieceCopier:
-    """One fill's batches of pieces, copied on a :class:`CopyPool` (see the module docstring). Not thread-safe:
-    each fill has its own."""
+    """One fill's batches of pieces, written on a :class:`CopyPool` (see the module docstring). Not thread-safe:
+    each fill has its own. It opens each segment's file once, at its first piece, and closes them in
+    :meth:`close`."""
 
     def __init__(self, pool: CopyPool, *, open_bytes: int = OPEN_BYTES) -> None:
         self.pool = pool
-        self.released_bytes = 0  # source bytes given back behind the copies reported so far
+        self.released_bytes = 0  # source bytes given back behind the pieces reported so far
+        self._files: dict[int, tuple[SegmentFile, int]] = {}  # id(segment) -> (segment, its fd, opened to write)
         self._open_limit = open_bytes
         self._batch: list[Future[int]] = []
         self._batch_bytes = 0
@@ -87,19 +102,23 @@ class PieceCopier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def copy(self, into: int, out_of: int, nbytes: int, *, release: SourcePages | None = None, offset: int = 0,
-             keep: object = None) -> None:
-        """Queue a copy of ``nbytes`` from address ``out_of`` to ``into`` in the current batch; once copied, the
-        source's whole pages inside it are given back (``release``: the source tensor's, ``offset`` being the
-        piece's first byte in that tensor). ``keep`` (the two tensors, say) is held until the piece is copied or
-        dropped, so whatever the caller drops or closes meanwhile, both addresses stay mapped while it copies."""
-        self._batch.append(self.pool.submit(_copy_piece, into, out_of, nbytes, release, offset, keep))
+    def write(self, segment: SegmentFile, at: int, out_of: int, nbytes: int, *, release: SourcePages | None = None,
+              offset: int = 0, keep: object = None) -> None:
+        """Queue the write of ``nbytes`` from address ``out_of`` into ``segment``'s file at byte ``at`` in the
+        current batch; once written, the source's whole pages inside it are given back (``release``: the source
+        tensor's, ``offset`` being the piece's first byte in that tensor). ``keep`` (the source tensor, say) is
+        held until the piece is written or dropped, so whatever the caller drops meanwhile, the source stays
+        mapped while it is read. Raises the segment's ``open_file`` error (its name gone, its file truncated)."""
+        opened = self._files.get(id(segment))
+        if opened is None:
+            opened = self._files[id(segment)] = (segment, segment.open_file(write=True))
+        self._batch.append(self.pool.submit(_write_piece, opened[1], at, out_of, nbytes, release, offset, keep))
         self._batch_bytes += nbytes
 
     def end_batch(self, then: Callable[[], None]) -> None:
-        """Close the current batch; ``then`` runs once it and every batch before it are copied. Waits for the
+        """Close the current batch; ``then`` runs once it and every batch before it are written. Waits for the
         oldest batches while the open ones hold more than ``open_bytes`` (see the module docstring), and raises
-        the first copy error."""
+        the first error of a piece."""
         self._open.append((self._batch, self._batch_bytes, then))
         self._open_bytes += self._batch_bytes
         self._batch, self._batch_bytes = [], 0
@@ -107,7 +126,7 @@ class PieceCopier:
             self._finish_oldest()
 
     def drain(self, cancelled: Callable[[], bool] | None = None) -> bool:
-        """Wait for every batch closed so far and run their ``then`` in order; raises the first copy error. Stops
+        """Wait for every batch closed so far and run their ``then`` in order; raises the first error of a piece. Stops
         before the next batch once ``cancelled()`` says so (the caller failed elsewhere) and returns False; the
         pieces not started yet are dropped by :meth:`close`."""
         while self._open:
@@ -117,15 +136,18 @@ class PieceCopier:
         return True
 
     def close(self) -> None:
-        """Drop this fill's pieces not started yet and wait for those copying, without running ``then`` (after an
-        error the caller throws the fill away; after :meth:`drain` nothing is left). Idempotent; the pool
-        stays."""
+        """Drop this fill's pieces not started yet, wait for those being written and close the files, without
+        running ``then`` (after an error the caller throws the fill away; after :meth:`drain` nothing is left).
+        Idempotent; the pool stays."""
         pending = [future for futures, _nbytes, _then in self._open for future in futures] + self._batch
         self._open.clear()
         self._batch, self._batch_bytes, self._open_bytes = [], 0, 0
         for future in pending:
             future.cancel()
         wait(pending)
+        files, self._files = self._files, {}
+        for _segment, fd in files.values():
+            os.close(fd)
 
     def _finish_oldest(self) -> None:
         futures, nbytes, then = self._open[0]
@@ -138,6 +160,11 @@ class PieceCopier:
         then()
 
 
-def _copy_piece(into: int, out_of: int, nbytes: int, release: SourcePages | None, offset: int, keep: object) -> int:
-    ctypes.memmove(into, out_of, nbytes)
+def _write_piece(fd: int, at: int, out_of: int, nbytes: int, release: SourcePages | None, offset: int,
+                 keep: object) -> int:
+    """One piece, on a pool thread: written whole (``pwrite`` may write less than asked), then given back."""
+    piece = memoryview((ctypes.c_char * nbytes).from_address(out_of)).cast("B")
+    done = 0
+    while done < nbytes:
+        done += os.pwrite(fd, piece[done:], at + done)
     return release.release_inside(offset, offset + nbytes) if release is not None else 0

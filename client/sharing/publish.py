@@ -12,8 +12,8 @@ the store itself and hands the engine the filled blocks (``host_blocks``, as a f
   a worker per arena part: tmpfs allocates one file's pages under that file's locks, ``flextensor.shm.blocks``)
   when they could not be allocated ahead of time (a model built in RAM: see ``flextensor.sharing.creator_source``), and the
   copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block (on a
-  tmpfs of huge pages, whose pages come reserved at little cost, whole pieces on a thread per core instead,
-  the store's and the arena's on one pool: ``flextensor.runtime.piece_copy``); the
+  tmpfs of huge pages, whose pages come reserved at little cost, whole pieces written into the segments' files
+  on a thread per core instead, the store's and the arena's on one pool: ``flextensor.runtime.piece_copy``); the
   arena fills on a thread (``ft-publish-blocks``) while the store fills, for the same reason (a failure of either
   stops the other before its next block or record);
 - the creator's mapping is registered with CUDA in the background after READY, block by block in schedule order,
@@ -277,10 +277,11 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
     are allocated, giving the tensor's private pages back behind the copy where nothing else can read them
     (``flextensor.runtime.source_pages``). Returns the bytes given back.
 
-    With a ``copier`` a host tensor's pieces are queued in its current batch instead
-    (``flextensor.runtime.piece_copy``: the copier counts what they give back), each reported written once
-    queued (the pages taken ahead are then the window plus what the copier holds open), and the caller points
-    the model at ``view`` only once the batch is copied (until then the tensor must stay as it is)."""
+    With a ``copier`` a host tensor's pieces are queued in its current batch instead, to be written into the
+    file of the segment ``pieces`` lies in (``flextensor.runtime.piece_copy``: the copier counts what they give
+    back), each reported written once queued (the pages taken ahead are then the window plus what the copier
+    holds open), and the caller points the model at ``view`` only once the batch is written (until then the
+    tensor must stay as it is)."""
     nbytes = view.numel() * view.element_size()
     release = SourcePages(tensor) if releasable(tensor) else None  # asked before detach() makes an alias
     source = tensor.detach()
@@ -289,10 +290,11 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
         view.copy_(source)
         return 0
     if copier is not None and source.device.type == "cpu":
+        assert pieces.segment is not None, "a copier writes into the segment's file: the cursor must name it"
         for lo, hi in pieces.spans(offset, offset + nbytes):
             pieces.wait_through(hi)
-            copier.copy(view.data_ptr() + lo - offset, source.data_ptr() + lo - offset, hi - lo, release=release,
-                        offset=lo - offset, keep=(view, source))
+            copier.write(pieces.segment, pieces.start + lo, source.data_ptr() + lo - offset, hi - lo,
+                         release=release, offset=lo - offset, keep=source)
             pieces.written_through(hi)
         return 0
     into, out_of = view.view(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
@@ -325,9 +327,9 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     allocated in parallel: see ``flextensor.shm.blocks`` and :func:`_populate_workers`); each tensor is copied
     piece by piece and its private pages go back behind the copy where nothing else can read them, so beyond the
     model the creator holds the window and about a piece (a whole tensor where its pages cannot go back early).
-    With a ``copy_pool`` a host tensor's pieces are copied on its threads, a block per batch
-    (``flextensor.runtime.piece_copy``), and the block's model tensors are pointed at their places once it is
-    copied. Returns seconds spent waiting for pages, the allocating threads'
+    With a ``copy_pool`` a host tensor's pieces are written into the parts' files on its threads, a block per
+    batch (``flextensor.runtime.piece_copy``), and the block's model tensors are pointed at their places once it
+    is written. Returns seconds spent waiting for pages, the allocating threads'
     seconds, the bytes given back early and the copy threads; stops before the next block once ``cancel`` is set
     (the caller failed elsewhere). (A checkpoint's reads go through :class:`BlockReads`.)"""
     populate = None
@@ -361,7 +363,9 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
         for k, (block_layout, block) in enumerate(zip(layouts, blocks)):
             if cancel is not None and cancel.is_set():
                 return {}
-            pieces = PieceCursor(populate, first[k], bounds[k])
+            part = layout.parts[block_layout.index]
+            pieces = PieceCursor(populate, first[k], bounds[k], segment=arenas[part],
+                                 start=layout.offsets[block_layout.index])
             copied: list[tuple[torch.Tensor, Any]] = []
             for placement, view in zip(block_layout.tensors, block_views(block, block_layout.tensors)):
                 entry = tensors[placement.name]
