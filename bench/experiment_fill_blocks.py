@@ -25,10 +25,9 @@ from private_tmpfs import TMPFS_MODES, run_variants  # noqa: E402
 #: on threads: a pool of a thread per core, as on a tmpfs of huge pages; "no heap trim" skips the ``malloc_trim``
 #: after each block, "one populating worker per part" allocates ahead on fewer threads than the product's, "store
 #: beside" publishes the first eighth of the blocks' tensors into a store on the same pool while the arena fills
-#: with the rest (``publish_store`` beside ``fill_blocks``, as a creator does), "nothing reserved ahead" leaves
-#: the pages to the writes (no ``posix_fallocate`` ahead of them).
+#: with the rest (``publish_store`` beside ``fill_blocks``, as a creator does).
 VARIANTS = ("copied here", "on threads", "on threads, no heap trim", "on threads, one populating worker per part",
-            "on threads, store beside", "on threads, nothing reserved ahead")
+            "on threads, store beside")
 STORE_SHARE = 8
 
 
@@ -71,8 +70,6 @@ def child(directory: str, gib: float, hidden: int, variant: str) -> None:
         total = sum(b.nbytes for b in layouts) + sum(p.nbytes for p in resident.values())
         if "no heap trim" in variant:
             publish.return_free_heap = lambda: False
-        if "nothing reserved ahead" in variant:
-            SharedSegment.reserve_range = lambda self, offset, nbytes, threads=None: None
         if "one populating worker" in variant:
             publish._populate_workers = lambda parts, window, piece: parts
         pool = CopyPool(label="ft-publish-copy") if variant.startswith("on threads") else None

@@ -37,6 +37,7 @@ wait for the driver.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import math
@@ -325,6 +326,24 @@ class SharedSegment:
             os.close(fd)
             raise
         return fd
+
+    def write_from(self, fd: int, at: int, address: int, nbytes: int) -> None:
+        """Write ``nbytes`` from ``address`` (this process's memory) into this segment's file at byte ``at``
+        through ``fd`` (:meth:`open_file` with ``write``), whole: any thread may write its own range meanwhile.
+        Pages not allocated yet are allocated by the write, so a full directory is a :class:`ShmSpaceError` here
+        (not a SIGBUS later); ``ValueError`` for a range outside the segment (a write there would grow the
+        file)."""
+        if at < 0 or nbytes < 0 or at + nbytes > self.size:
+            raise ValueError(f"range [{at}, {at + nbytes}) is not inside segment {self.name!r} ({self.size} bytes)")
+        source = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B") if nbytes else b""
+        done = 0
+        try:
+            while done < nbytes:
+                done += os.pwrite(fd, source[done:], at + done)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                raise _space_error(self.name, self.size, exc.errno) from None
+            raise
 
     @staticmethod
     def unlink_name(name: str) -> bool:

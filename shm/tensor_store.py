@@ -206,6 +206,7 @@ class SharedTensorStore:
         window: int = 0,
         part_min_bytes: int | None = None,
         piece: int = 0,
+        reserve_ahead: bool = True,
     ) -> "SharedTensorStore":
         """Copy ``model``'s selected parameters and buffers (all when ``names`` is None) into shared memory.
 
@@ -220,7 +221,12 @@ class SharedTensorStore:
         takes a fourth argument, the record's :class:`~flextensor.shm.populate_ahead.PieceCursor` (bytes from the
         record's start): it must wait through it before writing and may report what it wrote as it goes, so a
         fill that frees its source as it copies holds a piece of the record twice, not the whole record (a fill
-        that reports pieces once it has queued their copies holds what it queued as well)."""
+        that reports pieces once it has queued their copies holds what it queued as well). ``reserve_ahead=False``
+        (with ``fill``): nothing is allocated ahead, the fill's writes allocate the pages themselves (writes into
+        the segments' files, which fail with ``ENOSPC`` where a store through a mapping would raise SIGBUS)."""
+        if not reserve_ahead and fill is None:
+            raise ValueError("create_from_model: reserve_ahead=False needs a fill that allocates the pages it "
+                             "writes; pass fill= or leave reserve_ahead on")
         owner, coordinator = _resolve_owner(namespace, shm_owner, lease_seconds, creating=True)
         segments: list[SharedSegment] = []
         try:
@@ -235,7 +241,7 @@ class SharedTensorStore:
             first = [0]
             for record_bounds in bounds:
                 first.append(first[-1] + len(record_bounds))
-            if not all(segment.reserved for segment in segments):
+            if reserve_ahead and not all(segment.reserved for segment in segments):
                 populate = PopulateAhead([(segments[r.part], r.byte_offset + lo, hi - lo)
                                           for r, record_bounds in zip(records, bounds) for lo, hi in record_bounds],
                                          window=max(1, window), workers=len(segments)).start()

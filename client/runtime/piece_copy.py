@@ -35,20 +35,23 @@ then free the sources or close the segments.
 
 from __future__ import annotations
 
-import ctypes
 import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable, Protocol
+import threading
+from collections import Counter, deque
+from concurrent.futures import Future, wait
+from typing import Callable, Hashable, Protocol
 
 from flextensor.runtime.source_pages import SourcePages
 
-__all__ = ["COPY_THREADS_MAX", "OPEN_BYTES", "CopyPool", "PieceCopier"]
+__all__ = ["COPY_THREADS_MAX", "LANE_WRITERS", "OPEN_BYTES", "CopyPool", "PieceCopier"]
 
 #: The most threads of a pool (by default it has one per core: the copy runs at the memory's rate only with
 #: every core copying, see docs/benchmarks.md).
 COPY_THREADS_MAX = 32
-#: Bytes of closed batches that may still be queued or being written (beyond the newest batch).
+#: The most threads writing into one file at a time: one writes while the other gives its piece's source back;
+#: more would only wait for the file's lock.
+LANE_WRITERS = 2
+#: Bytes of closed batches that may still be queued or being written (beyond the newest batch), at least.
 OPEN_BYTES = 512 << 20
 
 
@@ -57,15 +60,30 @@ class SegmentFile(Protocol):
 
     def open_file(self, *, write: bool = False) -> int: ...
 
+    def write_from(self, fd: int, at: int, address: int, nbytes: int) -> None: ...
+
 
 class CopyPool:
-    """The copy threads of one publish, shared by its fills (the store's and the arena's run side by side: one
-    pool keeps them to one thread per core between them). ``with CopyPool() as pool: ...``"""
+    """The writing threads of one publish, shared by its fills (the store's and the arena's run side by side: one
+    pool keeps them to one thread per core between them). ``with CopyPool() as pool: ...``
 
-    def __init__(self, threads: int | None = None, *, label: str = "ft-piece-copy") -> None:
+    Each piece names its lane (its file): a free thread takes the oldest queued piece whose lane has fewer than
+    ``lane_writers`` threads on it, so the threads spread over the files that have pieces queued instead of
+    queueing on one file's lock (a block's pieces, in order, all go to one file)."""
+
+    def __init__(self, threads: int | None = None, *, lane_writers: int = LANE_WRITERS,
+                 label: str = "ft-piece-copy") -> None:
         cores = os.cpu_count() or 1
         self.threads = max(1, min(threads or cores, cores, COPY_THREADS_MAX))
-        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix=label)
+        self._lane_writers = max(1, lane_writers)
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Hashable, Future[int], Callable[..., int], tuple[object, ...]]] = deque()
+        self._busy: Counter[Hashable] = Counter()  # lane -> threads on it
+        self._closing = False
+        self._workers = [threading.Thread(target=self._work, name=f"{label}_{i}", daemon=True)
+                         for i in range(self.threads)]
+        for worker in self._workers:
+            worker.start()
 
     def __enter__(self) -> "CopyPool":
         return self
@@ -73,12 +91,53 @@ class CopyPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def submit(self, call: Callable[..., int], *args: object) -> Future[int]:
-        return self._executor.submit(call, *args)
+    def submit(self, lane: Hashable, call: Callable[..., int], *args: object) -> Future[int]:
+        """Queue ``call(*args)`` on ``lane``; its future can be cancelled until a thread takes it."""
+        future: Future[int] = Future()
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("CopyPool is closed: make a new one")
+            self._queue.append((lane, future, call, args))
+            self._cond.notify()
+        return future
 
     def close(self) -> None:
-        """Wait for the threads and stop them (idempotent)."""
-        self._executor.shutdown(wait=True)
+        """Run what is queued, then stop the threads (idempotent)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for worker in self._workers:
+            worker.join()
+
+    def _take(self) -> tuple[Hashable, Future[int], Callable[..., int], tuple[object, ...]] | None:
+        """The oldest queued piece whose lane has room (called holding the condition)."""
+        for index, task in enumerate(self._queue):
+            if self._busy[task[0]] < self._lane_writers:
+                del self._queue[index]
+                return task
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                task = self._take()
+                while task is None:
+                    if self._closing and not self._queue:
+                        return
+                    self._cond.wait()
+                    task = self._take()
+                lane, future, call, args = task
+                self._busy[lane] += 1
+            try:
+                if future.set_running_or_notify_cancel():  # False: cancelled while queued
+                    try:
+                        future.set_result(call(*args))
+                    except BaseException as exc:  # noqa: BLE001 - the future carries it to the caller
+                        future.set_exception(exc)
+            finally:
+                with self._cond:
+                    self._busy[lane] -= 1
+                    self._cond.notify_all()
 
 
 class PieceCopier:
@@ -112,7 +171,8 @@ class PieceCopier:
         opened = self._files.get(id(segment))
         if opened is None:
             opened = self._files[id(segment)] = (segment, segment.open_file(write=True))
-        self._batch.append(self.pool.submit(_write_piece, opened[1], at, out_of, nbytes, release, offset, keep))
+        self._batch.append(self.pool.submit(opened[1], _write_piece, segment, opened[1], at, out_of, nbytes, release,
+                                            offset, keep))
         self._batch_bytes += nbytes
 
     def end_batch(self, then: Callable[[], None]) -> None:
@@ -160,11 +220,8 @@ class PieceCopier:
         then()
 
 
-def _write_piece(fd: int, at: int, out_of: int, nbytes: int, release: SourcePages | None, offset: int,
-                 keep: object) -> int:
-    """One piece, on a pool thread: written whole (``pwrite`` may write less than asked), then given back."""
-    piece = memoryview((ctypes.c_char * nbytes).from_address(out_of)).cast("B")
-    done = 0
-    while done < nbytes:
-        done += os.pwrite(fd, piece[done:], at + done)
+def _write_piece(segment: SegmentFile, fd: int, at: int, out_of: int, nbytes: int, release: SourcePages | None,
+                 offset: int, keep: object) -> int:
+    """One piece, on a pool thread: written, then its source's pages given back."""
+    segment.write_from(fd, at, out_of, nbytes)
     return release.release_inside(offset, offset + nbytes) if release is not None else 0

@@ -30,9 +30,10 @@ private pages back behind its copy, piece by piece (``flextensor.runtime.source_
 factory built the model in RAM holds one copy of the weights plus the windows and a piece of each (the arena's
 and the store's fill run side by side), whatever the size of its blocks and tensors (a tensor something else
 still reads counts whole until its copy ends). With a copy pool (a tmpfs of huge pages,
-``flextensor.runtime.piece_copy``) a piece counts as written once it is queued and the model is pointed at a
-block's or record's copies once they are all made, so add what the pool holds queued (``OPEN_BYTES`` and two
-batches) to the windows. A tensor
+``flextensor.runtime.piece_copy``) nothing is allocated ahead: each piece's write allocates its pages and its
+source's pages go back right after, so a creator holds one copy plus the pieces being written (a tensor
+something else still reads counts whole until its block or record is all written: the pool holds up to a few
+blocks queued, every arena part's file having pieces to write). A tensor
 on ``meta`` (a checkpoint creator) gets its bytes from ``weights``: a checkpoint tensor's read is queued into its
 place (``read_into``) and the queued reads run together, in file order, over several threads (:func:`read_queued`):
 the store's once it is laid out, then every block's in one run on a thread (:class:`BlockReads`), the arena's
@@ -68,7 +69,7 @@ from flextensor.engine.adoption import layouts_from_state
 from flextensor.engine.hooks import assign_data
 from flextensor.runtime.heap import return_free_heap
 from flextensor.runtime.host_memory import BlockLayout, FillProgress, block_views
-from flextensor.runtime.piece_copy import CopyPool, PieceCopier
+from flextensor.runtime.piece_copy import OPEN_BYTES, CopyPool, PieceCopier
 from flextensor.runtime.source_pages import SourcePages, releasable
 from flextensor.runtime.thread_join import join_through_interrupts
 from flextensor.shm.blocks import ARENA_ALIGN, ArenaLayout, arena_layout
@@ -246,7 +247,8 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
     store: SharedTensorStore | None = None
     try:
         store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
-                                                    window=window, piece=fill_piece(window))
+                                                    window=window, piece=fill_piece(window),
+                                                    reserve_ahead=copier is None)
         if copier is not None:
             if not copier.drain(cancelled=failed):
                 raise failure  # type: ignore[misc]
@@ -279,12 +281,15 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
 
     With a ``copier`` a host tensor's pieces are queued in its current batch instead, to be written into the
     file of the segment ``pieces`` lies in (``flextensor.runtime.piece_copy``: the copier counts what they give
-    back), each reported written once queued (the pages taken ahead are then the window plus what the copier
-    holds open), and the caller points the model at ``view`` only once the batch is written (until then the
-    tensor must stay as it is)."""
+    back), each reported written once queued, and the caller points the model at ``view`` only once the batch
+    is written (until then the tensor must stay as it is). Nothing is reserved ahead of a copier (its writes
+    allocate the pages), so anything else stored through ``view`` reserves its pages first."""
     nbytes = view.numel() * view.element_size()
     release = SourcePages(tensor) if releasable(tensor) else None  # asked before detach() makes an alias
     source = tensor.detach()
+    if copier is not None and nbytes and pieces.segment is not None:  # nothing reserved ahead: a store through
+        if not (source.device.type == "cpu" and source.is_contiguous() and view.is_contiguous()):  # the view
+            pieces.segment.reserve_range(pieces.start + offset, nbytes)  # must find its pages allocated
     if not (nbytes and source.is_contiguous() and view.is_contiguous()):
         pieces.wait_through(offset + nbytes)
         view.copy_(source)
@@ -339,12 +344,14 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     first = [0]
     for block_bounds in bounds:
         first.append(first[-1] + len(block_bounds))
-    if not all(arena.reserved for arena in arenas) and layouts:
+    if not all(arena.reserved for arena in arenas) and layouts and copy_pool is None:  # the pool's writes allocate
         ranges = [(arenas[layout.parts[b.index]], layout.offsets[b.index] + lo, hi - lo)
                   for b, block_bounds in zip(layouts, bounds) for lo, hi in block_bounds]
         workers = _populate_workers(len(arenas), window, piece)
         populate = PopulateAhead(ranges, window=window, workers=workers).start()
-    copier = PieceCopier(copy_pool) if copy_pool is not None and layouts else None
+    copier = None
+    if copy_pool is not None and layouts:  # enough blocks queued for every part's file to have pieces
+        copier = PieceCopier(copy_pool, open_bytes=max(OPEN_BYTES, len(arenas) * max(b.nbytes for b in layouts)))
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
     released = 0
 
@@ -381,7 +388,9 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
                     if copier is None:
                         point_at_copies(copied)
                 pieces.written_through(end)
-            pieces.wait_through(block_layout.nbytes)  # every page of the block is allocated, padding included
+            # Every page of the block is allocated, padding included (on the pool, by its writes: blocks start on a
+            # page of the mount, so a block's padding lies in a page that one of its writes allocates).
+            pieces.wait_through(block_layout.nbytes)
             pieces.written_through(block_layout.nbytes)  # in order: the next block's pieces come after these
             if copier is None:
                 block_done(copied)

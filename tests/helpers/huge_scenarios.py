@@ -90,6 +90,37 @@ def segment(directory: str, token: str) -> dict:
         late_error = ("reserve" if os.path.exists(directory + filler_name) else "filler", str(exc))
     late.close()
     late_removed = [SharedSegment.unlink_name(n) for n in (late_name, filler_name)]  # the filler: False if refused
+    written = None
+    if info.fs == "tmpfs":  # written through its file, as a creator's copy pool does on a tmpfs of huge pages
+        target_name = f"/ft{token}.g1.h4"
+        room = segment_dir.free_bytes(directory)
+        target = SharedSegment.create(target_name, room, reserve=False)
+        data = torch.arange(page + 5, dtype=torch.int64).remainder(253).to(torch.uint8)
+        fd = target.open_file(write=True)
+        try:
+            target.write_from(fd, 3, data.data_ptr(), data.numel())
+            allocated = os.stat(directory + target_name).st_blocks * 512  # the write allocated whole pages
+            same = bool(torch.equal(target.tensor(torch.uint8, (data.numel(),), offset=3), data))
+            filler = SharedSegment.create(filler_name, room - 4 * page)
+            filler.close()
+            more = torch.ones(3 * page, dtype=torch.uint8)
+            try:
+                target.write_from(fd, 2 * page, more.data_ptr(), more.numel())
+                full_error = None
+            except ShmSpaceError as exc:
+                full_error = str(exc)
+            try:
+                target.write_from(fd, target.size - 1, more.data_ptr(), 2)
+                outside_error = None
+            except ValueError as exc:
+                outside_error = str(exc)
+        finally:
+            os.close(fd)
+        size_after = os.stat(directory + target_name).st_size
+        target.close()
+        written = {"allocated": allocated, "same": same, "full_error": full_error, "outside_error": outside_error,
+                   "size_kept": size_after == target.size,
+                   "removed": [SharedSegment.unlink_name(n) for n in (target_name, filler_name)]}
     try:
         SharedSegment.create(big, 1 << 40)
         space_error = None
@@ -100,7 +131,7 @@ def segment(directory: str, token: str) -> dict:
             "asked": asked, "size": seg.size, "segment_page_size": seg.page_size, "huge_mapped": huge,
             "reader_sum": int(reader.stdout.strip()), "expected_sum": expected_sum, "pread_ok": pread_ok,
             "mode": mode, "lazy_allocated": lazy_allocated, "space_error": space_error, "late_error": late_error,
-            "late_removed": late_removed, "lazy_huge": lazy_huge,
+            "late_removed": late_removed, "lazy_huge": lazy_huge, "written": written,
             "big_left": os.path.exists(directory + big), "removed": removed, "left": _left(directory, token)}
 
 

@@ -130,6 +130,14 @@ def test_segments_on_a_huge_tmpfs(tmp_path: Path, request: pytest.FixtureRequest
     # reserved ahead of a writer (posix_fallocate on huge pages): a range that no longer fits is a named error
     stage, message = report["late_error"]
     assert stage == "reserve" and "no space in" in message and report["late_removed"] == [True, True]
+    # written through its file without a reservation (a creator's copy pool): the write allocates the whole pages
+    # it touches ([3, 2 MiB + 8) -> two pages), the bytes read back through the mapping, a write past the room
+    # left is a named error, and a range outside the segment is refused before it could grow the file
+    written = report["written"]
+    assert written["allocated"] == 2 * HUGE and written["same"]
+    assert "no space in" in written["full_error"] and str(tmp_path / "huge") in written["full_error"]
+    assert "is not inside segment" in written["outside_error"] and written["size_kept"]
+    assert written["removed"] == [True, True]
     assert report["removed"] == [True, True]
     assert report["left"] == {"dir": [], "dev_shm": [], "lock_dir": []}
 

@@ -174,3 +174,41 @@ def test_a_failed_piece_is_raised_once_nothing_copies_and_later_batches_are_not_
     assert reported == []
     assert _open_fds() == before
     assert not [t for t in threading.enumerate() if t.name.startswith("ft-piece-copy")]
+
+
+def test_threads_spread_over_lanes_with_at_most_so_many_writers_on_one() -> None:
+    """A free thread takes the oldest piece whose file has room: one lane's queue never holds every thread while
+    another lane waits, and no lane ever has more writers than allowed."""
+    lock = threading.Lock()
+    busy: dict[str, int] = {"a": 0, "b": 0}
+    most = {"a": 0, "b": 0, "both": 0}
+    order: list[str] = []
+
+    def piece(lane: str) -> int:
+        with lock:
+            busy[lane] += 1
+            most[lane] = max(most[lane], busy[lane])
+            most["both"] = max(most["both"], busy["a"] + busy["b"])
+            order.append(lane)
+        threading.Event().wait(0.02)
+        with lock:
+            busy[lane] -= 1
+        return 0
+
+    with CopyPool(4, lane_writers=1) as pool:
+        futures = [pool.submit("a", piece, "a") for _ in range(6)] + [pool.submit("b", piece, "b") for _ in range(6)]
+        assert [f.result() for f in futures] == [0] * 12
+    assert most["a"] == most["b"] == 1  # never two writers on one lane, though 4 threads were free
+    assert most["both"] == 2 and "b" in order[:2]  # lane b did not wait for lane a's queue to drain
+    assert not [t for t in threading.enumerate() if t.name.startswith("ft-piece-copy")]
+
+
+def test_a_closed_pool_refuses_work_and_its_queue_ran_first() -> None:
+    done: list[int] = []
+    pool = CopyPool(2)
+    futures = [pool.submit(k % 3, lambda k=k: done.append(k) or k) for k in range(9)]
+    pool.close()
+    pool.close()  # idempotent
+    assert sorted(done) == list(range(9)) and [f.result() for f in futures] == list(range(9))
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(0, lambda: 0)

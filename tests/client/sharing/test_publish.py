@@ -85,14 +85,16 @@ def test_a_creator_in_ram_publishes_identical_bytes_through_windowed_pages(names
         if DEVICE.type == "cpu":
             ranges = shm_ranges()
             assert all(any(lo <= t.data_ptr() < hi for lo, hi in ranges) for t in model.parameters())
-        # Pages came through the window: one population for the store's records, one for the arena's blocks.
-        assert len(populations) == 2  # the arena's fill starts first, on its thread, beside the store's
-        block_pop, store_pop = sorted(populations, key=lambda p: p["ranges"][0][0].name.endswith(".sd"))
-        assert block_pop["ranges"][0][0].name.endswith(f".{ARENA_KIND}")
         manager = ft.get_offload_manager("model")
-        assert len(block_pop["ranges"]) == len(manager.offloaded_tensors) and block_pop["window"] == WINDOW
         published = TensorManagerState.from_json(session_owner_blob(namespace))
-        assert len(store_pop["ranges"]) == sum(not t.offloaded for t in published.tensors)  # a range per record
+        if on_threads:  # the pool's writes into the files allocate the pages: nothing is allocated ahead
+            assert populations == []
+        else:  # pages came through the window: one population for the store's records, one for the arena's blocks
+            assert len(populations) == 2  # the arena's fill starts first, on its thread, beside the store's
+            block_pop, store_pop = sorted(populations, key=lambda p: p["ranges"][0][0].name.endswith(".sd"))
+            assert block_pop["ranges"][0][0].name.endswith(f".{ARENA_KIND}")
+            assert len(block_pop["ranges"]) == len(manager.offloaded_tensors) and block_pop["window"] == WINDOW
+            assert len(store_pop["ranges"]) == sum(not t.offloaded for t in published.tensors)  # one per record
         assert {b.name for b in published.blocks} == {f"/{manager_namespace(namespace, 'model')}.g1.{ARENA_KIND}"}
         report = session.report()[0]
         assert report["publish"]["gbps"] > 0 and {"store", "blocks", "adopt", "plan"} <= set(report["steps"])
@@ -314,6 +316,51 @@ def test_blocks_larger_than_a_piece_with_padding_fill_in_order(namespace, on_thr
     finally:
         if pool is not None:
             pool.close()
+        for seg in segments:
+            seg.close()
+            SharedSegment.unlink_name(seg.name)
+    assert shm_names(namespace) == []
+
+
+def test_a_write_that_finds_no_room_fails_the_fill_on_the_pool_and_leaves_nothing_open(namespace, monkeypatch):
+    """On the pool the writes allocate the pages: a part that runs out of room raises its ``ShmSpaceError`` from
+    the fill once nothing writes any more, with every file the fill opened closed."""
+    import os
+
+    from flextensor.runtime.packed_layout import pack_block
+    from flextensor.runtime.piece_copy import CopyPool
+    from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
+    from flextensor.shm.errors import ShmSpaceError
+    from flextensor.shm.segment import SharedSegment
+    from flextensor.state import ModelTensor
+
+    numel = (3 << 20) // 4
+    weights = {f"w{i}": torch.nn.Parameter(torch.randn(numel), requires_grad=False) for i in range(6)}
+    tensors = {name: ModelTensor(name, "param", w, True, []) for name, w in weights.items()}
+    layouts = [pack_block(i, f"b{i}", [(f"w{i}", torch.float32, (numel,), (1,))]) for i in range(6)]
+    layout = arena_layout([b.nbytes for b in layouts])
+    segments = [SharedSegment.create(f"/{namespace}.full{k}", size, reserve=False)
+                for k, size in enumerate(layout.part_sizes)]
+    write_from = SharedSegment.write_from
+    writes: list[str] = []
+
+    def filling_up(self, fd, at, address, nbytes):
+        writes.append(self.name)
+        if len(writes) == 4:
+            raise ShmSpaceError(f"no space in /dev/shm for shared-memory segment {self.name!r}", segment=self.name,
+                                wanted=nbytes, free=0)
+        write_from(self, fd, at, address, nbytes)
+
+    monkeypatch.setattr(SharedSegment, "write_from", filling_up)
+    before = set(os.listdir("/proc/self/fd"))
+    try:
+        views = SharedBlockAllocator.views(segments, layout)
+        with CopyPool(2) as pool, pytest.raises(ShmSpaceError, match="no space"):
+            publish_mod.fill_blocks(tensors, layouts, views, segments, layout, None, label="full", copy_pool=pool)
+        assert set(os.listdir("/proc/self/fd")) == before
+        del views
+        tensors.clear()
+    finally:
         for seg in segments:
             seg.close()
             SharedSegment.unlink_name(seg.name)
