@@ -129,6 +129,7 @@ def _space_error(name: str, size: int, err: int) -> ShmSpaceError:
         errno.EFBIG: f"size too large for {directory}",
         errno.ENOMEM: f"out of memory (ENOMEM: e.g. the container's memory limit, or too few free huge pages) "
                       f"while filling {directory}",
+        errno.EDQUOT: f"over the user's quota in {directory}",
     }.get(err, f"no space in {directory}")
     if directory == SHM_DIR:
         fix = (f"Enlarge {SHM_DIR}: `docker run --shm-size=<size>` for Docker, an emptyDir volume with "
@@ -339,9 +340,12 @@ class SharedSegment:
         done = 0
         try:
             while done < nbytes:
-                done += os.pwrite(fd, source[done:], at + done)
+                wrote = os.pwrite(fd, source[done:], at + done)
+                if wrote <= 0:  # never for a file with room; not a reason to spin
+                    raise OSError(errno.ENOSPC, f"pwrite wrote nothing into {self.name!r}")
+                done += wrote
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT):
                 raise _space_error(self.name, self.size, exc.errno) from None
             raise
 

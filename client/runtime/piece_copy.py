@@ -149,6 +149,7 @@ class PieceCopier:
         self.pool = pool
         self.released_bytes = 0  # source bytes given back behind the pieces reported so far
         self._files: dict[int, tuple[SegmentFile, int]] = {}  # id(segment) -> (segment, its fd, opened to write)
+        self._closing: list[Future[int]] = []  # pieces close() has not seen finish yet
         self._open_limit = open_bytes
         self._batch: list[Future[int]] = []
         self._batch_bytes = 0
@@ -199,12 +200,16 @@ class PieceCopier:
         """Drop this fill's pieces not started yet, wait for those being written and close the files, without
         running ``then`` (after an error the caller throws the fill away; after :meth:`drain` nothing is left).
         Idempotent; the pool stays."""
-        pending = [future for futures, _nbytes, _then in self._open for future in futures] + self._batch
+        # Held here until waited for: an interrupt in the wait leaves them for the next close(), which waits
+        # again before it closes a file a piece may still be writing (its number could then name another file).
+        self._closing.extend(future for futures, _nbytes, _then in self._open for future in futures)
+        self._closing.extend(self._batch)
         self._open.clear()
         self._batch, self._batch_bytes, self._open_bytes = [], 0, 0
-        for future in pending:
+        for future in self._closing:
             future.cancel()
-        wait(pending)
+        wait(self._closing)
+        self._closing.clear()
         files, self._files = self._files, {}
         for _segment, fd in files.values():
             os.close(fd)

@@ -219,8 +219,12 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
     raised at once, so the publish fails without filling the rest of a store it would throw away. ``report``
     gets the bytes given back early (``store_released_early_bytes``) and the copy threads
     (``store_copy_threads``)."""
+    if copy_pool is not None and weights is not None:
+        raise ValueError("publish_store: a copy pool writes a model held in RAM; a checkpoint's weights are read "
+                         "into place: pass copy_pool or weights, not both")
     released = 0
     copier = PieceCopier(copy_pool) if copy_pool is not None else None
+    written: dict[int, Any] = {}  # id -> segment the copier wrote into (its pages then come from the writes)
     failure: BaseException | None = None
 
     def failed() -> bool:  # the arena's fill beside the store failed meanwhile
@@ -237,6 +241,8 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
             _write(view, _weight(weights, record.all_names, source.dtype, source.shape))
         else:
             released += _copy_in_pieces(view, source, 0, pieces, copier)
+            if pieces.segment is not None:
+                written.setdefault(id(pieces.segment), pieces.segment)
             if source.device.type != "cpu":
                 return
             if copier is not None:  # pointed at its shared copy once the record is copied
@@ -253,6 +259,8 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
             if not copier.drain(cancelled=failed):
                 raise failure  # type: ignore[misc]
             released += copier.released_bytes
+            for segment in written.values():
+                _reserve_whole(segment)
     except BaseException:
         if copier is not None:
             copier.close()  # nothing copies into the store any more before it is closed
@@ -266,6 +274,14 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
         report["store_released_early_bytes"] = float(released)
         report["store_copy_threads"] = float(copy_pool.threads if copy_pool is not None else 0)
     return store
+
+
+def _reserve_whole(segment: Any) -> None:
+    """Every page of a segment the copy pool wrote into allocated: the writes allocated the pages they touched,
+    which on huge pages is all of them, but where tmpfs fell back to 4 KiB pages the gaps between blocks and a
+    part's tail would stay holes that a follower's pre-fault allocates, a SIGBUS on a full directory. Reserving
+    pages that are there already only looks them up."""
+    segment.reserve_range(0, segment.size)
 
 
 def block_pieces(sizes: Sequence[int], piece: int) -> list[list[tuple[int, int]]]:
@@ -337,6 +353,9 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
     is written. Returns seconds spent waiting for pages, the allocating threads'
     seconds, the bytes given back early and the copy threads; stops before the next block once ``cancel`` is set
     (the caller failed elsewhere). (A checkpoint's reads go through :class:`BlockReads`.)"""
+    if copy_pool is not None and weights is not None:
+        raise ValueError("fill_blocks: a copy pool writes a model held in RAM; a checkpoint's weights are read into "
+                         "place: pass copy_pool or weights, not both")
     populate = None
     window = populate_window(layout.total)
     piece = fill_piece(window)
@@ -388,8 +407,8 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
                     if copier is None:
                         point_at_copies(copied)
                 pieces.written_through(end)
-            # Every page of the block is allocated, padding included (on the pool, by its writes: blocks start on a
-            # page of the mount, so a block's padding lies in a page that one of its writes allocates).
+            # Every page of the block is allocated, padding included (on the pool, by its writes, and the gaps
+            # between blocks once every block is written: _reserve_whole).
             pieces.wait_through(block_layout.nbytes)
             pieces.written_through(block_layout.nbytes)  # in order: the next block's pieces come after these
             if copier is None:
@@ -400,6 +419,8 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
             if not copier.drain(cancelled=None if cancel is None else cancel.is_set):
                 return {}
             released += copier.released_bytes
+            for arena in arenas:
+                _reserve_whole(arena)
         progress.finish()
     finally:
         if copier is not None:

@@ -272,6 +272,25 @@ def test_enospc_names_everything_and_leaves_nothing(seg_name):
         SharedSegment.open(seg_name)
 
 
+def test_write_from_writes_inside_the_segment_only_and_names_a_full_file_system(seg_name):
+    seg = SharedSegment.create(seg_name, 3 * 4096)
+    data = torch.arange(5000, dtype=torch.int64).remainder(251).to(torch.uint8)
+    fd = seg.open_file(write=True)
+    try:
+        seg.write_from(fd, 7, data.data_ptr(), data.numel())
+        assert torch.equal(seg.tensor(torch.uint8, (5000,), offset=7), data)  # the mapping sees the write
+        with pytest.raises(ValueError, match="is not inside segment"):
+            seg.write_from(fd, seg.size - 10, data.data_ptr(), 11)
+        assert os.fstat(fd).st_size == seg.size  # refused before it could grow the file
+    finally:
+        os.close(fd)
+    with open("/dev/full", "wb", buffering=0) as full:  # a file system with no room: ENOSPC from every write
+        with pytest.raises(ShmSpaceError, match="no space") as info:
+            seg.write_from(full.fileno(), 0, data.data_ptr(), 100)
+    assert info.value.segment == seg_name
+    seg.close()
+
+
 def test_errors_survive_pickling():
     # errors may cross a process boundary (multiprocessing workers): their attributes must survive
     import pickle

@@ -212,3 +212,44 @@ def test_a_closed_pool_refuses_work_and_its_queue_ran_first() -> None:
     assert sorted(done) == list(range(9)) and [f.result() for f in futures] == list(range(9))
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(0, lambda: 0)
+
+
+def test_a_close_interrupted_while_it_waits_leaves_the_files_open_until_a_later_close_has_waited(
+        segments, monkeypatch) -> None:
+    """An interrupt in close()'s wait must not let the next close() shut a file a piece is still writing: its
+    descriptor number could by then name another file, which the piece would write into."""
+    import flextensor.runtime.piece_copy as piece_copy_mod
+
+    segment = segments(MIB)
+    source = torch.arange(MIB, dtype=torch.uint8)
+    running, finish = threading.Event(), threading.Event()
+
+    class Slow:
+        def release_inside(self, lo: int, hi: int) -> int:
+            running.set()
+            finish.wait(10)
+            return 0
+
+    before = _open_fds()
+    real_wait = piece_copy_mod.wait
+    interrupts = iter([KeyboardInterrupt()])
+
+    def interrupted_wait(futures):
+        error = next(interrupts, None)
+        if error is not None:
+            raise error
+        return real_wait(futures)
+
+    monkeypatch.setattr(piece_copy_mod, "wait", interrupted_wait)
+    with CopyPool(2) as pool:
+        copier = PieceCopier(pool)
+        copier.write(segment, 0, source.data_ptr(), MIB, release=Slow(), offset=0)  # type: ignore[arg-type]
+        copier.end_batch(lambda: None)
+        assert running.wait(10)
+        with pytest.raises(KeyboardInterrupt):
+            copier.close()
+        assert len(_open_fds() - before) == 1  # the piece still runs: its file stays open
+        threading.Timer(0.1, finish.set).start()
+        copier.close()  # waits for the piece, then closes the file
+        assert finish.is_set() and _open_fds() == before
+    assert torch.equal(_bytes(segment, 0, MIB), source)

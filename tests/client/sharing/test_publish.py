@@ -358,6 +358,9 @@ def test_a_write_that_finds_no_room_fails_the_fill_on_the_pool_and_leaves_nothin
         with CopyPool(2) as pool, pytest.raises(ShmSpaceError, match="no space"):
             publish_mod.fill_blocks(tensors, layouts, views, segments, layout, None, label="full", copy_pool=pool)
         assert set(os.listdir("/proc/self/fd")) == before
+        spans = [(seg.address, seg.address + seg.size) for seg in segments]
+        shared = [name for name, w in weights.items() if any(lo <= w.data_ptr() < hi for lo, hi in spans)]
+        assert shared in ([], ["w0"])  # the failed block's weight (w1: its 4th piece failed) and later ones keep their own
         del views
         tensors.clear()
     finally:
@@ -365,6 +368,60 @@ def test_a_write_that_finds_no_room_fails_the_fill_on_the_pool_and_leaves_nothin
             seg.close()
             SharedSegment.unlink_name(seg.name)
     assert shm_names(namespace) == []
+
+
+def test_on_the_pool_a_strided_weight_is_stored_through_its_view_after_its_pages_and_every_page_is_allocated(
+        namespace, monkeypatch):
+    """Nothing is reserved ahead of the pool's writes: a weight that cannot be written whole from its address (a
+    transposed one) is stored through its view, so its range is reserved first; and once every block is written,
+    each part is reserved whole (pages the writes left out, e.g. gaps between blocks, are then not holes)."""
+    from flextensor.runtime.packed_layout import pack_block
+    from flextensor.runtime.piece_copy import CopyPool
+    from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
+    from flextensor.shm.segment import SharedSegment
+    from flextensor.state import ModelTensor
+
+    plain = torch.randn(512, 384)
+    strided = torch.nn.Parameter(torch.randn(384, 512).t(), requires_grad=False)  # (512, 384), not contiguous
+    weights = {"w0": torch.nn.Parameter(plain.clone(), requires_grad=False), "w1": strided}
+    expected = {name: w.detach().clone() for name, w in weights.items()}
+    tensors = {name: ModelTensor(name, "param", w, True, []) for name, w in weights.items()}
+    layouts = [pack_block(i, f"b{i}", [(f"w{i}", torch.float32, (512, 384), (384, 1))]) for i in range(2)]
+    layout = arena_layout([b.nbytes for b in layouts])
+    segments = [SharedSegment.create(f"/{namespace}.strided{k}", size, reserve=False)
+                for k, size in enumerate(layout.part_sizes)]
+    reserved: list[tuple[str, int, int]] = []
+    reserve_range = SharedSegment.reserve_range
+
+    def recording(self, offset, nbytes, **kwargs):
+        reserved.append((self.name, offset, nbytes))
+        return reserve_range(self, offset, nbytes, **kwargs)
+
+    monkeypatch.setattr(SharedSegment, "reserve_range", recording)
+    try:
+        views = SharedBlockAllocator.views(segments, layout)
+        with CopyPool(2) as pool:
+            publish_mod.fill_blocks(tensors, layouts, views, segments, layout, None, label="strided", copy_pool=pool)
+        for name, weight in weights.items():
+            assert torch.equal(weight.detach(), expected[name]), name
+        part = segments[layout.parts[1]]
+        first = reserved.index((part.name, layout.offsets[1], layouts[1].nbytes))  # before its store, then whole
+        assert sorted(reserved[first + 1:]) == sorted((seg.name, 0, seg.size) for seg in segments)
+        del views, weights
+        tensors.clear()
+    finally:
+        for seg in segments:
+            seg.close()
+            SharedSegment.unlink_name(seg.name)
+    assert shm_names(namespace) == []
+
+
+def test_a_copy_pool_with_checkpoint_weights_is_refused():
+    from flextensor.runtime.piece_copy import CopyPool
+
+    with CopyPool(1) as pool:
+        with pytest.raises(ValueError, match="copy_pool or weights"):
+            publish_mod.fill_blocks({}, [], [], [], None, {"w": 1}, label="x", copy_pool=pool)  # type: ignore[arg-type]
 
 
 def _whole_pages(start: int, end: int) -> int:
