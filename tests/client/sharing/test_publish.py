@@ -360,7 +360,7 @@ def test_a_write_that_finds_no_room_fails_the_fill_on_the_pool_and_leaves_nothin
         assert set(os.listdir("/proc/self/fd")) == before
         spans = [(seg.address, seg.address + seg.size) for seg in segments]
         shared = [name for name, w in weights.items() if any(lo <= w.data_ptr() < hi for lo, hi in spans)]
-        assert shared in ([], ["w0"])  # the failed block's weight (w1: its 4th piece failed) and later ones keep their own
+        assert shared in ([], ["w0"])  # w1 (its second piece failed) and the blocks after it keep their own
         del views
         tensors.clear()
     finally:
