@@ -3,22 +3,24 @@
 Why
 ---
 A creator whose model is in RAM copies each tensor into its shared block piece by piece and gives each piece's
-private pages back behind the copy (``flextensor.runtime.source_pages``). On a tmpfs of huge pages the shared
-pages come reserved ahead with ``posix_fallocate`` (``flextensor.shm.prefault`` says why), which costs the cores
-almost nothing, so the copy is the publish: one PyTorch copy per piece from the filling thread, the give-back
-between copies, leaves most of the host's memory bandwidth unused. Here whole pieces go out on a thread per
-core, each giving back its own piece's pages (figures in docs/benchmarks.md, "Figures behind the code").
+private pages back behind the copy (``flextensor.runtime.source_pages``). On 4 KiB pages allocating the shared
+pages is the slow part, and they are allocated ahead on threads of their own. On a tmpfs of huge pages
+(``huge=always``, ``within_size``) a file's huge page is allocated in one step, so the copy is the publish: one
+PyTorch copy per piece from the filling thread, the give-back between copies, leaves most of the host's memory
+bandwidth unused. Here whole pieces go out on a thread per core, each giving back its own piece's pages
+(figures in docs/benchmarks.md, "Figures behind the code").
 
 A piece is written into the segment's file with ``pwrite``, not stored through the mapping: a store through
-the mapping faults each reserved huge page in, and tmpfs zeroes it first (a third pass over memory besides the
-read and the write), while a write that covers a whole page fills it as it is (it is zeroed only around a
-write that covers part of it). Writes into one file wait for each other (the file's lock), writes into
-different files do not, and the arena's blocks lie in turn in several parts (``flextensor.shm.blocks``), so
-consecutive pieces go to different files. ``pwrite`` releases the GIL and runs on one core, so the threads do
-not multiply PyTorch's own intra-op threads; the store's fill and the arena's, which run side by side, share one
-:class:`CopyPool`. On 4 KiB pages, where the pages are populated ahead on threads of their own, a copy on a pool
-measured slower than PyTorch's from the filling thread, so a creator uses this only where the pages come
-reserved (``flextensor.sharing.creator``).
+the mapping faults each huge page in, and tmpfs zeroes it first (a third pass over memory besides the read and
+the write), while a write that covers a whole page fills it as it is (it is zeroed only around a write that
+covers part of it), and allocates it: nothing is reserved ahead, and a full directory is an error from the
+write (``SharedSegment.write_from``). Writes into one file wait for each other (the file's lock), writes into
+different files do not, so a thread takes the oldest piece whose file has fewer than :data:`LANE_WRITERS`
+writers (:class:`CopyPool`'s lanes), and the arena's blocks lie in turn in several parts
+(``flextensor.shm.blocks``). ``pwrite`` releases the GIL and runs on one core, so the threads do not multiply
+PyTorch's own intra-op threads; the store's fill and the arena's, which run side by side, share one pool. On
+4 KiB pages a copy on a pool measured slower than PyTorch's from the filling thread, beside the threads that
+allocate pages ahead, so a creator uses this on a tmpfs of huge pages only (``flextensor.sharing.creator``).
 
 Batches
 -------

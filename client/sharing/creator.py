@@ -136,8 +136,8 @@ def _fill_shared(share: ManagerShare, model: nn.Module, plan: PublishPlan, cfg: 
     checked = check_state(model, plan.state, cfg, host_blocks=views, weights=source.weights)
     # A model in RAM fills the arena on a thread while the store fills here: their pages are different files,
     # which tmpfs allocates in parallel (see flextensor.shm.blocks), and allocating them is the slow part.
-    # On a tmpfs of huge pages the pages come reserved at little cost and the copy is the publish: both fills copy
-    # on one pool of a thread per core (flextensor.runtime.piece_copy).
+    # On a tmpfs of huge pages allocating a page is cheap and the copy is the publish: both fills write into their
+    # segments' files on one pool of a thread per core (flextensor.runtime.piece_copy).
     pool = CopyPool(label="ft-publish-copy") if owner.huge_tmpfs and source.weights is None else None
     blocks_fill = None
     cancel = threading.Event()

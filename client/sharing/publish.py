@@ -12,8 +12,9 @@ the store itself and hands the engine the filled blocks (``host_blocks``, as a f
   a worker per arena part: tmpfs allocates one file's pages under that file's locks, ``flextensor.shm.blocks``)
   when they could not be allocated ahead of time (a model built in RAM: see ``flextensor.sharing.creator_source``), and the
   copy is PyTorch's multi-threaded CPU copy, straight from each model tensor into its place in its block (on a
-  tmpfs of huge pages, whose pages come reserved at little cost, whole pieces written into the segments' files
-  on a thread per core instead, the store's and the arena's on one pool: ``flextensor.runtime.piece_copy``); the
+  tmpfs of huge pages, where allocating a page is cheap and the copy is the publish, whole pieces written into
+  the segments' files on a thread per core instead, the store's and the arena's on one pool, nothing allocated
+  ahead: ``flextensor.runtime.piece_copy``); the
   arena fills on a thread (``ft-publish-blocks``) while the store fills, for the same reason (a failure of either
   stops the other before its next block or record);
 - the creator's mapping is registered with CUDA in the background after READY, block by block in schedule order,
