@@ -371,7 +371,8 @@ def fill_blocks(tensors: Mapping[str, ModelTensor], layouts: Sequence[BlockLayou
         populate = PopulateAhead(ranges, window=window, workers=workers).start()
     copier = None
     if copy_pool is not None and layouts:  # enough blocks queued for every part's file to have pieces
-        copier = PieceCopier(copy_pool, open_bytes=max(OPEN_BYTES, len(arenas) * max(b.nbytes for b in layouts)))
+        queued = len(layout.part_sizes) * max(b.nbytes for b in layouts)
+        copier = PieceCopier(copy_pool, open_bytes=max(OPEN_BYTES, queued))
     progress = FillProgress(label, sum(p.nbytes for block in layouts for p in block.tensors))
     released = 0
 
