@@ -106,7 +106,8 @@ class ShmOwner:
     @property
     def huge_tmpfs(self) -> bool:
         """Whether this namespace's directory is a tmpfs that gives files huge pages unasked
-        (``segment_dir.PageInfo.huge_unasked``): its ranges are then reserved ahead at little cost to the cores."""
+        (``segment_dir.PageInfo.huge_unasked``): allocating a page there costs the cores little, so a creator's
+        publish from RAM is its copy."""
         from flextensor.shm import segment_dir
 
         return segment_dir.page_info(segment_dir.namespace_directory(self._namespace)).huge_unasked

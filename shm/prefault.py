@@ -19,7 +19,8 @@ instead. There it allocates the pages and leaves their zeroing to the first touc
 writer's own thread, and a creator's piece-by-piece copy from RAM (``flextensor.sharing.publish``, reproduced
 by ``bench/experiment_publish_pages.py``) ran more than twice as fast behind it as behind ``MADV_POPULATE_WRITE``
 of the same ranges; on 4 KiB pages the two were even, and populating also fills the page tables a 4 KiB writer
-would otherwise fault in (docs/benchmarks.md, Figures behind the code).
+would otherwise fault in (docs/benchmarks.md, Figures behind the code). That copy now writes into the files
+instead and reserves nothing ahead (``flextensor.runtime.piece_copy``); a checkpoint's reads still do.
 
 ``MADV_POPULATE_READ`` is the follower's counterpart: the pages exist already, a fresh mapping only lacks page-
 table entries. Filling them from several threads before ``cudaHostRegister`` roughly halves a follower's

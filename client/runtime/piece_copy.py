@@ -29,10 +29,10 @@ closes it with :meth:`PieceCopier.end_batch` and a ``then`` callback (point the 
 finish in order: a batch's ``then`` runs on the caller's thread once its pieces and every earlier batch's are
 written. ``end_batch`` waits for the oldest batches while those open hold more than ``open_bytes`` (default
 :data:`OPEN_BYTES`), the newest always staying open, so the threads have the next pieces while one batch's last
-pieces finish, and the bytes queued (pages taken ahead of the copy, private tensors not yet let go) stay bounded
-by ``open_bytes`` plus two batches (the newest closed one and the one being queued). Whatever fails, no piece
-is still being written once :meth:`PieceCopier.close` returns, and the files it opened are closed: the caller may
-then free the sources or close the segments.
+pieces finish, and the bytes queued (private tensors not yet let go, where their pages cannot go back piece by
+piece) stay bounded by ``open_bytes`` plus two batches (the newest closed one and the one being queued).
+Whatever fails, no piece is still being written once :meth:`PieceCopier.close` returns, and the files it opened
+are closed: the caller may then free the sources or close the segments.
 """
 
 from __future__ import annotations

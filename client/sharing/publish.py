@@ -119,7 +119,8 @@ def fill_piece(window: int) -> int:
     """The piece in which the arena's pages are allocated and a private tensor's pages given back, for a
     ``window`` (:func:`populate_window`): a quarter of it, so pages are allocated for the next pieces while one
     is copied, in whole huge pages, from :data:`FILL_PIECE_MIN_BYTES` to :data:`FILL_PIECE_BYTES`. Beyond the
-    model a creator then holds the window and one piece (with a copy pool, also what the pool holds queued)."""
+    model a creator then holds the window and one piece (with a copy pool, which allocates nothing ahead, the
+    pieces being written)."""
     quarter = window // 4
     return max(FILL_PIECE_MIN_BYTES, min(FILL_PIECE_BYTES, quarter - quarter % FILL_PIECE_MIN_BYTES))
 
@@ -304,20 +305,21 @@ def _copy_in_pieces(view: torch.Tensor, tensor: torch.Tensor, offset: int, piece
     nbytes = view.numel() * view.element_size()
     release = SourcePages(tensor) if releasable(tensor) else None  # asked before detach() makes an alias
     source = tensor.detach()
-    if copier is not None and nbytes and pieces.segment is not None:  # nothing reserved ahead: a store through
-        if not (source.device.type == "cpu" and source.is_contiguous() and view.is_contiguous()):  # the view
-            pieces.segment.reserve_range(pieces.start + offset, nbytes)  # must find its pages allocated
-    if not (nbytes and source.is_contiguous() and view.is_contiguous()):
+    whole = bool(nbytes) and source.is_contiguous() and view.is_contiguous()
+    if copier is not None:
+        assert pieces.segment is not None, "a copier writes into the segment's file: the cursor must name it"
+        if whole and source.device.type == "cpu":
+            for lo, hi in pieces.spans(offset, offset + nbytes):
+                pieces.wait_through(hi)
+                copier.write(pieces.segment, pieces.start + lo, source.data_ptr() + lo - offset, hi - lo,
+                             release=release, offset=lo - offset, keep=source)
+                pieces.written_through(hi)
+            return 0
+        if nbytes:  # stored through the view below, and nothing is reserved ahead of a copier
+            pieces.segment.reserve_range(pieces.start + offset, nbytes)
+    if not whole:
         pieces.wait_through(offset + nbytes)
         view.copy_(source)
-        return 0
-    if copier is not None and source.device.type == "cpu":
-        assert pieces.segment is not None, "a copier writes into the segment's file: the cursor must name it"
-        for lo, hi in pieces.spans(offset, offset + nbytes):
-            pieces.wait_through(hi)
-            copier.write(pieces.segment, pieces.start + lo, source.data_ptr() + lo - offset, hi - lo,
-                         release=release, offset=lo - offset, keep=source)
-            pieces.written_through(hi)
         return 0
     into, out_of = view.view(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
     for lo, hi in pieces.spans(offset, offset + nbytes):
