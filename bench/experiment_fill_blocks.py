@@ -101,9 +101,9 @@ def child(directory: str, gib: float, hidden: int, variant: str) -> None:
                 pool.close()
         seconds = time.perf_counter() - begin
         if store is not None:
-            spans_store = [(seg.address, seg.address + seg.size) for seg in store._segments]
-            store_ok = all(any(lo <= p.data_ptr() < hi for lo, hi in spans_store) for p in resident.values())
-            report["store_ok"] = float(store_ok)
+            shared = store.tensors()  # every resident weight is its record in the store now, with the model's bytes
+            report["store_ok"] = float(all(shared[f"resident.{key}"].data_ptr() == p.data_ptr()
+                                           and bool((p[::97] == 1.5).all()) for key, p in resident.items()))
         spans = [(seg.address, seg.address + seg.size) for seg in segments]
         ok = all(any(lo <= t.tensor.data_ptr() < hi for lo, hi in spans) and bool((t.tensor[::97] == 1.5).all())
                  for t in tensors.values())  # every weight is its shared copy now, with the model's bytes

@@ -4,8 +4,10 @@ published bytes are the model's, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -274,32 +276,53 @@ def test_an_interrupt_while_waiting_for_the_arena_fill_cancels_it_and_still_wait
     assert not [t for t in threading.enumerate() if t.name == "ft-publish-blocks"]
 
 
+def _one_block_per_weight(weights: dict[str, torch.nn.Parameter]) -> tuple[dict, list]:
+    """The model tensors of ``weights`` and a block per weight, in order, each laid out row-major."""
+    from flextensor.runtime.packed_layout import pack_block
+    from flextensor.state import ModelTensor
+
+    tensors = {name: ModelTensor(name, "param", w, True, []) for name, w in weights.items()}
+    layouts = [pack_block(i, f"b{i}", [(name, w.dtype, tuple(w.shape), tuple(torch.empty(w.shape).stride()))])
+               for i, (name, w) in enumerate(weights.items())]
+    return tensors, layouts
+
+
+@contextlib.contextmanager
+def _arena_parts(namespace: str, layouts: list) -> Iterator[tuple[Any, list, list]]:
+    """An arena laid out for ``layouts`` in parts made without their pages: its layout, its parts and its blocks'
+    views. The parts are closed and removed afterwards, whatever happened."""
+    from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
+    from flextensor.shm.segment import SharedSegment
+
+    layout = arena_layout([b.nbytes for b in layouts])
+    parts = [SharedSegment.create(f"/{namespace}.part{k}", size, reserve=False)
+             for k, size in enumerate(layout.part_sizes)]
+    try:
+        yield layout, parts, SharedBlockAllocator.views(parts, layout)
+    finally:
+        for part in parts:
+            part.close()
+            SharedSegment.unlink_name(part.name)
+
+
 @ON_THREADS
 def test_blocks_larger_than_a_piece_with_padding_fill_in_order(namespace, on_threads):
     """Blocks of several pieces whose last piece ends in padding (a tensor of 3 MiB + 28 bytes): every piece is
     reported written in order whether copied here or on the pool, every weight ends up pointing at its shared
     place with the model's bytes, and its private pages were given back behind the copy."""
-    from flextensor.runtime.packed_layout import pack_block
     from flextensor.runtime.piece_copy import CopyPool
-    from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
-    from flextensor.shm.segment import SharedSegment
-    from flextensor.state import ModelTensor
 
     numel = (3 << 20) // 4 + 7
     weights = {f"w{i}": torch.nn.Parameter(torch.randn(numel), requires_grad=False) for i in range(4)}
     expected = {name: w.detach().clone() for name, w in weights.items()}
-    tensors = {name: ModelTensor(name, "param", w, True, []) for name, w in weights.items()}
-    layouts = [pack_block(i, f"b{i}", [(f"w{i}", torch.float32, (numel,), (1,))]) for i in range(4)]
+    tensors, layouts = _one_block_per_weight(weights)
     assert all(b.nbytes > publish_mod.FILL_PIECE_MIN_BYTES and b.nbytes % 4096 for b in layouts)
-    layout = arena_layout([b.nbytes for b in layouts])
-    segments = [SharedSegment.create(f"/{namespace}.fill{k}", size, reserve=False)
-                for k, size in enumerate(layout.part_sizes)]
-    pool = CopyPool(2) if on_threads else None
     addresses = [w.data_ptr() for w in weights.values()]
-    try:
-        views = SharedBlockAllocator.views(segments, layout)
-        report = publish_mod.fill_blocks(tensors, layouts, views, segments, layout, None, label="padded",
-                                         copy_pool=pool)
+    with _arena_parts(namespace, layouts) as (layout, segments, views):
+        with contextlib.ExitStack() as stack:
+            pool = stack.enter_context(CopyPool(2)) if on_threads else None
+            report = publish_mod.fill_blocks(tensors, layouts, views, segments, layout, None, label="padded",
+                                             copy_pool=pool)
         spans = [(seg.address, seg.address + seg.size) for seg in segments]
         for name, weight in weights.items():
             assert any(lo <= weight.data_ptr() < hi for lo, hi in spans), name
@@ -313,34 +336,19 @@ def test_blocks_larger_than_a_piece_with_padding_fill_in_order(namespace, on_thr
                                                       for address in addresses for lo, hi in cuts) > 0
         del views, weights
         tensors.clear()
-    finally:
-        if pool is not None:
-            pool.close()
-        for seg in segments:
-            seg.close()
-            SharedSegment.unlink_name(seg.name)
     assert shm_names(namespace) == []
 
 
 def test_a_write_that_finds_no_room_fails_the_fill_on_the_pool_and_leaves_nothing_open(namespace, monkeypatch):
     """On the pool the writes allocate the pages: a part that runs out of room raises its ``ShmSpaceError`` from
     the fill once nothing writes any more, with every file the fill opened closed."""
-    import os
-
-    from flextensor.runtime.packed_layout import pack_block
     from flextensor.runtime.piece_copy import CopyPool
-    from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
     from flextensor.shm.errors import ShmSpaceError
     from flextensor.shm.segment import SharedSegment
-    from flextensor.state import ModelTensor
 
     numel = (3 << 20) // 4
     weights = {f"w{i}": torch.nn.Parameter(torch.randn(numel), requires_grad=False) for i in range(6)}
-    tensors = {name: ModelTensor(name, "param", w, True, []) for name, w in weights.items()}
-    layouts = [pack_block(i, f"b{i}", [(f"w{i}", torch.float32, (numel,), (1,))]) for i in range(6)]
-    layout = arena_layout([b.nbytes for b in layouts])
-    segments = [SharedSegment.create(f"/{namespace}.full{k}", size, reserve=False)
-                for k, size in enumerate(layout.part_sizes)]
+    tensors, layouts = _one_block_per_weight(weights)
     write_from = SharedSegment.write_from
     writes: list[str] = []
 
@@ -352,9 +360,8 @@ def test_a_write_that_finds_no_room_fails_the_fill_on_the_pool_and_leaves_nothin
         write_from(self, fd, at, address, nbytes)
 
     monkeypatch.setattr(SharedSegment, "write_from", filling_up)
-    before = set(os.listdir("/proc/self/fd"))
-    try:
-        views = SharedBlockAllocator.views(segments, layout)
+    with _arena_parts(namespace, layouts) as (layout, segments, views):
+        before = set(os.listdir("/proc/self/fd"))
         with CopyPool(2) as pool, pytest.raises(ShmSpaceError, match="no space"):
             publish_mod.fill_blocks(tensors, layouts, views, segments, layout, None, label="full", copy_pool=pool)
         assert set(os.listdir("/proc/self/fd")) == before
@@ -363,10 +370,6 @@ def test_a_write_that_finds_no_room_fails_the_fill_on_the_pool_and_leaves_nothin
         assert shared in ([], ["w0"])  # w1 (its second piece failed) and the blocks after it keep their own
         del views
         tensors.clear()
-    finally:
-        for seg in segments:
-            seg.close()
-            SharedSegment.unlink_name(seg.name)
     assert shm_names(namespace) == []
 
 
@@ -375,21 +378,14 @@ def test_on_the_pool_a_strided_weight_is_stored_through_its_view_after_its_pages
     """Nothing is reserved ahead of the pool's writes: a weight that cannot be written whole from its address (a
     transposed one) is stored through its view, so its range is reserved first; and once every block is written,
     each part is reserved whole (pages the writes left out, e.g. gaps between blocks, are then not holes)."""
-    from flextensor.runtime.packed_layout import pack_block
     from flextensor.runtime.piece_copy import CopyPool
-    from flextensor.shm.blocks import SharedBlockAllocator, arena_layout
     from flextensor.shm.segment import SharedSegment
-    from flextensor.state import ModelTensor
 
     plain = torch.randn(512, 384)
     strided = torch.nn.Parameter(torch.randn(384, 512).t(), requires_grad=False)  # (512, 384), not contiguous
     weights = {"w0": torch.nn.Parameter(plain.clone(), requires_grad=False), "w1": strided}
     expected = {name: w.detach().clone() for name, w in weights.items()}
-    tensors = {name: ModelTensor(name, "param", w, True, []) for name, w in weights.items()}
-    layouts = [pack_block(i, f"b{i}", [(f"w{i}", torch.float32, (512, 384), (384, 1))]) for i in range(2)]
-    layout = arena_layout([b.nbytes for b in layouts])
-    segments = [SharedSegment.create(f"/{namespace}.strided{k}", size, reserve=False)
-                for k, size in enumerate(layout.part_sizes)]
+    tensors, layouts = _one_block_per_weight(weights)
     reserved: list[tuple[str, int, int]] = []
     reserve_range = SharedSegment.reserve_range
 
@@ -398,8 +394,7 @@ def test_on_the_pool_a_strided_weight_is_stored_through_its_view_after_its_pages
         return reserve_range(self, offset, nbytes, **kwargs)
 
     monkeypatch.setattr(SharedSegment, "reserve_range", recording)
-    try:
-        views = SharedBlockAllocator.views(segments, layout)
+    with _arena_parts(namespace, layouts) as (layout, segments, views):
         with CopyPool(2) as pool:
             publish_mod.fill_blocks(tensors, layouts, views, segments, layout, None, label="strided", copy_pool=pool)
         for name, weight in weights.items():
@@ -409,10 +404,6 @@ def test_on_the_pool_a_strided_weight_is_stored_through_its_view_after_its_pages
         assert sorted(reserved[first + 1:]) == sorted((seg.name, 0, seg.size) for seg in segments)
         del views, weights
         tensors.clear()
-    finally:
-        for seg in segments:
-            seg.close()
-            SharedSegment.unlink_name(seg.name)
     assert shm_names(namespace) == []
 
 
