@@ -33,13 +33,15 @@ def _rate(nbytes: float, seconds: float | None) -> str:
     return "-" if not seconds else f"{nbytes / seconds / 1e9:.2f} GB/s"
 
 
-#: A follower's steps as reported (``session.report()``), by the name the tables give them: the join (election,
-#: daemon, plan), then the attach thread's (map the store, then the resident copy with the arena and the device
-#: blocks beside it on a CUDA device), then the caller's after the factory (validate, install the resident
-#: tensors, adopt the plan).
-PHASES = {"join": "join", "daemon": "daemon", "wait": "wait", "plan": "plan", "map store": "prefetch_store",
-          "map arena": "prefetch_blocks", "device blocks": "prefetch_slots", "copy": "prefetch_resident",
-          "factory": "factory", "validate": "validate", "install": "resident", "adopt": "adopt"}
+#: A follower's steps as reported (``session.report()``), by the name the tables give them: the sweep of dead
+#: jobs, the join (election, daemon, plan), then the attach thread's (map the store, then the resident copy with
+#: the arena and the device blocks beside it on a CUDA device), then the caller's after the factory (validate,
+#: install the resident tensors, the block views and their registration's set-up, adopt the plan, start the
+#: registration, the host copy a sleep wakes from).
+PHASES = {"sweep": "sweep", "join": "join", "daemon": "daemon", "wait": "wait", "plan": "plan",
+          "map store": "prefetch_store", "map arena": "prefetch_blocks", "device blocks": "prefetch_slots",
+          "copy": "prefetch_resident", "factory": "factory", "validate": "validate", "install": "resident",
+          "block views": "block_views", "adopt": "adopt", "pin start": "pin_start", "host copy": "host_copy"}
 #: The resident copy's ring parts (``CopyReport``), which run on a thread of their own.
 RING_PARTS = ("ring_populate_s", "ring_register_s", "ring_wait_s")
 

@@ -86,19 +86,21 @@ def adopt_published(share: ManagerShare, manager: OffloadManager, cfg: OffloadCo
     with timed_step(steps, "resident"):  # the copies made on the thread (CUDA); zero-copy views on a CPU host
         share.store.materialize(model, device, copies=prefetch.device_copies)
     sizes = layout.sizes
-    host_blocks = SharedBlockAllocator.views(share.segments, layout) if sizes else []
-    share.shared_bytes = layout.total + share.store.nbytes
     gate = None
-    if cfg.pinned_memory and torch.cuda.is_available() and sizes:
-        # Registration runs behind the follower's return and first forward, block by block in schedule
-        # order; each copy from a block waits for that block only (see flextensor.shm.background_pin).
-        share.pinner = block_pinner(share.segments, state, layout, device, label=f"session {share.namespace}")
-        gate = share.pinner.wait
+    with timed_step(steps, "block_views"):
+        host_blocks = SharedBlockAllocator.views(share.segments, layout) if sizes else []
+        if cfg.pinned_memory and torch.cuda.is_available() and sizes:
+            # Registration runs behind the follower's return and first forward, block by block in schedule
+            # order; each copy from a block waits for that block only (see flextensor.shm.background_pin).
+            share.pinner = block_pinner(share.segments, state, layout, device, label=f"session {share.namespace}")
+            gate = share.pinner.wait
+    share.shared_bytes = layout.total + share.store.nbytes
     with timed_step(steps, "adopt"):
         proxy = manager.offload_from_state(model, state, cfg, allow_strategy_replan=False,
                                            host_blocks=host_blocks, host_block_gate=gate)
     if share.pinner is not None:
         # Started only now: the driver serialises cudaHostRegister with device allocations, so registering
         # during adoption (which allocates the rotating device blocks) would hold the follower back.
-        share.pinner.start()
+        with timed_step(steps, "pin_start"):
+            share.pinner.start()
     return proxy

@@ -158,7 +158,9 @@ class SharedOffloadSession:
         built: nn.Module | None = None  # a follower's model, built while its thread joined (see _join_while_building)
         built_s = 0.0
         prefetch: FollowerPrefetch | None = None
+        sweep_start = time.monotonic()
         sweep_before_join(ns)  # what crashed jobs of this user left on the host (flextensor.shm.dead_sweep)
+        sweep_s = time.monotonic() - sweep_start
         try:
             if cfg.shm_dir is not None:  # where to peek (the coordinator binds it again when it joins)
                 bind_namespace(ns, cfg.shm_dir)
@@ -201,9 +203,11 @@ class SharedOffloadSession:
             raise
         share.model = model
         assert share.store is not None
-        share.host_copy = SharedHostCopy(share.store, share.coordinator, compute_device(cfg),
-                                           pin=bool(cfg.pinned_memory))
-        manager.set_host_copy(share.host_copy)  # a sleep keeps no private copy
+        share.steps["sweep"] = sweep_s
+        with timed_step(share.steps, "host_copy"):
+            share.host_copy = SharedHostCopy(share.store, share.coordinator, compute_device(cfg),
+                                               pin=bool(cfg.pinned_memory))
+            manager.set_host_copy(share.host_copy)  # a sleep keeps no private copy
         share.ready_s = time.monotonic() - start
         logger.info("session %s/%s: %s ready in %.3f s (%.1f MiB shared)", self.namespace, name, share.role,
                     share.ready_s, share.shared_bytes / 2**20)

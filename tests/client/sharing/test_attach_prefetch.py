@@ -296,7 +296,8 @@ def test_a_follower_of_a_ready_generation_joins_on_the_thread_while_its_factory_
         return _meta_model()
 
     steps = _follow_and_check(held_ns, profile, factory)["steps"]
-    assert {"join", "daemon", "plan", "factory", "prefetch_blocks", "adopt"} <= set(steps)
+    assert {"sweep", "join", "daemon", "plan", "factory", "prefetch_blocks", "block_views", "adopt",
+            "host_copy"} <= set(steps)
     assert threads == {"ft-attach"}
 
 
