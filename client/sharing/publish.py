@@ -254,24 +254,23 @@ def publish_store(namespace: str, model: torch.nn.Module, names: Sequence[str], 
 
     store: SharedTensorStore | None = None
     try:
-        store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
-                                                    window=window, piece=fill_piece(window),
-                                                    reserve_ahead=copier is None)
-        if copier is not None:
-            if not copier.drain(cancelled=failed):
-                raise failure  # type: ignore[misc]
-            released += copier.released_bytes
-            for segment in written.values():
-                _reserve_whole(segment)
+        try:
+            store = SharedTensorStore.create_from_model(namespace, model, names=names, shm_owner=owner, fill=fill,
+                                                        window=window, piece=fill_piece(window),
+                                                        reserve_ahead=copier is None)
+            if copier is not None:
+                if not copier.drain(cancelled=failed):
+                    raise failure  # type: ignore[misc]
+                released += copier.released_bytes
+                for segment in written.values():
+                    _reserve_whole(segment)
+        finally:
+            if copier is not None:
+                copier.close()  # nothing copies into the store any more, before it is closed after an error too
     except BaseException:
-        if copier is not None:
-            copier.close()  # nothing copies into the store any more before it is closed
         if store is not None:
             store.close()
         raise
-    finally:
-        if copier is not None:
-            copier.close()
     if report is not None:
         report["store_released_early_bytes"] = float(released)
         report["store_copy_threads"] = float(copy_pool.threads if copy_pool is not None else 0)

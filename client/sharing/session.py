@@ -158,9 +158,9 @@ class SharedOffloadSession:
         built: nn.Module | None = None  # a follower's model, built while its thread joined (see _join_while_building)
         built_s = 0.0
         prefetch: FollowerPrefetch | None = None
-        sweep_start = time.monotonic()
-        sweep_before_join(ns)  # what crashed jobs of this user left on the host (flextensor.shm.dead_sweep)
-        sweep_s = time.monotonic() - sweep_start
+        before_join: dict[str, float] = {}  # steps timed before the share that reports them exists
+        with timed_step(before_join, "sweep"):
+            sweep_before_join(ns)  # what crashed jobs of this user left on the host (flextensor.shm.dead_sweep)
         try:
             if cfg.shm_dir is not None:  # where to peek (the coordinator binds it again when it joins)
                 bind_namespace(ns, cfg.shm_dir)
@@ -203,7 +203,7 @@ class SharedOffloadSession:
             raise
         share.model = model
         assert share.store is not None
-        share.steps["sweep"] = sweep_s
+        share.steps.update(before_join)
         with timed_step(share.steps, "host_copy"):
             share.host_copy = SharedHostCopy(share.store, share.coordinator, compute_device(cfg),
                                                pin=bool(cfg.pinned_memory))
