@@ -87,6 +87,12 @@ def test_start_time_with_spaces_and_parentheses_in_comm():
         child.wait()
 
 
+def _state(pid: int) -> str:
+    """The process's state letter in /proc/<pid>/stat (R, S, Z, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
 def test_dead_and_zombie_processes_are_not_alive():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
     start = process_start_time(child.pid)
@@ -94,11 +100,12 @@ def test_dead_and_zombie_processes_are_not_alive():
     ident = ParticipantIdentity(pid=child.pid, start_time=start, boot_id=boot_id(), token="00" * 16)
     assert is_same_process_alive(ident)
     os.kill(child.pid, signal.SIGKILL)
+    # Not reaped yet: a zombie, which must count as gone. Waited for by its state, not by process_start_time,
+    # which says gone already while the process is still exiting (state R, its teardown under way).
     deadline = time.monotonic() + 5
-    while process_start_time(child.pid) is not None and time.monotonic() < deadline:
-        time.sleep(0.01)  # not reaped yet: a zombie, which must already count as gone
-    with open(f"/proc/{child.pid}/stat") as f:
-        assert f.read().rpartition(")")[2].split()[0] == "Z"
+    while _state(child.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state(child.pid) == "Z"
     assert process_start_time(child.pid) is None
     assert not is_same_process_alive(ident)
     child.wait()
